@@ -1,0 +1,278 @@
+"""Typed configuration: one dataclass per Hydra config group, registered in the ConfigStore.
+
+Hydra composes `conf/config.yaml`; because every group is backed by a dataclass, an unknown
+key or a value of the wrong type fails at composition with Hydra's own message. What a
+dataclass cannot express -- a value out of range, two fields that contradict each other --
+is checked by `validate_config`, which raises `ConfigError` with a sentence naming the
+field(s) and what to change. Entry points call `load_config(cfg)` once and hand each
+component only its own sub-config.
+
+This module must not import jax: it is imported by the scheduler, which runs on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+MODEL_PRESETS = ("tiny", "llama3_1b", "llama8b", "llama70b", "hf")
+DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message says what to change."""
+
+
+@dataclass
+class RopeScalingConfig:
+    """Llama 3 style frequency-dependent RoPE scaling (HF `rope_scaling` with rope_type llama3)."""
+
+    rope_type: str = "llama3"  # only "llama3" is supported
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """Which model to serve: a preset architecture plus where its weights come from.
+
+    Architecture fields left as None are read from the checkpoint's config.json (preset `hf`).
+    """
+
+    name: str = "tiny"  # preset name; also the default served model name
+    checkpoint: Optional[str] = None  # HF directory (config.json + safetensors) or Orbax dir
+    init: str = "checkpoint"  # "checkpoint": load weights from model.checkpoint; "random"
+    seed: int = 0  # seed of random initialisation
+    dtype: str = "bfloat16"  # parameter and activation dtype: float32 | bfloat16 | float16
+    tokenizer: Optional[str] = None  # directory with tokenizer.json; default: the checkpoint's
+    vocab_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    rms_norm_eps: Optional[float] = None
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[RopeScalingConfig] = None
+    max_position_embeddings: Optional[int] = None
+    tie_word_embeddings: Optional[bool] = None
+    bos_token_id: Optional[int] = None
+    eos_token_ids: Optional[list[int]] = None
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache: fixed-size blocks in buffers allocated once at start-up."""
+
+    block_size: int = 16  # tokens per KV block: 8, 16, 32 or 64
+    num_blocks: Optional[int] = None  # total blocks incl. the null block; None: from memory_fraction
+    memory_fraction: float = 0.9  # share of free device memory for weights + cache when num_blocks is None
+    dtype: str = "auto"  # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16 | float16
+
+
+@dataclass
+class SchedulerConfig:
+    """Iteration-level scheduling limits (used by the continuous-batching engine)."""
+
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    policy: str = "fcfs"  # fcfs | priority | static
+
+
+@dataclass
+class EngineConfig:
+    """How the engine runs steps on the device."""
+
+    max_model_len: Optional[int] = None  # prompt + output limit; None: the model's max positions
+    seed: int = 0  # base seed of sampling
+    compilation_cache_dir: Optional[str] = None  # JAX persistent compilation cache; None: ~/.cache/jaxcb/xla
+
+
+@dataclass
+class ServerConfig:
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None  # None: the preset name, or the checkpoint folder for `hf`
+    api_key: Optional[str] = None  # when set, /v1/* requires "Authorization: Bearer <key>"
+    max_request_bytes: int = 1 << 20
+
+
+@dataclass
+class GenerateConfig:
+    """Options of scripts/generate.py (offline generation)."""
+
+    prompt: str = "The quick brown fox"
+    max_tokens: int = 32
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+
+def register_configs() -> None:
+    """Register the schema of the whole tree and of each group (presets extend `base_<group>`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for group, node in (
+        ("model", ModelConfig),
+        ("cache", CacheConfig),
+        ("scheduler", SchedulerConfig),
+        ("engine", EngineConfig),
+        ("server", ServerConfig),
+    ):
+        cs.store(group=group, name=f"base_{group}", node=node)
+
+
+register_configs()
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def load_config(cfg: DictConfig | Config) -> Config:
+    """Turn Hydra's DictConfig into real dataclasses and check it; raise ConfigError if it cannot work."""
+    if isinstance(cfg, DictConfig):
+        obj: Any = OmegaConf.to_object(cfg)
+    else:
+        obj = cfg
+    if not isinstance(obj, Config):
+        raise ConfigError(f"expected a jaxcb Config, got {type(obj).__name__}")
+    validate_config(obj)
+    return obj
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_config(cfg: Config) -> None:
+    """Cross-field and range checks that the dataclass types cannot express."""
+    validate_model_config(cfg.model)
+    c, s, e, srv = cfg.cache, cfg.scheduler, cfg.engine, cfg.server
+    _require(
+        c.block_size in SUPPORTED_BLOCK_SIZES,
+        f"cache.block_size={c.block_size} must be one of {list(SUPPORTED_BLOCK_SIZES)}",
+    )
+    _require(
+        c.num_blocks is None or c.num_blocks >= 2,
+        f"cache.num_blocks={c.num_blocks} must be >= 2 (block 0 is reserved), or null to size from memory",
+    )
+    _require(
+        0.0 < c.memory_fraction <= 1.0,
+        f"cache.memory_fraction={c.memory_fraction} must be in (0, 1]",
+    )
+    _require(
+        c.dtype == "auto" or c.dtype in DTYPES,
+        f"cache.dtype={c.dtype!r} must be 'auto' or one of {list(DTYPES)}",
+    )
+    _require(s.max_num_seqs >= 1, f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
+    _require(
+        s.max_num_batched_tokens >= c.block_size,
+        f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
+        f"cache.block_size={c.block_size}",
+    )
+    _require(
+        s.max_num_batched_tokens >= s.max_num_seqs,
+        f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
+        f"scheduler.max_num_seqs={s.max_num_seqs} (every running sequence needs one token per step)",
+    )
+    _require(
+        s.policy in ("fcfs", "priority", "static"),
+        f"scheduler.policy={s.policy!r} must be one of fcfs, priority, static",
+    )
+    _require(
+        e.max_model_len is None or e.max_model_len >= 1,
+        f"engine.max_model_len={e.max_model_len} must be >= 1, or null for the model's limit",
+    )
+    if e.max_model_len is not None and cfg.model.max_position_embeddings is not None:
+        _require(
+            e.max_model_len <= cfg.model.max_position_embeddings,
+            f"engine.max_model_len={e.max_model_len} must be <= "
+            f"model.max_position_embeddings={cfg.model.max_position_embeddings}",
+        )
+    _require(1 <= srv.port <= 65535, f"server.port={srv.port} must be in 1..65535")
+    _require(
+        srv.max_request_bytes >= 1024,
+        f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
+    )
+    _require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
+
+
+_ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
+def validate_model_config(m: ModelConfig) -> None:
+    _require(m.init in ("checkpoint", "random"), f"model.init={m.init!r} must be 'checkpoint' or 'random'")
+    _require(m.dtype in DTYPES, f"model.dtype={m.dtype!r} must be one of {list(DTYPES)}")
+    if m.init == "checkpoint":
+        _require(
+            m.checkpoint is not None,
+            f"model={m.name} has no weights: add model.checkpoint=DIR (a Hugging Face or Orbax "
+            f"checkpoint directory) or model.init=random",
+        )
+    if m.checkpoint is not None:
+        _require(
+            os.path.isdir(m.checkpoint),
+            f"model.checkpoint={m.checkpoint} is not a directory; give the path of a Hugging Face "
+            f"(config.json + *.safetensors) or Orbax checkpoint directory",
+        )
+    if m.tokenizer is not None:
+        _require(
+            os.path.isfile(os.path.join(m.tokenizer, "tokenizer.json")),
+            f"model.tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one",
+        )
+    if m.checkpoint is None:
+        missing = [f for f in _ARCH_FIELDS if getattr(m, f) is None]
+        _require(
+            not missing,
+            f"model={m.name} with model.init=random needs its architecture, but "
+            f"{', '.join('model.' + f for f in missing)} are unset; use a preset with them "
+            f"(model=tiny, llama3_1b, llama8b, llama70b) or add model.checkpoint=DIR",
+        )
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        v = getattr(m, f)
+        _require(v is None or v >= 1, f"model.{f}={v} must be >= 1")
+    if m.num_heads is not None and m.num_kv_heads is not None:
+        _require(
+            m.num_heads % m.num_kv_heads == 0,
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}",
+        )
+    if m.rope_scaling is not None:
+        _require(
+            m.rope_scaling.rope_type == "llama3",
+            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3' or "
+            f"set model.rope_scaling=null",
+        )
+
+
+def asdict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)

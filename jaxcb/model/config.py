@@ -1,0 +1,150 @@
+"""The frozen architecture of a Llama model, resolved from a preset and/or a checkpoint's config.json."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from jaxcb.config import ConfigError, ModelConfig, RopeScalingConfig
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: Optional[RopeScaling] = None
+    dtype: str = "float32"  # parameter / activation dtype
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, cache_itemsize: int) -> int:
+        """Bytes of K and V that one token occupies in the cache, over all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * cache_itemsize
+
+
+def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
+    rs = hf.get("rope_scaling") or None
+    if rs is None:
+        # transformers 5 writes rope settings under "rope_parameters".
+        rp = hf.get("rope_parameters") or {}
+        if rp.get("rope_type", "default") not in ("default", None):
+            rs = rp
+    if rs is None:
+        return None
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in ("default", None):
+        return None
+    if kind != "llama3":
+        raise ConfigError(f"config.json rope_scaling type {kind!r} is not supported; jaxcb supports 'llama3'")
+    return RopeScaling(
+        factor=float(rs["factor"]),
+        low_freq_factor=float(rs["low_freq_factor"]),
+        high_freq_factor=float(rs["high_freq_factor"]),
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+    )
+
+
+def _hf_rope_theta(hf: dict[str, Any]) -> float:
+    if "rope_theta" in hf:
+        return float(hf["rope_theta"])
+    rp = hf.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", 10000.0))
+
+
+def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
+    """The checkpoint's config.json mapped onto ModelConfig field names."""
+    path = os.path.join(checkpoint_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"model.checkpoint={checkpoint_dir} has no config.json; is it a Hugging Face Llama directory?")
+    with open(path) as f:
+        hf = json.load(f)
+    archs = hf.get("architectures") or ["LlamaForCausalLM"]
+    if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
+        raise ConfigError(
+            f"{path} describes model_type={hf.get('model_type')!r}; jaxcb serves Llama-family models only"
+        )
+    num_heads = int(hf["num_attention_heads"])
+    eos = hf.get("eos_token_id")
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=_hf_rope_theta(hf),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_scaling=_hf_rope_scaling(hf),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[eos] if isinstance(eos, int) else (list(eos) if eos else None),
+    )
+
+
+_ARCH = [f.name for f in fields(LlamaConfig) if f.name not in ("rope_scaling", "dtype")]
+
+
+def _preset_rope(rs: Optional[RopeScalingConfig]) -> Optional[RopeScaling]:
+    if rs is None:
+        return None
+    return RopeScaling(rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings)
+
+
+def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
+    """The architecture to build: the preset's fields, filled from (and checked against) config.json.
+
+    A preset that names a checkpoint must agree with it: serving `model=llama8b` from a 1B
+    checkpoint fails here, listing every field that differs, instead of at weight loading.
+    """
+    from_ckpt = read_hf_config(m.checkpoint) if m.checkpoint and _has_hf_config(m.checkpoint) else {}
+    values: dict[str, Any] = {}
+    conflicts = []
+    for name in _ARCH:
+        preset = getattr(m, name)
+        ckpt = from_ckpt.get(name)
+        if preset is not None and ckpt is not None and preset != ckpt:
+            conflicts.append(f"model.{name}={preset} but config.json says {ckpt}")
+        values[name] = preset if preset is not None else ckpt
+    if conflicts:
+        raise ConfigError(
+            f"model={m.name} does not match {m.checkpoint}/config.json: " + "; ".join(conflicts)
+            + " (use model=hf to take the architecture from the checkpoint)"
+        )
+    missing = [n for n, v in values.items() if v is None]
+    if missing:
+        raise ConfigError(
+            f"model={m.name}: {', '.join('model.' + n for n in missing)} unset and not found in a config.json; "
+            f"add model.checkpoint=DIR or set them"
+        )
+    if m.name == "hf" or m.rope_scaling is None and from_ckpt:
+        rope = from_ckpt.get("rope_scaling")
+    else:
+        rope = _preset_rope(m.rope_scaling)
+    return LlamaConfig(**values, rope_scaling=rope, dtype=m.dtype)
+
+
+def _has_hf_config(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))

@@ -1,0 +1,278 @@
+"""Build a Llama from config: random init, a Hugging Face safetensors directory, or an Orbax one.
+
+Every path goes through the abstract model (`nnx.eval_shape`): its parameter tree is the
+contract. A checkpoint must fill every parameter exactly once with a tensor of the right
+shape; otherwise loading fails with one `CheckpointError` listing every problem, before
+any weight is read. HF tensors are read from memory maps one parameter at a time, so the
+weights are never held twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxcb.attention import AttentionBackend
+from jaxcb.config import ModelConfig
+from jaxcb.model.config import LlamaConfig, resolve_llama_config
+from jaxcb.model.llama import Llama, build_abstract_model, build_random_model
+from jaxcb.model.safetensors_io import TensorInfo, index_checkpoint, read_tensor
+
+log = logging.getLogger(__name__)
+
+ORBAX_PARAMS_DIR = "params"
+# Buffers that some HF checkpoints carry but that are derived from the config, not learnt.
+IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model; the message lists every problem."""
+
+
+@dataclass(frozen=True)
+class HFTensorRule:
+    """How one HF tensor becomes (a slice of) one of our parameters."""
+
+    param: tuple[str, ...]  # path in the parameter tree
+    layered: bool  # True: fills index [layer] of a [num_layers, ...] stacked parameter
+    hf_shape: Callable[[LlamaConfig], tuple[int, ...]]
+    to_param: Callable[[np.ndarray, LlamaConfig], np.ndarray]
+
+
+def _t(x, c):  # [out, in] -> [in, out]
+    return x.T
+
+
+# HF name pattern (with {i} for the layer) -> rule. One table is the whole mapping.
+HF_RULES: dict[str, HFTensorRule] = {
+    "model.embed_tokens.weight": HFTensorRule(
+        ("embed",), False, lambda c: (c.vocab_size, c.hidden_size), lambda x, c: x
+    ),
+    "model.norm.weight": HFTensorRule(("final_norm",), False, lambda c: (c.hidden_size,), lambda x, c: x),
+    "lm_head.weight": HFTensorRule(("lm_head",), False, lambda c: (c.vocab_size, c.hidden_size), _t),
+    "model.layers.{i}.input_layernorm.weight": HFTensorRule(
+        ("layers", "attn_norm"), True, lambda c: (c.hidden_size,), lambda x, c: x
+    ),
+    "model.layers.{i}.post_attention_layernorm.weight": HFTensorRule(
+        ("layers", "mlp_norm"), True, lambda c: (c.hidden_size,), lambda x, c: x
+    ),
+    "model.layers.{i}.self_attn.q_proj.weight": HFTensorRule(
+        ("layers", "q_proj"),
+        True,
+        lambda c: (c.num_heads * c.head_dim, c.hidden_size),
+        lambda x, c: x.T.reshape(c.hidden_size, c.num_heads, c.head_dim),
+    ),
+    "model.layers.{i}.self_attn.k_proj.weight": HFTensorRule(
+        ("layers", "k_proj"),
+        True,
+        lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+        lambda x, c: x.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+    ),
+    "model.layers.{i}.self_attn.v_proj.weight": HFTensorRule(
+        ("layers", "v_proj"),
+        True,
+        lambda c: (c.num_kv_heads * c.head_dim, c.hidden_size),
+        lambda x, c: x.T.reshape(c.hidden_size, c.num_kv_heads, c.head_dim),
+    ),
+    "model.layers.{i}.self_attn.o_proj.weight": HFTensorRule(
+        ("layers", "o_proj"),
+        True,
+        lambda c: (c.hidden_size, c.num_heads * c.head_dim),
+        lambda x, c: x.T.reshape(c.num_heads, c.head_dim, c.hidden_size),
+    ),
+    "model.layers.{i}.mlp.gate_proj.weight": HFTensorRule(
+        ("layers", "gate_proj"), True, lambda c: (c.intermediate_size, c.hidden_size), _t
+    ),
+    "model.layers.{i}.mlp.up_proj.weight": HFTensorRule(
+        ("layers", "up_proj"), True, lambda c: (c.intermediate_size, c.hidden_size), _t
+    ),
+    "model.layers.{i}.mlp.down_proj.weight": HFTensorRule(
+        ("layers", "down_proj"), True, lambda c: (c.hidden_size, c.intermediate_size), _t
+    ),
+}
+
+
+def _to_pure_dict(state) -> dict:
+    # nnx.to_pure_dict replaces State.to_pure_dict in newer Flax; support both.
+    return nnx.to_pure_dict(state) if hasattr(nnx, "to_pure_dict") else state.to_pure_dict()
+
+
+def _replace_by_pure_dict(state, pure: dict) -> None:
+    if hasattr(nnx, "replace_by_pure_dict"):
+        nnx.replace_by_pure_dict(state, pure)
+    else:
+        state.replace_by_pure_dict(pure)
+
+
+def _flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
+    tree: dict = {}
+    for path, v in flat.items():
+        node = tree
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = v
+    return tree
+
+
+def _expand_hf_names(cfg: LlamaConfig) -> dict[str, tuple[HFTensorRule, Optional[int]]]:
+    """Every HF tensor name this architecture expects -> (rule, layer)."""
+    names = {}
+    for pattern, rule in HF_RULES.items():
+        if rule.param == ("lm_head",) and cfg.tie_word_embeddings:
+            continue
+        if rule.layered:
+            for i in range(cfg.num_layers):
+                names[pattern.format(i=i)] = (rule, i)
+        else:
+            names[pattern] = (rule, None)
+    return names
+
+
+def check_hf_checkpoint(cfg: LlamaConfig, tensors: dict[str, TensorInfo]) -> None:
+    """Raise CheckpointError listing every missing, unexpected or mis-shaped tensor."""
+    expected = _expand_hf_names(cfg)
+    problems = []
+    for name in sorted(expected):
+        rule, _ = expected[name]
+        if name not in tensors:
+            problems.append(f"missing tensor {name}")
+        elif tensors[name].shape != rule.hf_shape(cfg):
+            problems.append(f"tensor {name} has shape {tensors[name].shape}, expected {rule.hf_shape(cfg)}")
+    for name in sorted(set(tensors) - set(expected)):
+        if not IGNORED_HF_TENSORS.fullmatch(name):
+            hint = " (the config has tie_word_embeddings=true)" if name == "lm_head.weight" else ""
+            problems.append(f"unexpected tensor {name}{hint}")
+    if problems:
+        raise CheckpointError(f"checkpoint does not match the model ({len(problems)} problems): " + "; ".join(problems))
+
+
+def load_hf_params(cfg: LlamaConfig, directory: str, abstract_state: dict) -> dict:
+    """Pure-dict parameters filled from a HF safetensors directory."""
+    tensors = index_checkpoint(directory)
+    check_hf_checkpoint(cfg, tensors)
+    by_param: dict[tuple[str, ...], list[tuple[str, HFTensorRule, Optional[int]]]] = {}
+    for name, (rule, layer) in _expand_hf_names(cfg).items():
+        by_param.setdefault(rule.param, []).append((name, rule, layer))
+    flat_abstract = _flatten(abstract_state)
+    unfilled = sorted(".".join(p) for p in set(flat_abstract) - set(by_param))
+    if unfilled:
+        raise CheckpointError(f"no checkpoint tensor fills parameter(s) {', '.join(unfilled)}")
+    loaded = {}
+    for path, target in flat_abstract.items():
+        # One host buffer per parameter, filled slice by slice, then moved to the device and dropped.
+        host = np.empty(target.shape, dtype=target.dtype)
+        for name, rule, layer in by_param[path]:
+            value = rule.to_param(read_tensor(tensors[name]), cfg)
+            if layer is None:
+                host[...] = value
+            else:
+                host[layer] = value
+        loaded[path] = jnp.asarray(host)
+        del host
+    return _unflatten(loaded)
+
+
+def is_orbax_checkpoint(directory: str) -> bool:
+    return os.path.isdir(os.path.join(directory, ORBAX_PARAMS_DIR))
+
+
+def _orbax_tree_metadata(path: str) -> dict:
+    import orbax.checkpoint as ocp
+
+    md = ocp.StandardCheckpointer().metadata(path)
+    item = getattr(md, "item_metadata", md)
+    return getattr(item, "tree", item)
+
+
+def load_orbax_params(directory: str, abstract_state: dict) -> dict:
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(os.path.join(directory, ORBAX_PARAMS_DIR))
+    saved = _flatten(_orbax_tree_metadata(path))
+    expected = _flatten(abstract_state)
+    problems = []
+    for p in sorted(expected):
+        name = ".".join(p)
+        if p not in saved:
+            problems.append(f"missing parameter {name}")
+        elif tuple(saved[p].shape) != tuple(expected[p].shape):
+            problems.append(f"parameter {name} has shape {tuple(saved[p].shape)}, expected {expected[p].shape}")
+    problems += [f"unexpected parameter {'.'.join(p)}" for p in sorted(set(saved) - set(expected))]
+    if problems:
+        raise CheckpointError(f"Orbax checkpoint {path} does not match the model: " + "; ".join(problems))
+    return ocp.StandardCheckpointer().restore(path, abstract_state)
+
+
+def save_orbax_params(model: Llama, directory: str) -> None:
+    """Write the model's parameters under DIR/params (Orbax)."""
+    import orbax.checkpoint as ocp
+
+    state = _to_pure_dict(nnx.state(model, nnx.Param))
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(os.path.abspath(os.path.join(directory, ORBAX_PARAMS_DIR)), state)
+    checkpointer.wait_until_finished()
+
+
+def load_model(m: ModelConfig, attention: AttentionBackend | None = None) -> tuple[Llama, LlamaConfig]:
+    """The model that `model.*` describes, with its weights on the default device."""
+    cfg = resolve_llama_config(m)
+    if m.init == "random":
+        log.info("model=%s: random weights (seed %d)", m.name, m.seed)
+        return build_random_model(cfg, m.seed, attention), cfg
+    assert m.checkpoint is not None  # validate_model_config guarantees it
+    abstract = build_abstract_model(cfg, attention)
+    graphdef, abstract_state = nnx.split(abstract)
+    pure = _to_pure_dict(abstract_state)
+    if is_orbax_checkpoint(m.checkpoint):
+        params = load_orbax_params(m.checkpoint, pure)
+    else:
+        params = load_hf_params(cfg, m.checkpoint, pure)
+    _replace_by_pure_dict(abstract_state, params)
+    log.info("model=%s: loaded %s", m.name, m.checkpoint)
+    return nnx.merge(graphdef, abstract_state), cfg
+
+
+CHECKPOINT_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
+
+
+def convert_hf_to_orbax(m: ModelConfig, out_dir: str) -> str:
+    """Write an Orbax checkpoint of the HF checkpoint `m.checkpoint` to out_dir (self-describing:
+    config.json and tokenizer files are copied beside params/)."""
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not empty; choose a new output directory")
+    model, _ = load_model(m)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in CHECKPOINT_SIDE_FILES:
+        src = os.path.join(m.checkpoint, name)
+        if os.path.isfile(src):
+            shutil.copy(src, os.path.join(out_dir, name))
+    save_orbax_params(model, out_dir)
+    with open(os.path.join(out_dir, "jaxcb_checkpoint.json"), "w") as f:
+        json.dump({"format": "orbax", "source": os.path.abspath(m.checkpoint), "dtype": m.dtype}, f, indent=2)
+    return out_dir

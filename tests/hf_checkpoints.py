@@ -1,0 +1,73 @@
+"""Factories for tiny Hugging Face Llama checkpoints, built offline with transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Odd sizes so that a transposed axis cannot pass by accident; GQA with 3 query heads per KV head.
+TINY_HF = dict(
+    vocab_size=131,
+    hidden_size=48,
+    intermediate_size=97,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+LLAMA3_ROPE_SCALING = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+)
+
+
+def make_hf_llama(out_dir: str, seed: int = 0, shards: int = 1, rope_scaling: dict | None = None, **overrides):
+    """Save a random LlamaForCausalLM (fp32, safetensors) to out_dir; return the torch model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(TINY_HF, **overrides)
+    if rope_scaling is not None:
+        fields["rope_scaling"] = dict(rope_scaling, rope_theta=fields["rope_theta"])
+    config = LlamaConfig(**fields)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():  # HF init leaves norms at 1; perturb them so a norm mix-up shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    max_shard = None
+    if shards > 1:
+        total = sum(p.numel() * 4 for p in model.parameters())
+        max_shard = f"{total // shards // 1000 + 1}KB"
+    model.save_pretrained(out_dir, safe_serialization=True, **({"max_shard_size": max_shard} if max_shard else {}))
+    return model
+
+
+def write_word_tokenizer(out_dir: str, vocab_size: int, chat_template: str | None = None) -> None:
+    """A whitespace word-level tokenizer.json with <unk>=0, <s>=1 (added as BOS), </s>=2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, decoders
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab_size):
+        vocab[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
