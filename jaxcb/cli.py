@@ -1,0 +1,34 @@
+"""What the `scripts/` entry points share: config loading and errors a user can act on."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Callable
+
+from omegaconf import DictConfig
+
+from jaxcb.config import Config, ConfigError, load_config
+
+log = logging.getLogger("jaxcb")
+
+
+class UserError(Exception):
+    """Bad input from the command line or a file; printed as one line, no traceback."""
+
+
+def entry_point(main: Callable[[Config], None]) -> Callable[[DictConfig], None]:
+    """Wrap a script's main: validate the config first; print config/checkpoint errors as one sentence."""
+    from jaxcb.model.loader import CheckpointError
+
+    @functools.wraps(main)
+    def wrapper(cfg: DictConfig) -> None:
+        logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is noise to a user
+        try:
+            main(load_config(cfg))
+        except (ConfigError, CheckpointError, UserError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

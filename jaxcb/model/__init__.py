@@ -1,0 +1,1 @@
+"""The Llama model (`llama.py`), its frozen config (`config.py`), and weight loading (`loader.py`)."""

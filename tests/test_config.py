@@ -1,0 +1,119 @@
+"""Every preset and group composes; typos, bad values and contradictions fail with clear messages."""
+
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from jaxcb.config import CONF_DIR, Config, ConfigError, load_config
+
+PRESETS = ["tiny", "llama3_1b", "llama8b", "llama70b"]
+
+
+def compose_config(*overrides: str) -> Config:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return load_config(compose("config", overrides=list(overrides)))
+
+
+def test_default_config_is_the_tiny_model_with_random_weights():
+    cfg = compose_config()
+    assert cfg.model.name == "tiny" and cfg.model.init == "random"
+    assert (cfg.server.host, cfg.server.port) == ("127.0.0.1", 8000)
+    assert cfg.cache.block_size == 16
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_model_preset_composes_with_random_init(preset):
+    cfg = compose_config(f"model={preset}", "model.init=random")
+    assert cfg.model.name == preset
+    assert cfg.model.num_heads % cfg.model.num_kv_heads == 0
+
+
+def test_every_group_has_a_default_and_is_typed():
+    cfg = compose_config()
+    for group in ("model", "cache", "scheduler", "engine", "server"):
+        assert type(getattr(cfg, group)).__name__.endswith("Config")
+    for group in ("model", "cache", "scheduler", "engine", "server"):
+        assert os.path.isdir(os.path.join(CONF_DIR, group))
+
+
+def test_hf_preset_reads_architecture_from_checkpoint(tmp_path):
+    from hf_checkpoints import make_hf_llama
+    from jaxcb.model.config import resolve_llama_config
+
+    make_hf_llama(str(tmp_path))
+    cfg = compose_config("model=hf", f"model.checkpoint={tmp_path}")
+    arch = resolve_llama_config(cfg.model)
+    assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.num_kv_heads) == (48, 3, 6, 2)
+
+
+def test_large_preset_without_weights_says_which_option_to_add():
+    with pytest.raises(ConfigError, match=r"model\.checkpoint=DIR.*model\.init=random"):
+        compose_config("model=llama8b")
+
+
+def test_hf_preset_without_checkpoint_fails():
+    with pytest.raises(ConfigError, match=r"model\.checkpoint=DIR"):
+        compose_config("model=hf")
+
+
+def test_missing_checkpoint_directory_is_named():
+    with pytest.raises(ConfigError, match=r"model\.checkpoint=/no/such/dir is not a directory"):
+        compose_config("model=llama8b", "model.checkpoint=/no/such/dir")
+
+
+def test_typo_in_a_key_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="max_num_seq"):
+        compose_config("scheduler.max_num_seq=4")
+
+
+def test_wrong_type_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="block_size"):
+        compose_config("cache.block_size=sixteen")
+
+
+def test_unknown_preset_fails_at_composition():
+    with pytest.raises(Exception, match="llama9b"):
+        compose_config("model=llama9b")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cache.block_size=0"], r"cache\.block_size=0 must be one of \[8, 16, 32, 64\]"),
+        (["cache.num_blocks=1"], r"cache\.num_blocks=1 must be >= 2"),
+        (["cache.dtype=int8"], r"cache\.dtype='int8'"),
+        (["scheduler.max_num_seqs=0"], r"scheduler\.max_num_seqs=0 must be >= 1"),
+        (
+            ["scheduler.max_num_batched_tokens=8"],
+            r"scheduler\.max_num_batched_tokens=8 must be >= cache\.block_size=16",
+        ),
+        (
+            ["scheduler.max_num_seqs=128", "scheduler.max_num_batched_tokens=64"],
+            r"scheduler\.max_num_batched_tokens=64 must be >= scheduler\.max_num_seqs=128",
+        ),
+        (["scheduler.policy=lifo"], r"scheduler\.policy='lifo'"),
+        (["server.port=70000"], r"server\.port=70000"),
+        (["model.dtype=float64"], r"model\.dtype='float64'"),
+        (["model.init=zeros"], r"model\.init='zeros'"),
+        (["model.num_kv_heads=4"], r"model\.num_heads=6 must be a multiple of model\.num_kv_heads=4"),
+        (
+            ["engine.max_model_len=4096"],
+            r"engine\.max_model_len=4096 must be <= model\.max_position_embeddings=2048",
+        ),
+    ],
+)
+def test_bad_values_fail_with_a_sentence_naming_the_fields(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_config(*overrides)
+
+
+def test_preset_that_contradicts_its_checkpoint_lists_the_differences(tmp_path):
+    from hf_checkpoints import make_hf_llama
+    from jaxcb.model.config import resolve_llama_config
+
+    make_hf_llama(str(tmp_path))
+    cfg = compose_config("model=llama3_1b", f"model.checkpoint={tmp_path}")
+    with pytest.raises(ConfigError, match=r"model\.hidden_size=2048 but config\.json says 48.*model=hf"):
+        resolve_llama_config(cfg.model)

@@ -1,0 +1,75 @@
+"""The Hydra entry points: they run on the tiny model and turn bad configuration into one clear line."""
+
+import os
+import subprocess
+import sys
+
+from hf_checkpoints import make_hf_llama, write_word_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script, *overrides, cwd=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", script), *overrides, "hydra.run.dir=" + (cwd or "/tmp/jaxcb-test-runs")],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+
+
+def test_generate_greedy_decodes_with_the_tiny_model(tmp_path):
+    proc = run_script("generate.py", "generate.prompt=Hello", "generate.max_tokens=5", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "prompt: 'Hello'" in proc.stdout
+    assert "finish_reason=length" in proc.stdout
+
+
+def test_generate_is_deterministic_and_matches_the_library(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from jaxcb.config import CONF_DIR, load_config
+    from jaxcb.offline import generate_one
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = load_config(compose("config", overrides=["generate.max_tokens=5"]))
+    expected = generate_one(cfg, "Hello", 5).token_ids
+    proc = run_script("generate.py", "generate.prompt=Hello", "generate.max_tokens=5", cwd=str(tmp_path))
+    assert f"tokens: {expected}" in proc.stdout
+
+
+def test_generate_from_an_hf_checkpoint_uses_its_tokenizer(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    make_hf_llama(str(ckpt))
+    write_word_tokenizer(str(ckpt), 131)
+    proc = run_script(
+        "generate.py", "model=hf", f"model.checkpoint={ckpt}", "model.dtype=float32",
+        "generate.prompt='w5 w6 w7'", "generate.max_tokens=4", cwd=str(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "tokenizer HFTokenizer" in proc.stdout + proc.stderr
+
+
+def test_config_error_is_one_sentence_and_exit_code_2(tmp_path):
+    proc = run_script("generate.py", "model=llama8b", cwd=str(tmp_path))
+    assert proc.returncode == 2
+    assert "error: model=llama8b has no weights: add model.checkpoint=DIR" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_key_typo_fails_before_anything_runs(tmp_path):
+    proc = run_script("serve.py", "scheduler.max_num_seq=4", cwd=str(tmp_path))
+    assert proc.returncode != 0
+    assert "max_num_seq" in proc.stderr
+
+
+def test_prompt_longer_than_max_model_len_is_refused(tmp_path):
+    proc = run_script("generate.py", "engine.max_model_len=8", "generate.prompt=abcdefgh", cwd=str(tmp_path))
+    assert proc.returncode == 2
+    assert "exceeds engine.max_model_len=8" in proc.stderr
+
+
+def test_serve_says_it_runs_an_offline_generation_for_now(tmp_path):
+    proc = run_script("serve.py", "generate.max_tokens=3", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "HTTP server is not available yet" in proc.stdout
+    assert "127.0.0.1:8000" in proc.stdout
