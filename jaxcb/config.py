@@ -80,6 +80,14 @@ class CacheConfig:
 
 
 @dataclass
+class AttentionConfig:
+    """Which implementation of attention over the paged cache the model uses."""
+
+    impl: str = "auto"  # auto (pallas on GPU, xla elsewhere) | pallas | xla | reference
+    interpret: bool = False  # run the Pallas kernel in the interpreter (CPU tests; slow)
+
+
+@dataclass
 class SchedulerConfig:
     """Iteration-level scheduling limits (used by the continuous-batching engine)."""
 
@@ -120,6 +128,7 @@ class GenerateConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -133,6 +142,7 @@ def register_configs() -> None:
     for group, node in (
         ("model", ModelConfig),
         ("cache", CacheConfig),
+        ("attention", AttentionConfig),
         ("scheduler", SchedulerConfig),
         ("engine", EngineConfig),
         ("server", ServerConfig),
@@ -181,6 +191,10 @@ def validate_config(cfg: Config) -> None:
     _require(
         c.dtype == "auto" or c.dtype in DTYPES,
         f"cache.dtype={c.dtype!r} must be 'auto' or one of {list(DTYPES)}",
+    )
+    _require(
+        cfg.attention.impl in ("auto", "pallas", "xla", "reference"),
+        f"attention.impl={cfg.attention.impl!r} must be one of auto, pallas, xla, reference",
     )
     _require(s.max_num_seqs >= 1, f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
     _require(

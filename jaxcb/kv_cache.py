@@ -1,8 +1,9 @@
 """The paged KV cache's device buffers.
 
-K and V of all layers live in two preallocated arrays, `[num_layers, num_blocks,
-block_size, num_kv_heads, head_dim]`, allocated once and updated in place by the jitted
-step (which donates them). Block 0 is the null block: padding tokens write there and
+K and V of all layers live in two preallocated arrays, `[num_layers, num_kv_heads,
+num_blocks, block_size, head_dim]` -- one block of one head is a contiguous
+[block_size, head_dim] tile, what the attention kernel reads -- allocated once and updated
+in place by the jitted step (which donates them). Block 0 is the null block: padding tokens write there and
 unused block-table entries point there, so it never holds data anyone reads.
 """
 
@@ -20,23 +21,23 @@ NULL_BLOCK = 0
 
 @dataclasses.dataclass
 class KVCache:
-    k: jax.Array  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
-    v: jax.Array  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
 
     @property
     def num_blocks(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=[])
 
 
 def kv_cache_shape(model: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    return (model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    return (model.num_layers, model.num_kv_heads, num_blocks, block_size, model.head_dim)
 
 
 def default_cache_dtype(requested: str) -> jnp.dtype:
@@ -59,8 +60,9 @@ def write_kv(
     slot_mapping: jax.Array,  # i32[T]; slot = block * block_size + offset
 ) -> KVCache:
     """Scatter one layer's new K/V into their slots (in place when the cache is donated)."""
-    num_layers, num_blocks, block_size, num_kv_heads, head_dim = cache.k.shape
-    flat = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-    k_flat = cache.k.reshape(flat).at[layer, slot_mapping].set(k.astype(cache.k.dtype), mode="drop")
-    v_flat = cache.v.reshape(flat).at[layer, slot_mapping].set(v.astype(cache.v.dtype), mode="drop")
+    num_layers, num_kv_heads, num_blocks, block_size, head_dim = cache.k.shape
+    flat = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+    # Indexing [layer, :, slots] puts the token axis first: the update is [T, num_kv_heads, head_dim].
+    k_flat = cache.k.reshape(flat).at[layer, :, slot_mapping].set(k.astype(cache.k.dtype), mode="drop")
+    v_flat = cache.v.reshape(flat).at[layer, :, slot_mapping].set(v.astype(cache.v.dtype), mode="drop")
     return KVCache(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape))

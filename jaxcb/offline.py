@@ -21,7 +21,7 @@ class GenerationResult:
 
 
 def generate_one(cfg: Config, prompt: str, max_tokens: int) -> GenerationResult:
-    model, model_cfg, tokenizer = load_model_and_tokenizer(cfg.model)
+    model, model_cfg, tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention)
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise UserError("generate.prompt is empty; give some text to complete")

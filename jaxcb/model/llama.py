@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcb.attention import AttentionBackend, AttentionMetadata, ReferenceAttention
+from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxcb.kv_cache import KVCache, write_kv
 from jaxcb.model.config import LlamaConfig, RopeScaling
 
@@ -87,7 +87,7 @@ class DecoderLayers(nnx.Module):
 class Llama(nnx.Module):
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, attention: AttentionBackend | None = None):
         self.cfg = cfg
-        self.attention = attention if attention is not None else ReferenceAttention()
+        self.attention = attention if attention is not None else get_attention_backend()
         dt = jnp.dtype(cfg.dtype)
         normal = nnx.initializers.normal(INIT_STD)
         self.embed = nnx.Param(normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dt))

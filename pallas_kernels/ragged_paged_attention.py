@@ -1,0 +1,171 @@
+"""Ragged paged attention for mixed prefill/decode batches, as a Pallas (Triton backend) kernel.
+
+Semantics are those of `ragged_paged_attention_reference` (same folder): sequence r owns
+query tokens `query_start_loc[r]:query_start_loc[r+1]`, sits at the end of a context of
+`kv_lens[r]` tokens held in the blocks `block_tables[r]`, and attends causally to it.
+
+Work decomposition (after vLLM's Triton "unified attention"):
+
+    grid = (query tile, kv head)
+
+    query tile: up to `tokens_per_tile` consecutive tokens of ONE sequence, times the
+    `group` query heads that share the kv head -> a [block_m, head_dim] matrix whose rows
+    are (token, head-in-group) pairs, so a decode token of an 8B model (group 4) still gives
+    the matrix unit several rows.
+    kv loop: the sequence's context in tiles of `pages_per_tile` blocks, gathered from the
+    cache through the block table; online softmax; stops at the tile's last causal key.
+
+The wrapper turns the ragged batch into a per-tile table (which sequence, first token,
+number of tokens, position of the first token, context length) with a few cheap jnp ops,
+so the kernel never searches. Padding tiles (past the real ones) do no work.
+
+Cache layout: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`, so one
+block of one head is a contiguous [block_size, head_dim] tile. The layer is an argument:
+the model's layer scan passes the whole stacked cache, which is never copied.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.inputs import check_attention_inputs
+from pallas_kernels.query_tiles import max_query_tiles, query_tile_table
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def kernel_tile_sizes(group: int, block_size: int, block_m: int = 16, kv_tile: int = 32) -> tuple[int, int, int]:
+    """(block_m, tokens_per_tile, pages_per_tile): power-of-two tiles of >= 16 rows/keys."""
+    block_m = max(block_m, _next_pow2(group))
+    tokens_per_tile = block_m // group
+    pages_per_tile = max(1, kv_tile // block_size)
+    return block_m, tokens_per_tile, pages_per_tile
+
+
+def _kernel(
+    tiles_ref,  # i32[5, num_tiles]
+    layer_ref,  # i32[1]
+    block_tables_ref,  # i32[R, W] (W a multiple of pages_per_tile)
+    q_ref,  # [num_kv_heads, T * group + block_m, head_dim]
+    k_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
+    v_ref,
+    o_ref,  # [num_kv_heads, T * group + block_m, head_dim]
+    *,
+    group: int,
+    block_m: int,
+    pages_per_tile: int,
+    num_kv_heads: int,
+    num_blocks: int,
+    sm_scale: float,
+):
+    tile, head = pl.program_id(0), pl.program_id(1)
+    seq, q_start, q_count, pos0, kv_len = (tiles_ref[i, tile] for i in range(5))
+    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    kv_tile = pages_per_tile * block_size
+
+    @pl.when(q_count > 0)
+    def _():
+        rows = pl.ds(q_start * group, block_m)
+        q = q_ref[head, rows, :]  # [block_m, head_dim]
+        row_tok = lax.broadcasted_iota(jnp.int32, (block_m,), 0) // group
+        row_valid = row_tok < q_count
+        row_pos = pos0 + row_tok  # causal limit of each row
+        page_base = (layer_ref[0] * num_kv_heads + head) * num_blocks
+        num_kv_tiles = pl.cdiv(jnp.minimum(kv_len, pos0 + q_count), kv_tile)
+
+        def body(t, carry):
+            acc, m_prev, l_prev = carry
+            pages = block_tables_ref[seq, pl.ds(t * pages_per_tile, pages_per_tile)] + page_base
+            k = k_ref[pages].reshape(kv_tile, head_dim)
+            v = v_ref[pages].reshape(kv_tile, head_dim)
+            key_pos = t * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
+            key_valid = key_pos < kv_len
+            # Keys past kv_len may be stale or NaN: zero them so 0 * NaN cannot reach the output.
+            k = jnp.where(key_valid[:, None], k, jnp.zeros_like(k))
+            v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+            s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [block_m, kv_tile]
+            visible = key_valid[None, :] & (key_pos[None, :] <= row_pos[:, None])
+            s = jnp.where(visible, s, MASK_VALUE)
+            m_next = jnp.maximum(m_prev, s.max(axis=-1))
+            correction = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s - m_next[:, None])
+            l_next = l_prev * correction + p.sum(axis=-1)
+            acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+            return acc, m_next, l_next
+
+        init = (
+            jnp.zeros((block_m, head_dim), jnp.float32),
+            jnp.full((block_m,), MASK_VALUE, jnp.float32),
+            jnp.zeros((block_m,), jnp.float32),
+        )
+        acc, _, l_sum = lax.fori_loop(0, num_kv_tiles, body, init)
+        out = acc / jnp.where(l_sum == 0, 1.0, l_sum)[:, None]
+        plgpu.store(o_ref.at[head, rows, :], out.astype(o_ref.dtype), mask=row_valid[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "kv_tile", "num_warps", "num_stages", "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    kv_lens: jax.Array,  # i32[R]
+    block_tables: jax.Array,  # i32[R, max_blocks_per_seq]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    num_seqs: jax.Array,  # i32[]
+    layer: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    block_m: int = 16,
+    kv_tile: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
+    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    block_m, tokens_per_tile, pages_per_tile = kernel_tile_sizes(group, block_size, block_m, kv_tile)
+    num_seqs_max, width = block_tables.shape
+    num_tiles = max_query_tiles(num_tokens, num_seqs_max, tokens_per_tile)
+
+    tiles = query_tile_table(query_start_loc, kv_lens, jnp.reshape(num_seqs, ()), num_tiles, tokens_per_tile)
+    padded_width = pl.cdiv(width, pages_per_tile) * pages_per_tile
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - width)))
+    # Rows (token, head-in-group) per kv head; block_m spare rows so the last tile's load stays in bounds.
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, block_m), (0, 0)))
+    flat = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
+
+    kernel = functools.partial(
+        _kernel,
+        group=group,
+        block_m=block_m,
+        pages_per_tile=pages_per_tile,
+        num_kv_heads=num_kv_heads,
+        num_blocks=num_blocks,
+        sm_scale=sm_scale,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(tiles, jnp.reshape(layer, (1,)), block_tables, q_rows, k_cache.reshape(flat), v_cache.reshape(flat))
+    out = out[:, : num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    real = jnp.arange(num_tokens) < query_start_loc[jnp.reshape(num_seqs, ())]
+    # Rows of padding tokens were never written (uninitialised memory): define them as 0.
+    return jnp.where(real[:, None, None], out.reshape(num_tokens, num_q_heads, head_dim), 0)

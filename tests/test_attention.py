@@ -1,0 +1,127 @@
+"""Every ragged paged-attention implementation equals the reference, and the reference equals dense attention."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from attention_batches import dense_attention, make_ragged_batch
+from pallas_kernels import (
+    check_batch_values,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+    ragged_paged_attention_xla,
+)
+
+SM_SCALE = 0.3
+IMPLS = {
+    "reference": ragged_paged_attention_reference,
+    "xla": ragged_paged_attention_xla,
+    "pallas-interpret": functools.partial(ragged_paged_attention, interpret=True),
+}
+
+
+@st.composite
+def ragged_batches(draw, max_kv=40):
+    kind = draw(st.sampled_from(["decode", "prefill", "mixed"]))
+    num_seqs = draw(st.integers(1, 4))
+    seqs = []
+    for _ in range(num_seqs):
+        kv_len = draw(st.integers(1, max_kv))  # often ends mid-block
+        if kind == "decode":
+            q_len = 1
+        elif kind == "prefill":
+            q_len = kv_len
+        else:
+            q_len = draw(st.integers(1, kv_len))
+        seqs.append((q_len, kv_len))
+    return dict(
+        seqs=seqs,
+        block_size=draw(st.sampled_from([8, 16, 32, 64])),
+        num_kv_heads=draw(st.sampled_from([1, 2])),
+        group=draw(st.sampled_from([1, 3, 4])),
+        head_dim=draw(st.sampled_from([16, 64])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def run(impl, batch, dtype=jnp.float32, **kw):
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(IMPLS[impl](*batch.args(jnp, dtype), sm_scale=SM_SCALE, **kw).astype(jnp.float32))
+
+
+def assert_matches(out, expected, batch, rtol):
+    n = batch.num_real_tokens
+    scale = np.abs(expected[:n]).max() + 1e-6
+    err = np.abs(out[:n] - expected[:n]).max() / scale
+    assert err <= rtol, f"relative error {err:.2e} > {rtol} for {batch.seqs}"
+    assert np.all(out[n:] == 0), "padding tokens must come back as 0"
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ragged_batches())
+def test_reference_equals_dense_attention(params):
+    batch = make_ragged_batch(**params)
+    assert_matches(run("reference", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-interpret"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=ragged_batches())
+def test_implementation_equals_reference_in_fp32(impl, params):
+    batch = make_ragged_batch(**params)
+    assert_matches(run(impl, batch), run("reference", batch), batch, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-interpret"])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=ragged_batches(max_kv=24))
+def test_implementation_equals_reference_in_bf16(impl, params):
+    batch = make_ragged_batch(**params)
+    expected = run("reference", batch, jnp.bfloat16)
+    assert_matches(run(impl, batch, jnp.bfloat16), expected, batch, 2e-2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_kernel_covers_every_block_size_and_head_dim(block_size, head_dim):
+    seqs = [(1, 37), (9, 9), (4, 70)]
+    batch = make_ragged_batch(seqs, block_size=block_size, num_kv_heads=2, group=4, head_dim=head_dim, seed=block_size)
+    assert_matches(run("pallas-interpret", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
+
+
+@pytest.mark.parametrize("tokens_per_tile", [1, 2, 16])
+def test_xla_path_is_exact_for_any_query_tile(tokens_per_tile):
+    batch = make_ragged_batch([(1, 5), (17, 40), (3, 3)], block_size=8, num_kv_heads=2, group=3, head_dim=16)
+    assert_matches(run("xla", batch, tokens_per_tile=tokens_per_tile), dense_attention(batch, SM_SCALE), batch, 1e-5)
+
+
+def test_validation_names_the_bad_argument():
+    batch = make_ragged_batch([(2, 5)], block_size=8, num_kv_heads=2, group=2, head_dim=16)
+    q, k, v, kv_lens, tables, qsl, n, layer = batch.args(jnp)
+    for impl in IMPLS.values():
+        with pytest.raises(ValueError, match="num_q_heads=3 must be a multiple of num_kv_heads=2"):
+            impl(q[:, :3], k, v, kv_lens, tables, qsl, n, layer, sm_scale=1.0)
+        with pytest.raises(ValueError, match="kv_lens must be int32"):
+            impl(q, k, v, kv_lens.astype(jnp.float32), tables, qsl, n, layer, sm_scale=1.0)
+        with pytest.raises(ValueError, match=r"query_start_loc must be \[3\]"):
+            impl(q, k, v, kv_lens, tables, qsl[:2], n, layer, sm_scale=1.0)
+        with pytest.raises(ValueError, match="q dtype bfloat16 must equal the cache dtype float32"):
+            impl(q.astype(jnp.bfloat16), k, v, kv_lens, tables, qsl, n, layer, sm_scale=1.0)
+
+
+def test_batch_value_checks_catch_what_jit_cannot():
+    batch = make_ragged_batch([(2, 20)], block_size=8, num_kv_heads=1, group=1, head_dim=16)
+    kw = dict(num_tokens=batch.q.shape[0], num_blocks=batch.k_cache.shape[2], block_size=8)
+    check_batch_values(batch.kv_lens, batch.block_tables, batch.query_start_loc, batch.num_seqs, **kw)
+    too_long = batch.kv_lens.copy()
+    too_long[0] = 8 * batch.block_tables.shape[1] + 1
+    with pytest.raises(ValueError, match="do not fit a block table"):
+        check_batch_values(too_long, batch.block_tables, batch.query_start_loc, batch.num_seqs, **kw)
+    bad_table = batch.block_tables.copy()
+    bad_table[0, 0] = 999
+    with pytest.raises(ValueError, match="block_tables entries"):
+        check_batch_values(batch.kv_lens, bad_table, batch.query_start_loc, batch.num_seqs, **kw)
