@@ -10,13 +10,19 @@ unused block-table entries point there, so it never holds data anyone reads.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+from jaxcb.block_pool import NULL_BLOCK
+from jaxcb.config import CacheConfig, ConfigError
 from jaxcb.model.config import LlamaConfig
 
-NULL_BLOCK = 0
+log = logging.getLogger(__name__)
+GIB = 1 << 30
 
 
 @dataclasses.dataclass
@@ -47,9 +53,114 @@ def default_cache_dtype(requested: str) -> jnp.dtype:
     return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
 
 
+def format_bytes(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCachePlan:
+    """How big the cache is and what that buys; measured at start-up, never written into the config."""
+
+    num_blocks: int  # including the null block
+    block_size: int
+    dtype: jnp.dtype
+    bytes_per_block: int  # K and V, all layers
+    max_model_len: int
+    source: str  # what the size came from
+
+    @property
+    def num_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def max_full_length_seqs(self) -> float:
+        return self.num_tokens / self.max_model_len
+
+    def describe(self) -> str:
+        return (
+            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens:,} tokens, "
+            f"{format_bytes(self.total_bytes)} {jnp.dtype(self.dtype).name} ({self.source}); "
+            f"holds {self.max_full_length_seqs:.1f} sequences of max_model_len={self.max_model_len}"
+        )
+
+
+def _free_device_bytes(device: jax.Device, memory_fraction: float) -> Optional[tuple[int, str]]:
+    """Bytes the cache may take on an accelerator: fraction of its memory, minus what is already used
+    (the weights). None where the device reports no memory statistics (CPU)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    budget = int(stats["bytes_limit"] * memory_fraction) - int(stats.get("bytes_in_use", 0))
+    return budget, f"cache.memory_fraction={memory_fraction} of {stats['bytes_limit'] / GIB:.1f} GiB on {device.platform}"
+
+
+def _available_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 4 * GIB
+
+
+def plan_kv_cache(
+    cache: CacheConfig,
+    model: LlamaConfig,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    reserve_bytes: int = 0,
+    device: Optional[jax.Device] = None,
+) -> KVCachePlan:
+    """Size the cache from `cache.num_blocks`, or from free device memory.
+
+    On a GPU/TPU the cache takes `memory_fraction` of device memory minus what is in use
+    (load the weights first) and `reserve_bytes` (step activations). On CPU, where JAX
+    reports no memory statistics, it takes `memory_fraction` of available host memory but
+    no more than `max_num_seqs` sequences of `max_model_len` need -- a CPU run should not
+    pin gigabytes it cannot use. Fails if one sequence of max_model_len would not fit.
+    """
+    dtype = default_cache_dtype(cache.dtype)
+    bytes_per_block = model.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * cache.block_size
+    blocks_per_seq = -(-max_model_len // cache.block_size)
+    if cache.num_blocks is not None:
+        num_blocks, source = cache.num_blocks, "cache.num_blocks"
+    else:
+        device = device or jax.devices()[0]
+        free = _free_device_bytes(device, cache.memory_fraction)
+        if free is not None:
+            budget, source = free[0] - reserve_bytes, free[1]
+            num_blocks = max(0, budget // bytes_per_block)
+        else:
+            budget = int(_available_host_bytes() * cache.memory_fraction) - reserve_bytes
+            needed = max_num_seqs * blocks_per_seq + 1
+            num_blocks = min(max(0, budget // bytes_per_block), needed)
+            source = (
+                f"host memory, capped at scheduler.max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"
+                if num_blocks == needed
+                else f"cache.memory_fraction={cache.memory_fraction} of available host memory"
+            )
+    plan = KVCachePlan(int(num_blocks), cache.block_size, dtype, bytes_per_block, max_model_len, source)
+    if plan.num_blocks - 1 < blocks_per_seq:
+        raise ConfigError(
+            f"the KV cache ({source}) holds {max(0, plan.num_tokens)} tokens, fewer than one sequence of "
+            f"max_model_len={max_model_len} needs ({blocks_per_seq * cache.block_size}); lower engine.max_model_len "
+            f"or give the cache more memory (cache.num_blocks / cache.memory_fraction)"
+        )
+    return plan
+
+
 def allocate_kv_cache(model: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
+    """The device buffers, allocated once; the step updates them in place (donated)."""
     shape = kv_cache_shape(model, num_blocks, block_size)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+
+
+def allocate_planned_kv_cache(model: LlamaConfig, plan: KVCachePlan) -> KVCache:
+    log.info(plan.describe())
+    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype)
 
 
 def write_kv(

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from jaxcb.cli import UserError
 from jaxcb.config import Config
-from jaxcb.kv_cache import default_cache_dtype
+from jaxcb.kv_cache import plan_kv_cache
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.reference_generate import greedy_generate
 
@@ -31,14 +32,17 @@ def generate_one(cfg: Config, prompt: str, max_tokens: int) -> GenerationResult:
             f"the prompt ({len(prompt_ids)} tokens) + generate.max_tokens={max_tokens} exceeds "
             f"engine.max_model_len={max_model_len}; shorten the prompt or lower generate.max_tokens"
         )
+    plan = plan_kv_cache(cfg.cache, model_cfg, max_model_len=max_model_len, max_num_seqs=1)
+    logging.getLogger(__name__).info(plan.describe())
     start = time.perf_counter()
     result = greedy_generate(
         model,
         prompt_ids,
         max_tokens,
-        block_size=cfg.cache.block_size,
-        cache_dtype=default_cache_dtype(cfg.cache.dtype),
+        block_size=plan.block_size,
+        cache_dtype=plan.dtype,
         eos_token_ids=tokenizer.eos_token_ids,
+        num_cache_blocks=plan.num_blocks,
     )
     elapsed = time.perf_counter() - start
     return GenerationResult(

@@ -44,12 +44,19 @@ class SingleSequence:
     num_blocks_needed: int
     block_size: int
     cache_dtype: jnp.dtype
+    num_cache_blocks: Optional[int] = None  # size of the cache; default: just enough (+ the null block)
     kv_cache: KVCache = field(init=False)
     num_tokens: int = 0  # tokens whose K/V are in the cache
 
     def __post_init__(self):
         self.graphdef, self.state = nnx.split(self.model)
-        self.kv_cache = allocate_kv_cache(self.model.cfg, self.num_blocks_needed + 1, self.block_size, self.cache_dtype)
+        num_cache_blocks = self.num_cache_blocks or self.num_blocks_needed + 1
+        if num_cache_blocks < self.num_blocks_needed + 1:
+            raise ValueError(
+                f"the sequence needs {self.num_blocks_needed} blocks but the cache has {num_cache_blocks - 1} "
+                f"(plus the null block)"
+            )
+        self.kv_cache = allocate_kv_cache(self.model.cfg, num_cache_blocks, self.block_size, self.cache_dtype)
         self.block_table = np.arange(1, self.num_blocks_needed + 1, dtype=np.int32)  # block 0 is the null block
 
     def extend(self, token_ids: Sequence[int], all_logits: bool = False) -> np.ndarray:
@@ -96,11 +103,12 @@ def greedy_generate(
     cache_dtype: jnp.dtype = jnp.float32,
     eos_token_ids: Sequence[int] = (),
     prefill_chunk: Optional[int] = None,
+    num_cache_blocks: Optional[int] = None,
 ) -> GreedyResult:
     if not prompt_ids:
         raise ValueError("prompt_ids is empty; give at least one token")
     total = len(prompt_ids) + max_tokens
-    seq = SingleSequence(model, -(-total // block_size), block_size, cache_dtype)
+    seq = SingleSequence(model, -(-total // block_size), block_size, cache_dtype, num_cache_blocks)
     chunk = prefill_chunk or len(prompt_ids)
     for start in range(0, len(prompt_ids), chunk):
         logits = seq.extend(prompt_ids[start : start + chunk])[-1]

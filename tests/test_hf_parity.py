@@ -3,11 +3,19 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hf_checkpoints import LLAMA3_ROPE_SCALING, make_hf_llama
-from jaxcb.config import ModelConfig
+from jaxcb.attention import get_attention_backend
+from jaxcb.config import AttentionConfig, ModelConfig
 from jaxcb.model.loader import load_model
 from jaxcb.reference_generate import SingleSequence
+
+BACKENDS = {
+    "xla": AttentionConfig(impl="xla"),
+    "reference": AttentionConfig(impl="reference"),
+    "pallas-interpret": AttentionConfig(impl="pallas", interpret=True),
+}
 
 PROMPTS = [[1, 5, 9, 77, 3], [1] + list(range(10, 47)), [1, 130, 129, 4, 4, 4, 4, 8, 100, 64, 33, 21, 17]]
 
@@ -45,6 +53,32 @@ def test_logits_match_transformers_in_fp32(tmp_path, variant):
     for prompt in PROMPTS:
         diff = np.abs(jax_logits(model, prompt) - hf_logits(hf, prompt)).max()
         assert diff <= 1e-4, f"max |logits diff| {diff} for prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("impl", list(BACKENDS))
+def test_every_attention_backend_matches_transformers(tmp_path, impl):
+    hf = make_hf_llama(str(tmp_path), rope_scaling=LLAMA3_ROPE_SCALING)
+    model, _ = load_model(hf_model_config(tmp_path), get_attention_backend(BACKENDS[impl]))
+    assert model.attention.name == impl
+    for prompt in PROMPTS[:2]:
+        diff = np.abs(jax_logits(model, prompt) - hf_logits(hf, prompt)).max()
+        assert diff <= 1e-4, f"{impl}: max |logits diff| {diff}"
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chunks")
+    make_hf_llama(str(path))
+    model, _ = load_model(hf_model_config(path))
+    prompt = PROMPTS[1]
+    return model, prompt, jax_logits(model, prompt)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunk=st.integers(1, 40), block_size=st.sampled_from([8, 16]))
+def test_prefill_in_chunks_of_any_size_gives_the_same_logits(tiny_hf_model, chunk, block_size):
+    model, prompt, full = tiny_hf_model
+    np.testing.assert_allclose(jax_logits(model, prompt, chunk=chunk, block_size=block_size), full, atol=1e-5, rtol=0)
 
 
 def test_chunked_prefill_then_decode_matches_one_full_forward(tmp_path):

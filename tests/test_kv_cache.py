@@ -1,0 +1,81 @@
+"""The cache's device buffers: sized once from config or memory, written in place inside jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcb.config import CacheConfig, ConfigError
+from jaxcb.kv_cache import KVCache, allocate_kv_cache, default_cache_dtype, kv_cache_shape, plan_kv_cache, write_kv
+from jaxcb.model.config import LlamaConfig
+
+TINY = LlamaConfig(
+    vocab_size=259, hidden_size=96, intermediate_size=200, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
+    rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=2048, tie_word_embeddings=False,
+)
+
+
+class FakeGpu:
+    platform = "gpu"
+
+    def __init__(self, limit, in_use):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self):
+        return self.stats
+
+
+def test_explicit_num_blocks_is_used_as_given_and_described():
+    plan = plan_kv_cache(CacheConfig(num_blocks=65, block_size=16), TINY, max_model_len=512, max_num_seqs=4)
+    assert plan.num_blocks == 65 and plan.num_tokens == 1024
+    assert plan.max_full_length_seqs == 2.0
+    assert "65 blocks x 16 tokens = 1,024 tokens" in plan.describe()
+
+
+def test_cpu_default_is_float32_and_capped_at_what_the_sequences_need():
+    plan = plan_kv_cache(CacheConfig(block_size=16), TINY, max_model_len=100, max_num_seqs=8)
+    assert plan.dtype == jnp.float32  # bf16 scatters are slow on XLA:CPU
+    assert plan.num_blocks == 8 * 7 + 1
+
+
+def test_gpu_size_comes_from_memory_fraction_minus_memory_in_use():
+    bytes_per_block = TINY.kv_bytes_per_token(2) * 16
+    device = FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block)
+    plan = plan_kv_cache(
+        CacheConfig(block_size=16, memory_fraction=0.5, dtype="bfloat16"), TINY, max_model_len=64, max_num_seqs=4,
+        device=device,
+    )
+    assert plan.num_blocks == 400 and "memory_fraction=0.5" in plan.source
+
+
+def test_cache_that_cannot_hold_one_max_length_sequence_is_refused():
+    with pytest.raises(ConfigError, match=r"fewer than one sequence of max_model_len=2048.*lower engine\.max_model_len"):
+        plan_kv_cache(CacheConfig(num_blocks=10), TINY, max_model_len=2048, max_num_seqs=1)
+
+
+def test_cache_layout_puts_one_block_of_one_head_contiguous():
+    assert kv_cache_shape(TINY, 7, 16) == (3, 2, 7, 16, 16)
+    assert default_cache_dtype("bfloat16") == jnp.bfloat16
+
+
+def test_write_kv_scatters_tokens_to_their_slots_and_drops_nothing_else():
+    cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=jnp.float32)
+    k = jnp.arange(3 * 2 * 16, dtype=jnp.float32).reshape(3, 2, 16) + 1
+    slots = jnp.asarray([8 + 5, 24 + 0, 0], jnp.int32)  # block 1 offset 5, block 3 offset 0, padding -> null
+    out = write_kv(cache, jnp.int32(2), k, -k, slots)
+    np.testing.assert_array_equal(out.k[2, :, 1, 5], k[0])
+    np.testing.assert_array_equal(out.v[2, :, 3, 0], -k[1])
+    assert float(jnp.abs(out.k[:2]).sum()) == 0  # other layers untouched
+    touched = np.zeros(out.k.shape[2:4], bool)
+    touched[1, 5] = touched[3, 0] = touched[0, 0] = True
+    assert float(jnp.abs(out.k[2][:, ~touched]).sum()) == 0
+
+
+def test_write_kv_updates_a_donated_cache_in_place():
+    cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=jnp.float32)
+    step = jax.jit(lambda c, k, s: write_kv(c, jnp.int32(0), k, k, s), donate_argnums=0)
+    k = jnp.ones((1, 2, 16))
+    before = cache.k.unsafe_buffer_pointer()
+    out = step(cache, k, jnp.asarray([9], jnp.int32))
+    assert isinstance(out, KVCache) and cache.k.is_deleted()
+    assert out.k.unsafe_buffer_pointer() == before
