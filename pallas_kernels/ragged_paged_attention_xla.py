@@ -54,26 +54,34 @@ def ragged_paged_attention_xla(
     offs = jnp.arange(tq)
     tok = q_start[:, None] + offs[None, :]  # [G, tq]
     tok_valid = offs[None, :] < q_count[:, None]
+    # Rows of a tile are (head-in-group, token) pairs: [G, Hkv, group * tq, D].
     q_tiles = q[jnp.clip(tok, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
+    q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_tiles, num_kv_heads, group * tq, head_dim)
 
-    tables = block_tables[seq]  # [G, W]
-    key_pos = (jnp.arange(width)[:, None] * block_size + jnp.arange(block_size)[None, :])  # [W, S]
-    key_valid = key_pos[None] < kv_len[:, None, None]  # [G, W, S]
+    # One gather straight from the stacked cache: block ids of (layer, head) in the flat block axis.
+    num_layers, _, num_blocks, _, _ = k_cache.shape
+    ctx = width * block_size
+    flat_ids = (layer * num_kv_heads + jnp.arange(num_kv_heads))[None, :, None] * num_blocks + block_tables[seq][:, None, :]
+    flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
+    k = k_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
+    v = v_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
+    key_pos = jnp.arange(ctx)
+    key_valid = key_pos[None, :] < kv_len[:, None]  # [G, C]
+    # Slots past kv_len may hold stale values or NaN: scores there are masked below, and V is
+    # zeroed so that 0 * NaN cannot reach the output.
+    v = jnp.where(key_valid[:, None, :, None], v, 0)
 
-    def gather(cache):  # [G, W, Hkv, S, D], zero past kv_len (stale or NaN there)
-        x = cache[layer, :, tables]
-        return jnp.where(key_valid[:, :, None, :, None], x, 0)
-
-    k, v = gather(k_cache), gather(v_cache)
-    scores = jnp.einsum("gqhjd,gwhsd->ghjqws", q_tiles, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.einsum("ghrd,ghcd->ghrc", q_tiles, k, preferred_element_type=jnp.float32) * sm_scale
     q_pos = pos0[:, None] + offs[None, :]  # [G, tq]
-    visible = key_valid[:, None, :, :] & (key_pos[None, None] <= q_pos[:, :, None, None])  # [G, tq, W, S]
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=(-2, -1), keepdims=True)
+    visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [G, tq, C]
+    visible = jnp.broadcast_to(visible[:, None], (num_tiles, group, tq, ctx)).reshape(num_tiles, 1, group * tq, ctx)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
     p = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    denom = jnp.sum(p, axis=(-2, -1))  # [G, Hkv, group, tq]
-    out = jnp.einsum("ghjqws,gwhsd->gqhjd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out / jnp.where(denom == 0, 1.0, denom).transpose(0, 3, 1, 2)[..., None]
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("ghrc,ghcd->ghrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.where(denom == 0, 1.0, denom)
+    out = out.reshape(num_tiles, num_kv_heads, group, tq, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles * tq, num_q_heads, head_dim).astype(q.dtype)
     # Each real token sits in exactly one tile; padding rows go out of range and are dropped.
     dest = jnp.where(tok_valid, tok, num_tokens).reshape(-1)

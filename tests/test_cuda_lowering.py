@@ -52,3 +52,30 @@ def test_kernel_lowers_for_cuda_for_every_block_size_and_head_dim(block_size, he
 @pytest.mark.parametrize("block_m, kv_tile", [(16, 16), (32, 64), (64, 128)])
 def test_kernel_lowers_for_cuda_for_every_tile_configuration(block_m, kv_tile):
     assert "triton" in lower_for_cuda(256, 32, 32, block_m=block_m, kv_tile=kv_tile).lower()
+
+
+def test_full_llama8b_step_lowers_for_cuda_with_the_pallas_kernel():
+    """The whole jitted step (scan over 32 layers, K/V writes, kernel, logits) at 8B shapes, never allocated."""
+    from flax import nnx
+
+    from jaxcb.attention import AttentionBackend, AttentionMetadata
+    from jaxcb.model.config import LlamaConfig, RopeScaling
+    from jaxcb.model.llama import build_abstract_model
+    from jaxcb.kv_cache import KVCache, kv_cache_shape
+    from jaxcb.reference_generate import forward_step
+
+    cfg = LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5, max_position_embeddings=131072, tie_word_embeddings=False,
+        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16",
+    )
+    graphdef, state = nnx.split(build_abstract_model(cfg, AttentionBackend("pallas", ragged_paged_attention)))
+    num_tokens, num_seqs, width = 256, 64, 64
+    cache_sds = jax.ShapeDtypeStruct(kv_cache_shape(cfg, num_seqs * width + 1, 16), jnp.bfloat16)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, width), i32())
+    traced = forward_step.trace(
+        graphdef, state, KVCache(cache_sds, cache_sds), i32(num_tokens), i32(num_tokens), md, i32(num_seqs)
+    )
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "ragged_paged_attention" in text
