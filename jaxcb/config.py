@@ -93,7 +93,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    policy: str = "fcfs"  # fcfs | priority | static
+    policy: str = "fcfs"  # fcfs | static (request-level batching baseline)
+    enable_chunked_prefill: bool = True  # false: each prompt's prefill runs whole, in one step
+    long_prefill_token_threshold: Optional[int] = None  # most tokens one prefill takes per step; None: the budget
+    max_num_partial_prefills: int = 1  # prompts that may be mid-prefill at once
 
 
 @dataclass
@@ -103,6 +106,11 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # prompt + output limit; None: the model's max positions
     seed: int = 0  # base seed of sampling
     compilation_cache_dir: Optional[str] = None  # JAX persistent compilation cache; None: ~/.cache/jaxcb/xla
+    token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: powers of two up to the budget
+    seq_buckets: Optional[list[int]] = None  # step sizes in sequences; None: powers of 4 up to max_num_seqs
+    context_buckets: Optional[list[int]] = None  # block-table widths; None: powers of 4 (xla), the max (pallas)
+    max_logprobs: int = 5  # most top logprobs a request may ask for (computed for every row)
+    max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
 
 
 @dataclass
@@ -167,6 +175,14 @@ def load_config(cfg: DictConfig | Config) -> Config:
     return obj
 
 
+def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The checked Config that `scripts/*.py <overrides>` would see, for use from Python."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return load_config(compose("config", overrides=list(overrides)))
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -208,8 +224,16 @@ def validate_config(cfg: Config) -> None:
         f"scheduler.max_num_seqs={s.max_num_seqs} (every running sequence needs one token per step)",
     )
     _require(
-        s.policy in ("fcfs", "priority", "static"),
-        f"scheduler.policy={s.policy!r} must be one of fcfs, priority, static",
+        s.policy in ("fcfs", "static"),
+        f"scheduler.policy={s.policy!r} must be one of fcfs, static",
+    )
+    _require(
+        s.long_prefill_token_threshold is None or s.long_prefill_token_threshold >= 1,
+        f"scheduler.long_prefill_token_threshold={s.long_prefill_token_threshold} must be >= 1, or null for no cap",
+    )
+    _require(
+        s.max_num_partial_prefills >= 1,
+        f"scheduler.max_num_partial_prefills={s.max_num_partial_prefills} must be >= 1",
     )
     _require(
         e.max_model_len is None or e.max_model_len >= 1,
@@ -221,6 +245,19 @@ def validate_config(cfg: Config) -> None:
             f"engine.max_model_len={e.max_model_len} must be <= "
             f"model.max_position_embeddings={cfg.model.max_position_embeddings}",
         )
+    for name in ("token_buckets", "seq_buckets", "context_buckets"):
+        buckets = getattr(e, name)
+        _require(
+            buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)),
+            f"engine.{name}={buckets} must be a non-empty list of positive sizes, or null for the default",
+        )
+    if e.token_buckets:
+        _require(
+            max(e.token_buckets) <= s.max_num_batched_tokens,
+            f"engine.token_buckets={e.token_buckets} must not exceed "
+            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} (a step never pads past the budget)",
+        )
+    _require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
     _require(1 <= srv.port <= 65535, f"server.port={srv.port} must be in 1..65535")
     _require(
         srv.max_request_bytes >= 1024,

@@ -93,7 +93,7 @@ def test_unknown_preset_fails_at_composition():
             ["scheduler.max_num_seqs=128", "scheduler.max_num_batched_tokens=64"],
             r"scheduler\.max_num_batched_tokens=64 must be >= scheduler\.max_num_seqs=128",
         ),
-        (["scheduler.policy=lifo"], r"scheduler\.policy='lifo'"),
+        (["scheduler.policy=lifo"], r"scheduler\.policy=.lifo."),
         (["server.port=70000"], r"server\.port=70000"),
         (["model.dtype=float64"], r"model\.dtype='float64'"),
         (["model.init=zeros"], r"model\.init='zeros'"),

@@ -1,0 +1,71 @@
+"""Incremental detokenization and stop strings for one sequence.
+
+Text grows only by whole characters: a token that ends inside a multi-byte character (the
+decoded text ends in U+FFFD) is held back until the character completes. Stop strings are
+searched in the text; the text never includes one (it is cut where the stop string
+starts), and `stream_text` holds back any tail that could still become the start of one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jaxcb.tokenizer import Tokenizer
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.token_ids: list[int] = []
+        self.text = ""
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.stopped = False
+
+    def add_token(self, token_id: int) -> Optional[str]:
+        """Append a token; return the stop string it completed, if any."""
+        self.token_ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = decode(self.token_ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+            self.text += full[len(prefix) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        return self._check_stop()
+
+    def finish(self) -> None:
+        """Flush what was held back (a character that never completed shows as U+FFFD)."""
+        if not self.stopped and self._read_offset < len(self.token_ids):
+            prefix = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
+            full = self.tokenizer.decode(self.token_ids[self._prefix_offset :])
+            self.text += full[len(prefix) :]
+            self._read_offset = len(self.token_ids)
+            self._check_stop()
+
+    def _check_stop(self) -> Optional[str]:
+        if self.stopped:
+            return None
+        hits = [(self.text.find(s), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        self.text = self.text[:index]
+        self.stopped = True
+        return stop
+
+    @property
+    def stream_text(self) -> str:
+        """The text that can be shown now: minus any tail that may yet begin a stop string."""
+        if self.stopped or not self.stop:
+            return self.text
+        hold = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        return self.text[: len(self.text) - hold]

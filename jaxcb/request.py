@@ -1,0 +1,85 @@
+"""The state of one sequence being generated, as the scheduler and engine see it (no jax).
+
+A request with `n` > 1 becomes n sequences: the first (its leader) prefills the prompt;
+the others wait for that and then share the leader's full prompt blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from jaxcb.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the queue; its blocks were freed and it will recompute
+    FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens, or max_model_len
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in FINISHED_STATES
+
+
+FINISHED_STATES = frozenset(
+    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    seed: int = 0  # resolved sampling seed (the params' seed, or one the engine drew)
+    sample_index: int = 0  # which of the n completions this sequence is
+    parent_id: Optional[str] = None  # the leader whose prompt blocks this sequence shares (n > 1)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finished_time: Optional[float] = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def token_id(self, position: int) -> int:
+        n = self.num_prompt_tokens
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        return [self.token_id(p) for p in range(start, stop)]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

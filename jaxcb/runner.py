@@ -1,0 +1,278 @@
+"""SchedulerOutput -> padded step arrays -> the compiled step of the smallest bucket that fits.
+
+Only the runner turns host lists into device arrays. A step has three static sizes: tokens
+T, sequences R and block-table width W. Each comes from a short list of buckets (config,
+or powers of two / four up to the limits -- the token budget is always a bucket, so a step
+never pads past it), and every (T, R, W) combination is compiled ahead of time at start-up.
+Serving then only looks compiled steps up; a miss is a recompile, which is compiled,
+counted and logged as an error (tests fail on it).
+
+The step (one `jax.jit`, KV cache donated): the model over all T tokens, logits of each
+sequence's last token, sampling with per-row parameters; it returns the sampled tokens
+with their logprobs, packed into two arrays for the host copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxcb.attention import AttentionMetadata
+from jaxcb.config import EngineConfig, SchedulerConfig
+from jaxcb.kv_cache import KVCache
+from jaxcb.model.llama import Llama
+from jaxcb.sampling import SamplingArrays, sample
+from jaxcb.scheduler import RunnerOutput, SampledToken, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+def powers_up_to(limit: int, base: int, start: int) -> list[int]:
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= base
+    return out + [limit]
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    tokens: tuple[int, ...]
+    seqs: tuple[int, ...]
+    widths: tuple[int, ...]
+
+    def seqs_for(self, num_tokens_bucket: int) -> list[int]:
+        return sorted({min(r, num_tokens_bucket) for r in self.seqs})
+
+    def all(self) -> list[tuple[int, int, int]]:
+        return [(t, r, w) for t in self.tokens for r in self.seqs_for(t) for w in self.widths]
+
+    def pick(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
+        t = next(b for b in self.tokens if b >= num_tokens)
+        r = next(b for b in self.seqs_for(t) if b >= num_seqs)
+        w = next(b for b in self.widths if b >= width)
+        return t, r, w
+
+
+def make_buckets(engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_seq: int, attention: str) -> Buckets:
+    budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
+    tokens = sorted(set(engine.token_buckets or powers_up_to(budget, 2, min(16, budget))) | {budget})
+    seqs = sorted(set(engine.seq_buckets or powers_up_to(max_seqs, 4, min(4, max_seqs))) | {max_seqs})
+    if engine.context_buckets:
+        widths = sorted(set(min(w, max_blocks_per_seq) for w in engine.context_buckets) | {max_blocks_per_seq})
+    elif attention.startswith("pallas"):
+        widths = [max_blocks_per_seq]  # the kernel reads only up to each kv_len: no need to bucket
+    else:
+        widths = powers_up_to(max_blocks_per_seq, 4, min(4, max_blocks_per_seq))
+    return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths))
+
+
+@dataclasses.dataclass
+class StepInputs:
+    token_ids: jax.Array  # i32[T]
+    positions: jax.Array  # i32[T]
+    md: AttentionMetadata
+    logits_indices: jax.Array  # i32[R]: each sequence's last new token
+    sampling: SamplingArrays
+    history: jax.Array  # i32[R, max_model_len] (zeros unless a row uses penalties)
+    num_prompt: jax.Array  # i32[R]
+    num_known: jax.Array  # i32[R]
+
+
+jax.tree_util.register_dataclass(
+    StepInputs,
+    data_fields=[f.name for f in dataclasses.fields(StepInputs)],
+    meta_fields=[],
+)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Llama,
+        kv_cache: KVCache,
+        buckets: Buckets,
+        *,
+        max_model_len: int,
+        max_logprobs: int,
+        max_stop_token_ids: int,
+    ):
+        self.graphdef, self.state = nnx.split(model)  # once; the step takes the state as an argument
+        self.kv_cache = kv_cache
+        self.buckets = buckets
+        self.block_size = kv_cache.block_size
+        self.vocab_size = model.cfg.vocab_size
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.max_banned = max_stop_token_ids
+        self.compiled: dict[tuple[int, int, int], object] = {}
+        self.num_recompiles = 0
+        self.num_steps = 0
+        graphdef, logprobs = self.graphdef, max_logprobs
+
+        def step(state, kv_cache: KVCache, x: StepInputs):
+            model = nnx.merge(graphdef, state)
+            hidden, kv_cache = model(x.token_ids, x.positions, kv_cache, x.md)
+            logits = model.compute_logits(hidden[x.logits_indices])
+            token, token_lp, top_ids, top_lp = sample(
+                logits, x.sampling, x.history, x.num_prompt, x.num_known, logprobs
+            )
+            ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
+            lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
+            return ids, lps, kv_cache
+
+        self._step = jax.jit(step, donate_argnums=(1,))
+
+    # --- compilation ---------------------------------------------------------------------------
+
+    def _abstract_inputs(self, t: int, r: int, w: int) -> StepInputs:
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+        return StepInputs(
+            token_ids=i32(t),
+            positions=i32(t),
+            md=AttentionMetadata(i32(t), i32(r + 1), i32(r), i32(r, w), i32()),
+            logits_indices=i32(r),
+            sampling=SamplingArrays(
+                f32(r), i32(r), f32(r), f32(r), f32(r), f32(r), f32(r),
+                jax.ShapeDtypeStruct((r,), jnp.uint32), i32(r), i32(r, self.max_banned),
+                jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_),
+            ),
+            history=i32(r, self.max_model_len),
+            num_prompt=i32(r),
+            num_known=i32(r),
+        )
+
+    def _compile(self, key: tuple[int, int, int]):
+        abstract_cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_cache)
+        abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.state)
+        return self._step.lower(abstract_state, abstract_cache, self._abstract_inputs(*key)).compile()
+
+    def compile_all(self, progress: bool = True) -> float:
+        """Compile every bucket now; return the seconds it took."""
+        start = time.perf_counter()
+        keys = self.buckets.all()
+        for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
+            self.compiled[key] = self._compile(key)
+        elapsed = time.perf_counter() - start
+        log.info(
+            "compiled %d step variants (tokens %s x seqs %s x widths %s) in %.1f s",
+            len(keys), list(self.buckets.tokens), list(self.buckets.seqs), list(self.buckets.widths), elapsed,
+        )
+        return elapsed
+
+    def _executable(self, key: tuple[int, int, int]):
+        exe = self.compiled.get(key)
+        if exe is None:
+            self.num_recompiles += 1
+            log.error("step bucket %s was not compiled at start-up: compiling now (recompile #%d)", key, self.num_recompiles)
+            exe = self.compiled[key] = self._compile(key)
+        return exe
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def build_inputs(self, out: SchedulerOutput) -> tuple[tuple[int, int, int], StepInputs]:
+        seqs = out.scheduled
+        num_tokens = out.num_scheduled_tokens
+        width = max(len(s.block_ids) for s in seqs)
+        t, r, w = key = self.buckets.pick(num_tokens, len(seqs), width)
+        bs = self.block_size
+        token_ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.zeros(t, np.int32)  # padding writes go to the null block
+        qsl = np.full(r + 1, num_tokens, np.int32)
+        kv_lens = np.zeros(r, np.int32)
+        tables = np.zeros((r, w), np.int32)
+        logits_idx = np.zeros(r, np.int32)
+        temperature = np.zeros(r, np.float32)
+        top_k = np.zeros(r, np.int32)
+        top_p = np.ones(r, np.float32)
+        min_p = np.zeros(r, np.float32)
+        rep = np.ones(r, np.float32)
+        presence = np.zeros(r, np.float32)
+        frequency = np.zeros(r, np.float32)
+        seeds = np.zeros(r, np.uint32)
+        counters = np.zeros(r, np.int32)
+        banned = np.full((r, self.max_banned), self.vocab_size, np.int32)
+        num_prompt = np.zeros(r, np.int32)
+        num_known = np.zeros(r, np.int32)
+        history = None
+        offset = 0
+        for i, s in enumerate(seqs):
+            n = len(s.token_ids)
+            pos = np.arange(s.start_position, s.start_position + n, dtype=np.int32)
+            table = np.asarray(s.block_ids, np.int32)
+            token_ids[offset : offset + n] = s.token_ids
+            positions[offset : offset + n] = pos
+            slots[offset : offset + n] = table[pos // bs] * bs + pos % bs
+            qsl[i] = offset
+            offset += n
+            kv_lens[i] = s.start_position + n
+            tables[i, : len(table)] = table
+            logits_idx[i] = offset - 1
+            p = s.sampling_params
+            temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
+            rep[i], presence[i], frequency[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+            seeds[i] = s.seed & 0xFFFFFFFF
+            counters[i] = s.num_output_tokens
+            ids = s.banned_token_ids[: self.max_banned]
+            banned[i, : len(ids)] = ids
+            num_prompt[i] = s.num_prompt_tokens
+            if s.history is not None:
+                if history is None:
+                    history = np.zeros((r, self.max_model_len), np.int32)
+                history[i, : len(s.history)] = s.history
+                num_known[i] = len(s.history)
+        qsl[len(seqs)] = num_tokens
+        any_filter = bool(np.any(top_k > 0) or np.any(top_p < 1))
+        sampling = SamplingArrays(
+            *(jnp.asarray(a) for a in (temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned)),
+            any_penalty=jnp.asarray(history is not None),
+            any_filter=jnp.asarray(any_filter),
+        )
+        inputs = StepInputs(
+            token_ids=jnp.asarray(token_ids),
+            positions=jnp.asarray(positions),
+            md=AttentionMetadata(
+                jnp.asarray(slots), jnp.asarray(qsl), jnp.asarray(kv_lens), jnp.asarray(tables),
+                jnp.asarray(len(seqs), jnp.int32),
+            ),
+            logits_indices=jnp.asarray(logits_idx),
+            sampling=sampling,
+            history=jnp.asarray(history) if history is not None else self._zero_history(r),
+            num_prompt=jnp.asarray(num_prompt),
+            num_known=jnp.asarray(num_known),
+        )
+        return key, inputs
+
+    def _zero_history(self, r: int) -> jax.Array:
+        cache = self.__dict__.setdefault("_zero_histories", {})
+        if r not in cache:
+            cache[r] = jnp.zeros((r, self.max_model_len), jnp.int32)
+        return cache[r]
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        key, inputs = self.build_inputs(out)
+        ids, lps, self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs)
+        self.num_steps += 1
+        ids, lps = np.asarray(ids), np.asarray(lps)
+        sampled = {}
+        for i, s in enumerate(out.scheduled):
+            if not s.samples:
+                continue
+            n = s.sampling_params.logprobs
+            top = None
+            if n:
+                n = min(n, self.max_logprobs)
+                top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
+            sampled[s.request_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
+        return RunnerOutput(sampled)

@@ -1,0 +1,120 @@
+"""Sampling inside the jitted step: one token per row, each row with its own parameters.
+
+Every parameter is an array over the batch's rows, so one compiled step serves any mix of
+greedy and random, filtered and unfiltered requests. A row's randomness comes only from
+its own key, `fold_in(key(seed), num_output_tokens)`, and Gumbel-argmax draws with it; so a
+request with a seed samples the same tokens whether it runs alone or in any batch.
+
+Order of operations, as in vLLM: penalties on the raw logits, banned tokens (min_tokens),
+then temperature, then top-k / top-p / min-p filtering, then the draw. Logprobs are those of
+the raw model distribution (log-softmax of the logits before any of it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class SamplingArrays:
+    temperature: jax.Array  # f32[R]; 0 -> greedy
+    top_k: jax.Array  # i32[R]; 0 -> off
+    top_p: jax.Array  # f32[R]; 1 -> off
+    min_p: jax.Array  # f32[R]; 0 -> off
+    repetition_penalty: jax.Array  # f32[R]; 1 -> off
+    presence_penalty: jax.Array  # f32[R]
+    frequency_penalty: jax.Array  # f32[R]
+    seeds: jax.Array  # u32[R]
+    counters: jax.Array  # i32[R]: tokens the row has generated so far (the step of its own stream)
+    banned_token_ids: jax.Array  # i32[R, max_banned]; vocab_size (out of range) pads
+    any_penalty: jax.Array  # bool[]: skip the penalty pass when no row asks for one
+    any_filter: jax.Array  # bool[]: skip the sort when no row uses top-k / top-p
+
+
+jax.tree_util.register_dataclass(
+    SamplingArrays,
+    data_fields=[f.name for f in dataclasses.fields(SamplingArrays)],
+    meta_fields=[],
+)
+
+
+def token_counts(
+    history: jax.Array,  # i32[R, L]: each row's tokens, prompt then outputs
+    num_prompt: jax.Array,  # i32[R]
+    num_known: jax.Array,  # i32[R]: valid length of each history row
+    vocab_size: int,
+) -> tuple[jax.Array, jax.Array]:  # (bool[R, V] seen in prompt or output, i32[R, V] output counts)
+    pos = jnp.arange(history.shape[1])[None, :]
+    valid = pos < num_known[:, None]
+    is_output = valid & (pos >= num_prompt[:, None])
+    rows = jnp.arange(history.shape[0])[:, None]
+    tokens = jnp.where(valid, history, vocab_size)  # out of range -> dropped
+    seen = jnp.zeros((history.shape[0], vocab_size), jnp.bool_).at[rows, tokens].set(True, mode="drop")
+    out_counts = jnp.zeros((history.shape[0], vocab_size), jnp.int32).at[rows, tokens].add(
+        is_output.astype(jnp.int32), mode="drop"
+    )
+    return seen, out_counts
+
+
+def apply_penalties(logits, seen, out_counts, s: SamplingArrays):
+    """HF repetition penalty on every seen token; OpenAI presence/frequency on generated ones."""
+    rep = s.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalised, logits)
+    logits = logits - s.frequency_penalty[:, None] * out_counts
+    return logits - s.presence_penalty[:, None] * (out_counts > 0)
+
+
+def _filter_top_k_top_p(logits: jax.Array, s: SamplingArrays) -> jax.Array:
+    """Mask (to -inf) what top-k and top-p drop; one descending sort serves both."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(s.top_k > 0, jnp.minimum(s.top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    keep = before < s.top_p[:, None]  # the smallest prefix whose mass reaches top_p
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def sample(
+    logits: jax.Array,  # f32[R, V]
+    s: SamplingArrays,
+    history: jax.Array,  # i32[R, L]
+    num_prompt: jax.Array,  # i32[R]
+    num_known: jax.Array,  # i32[R]
+    num_logprobs: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n])."""
+    num_rows, vocab = logits.shape
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+
+    def penalise(x):
+        seen, out_counts = token_counts(history, num_prompt, num_known, vocab)
+        return apply_penalties(x, seen, out_counts, s)
+
+    x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, logits)
+    rows = jnp.arange(num_rows)[:, None]
+    x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
+    greedy = s.temperature == 0
+    x_scaled = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
+    x_scaled = jax.lax.cond(s.any_filter, lambda v: _filter_top_k_top_p(v, s), lambda v: v, x_scaled)
+    probs = jax.nn.softmax(x_scaled, axis=-1)
+    x_scaled = jnp.where(probs < s.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x_scaled)
+
+    def row_noise(seed, counter):
+        key = jax.random.fold_in(jax.random.key(seed), counter)
+        return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+    noise = jax.vmap(row_noise)(s.seeds, s.counters)
+    drawn = jnp.argmax(x_scaled + noise, axis=-1)
+    token = jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
+    token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    return token, token_logprob, top_ids.astype(jnp.int32), top_logprobs

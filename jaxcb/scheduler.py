@@ -1,0 +1,308 @@
+"""Iteration-level scheduling: which sequences compute which tokens in the next step (no jax).
+
+One rule for every phase (after vLLM V1): a sequence has `num_tokens` known tokens (prompt +
+outputs) and `num_computed_tokens` of them in the KV cache; each step it catches up by one
+decode token or the next prefill chunk. `schedule()`:
+
+    1. running sequences, in admission order, take their next tokens under the token budget
+       (a prefill chunk is capped by long_prefill_token_threshold); each gets the blocks its
+       new tokens need -- if none are free, the running sequence that has computed the least
+       is preempted (blocks freed, back to the head of the queue, recompute later) until it fits
+    2. unless step 1 preempted, waiting sequences are admitted in FCFS order while the
+       budget, max_num_seqs, max_num_partial_prefills and free blocks allow
+       (policy=static: only when nothing runs, and with each member's worst-case blocks
+       reserved up front, so a static batch never preempts)
+
+`update()` applies the runner's sampled tokens, decides which sequences finished on a
+token (EOS, stop token, max_tokens, max_model_len) and frees their blocks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from jaxcb.block_pool import BlockPool, NoFreeBlocksError
+from jaxcb.config import SchedulerConfig
+from jaxcb.request import Request, RequestStatus
+from jaxcb.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step."""
+
+    request_id: str
+    start_position: int  # num_computed_tokens before the step
+    token_ids: list[int]  # the tokens to compute, positions start_position...
+    block_ids: list[int]  # the sequence's whole block table
+    samples: bool  # the step reaches its last known token, so it samples the next one
+    num_prompt_tokens: int
+    num_output_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while min_tokens is not reached
+    history: Optional[list[int]] = None  # all known tokens, only when the params use penalties
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # left since the last step (finished or aborted)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float = 0.0
+    top_logprobs: Optional[dict[int, float]] = None
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, SampledToken]  # request_id -> token, for sequences with samples=True
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, block_pool: BlockPool, block_size: int, max_model_len: int):
+        self.cfg = cfg
+        self.pool = block_pool
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # --- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request now, wherever it is, and free its blocks; False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def finish(self, request_id: str, status: RequestStatus) -> None:
+        """Finish a running request for a reason found outside the scheduler (a stop string)."""
+        request = self.requests[request_id]
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.finished_time = time.monotonic()
+        self._free_blocks(request)
+        self._finished_since_step.append(request.request_id)
+        del self.requests[request.request_id]
+
+    def _free_blocks(self, request: Request) -> None:
+        if request.block_ids:
+            self.pool.free(request.block_ids)
+            request.block_ids = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.cfg.max_num_batched_tokens
+        scheduled: dict[str, ScheduledSequence] = {}
+        preempted: list[str] = []
+
+        for request in list(self.running):
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            while not self._allocate(request, num_new):
+                victim = min(self.running, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+                budget += self._preempt(victim, scheduled)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = self._scheduled(request, num_new)
+                budget -= num_new
+
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+
+        out = SchedulerOutput(list(scheduled.values()), preempted, self._finished_since_step)
+        self._finished_since_step = []
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if request.is_prefilling and self.cfg.long_prefill_token_threshold is not None:
+            num_new = min(num_new, self.cfg.long_prefill_token_threshold)
+        return max(0, num_new)
+
+    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
+
+    def _allocate(self, request: Request, num_new: int) -> bool:
+        needed = self._blocks_needed(request, request.num_computed_tokens + num_new)
+        try:
+            request.block_ids += self.pool.allocate(needed)
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledSequence]) -> int:
+        """Free the victim's blocks and requeue it at the head; return the budget it gives back."""
+        self.running.remove(victim)
+        self._free_blocks(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        returned = scheduled.pop(victim.request_id, None)
+        log.debug("preempted %s (recompute)", victim.request_id)
+        return len(returned.token_ids) if returned else 0
+
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
+        if self.cfg.policy == "static" and self.running:
+            return budget  # a static batch runs until every member finishes
+        num_partial = sum(1 for r in self.running if r.is_prefilling)
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            request = self.waiting[0]
+            share = self._shareable_prefix(request)
+            if share is None:  # a follower whose leader has not prefilled yet
+                skipped.append(self.waiting.popleft())
+                continue
+            start = len(share) * self.block_size
+            if self.cfg.enable_chunked_prefill or request.num_preemptions:
+                num_new = min(request.num_tokens - start, budget)
+            else:
+                num_new = request.num_tokens - start
+                if num_new > budget:
+                    break
+            if self.cfg.long_prefill_token_threshold is not None:
+                num_new = min(num_new, self.cfg.long_prefill_token_threshold)
+            if start + num_new < request.num_prompt_tokens and num_partial >= self.cfg.max_num_partial_prefills:
+                break
+            reserve = request.num_prompt_tokens + request.sampling_params.max_tokens
+            total = reserve if self.cfg.policy == "static" else start + num_new
+            needed = max(0, -(-total // self.block_size) - len(share))
+            if needed > self.pool.num_free_blocks:
+                break
+            self.waiting.popleft()
+            request.block_ids = self.pool.fork(share) + self.pool.allocate(needed)
+            request.num_computed_tokens = start
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            scheduled[request.request_id] = self._scheduled(request, num_new)
+            budget -= num_new
+            if request.is_prefilling and start + num_new < request.num_prompt_tokens:
+                num_partial += 1
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _shareable_prefix(self, request: Request) -> Optional[list[int]]:
+        """The leader's full prompt blocks a follower (n > 1) can share; [] for none; None: wait."""
+        if request.parent_id is None or request.num_preemptions:
+            return []
+        leader = self.requests.get(request.parent_id)
+        if leader is None or leader.is_finished or leader.status is not RequestStatus.RUNNING:
+            return [] if leader is None or leader.is_finished else None
+        if leader.is_prefilling:
+            return None
+        # Full blocks before the block of the last prompt token: the follower recomputes that token
+        # (to sample its own first token) into a block of its own.
+        return leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        params = request.sampling_params
+        banned: tuple[int, ...] = ()
+        if request.num_output_tokens < params.min_tokens:
+            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
+        return ScheduledSequence(
+            request_id=request.request_id,
+            start_position=start,
+            token_ids=request.token_ids(start, start + num_new),
+            block_ids=list(request.block_ids),
+            samples=start + num_new == request.num_tokens,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            sampling_params=params,
+            seed=request.seed,
+            banned_token_ids=banned,
+            history=request.all_token_ids if params.uses_penalties else None,
+        )
+
+    # --- applying a step's results -------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, runner_out: RunnerOutput) -> list[Request]:
+        """Advance computed tokens, append sampled ones, finish sequences that stop; return those touched."""
+        touched = []
+        now = time.monotonic()
+        for seq in out.scheduled:
+            request = self.requests.get(seq.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens = seq.start_position + len(seq.token_ids)
+            sampled = runner_out.sampled.get(seq.request_id) if seq.samples else None
+            if sampled is None:
+                continue
+            request.output_token_ids.append(sampled.token_id)
+            if request.sampling_params.logprobs is not None:
+                top = dict(sampled.top_logprobs or {})
+                top[sampled.token_id] = sampled.logprob
+                request.output_logprobs.append(top)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched.append(request)
+            status = self._stop_status(request, sampled.token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+        return touched
+
+    def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
