@@ -1,0 +1,227 @@
+"""The scheduler alone (no model): hand-built runner outputs drive it step by step."""
+
+import itertools
+
+import pytest
+
+from jaxcb.block_pool import BlockPool
+from jaxcb.config import SchedulerConfig
+from jaxcb.request import Request, RequestStatus
+from jaxcb.sampling_params import SamplingParams
+from jaxcb.scheduler import RunnerOutput, SampledToken, Scheduler
+
+BLOCK = 4
+_ids = itertools.count()
+
+
+def make_request(prompt_len, max_tokens=4, arrival=None, **params):
+    rid = f"r{next(_ids)}"
+    return Request(
+        rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+        eos_token_ids=(99,), arrival_time=arrival if arrival is not None else next(_ids),
+    )
+
+
+def make_scheduler(num_blocks=64, max_model_len=256, **cfg):
+    cfg = dict(dict(max_num_seqs=4, max_num_batched_tokens=16), **cfg)
+    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), BLOCK, max_model_len)
+
+
+def run_step(sched, token=7):
+    out = sched.schedule()
+    sampled = {s.request_id: SampledToken(token) for s in out.scheduled if s.samples}
+    sched.update(out, RunnerOutput(sampled))
+    return out
+
+
+def test_budget_and_sequence_cap_are_never_exceeded():
+    sched = make_scheduler(max_num_seqs=3, max_num_batched_tokens=10)
+    for n in (7, 2, 9, 1, 5, 3):
+        sched.add_request(make_request(n, max_tokens=6))
+    for _ in range(40):
+        out = run_step(sched)
+        assert out.num_scheduled_tokens <= 10
+        assert len(out.scheduled) <= 3 and len(sched.running) <= 3
+    assert sched.num_unfinished == 0
+
+
+def test_prefill_chunks_and_decodes_share_a_step():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    a = make_request(3, max_tokens=5)
+    sched.add_request(a)
+    run_step(sched)  # a prefilled, sampled its first token
+    b = make_request(20)
+    sched.add_request(b)
+    out = run_step(sched)
+    sizes = {s.request_id: len(s.token_ids) for s in out.scheduled}
+    assert sizes == {a.request_id: 1, b.request_id: 7}
+    assert not [s for s in out.scheduled if s.request_id == b.request_id][0].samples
+
+
+def test_waiting_requests_are_admitted_in_arrival_order():
+    sched = make_scheduler(max_num_seqs=2)
+    reqs = [make_request(2, max_tokens=2) for _ in range(4)]
+    for r in reqs:
+        sched.add_request(r)
+    order = []
+    for _ in range(10):
+        for s in run_step(sched).scheduled:
+            if s.request_id not in order:
+                order.append(s.request_id)
+    assert order == [r.request_id for r in reqs]
+
+
+def test_long_prefill_threshold_caps_one_prompt_per_step():
+    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_token_threshold=5)
+    big = make_request(40)
+    sched.add_request(big)
+    out = run_step(sched)
+    assert [len(s.token_ids) for s in out.scheduled] == [5]
+
+
+def test_max_num_partial_prefills_keeps_a_second_long_prompt_waiting():
+    sched = make_scheduler(max_num_batched_tokens=16, max_num_partial_prefills=1)
+    first, second = make_request(40), make_request(40)
+    sched.add_request(first)
+    sched.add_request(second)
+    out = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == [first.request_id]
+
+
+def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
+    sched = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    a, b = make_request(10), make_request(10)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = run_step(sched)
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [(a.request_id, 10)]
+
+
+def test_preemption_picks_the_request_that_computed_least_and_admits_nothing():
+    # 7 usable blocks of 4 tokens.
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=32, max_num_seqs=4)
+    old = make_request(12, max_tokens=20, arrival=0)  # 3 blocks
+    small = make_request(3, max_tokens=20, arrival=1)  # 1 block
+    mid = make_request(8, max_tokens=20, arrival=2)  # 2 blocks
+    for r in (old, small, mid):
+        sched.add_request(r)
+    run_step(sched)  # all prefilled: 6 blocks used, 1 free
+    late = make_request(2, max_tokens=2, arrival=3)
+    sched.add_request(late)
+    preempted = []
+    for _ in range(12):
+        out = run_step(sched)
+        if out.preempted_ids:
+            preempted = out.preempted_ids
+            admitted = [s for s in out.scheduled if s.start_position == 0]
+            assert admitted == [], "a preempting step must not admit"
+            break
+    assert preempted[0] == small.request_id  # least computed, although not the newest
+    assert small.status is RequestStatus.PREEMPTED and small.block_ids == []
+    assert sched.waiting[0] is small  # back at the head of the queue
+
+
+def test_preempted_request_recomputes_prompt_and_outputs_and_continues():
+    sched = make_scheduler(num_blocks=5, max_num_batched_tokens=32)
+    a = make_request(8, max_tokens=6, arrival=0)
+    b = make_request(4, max_tokens=6, arrival=1)
+    sched.add_request(a)
+    sched.add_request(b)
+    for _ in range(50):
+        run_step(sched)
+        if sched.num_unfinished == 0:
+            break
+    assert sched.num_preemptions >= 1
+    assert a.output_token_ids == [7] * 6 and b.output_token_ids == [7] * 6
+    assert sched.pool.num_free_blocks == 4
+
+
+def test_static_policy_forms_no_batch_while_one_runs():
+    sched = make_scheduler(policy="static", max_num_seqs=2)
+    first = [make_request(3, max_tokens=2), make_request(3, max_tokens=8)]
+    later = make_request(3, max_tokens=2)
+    for r in first + [later]:
+        sched.add_request(r)
+    run_step(sched)
+    assert later.status is RequestStatus.WAITING
+    while not first[1].is_finished:
+        out = run_step(sched)
+        assert later.request_id not in [s.request_id for s in out.scheduled]
+    run_step(sched)
+    assert later.status in (RequestStatus.RUNNING,) or later.is_finished
+
+
+def test_static_policy_reserves_worst_case_blocks_up_front():
+    sched = make_scheduler(policy="static")
+    r = make_request(5, max_tokens=10)  # 15 tokens -> 4 blocks
+    sched.add_request(r)
+    run_step(sched)
+    assert len(r.block_ids) == 4
+
+
+def test_stop_conditions_eos_stop_token_min_tokens_and_length():
+    sched = make_scheduler()
+    eos = make_request(2, max_tokens=5)
+    stop_tok = make_request(2, max_tokens=5, stop_token_ids=[42])
+    min_tok = make_request(2, max_tokens=5, min_tokens=3)
+    ignore = make_request(2, max_tokens=3, ignore_eos=True)
+    for r in (eos, stop_tok, min_tok, ignore):
+        sched.add_request(r)
+    out = sched.schedule()
+    banned = {s.request_id: s.banned_token_ids for s in out.scheduled}
+    assert banned[min_tok.request_id] == (99,) and banned[eos.request_id] == ()
+    sampled = {eos.request_id: 99, stop_tok.request_id: 42, min_tok.request_id: 99, ignore.request_id: 99}
+    sched.update(out, RunnerOutput({k: SampledToken(v) for k, v in sampled.items()}))
+    assert eos.status is RequestStatus.FINISHED_STOPPED
+    assert stop_tok.status is RequestStatus.FINISHED_STOPPED
+    assert min_tok.status is RequestStatus.RUNNING  # under min_tokens, EOS does not stop it
+    assert ignore.status is RequestStatus.RUNNING
+    for _ in range(5):
+        run_step(sched)
+    assert ignore.status is RequestStatus.FINISHED_LENGTH and ignore.num_output_tokens == 3
+
+
+def test_abort_frees_blocks_at_once_in_every_state():
+    sched = make_scheduler(num_blocks=6, max_num_batched_tokens=8)
+    running, prefilling, waiting = make_request(4, max_tokens=9), make_request(12), make_request(4)
+    for r in (running, prefilling, waiting):
+        sched.add_request(r)
+    run_step(sched)
+    assert running.block_ids and prefilling.is_prefilling
+    for r in (prefilling, running, waiting):
+        assert sched.abort(r.request_id)
+        assert r.status is RequestStatus.FINISHED_ABORTED and r.block_ids == []
+    assert sched.pool.num_free_blocks == 5 and sched.num_unfinished == 0
+    assert not sched.abort(running.request_id)
+
+
+def test_follower_of_n_shares_the_leaders_full_prompt_blocks():
+    sched = make_scheduler()
+    leader = make_request(10, max_tokens=3)
+    follower = Request(
+        "f", list(leader.prompt_token_ids), leader.sampling_params, parent_id=leader.request_id, sample_index=1
+    )
+    sched.add_request(leader)
+    sched.add_request(follower)
+    out = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == [leader.request_id]  # follower waits for the prefill
+    out = run_step(sched)
+    f = [s for s in out.scheduled if s.request_id == "f"][0]
+    assert f.start_position == 8 and f.token_ids == [9, 10]  # shares 2 full blocks, recomputes the rest
+    assert follower.block_ids[:2] == leader.block_ids[:2]
+    assert sched.pool.ref_count(leader.block_ids[0]) == 2
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "static"])
+def test_every_block_is_free_when_all_requests_are_done(policy):
+    sched = make_scheduler(num_blocks=12, policy=policy, max_num_batched_tokens=12)
+    reqs = [make_request(n, max_tokens=m) for n, m in [(9, 3), (2, 7), (14, 2), (5, 5), (1, 1), (6, 4)]]
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(200):
+        run_step(sched)
+        if not sched.num_unfinished:
+            break
+    assert all(r.is_finished for r in reqs)
+    assert sched.pool.num_free_blocks == 11
+    sched.pool.check_invariants()
