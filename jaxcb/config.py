@@ -107,8 +107,8 @@ class EngineConfig:
     seed: int = 0  # base seed of sampling
     compilation_cache_dir: Optional[str] = None  # JAX persistent compilation cache; None: ~/.cache/jaxcb/xla
     token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: powers of two up to the budget
-    seq_buckets: Optional[list[int]] = None  # step sizes in sequences; None: powers of 4 up to max_num_seqs
-    context_buckets: Optional[list[int]] = None  # block-table widths; None: powers of 4 (xla), the max (pallas)
+    seq_buckets: Optional[list[int]] = None  # step sizes in sequences; None: min(token bucket, max_num_seqs)
+    context_buckets: Optional[list[int]] = None  # block-table widths; None: a quarter and all (xla), all (pallas)
     max_logprobs: int = 5  # most top logprobs a request may ask for (computed for every row)
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
 
@@ -126,10 +126,13 @@ class ServerConfig:
 
 @dataclass
 class GenerateConfig:
-    """Options of scripts/generate.py (offline generation)."""
+    """Options of scripts/generate.py (offline generation of `prompts`)."""
 
-    prompt: str = "The quick brown fox"
+    prompts: list[str] = field(default_factory=lambda: ["The quick brown fox", "Once upon a time"])
     max_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: Optional[int] = None
 
 
 @dataclass
@@ -264,6 +267,7 @@ def validate_config(cfg: Config) -> None:
         f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
     )
     _require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
+    _require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
 
 
 _ARCH_FIELDS = (

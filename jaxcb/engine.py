@@ -23,18 +23,17 @@ from typing import Optional, Sequence, Union
 import jax
 from tqdm import tqdm
 
-from jaxcb.attention import get_attention_backend
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.kv_cache import allocate_planned_kv_cache, plan_kv_cache
-from jaxcb.model.loader import load_model
+from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.request import Request, RequestStatus
 from jaxcb.runner import ModelRunner, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.scheduler import Scheduler
-from jaxcb.tokenizer import Tokenizer, load_tokenizer
+from jaxcb.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 PromptType = Union[str, Sequence[int]]
@@ -68,11 +67,9 @@ class Engine:
     def __init__(self, cfg: Config, *, compile_buckets: bool = True, progress: bool = True):
         self.cfg = cfg
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
-        backend = get_attention_backend(cfg.attention)
-        model, model_cfg = load_model(cfg.model, backend)
+        model, model_cfg, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention)
         self.model_config = model_cfg
-        self.tokenizer: Tokenizer = load_tokenizer(cfg.model.tokenizer or cfg.model.checkpoint)
-        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or cfg.model.eos_token_ids or ())
+        self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or ())
         self.max_model_len = cfg.engine.max_model_len or model_cfg.max_position_embeddings
         plan = plan_kv_cache(
             cfg.cache, model_cfg, max_model_len=self.max_model_len, max_num_seqs=cfg.scheduler.max_num_seqs
@@ -81,7 +78,7 @@ class Engine:
         self.block_pool = BlockPool(plan.num_blocks)
         self.scheduler = Scheduler(cfg.scheduler, self.block_pool, plan.block_size, self.max_model_len)
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
-        buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, backend.name)
+        buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, model.attention.name)
         self.runner = ModelRunner(
             model,
             allocate_planned_kv_cache(model_cfg, plan),

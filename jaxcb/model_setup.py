@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 
 from jaxcb.attention import get_attention_backend
 from jaxcb.config import AttentionConfig, ModelConfig
@@ -14,12 +16,27 @@ from jaxcb.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 
+def checkpoint_eos_token_ids(directory: str) -> set[int]:
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                value = json.load(f).get("eos_token_id")
+            ids |= {value} if isinstance(value, int) else set(value or ())
+    return ids
+
+
 def load_model_and_tokenizer(m: ModelConfig, attention: AttentionConfig) -> tuple[Llama, LlamaConfig, Tokenizer]:
     backend = get_attention_backend(attention)
     model, cfg = load_model(m, backend)
     tokenizer = load_tokenizer(m.tokenizer or m.checkpoint)
-    if m.eos_token_ids and not tokenizer.eos_token_ids:
-        tokenizer.eos_token_ids = list(m.eos_token_ids)
+    # End-of-sequence ids: the tokenizer's, the preset's and the checkpoint's (config.json and
+    # generation_config.json list the end-of-turn ids of chat models).
+    eos = set(tokenizer.eos_token_ids) | set(m.eos_token_ids or ())
+    if m.checkpoint:
+        eos |= checkpoint_eos_token_ids(m.checkpoint)
+    tokenizer.eos_token_ids = sorted(eos)
     log.info(
         "model=%s: %d layers, hidden %d, %d/%d heads, vocab %d, %s; tokenizer %s; attention %s",
         m.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,

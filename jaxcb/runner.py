@@ -47,10 +47,13 @@ def powers_up_to(limit: int, base: int, start: int) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     tokens: tuple[int, ...]
-    seqs: tuple[int, ...]
+    seqs: tuple[int, ...]  # () -> one sequence bucket per token bucket: min(tokens, max_num_seqs)
     widths: tuple[int, ...]
+    max_num_seqs: int
 
     def seqs_for(self, num_tokens_bucket: int) -> list[int]:
+        if not self.seqs:
+            return [min(num_tokens_bucket, self.max_num_seqs)]
         return sorted({min(r, num_tokens_bucket) for r in self.seqs})
 
     def all(self) -> list[tuple[int, int, int]]:
@@ -66,14 +69,14 @@ class Buckets:
 def make_buckets(engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_seq: int, attention: str) -> Buckets:
     budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
     tokens = sorted(set(engine.token_buckets or powers_up_to(budget, 2, min(16, budget))) | {budget})
-    seqs = sorted(set(engine.seq_buckets or powers_up_to(max_seqs, 4, min(4, max_seqs))) | {max_seqs})
+    seqs = sorted(set(engine.seq_buckets) | {max_seqs}) if engine.seq_buckets else []
     if engine.context_buckets:
         widths = sorted(set(min(w, max_blocks_per_seq) for w in engine.context_buckets) | {max_blocks_per_seq})
     elif attention.startswith("pallas"):
         widths = [max_blocks_per_seq]  # the kernel reads only up to each kv_len: no need to bucket
-    else:
-        widths = powers_up_to(max_blocks_per_seq, 4, min(4, max_blocks_per_seq))
-    return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths))
+    else:  # short contexts read a quarter of the table: the XLA path's cost follows the width
+        widths = sorted({max(1, max_blocks_per_seq // 4), max_blocks_per_seq})
+    return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths), max_seqs)
 
 
 @dataclasses.dataclass
@@ -165,8 +168,8 @@ class ModelRunner:
             self.compiled[key] = self._compile(key)
         elapsed = time.perf_counter() - start
         log.info(
-            "compiled %d step variants (tokens %s x seqs %s x widths %s) in %.1f s",
-            len(keys), list(self.buckets.tokens), list(self.buckets.seqs), list(self.buckets.widths), elapsed,
+            "compiled %d step variants (tokens x seqs: %s; widths in blocks: %s) in %.1f s",
+            len(keys), sorted({(t, r) for t, r, _ in keys}), list(self.buckets.widths), elapsed,
         )
         return elapsed
 

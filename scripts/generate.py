@@ -1,23 +1,27 @@
-"""Offline generation: greedy-decode `generate.prompt` with the configured model.
+"""Offline generation: complete `generate.prompts` with the configured model, all in one batch.
 
-    python scripts/generate.py generate.prompt="Hello" generate.max_tokens=16
-    python scripts/generate.py model=hf model.checkpoint=/path/to/llama
+    python scripts/generate.py
+    python scripts/generate.py 'generate.prompts=[Hello,"Once upon a time"]' generate.max_tokens=16
+    python scripts/generate.py model=hf model.checkpoint=/path/to/llama generate.temperature=0.8 generate.seed=0
 """
 
 import hydra
 
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
-from jaxcb.offline import generate_one
+from jaxcb.offline import generate_prompts
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 @entry_point
 def main(cfg: Config) -> None:
-    result = generate_one(cfg, cfg.generate.prompt, cfg.generate.max_tokens)
-    print(f"prompt: {cfg.generate.prompt!r}")
-    print(f"output: {result.text!r}")
-    print(f"tokens: {result.token_ids} (finish_reason={result.finish_reason}, {result.tokens_per_s:.1f} tok/s)")
+    report = generate_prompts(cfg, list(cfg.generate.prompts))
+    for out in report.outputs:
+        c = out.outputs[0]
+        print(f"prompt: {out.prompt!r}")
+        print(f"output: {c.text!r}")
+        print(f"tokens: {c.token_ids} (finish_reason={c.finish_reason})")
+    print(f"{report.num_output_tokens} tokens in {report.seconds:.2f} s ({report.num_output_tokens / report.seconds:.1f} tok/s)")
 
 
 if __name__ == "__main__":

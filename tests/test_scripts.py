@@ -7,6 +7,7 @@ import sys
 from hf_checkpoints import make_hf_llama, write_word_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ("scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", "engine.max_model_len=128")
 
 
 def run_script(script, *overrides, cwd=None):
@@ -18,23 +19,23 @@ def run_script(script, *overrides, cwd=None):
 
 
 def test_generate_greedy_decodes_with_the_tiny_model(tmp_path):
-    proc = run_script("generate.py", "generate.prompt=Hello", "generate.max_tokens=5", cwd=str(tmp_path))
+    proc = run_script("generate.py", "generate.prompts=[Hello,World]", "generate.max_tokens=5", *SMALL, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    assert "prompt: 'Hello'" in proc.stdout
-    assert "finish_reason=length" in proc.stdout
+    assert "prompt: 'Hello'" in proc.stdout and "prompt: 'World'" in proc.stdout
+    assert proc.stdout.count("finish_reason=length") == 2
 
 
-def test_generate_is_deterministic_and_matches_the_library(tmp_path):
-    from hydra import compose, initialize_config_dir
+def test_generate_matches_one_sequence_greedy_decoding(tmp_path):
 
-    from jaxcb.config import CONF_DIR, load_config
-    from jaxcb.offline import generate_one
+    from jaxcb.config import compose_config
+    from jaxcb.model.loader import load_model
+    from jaxcb.reference_generate import greedy_generate
+    from jaxcb.tokenizer import ByteTokenizer
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = load_config(compose("config", overrides=["generate.max_tokens=5"]))
-    expected = generate_one(cfg, "Hello", 5).token_ids
-    proc = run_script("generate.py", "generate.prompt=Hello", "generate.max_tokens=5", cwd=str(tmp_path))
-    assert f"tokens: {expected}" in proc.stdout
+    model, _ = load_model(compose_config().model)
+    expected = greedy_generate(model, ByteTokenizer().encode("Hello"), 5).token_ids
+    proc = run_script("generate.py", "generate.prompts=[Hello]", "generate.max_tokens=5", *SMALL, cwd=str(tmp_path))
+    assert f"tokens: {expected}" in proc.stdout, proc.stdout
 
 
 def test_generate_from_an_hf_checkpoint_uses_its_tokenizer(tmp_path):
@@ -43,7 +44,7 @@ def test_generate_from_an_hf_checkpoint_uses_its_tokenizer(tmp_path):
     write_word_tokenizer(str(ckpt), 131)
     proc = run_script(
         "generate.py", "model=hf", f"model.checkpoint={ckpt}", "model.dtype=float32",
-        "generate.prompt='w5 w6 w7'", "generate.max_tokens=4", cwd=str(tmp_path),
+        "generate.prompts=['w5 w6 w7']", "generate.max_tokens=4", *SMALL, cwd=str(tmp_path),
     )
     assert proc.returncode == 0, proc.stderr
     assert "tokenizer HFTokenizer" in proc.stdout + proc.stderr
@@ -63,13 +64,16 @@ def test_key_typo_fails_before_anything_runs(tmp_path):
 
 
 def test_prompt_longer_than_max_model_len_is_refused(tmp_path):
-    proc = run_script("generate.py", "engine.max_model_len=8", "generate.prompt=abcdefgh", cwd=str(tmp_path))
+    proc = run_script(
+        "generate.py", "engine.max_model_len=64", "generate.prompts=[" + "a" * 60 + "]", "generate.max_tokens=8",
+        "scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", cwd=str(tmp_path),
+    )
     assert proc.returncode == 2
-    assert "exceeds engine.max_model_len=8" in proc.stderr
+    assert "exceeds engine.max_model_len=64" in proc.stderr
 
 
 def test_serve_says_it_runs_an_offline_generation_for_now(tmp_path):
-    proc = run_script("serve.py", "generate.max_tokens=3", cwd=str(tmp_path))
+    proc = run_script("serve.py", "generate.max_tokens=3", *SMALL, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert "HTTP server is not available yet" in proc.stdout
     assert "127.0.0.1:8000" in proc.stdout
