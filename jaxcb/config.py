@@ -136,6 +136,21 @@ class GenerateConfig:
 
 
 @dataclass
+class BenchConfig:
+    """Options of scripts/bench.py."""
+
+    task: str = "offline"  # offline | policies (fcfs vs static) | overhead (engine vs replayed steps)
+    workload: str = "lognormal"  # lognormal (ShareGPT-like lengths) | random (fixed lengths)
+    num_requests: int = 200
+    input_mean: float = 200.0  # tokens, before scale
+    output_mean: float = 300.0
+    input_sigma: float = 1.0  # lognormal sigma of the input lengths
+    output_sigma: float = 0.8
+    scale: float = 0.25  # shrinks every length, for small machines
+    seed: int = 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -144,6 +159,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
 
 def register_configs() -> None:
@@ -267,6 +283,11 @@ def validate_config(cfg: Config) -> None:
         f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
     )
     _require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
+    b = cfg.bench
+    _require(b.task in ("offline", "policies", "overhead"), f"bench.task={b.task!r} must be offline, policies or overhead")
+    _require(b.workload in ("lognormal", "random"), f"bench.workload={b.workload!r} must be lognormal or random")
+    _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
+    _require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
     _require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
 
 

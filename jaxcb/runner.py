@@ -120,6 +120,7 @@ class ModelRunner:
         self.compiled: dict[tuple[int, int, int], object] = {}
         self.num_recompiles = 0
         self.num_steps = 0
+        self.recorded: Optional[list] = None  # benchmarks: (bucket, inputs) of every step, for replay
         graphdef, logprobs = self.graphdef, max_logprobs
 
         def step(state, kv_cache: KVCache, x: StepInputs):
@@ -265,6 +266,8 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         key, inputs = self.build_inputs(out)
+        if self.recorded is not None:
+            self.recorded.append((key, inputs))
         ids, lps, self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs)
         self.num_steps += 1
         ids, lps = np.asarray(ids), np.asarray(lps)

@@ -1,0 +1,64 @@
+"""Engine benchmarks on a seeded workload; results are printed and written as JSON to the Hydra run dir.
+
+    python scripts/bench.py                                   # offline throughput (fcfs)
+    python scripts/bench.py bench.task=policies               # fcfs vs static on the same workload
+    python scripts/bench.py bench.task=overhead               # engine vs a replay of its compiled steps
+    python scripts/bench.py -m scheduler.max_num_seqs=16,32,64 # a sweep (one run per value)
+"""
+
+import json
+import logging
+import os
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from jaxcb.benchmark import host_overhead, ideal_static_ratio, make_workload, run_offline, with_policy
+from jaxcb.cli import entry_point
+from jaxcb.config import Config
+from jaxcb.engine import LLM
+
+log = logging.getLogger("jaxcb.bench")
+
+
+def describe(r) -> str:
+    return (
+        f"{r.policy}: {r.output_tokens} output tokens in {r.seconds:.2f} s = {r.output_tokens_per_s:,.0f} out tok/s "
+        f"({r.total_tokens_per_s:,.0f} total tok/s), {r.num_steps} steps, {r.num_preemptions} preemptions, "
+        f"{r.num_recompiles} recompiles"
+    )
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@entry_point
+def main(cfg: Config) -> None:
+    b = cfg.bench
+    result: dict = {"task": b.task, "workload": b.workload, "num_requests": b.num_requests, "scale": b.scale}
+    policies = ["fcfs", "static"] if b.task == "policies" else [cfg.scheduler.policy]
+    engines = {p: LLM(with_policy(cfg, p)) for p in policies}  # compile first: timing starts after
+    first = next(iter(engines.values())).engine
+    items = make_workload(b, first.model_config.vocab_size, first.max_model_len)
+    print(f"workload: {len(items)} requests, {sum(len(w.prompt_token_ids) for w in items)} prompt tokens, "
+          f"{sum(w.output_len for w in items)} output tokens")
+    if b.task == "overhead":
+        result["overhead"] = o = host_overhead(engines[policies[0]], items)
+        print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "
+              f"host overhead {100 * o['host_overhead_fraction']:.0f}% of engine time")
+    else:
+        runs = {p: run_offline(llm, items, p) for p, llm in engines.items()}
+        for r in runs.values():
+            print(describe(r))
+        result["runs"] = {p: dict(vars(r), output_tokens_per_s=r.output_tokens_per_s) for p, r in runs.items()}
+        if b.task == "policies":
+            ratio = runs["fcfs"].output_tokens_per_s / runs["static"].output_tokens_per_s
+            ideal = ideal_static_ratio(items, cfg.scheduler.max_num_seqs)
+            result.update(fcfs_over_static=ratio, ideal_ratio=ideal)
+            print(f"fcfs / static throughput: {ratio:.2f}x (ideal ratio the lengths allow: {ideal:.2f}x)")
+    out_dir = HydraConfig.get().runtime.output_dir
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"results: {os.path.join(out_dir, 'bench.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""scripts/bench.py runs end to end on a small workload, and its workload arithmetic is right."""
+
+import json
+import os
+import subprocess
+import sys
+
+from jaxcb.benchmark import WorkItem, ideal_static_ratio, make_workload
+from jaxcb.config import BenchConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_ideal_static_ratio_counts_batch_max_times_batch_size():
+    items = [WorkItem([1], n) for n in (1, 3, 2, 2)]
+    # batches of 2: max(1,3)*2 + max(2,2)*2 = 10 slot-steps for 8 tokens
+    assert ideal_static_ratio(items, 2) == 10 / 8
+
+
+def test_lognormal_workload_is_seeded_and_respects_limits():
+    b = BenchConfig(num_requests=300, scale=1.0)
+    a, again = make_workload(b, 259, 512), make_workload(b, 259, 512)
+    assert a == again
+    assert all(1 <= len(w.prompt_token_ids) <= 256 and len(w.prompt_token_ids) + w.output_len <= 512 for w in a)
+    mean_in = sum(len(w.prompt_token_ids) for w in a) / len(a)
+    assert 100 < mean_in < 220  # ShareGPT-like (before clipping: 200)
+
+
+def test_bench_policies_runs_and_writes_json(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "bench.task=policies", "bench.num_requests=12",
+         "scheduler.max_num_batched_tokens=64", "scheduler.max_num_seqs=8", "engine.max_model_len=256",
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert set(result["runs"]) == {"fcfs", "static"}
+    assert result["runs"]["fcfs"]["num_recompiles"] == 0 and result["ideal_ratio"] >= 1
