@@ -1,0 +1,89 @@
+"""In-jit sampling: each parameter does what it says, and a row's draw depends only on its own key."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.sampling import SamplingArrays, sample
+
+VOCAB = 11
+
+
+def arrays(rows, **overrides):
+    base = dict(
+        temperature=np.ones(rows, np.float32), top_k=np.zeros(rows, np.int32), top_p=np.ones(rows, np.float32),
+        min_p=np.zeros(rows, np.float32), repetition_penalty=np.ones(rows, np.float32),
+        presence_penalty=np.zeros(rows, np.float32), frequency_penalty=np.zeros(rows, np.float32),
+        seeds=np.arange(rows, dtype=np.uint32), counters=np.zeros(rows, np.int32),
+        banned_token_ids=np.full((rows, 2), VOCAB, np.int32),
+    )
+    base.update({k: np.asarray(v, base[k].dtype) for k, v in overrides.items()})
+    any_penalty = bool(np.any(base["repetition_penalty"] != 1) or np.any(base["presence_penalty"] != 0)
+                       or np.any(base["frequency_penalty"] != 0))
+    any_filter = bool(np.any(base["top_k"] > 0) or np.any(base["top_p"] < 1))
+    return SamplingArrays(**{k: jnp.asarray(v) for k, v in base.items()},
+                          any_penalty=jnp.asarray(any_penalty), any_filter=jnp.asarray(any_filter))
+
+
+def draw(logits, s, history=None, num_prompt=None, num_known=None):
+    rows = logits.shape[0]
+    history = np.zeros((rows, 8), np.int32) if history is None else history
+    num_prompt = np.zeros(rows, np.int32) if num_prompt is None else num_prompt
+    num_known = np.zeros(rows, np.int32) if num_known is None else num_known
+    tok, lp, top_ids, top_lp = sample(jnp.asarray(logits, jnp.float32), s, jnp.asarray(history),
+                                      jnp.asarray(num_prompt), jnp.asarray(num_known), 3)
+    return np.asarray(tok), np.asarray(lp), np.asarray(top_ids), np.asarray(top_lp)
+
+
+LOGITS = np.array([[0.0, 1.0, 3.0, 2.9, 2.8, -1.0, 0.5, 0.2, 0.1, 0.0, -2.0]], np.float32)
+
+
+def test_greedy_takes_the_argmax_and_reports_its_logprob():
+    tok, lp, top_ids, top_lp = draw(LOGITS, arrays(1, temperature=[0.0]))
+    assert tok[0] == 2
+    expected = LOGITS[0] - np.log(np.exp(LOGITS[0]).sum())
+    assert np.isclose(lp[0], expected[2], atol=1e-5)
+    assert list(top_ids[0]) == [2, 3, 4] and np.allclose(top_lp[0], expected[[2, 3, 4]], atol=1e-5)
+
+
+def test_top_k_top_p_and_min_p_keep_only_what_they_allow():
+    many = np.repeat(LOGITS, 300, axis=0)
+    seeds = np.arange(300)
+    tok_k, *_ = draw(many, arrays(300, top_k=[2] * 300, seeds=seeds))
+    assert set(tok_k) == {2, 3}
+    tok_p, *_ = draw(many, arrays(300, top_p=[0.05] * 300, seeds=seeds))
+    assert set(tok_p) == {2}
+    tok_m, *_ = draw(many, arrays(300, min_p=[0.85] * 300, seeds=seeds))
+    assert set(tok_m) <= {2, 3, 4} and len(set(tok_m)) > 1
+    tok_all, *_ = draw(many, arrays(300, seeds=seeds))
+    assert len(set(tok_all)) > 5  # unfiltered sampling really samples
+
+
+def test_a_rows_draw_depends_only_on_its_seed_and_counter():
+    rng = np.random.default_rng(0)
+    batch = rng.standard_normal((5, VOCAB)).astype(np.float32)
+    s = arrays(5, seeds=[7, 8, 9, 10, 11], counters=[3, 0, 5, 1, 2], top_k=[0, 3, 0, 0, 4])
+    together, *_ = draw(batch, s)
+    alone, *_ = draw(batch[2:3], arrays(1, seeds=[9], counters=[5]))
+    assert together[2] == alone[0]
+    moved, *_ = draw(batch[[4, 2]], arrays(2, seeds=[11, 9], counters=[2, 5], top_k=[4, 0]))
+    assert moved[1] == together[2] and moved[0] == together[4]
+
+
+def test_banned_tokens_are_never_drawn():
+    s = arrays(1, temperature=[0.0], banned_token_ids=[[2, 3]])
+    tok, *_ = draw(LOGITS, s)
+    assert tok[0] == 4
+
+
+def test_repetition_penalty_applies_to_prompt_and_output_presence_only_to_output():
+    history = np.array([[2, 3, 0, 0, 0, 0, 0, 0]], np.int32)  # prompt token 2, output token 3
+    rep = arrays(1, temperature=[0.0], repetition_penalty=[2.0])
+    tok, *_ = draw(LOGITS, rep, history, num_prompt=np.array([1]), num_known=np.array([2]))
+    assert tok[0] == 4  # 3.0 -> 1.5 and 2.9 -> 1.45: 2.8 wins
+    presence = arrays(1, temperature=[0.0], presence_penalty=[0.15])
+    tok, *_ = draw(LOGITS, presence, history, num_prompt=np.array([1]), num_known=np.array([2]))
+    assert tok[0] == 2  # only the output token 3 is penalised; 2 is still best
+    freq = arrays(1, temperature=[0.0], frequency_penalty=[2.0])
+    history2 = np.array([[5, 2, 0, 0, 0, 0, 0, 0]], np.int32)
+    tok, *_ = draw(LOGITS, freq, history2, num_prompt=np.array([1]), num_known=np.array([2]))
+    assert tok[0] == 3
