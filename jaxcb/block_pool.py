@@ -10,6 +10,11 @@ the scheduler calls it every step. Block 0 is the null block and is never handed
 - Each handed-out block has a reference count: 1 for its owner, +1 for every sequence
   that shares it (`fork`, for n > 1 samples now and shared prefixes later). It returns
   to the free queue when the count reaches 0.
+- Prefix caching: a full block can be registered under a hash of its contents (the
+  parent block's hash + its token ids). A freed registered block keeps its contents and
+  its hash while it waits in the free queue; `lookup` finds it and `touch` takes it back
+  out. It is evicted -- its hash forgotten -- only when `allocate` needs it as a fresh
+  block, least recently freed first. A block in use is never in the queue, so never evicted.
 - Every operation checks all of its arguments before it changes anything, so a bad call
   raises and leaves the pool as it was.
 """
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Optional, Sequence
 
 NULL_BLOCK = 0
 
@@ -55,6 +60,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        self._hash_of_block: dict[int, int] = {}
+        self._block_of_hash: dict[int, int] = {}
+        self._key_of_block: dict[int, Hashable] = {}  # what the hash stands for: checked on lookup
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,9 +86,55 @@ class BlockPool:
         blocks = []
         for _ in range(num_blocks):
             block, _ = self._free.popitem(last=False)
+            self._evict(block)
             self._ref_counts[block] = 1
             blocks.append(block)
         return blocks
+
+    # --- prefix caching --------------------------------------------------------------------------
+
+    def register(self, block: int, block_hash: int, key: Hashable) -> None:
+        """Remember that held, full `block` holds `key` (parent hash + token ids). A hash already
+        registered keeps its first block: the same prefix computed twice is cached once."""
+        self._check_held([block])
+        if block_hash in self._block_of_hash or block in self._hash_of_block:
+            return
+        self._block_of_hash[block_hash] = block
+        self._hash_of_block[block] = block_hash
+        self._key_of_block[block] = key
+
+    def is_registered(self, block: int) -> bool:
+        return block in self._hash_of_block
+
+    def lookup(self, block_hash: int, key: Hashable) -> Optional[int]:
+        """The block caching `key`, in use or free, or None (a hash collision counts as a miss)."""
+        block = self._block_of_hash.get(block_hash)
+        if block is None or self._key_of_block[block] != key:
+            return None
+        return block
+
+    def touch(self, blocks: Sequence[int]) -> list[int]:
+        """Take cached blocks for one more holder: out of the free queue if unreferenced, count + 1."""
+        self._check_ids(blocks)
+        for block in blocks:
+            if block == NULL_BLOCK or (self._ref_counts[block] == 0 and block not in self._hash_of_block):
+                raise BlockPoolError(f"block {block} is neither held nor cached; it cannot be touched")
+        for block in blocks:
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+        return list(blocks)
+
+    def _evict(self, block: int) -> None:
+        block_hash = self._hash_of_block.pop(block, None)
+        if block_hash is not None:
+            del self._block_of_hash[block_hash]
+            del self._key_of_block[block]
+            self.num_evictions += 1
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of_block)
 
     def fork(self, blocks: Sequence[int]) -> list[int]:
         """Share blocks with one more holder (reference count + 1); returns the same ids."""
@@ -124,3 +179,5 @@ class BlockPool:
             held = self._ref_counts[block] > 0
             assert held != (block in self._free), f"block {block}: count {self._ref_counts[block]}, queued {not held}"
         assert self._ref_counts[NULL_BLOCK] == 0 and NULL_BLOCK not in self._free
+        for block_hash, block in self._block_of_hash.items():
+            assert self._hash_of_block[block] == block_hash

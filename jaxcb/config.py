@@ -77,6 +77,7 @@ class CacheConfig:
     num_blocks: Optional[int] = None  # total blocks incl. the null block; None: from memory_fraction
     memory_fraction: float = 0.9  # share of free device memory for weights + cache when num_blocks is None
     dtype: str = "auto"  # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16 | float16
+    enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose tokens (and all before) match
 
 
 @dataclass

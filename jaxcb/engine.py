@@ -76,7 +76,14 @@ class Engine:
         )
         self.cache_plan = plan
         self.block_pool = BlockPool(plan.num_blocks)
-        self.scheduler = Scheduler(cfg.scheduler, self.block_pool, plan.block_size, self.max_model_len)
+        self.scheduler = Scheduler(
+            cfg.scheduler,
+            self.block_pool,
+            plan.block_size,
+            self.max_model_len,
+            enable_prefix_caching=cfg.cache.enable_prefix_caching,
+            cache_salt=repr((cfg.model.name, cfg.model.checkpoint, cfg.model.seed, model_cfg, plan.dtype.name)),
+        )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
         buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, model.attention.name)
         self.runner = ModelRunner(

@@ -49,6 +49,8 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    block_hashes: list[tuple[int, tuple]] = field(default_factory=list)  # (hash, key) of full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks already registered in the prefix cache
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None

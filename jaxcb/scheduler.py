@@ -11,10 +11,14 @@ decode token or the next prefill chunk. `schedule()`:
     2. unless step 1 preempted, waiting sequences are admitted in FCFS order while the
        budget, max_num_seqs, max_num_partial_prefills and free blocks allow
        (policy=static: only when nothing runs, and with each member's worst-case blocks
-       reserved up front, so a static batch never preempts)
+       reserved up front, so a static batch never preempts). An admitted sequence first
+       takes the longest prefix of its full blocks found in the prefix cache and computes
+       only the rest -- always at least its last token, into a block of its own, so a
+       cached block is never written.
 
-`update()` applies the runner's sampled tokens, decides which sequences finished on a
-token (EOS, stop token, max_tokens, max_model_len) and frees their blocks at once.
+`update()` applies the runner's sampled tokens, registers blocks that became full in the
+prefix cache, decides which sequences finished on a token (EOS, stop token, max_tokens,
+max_model_len) and frees their blocks at once.
 """
 
 from __future__ import annotations
@@ -78,11 +82,24 @@ class RunnerOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, block_pool: BlockPool, block_size: int, max_model_len: int):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        block_pool: BlockPool,
+        block_size: int,
+        max_model_len: int,
+        *,
+        enable_prefix_caching: bool = False,
+        cache_salt: str = "",
+    ):
         self.cfg = cfg
         self.pool = block_pool
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self._root_hash = hash(("jaxcb-prefix-cache", cache_salt))  # what else changes the K/V: the model
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens found
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -189,6 +206,7 @@ class Scheduler:
         self._free_blocks(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.num_registered_blocks = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -207,6 +225,9 @@ class Scheduler:
             if share is None:  # a follower whose leader has not prefilled yet
                 skipped.append(self.waiting.popleft())
                 continue
+            cached = self._cached_prefix(request)
+            if len(cached) > len(share):
+                share = cached
             start = len(share) * self.block_size
             if self.cfg.enable_chunked_prefill or request.num_preemptions:
                 num_new = min(request.num_tokens - start, budget)
@@ -221,11 +242,16 @@ class Scheduler:
             reserve = request.num_prompt_tokens + request.sampling_params.max_tokens
             total = reserve if self.cfg.policy == "static" else start + num_new
             needed = max(0, -(-total // self.block_size) - len(share))
-            if needed > self.pool.num_free_blocks:
+            reused_free = sum(1 for b in share if self.pool.ref_count(b) == 0)  # cached, unreferenced
+            if needed > self.pool.num_free_blocks - reused_free:
                 break
             self.waiting.popleft()
-            request.block_ids = self.pool.fork(share) + self.pool.allocate(needed)
+            if self.enable_prefix_caching:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += start
+            request.block_ids = self.pool.touch(share) + self.pool.allocate(needed)
             request.num_computed_tokens = start
+            request.num_registered_blocks = len(share)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -249,6 +275,39 @@ class Scheduler:
         # Full blocks before the block of the last prompt token: the follower recomputes that token
         # (to sample its own first token) into a block of its own.
         return leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
+
+    def _cached_prefix(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix of the request's known tokens, leaving its last
+        token (and with it the block it sits in) to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for block_hash, key in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(block_hash, key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[tuple[int, tuple]]:
+        """(hash, key) of the request's first num_blocks full blocks; key = (parent hash, token ids)."""
+        chain = request.block_hashes
+        bs = self.block_size
+        while len(chain) < num_blocks:
+            i = len(chain)
+            parent = chain[-1][0] if chain else self._root_hash
+            key = (parent, tuple(request.token_ids(i * bs, (i + 1) * bs)))
+            chain.append((hash(key), key))
+        return chain[:num_blocks]
+
+    def _register_full_blocks(self, request: Request) -> None:
+        num_full = request.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:
+            return
+        chain = self._block_hashes(request, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            self.pool.register(request.block_ids[i], *chain[i])
+        request.num_registered_blocks = num_full
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -281,6 +340,7 @@ class Scheduler:
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed_tokens = seq.start_position + len(seq.token_ids)
+            self._register_full_blocks(request)
             sampled = runner_out.sampled.get(seq.request_id) if seq.samples else None
             if sampled is None:
                 continue

@@ -197,3 +197,33 @@ def test_min_tokens_suppresses_eos_until_reached():
     out = [o for _ in range(20) for o in engine.step() if o.finished][0].outputs[0]
     assert first not in out.token_ids[:3], "a stop token id must not be sampled before min_tokens"
     assert eos not in out.token_ids[:3]
+
+
+def shared_prefix_workload(seed, n=24):
+    rng = random.Random(seed)
+    system = [rng.randrange(256) for _ in range(70)]  # 4 full blocks of 16 + 6 tokens
+    work = []
+    for i in range(n):
+        suffix = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
+        work.append((f"sys{i}", system + suffix, rng.randint(1, 24), rng.randint(0, 20)))
+    return work
+
+
+def test_prefix_caching_hits_a_shared_system_prompt_and_changes_no_output():
+    on = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
+    off = shared_engine(SMALL_CACHE, "cache.enable_prefix_caching=false")
+    work = shared_prefix_workload(seed=9)
+    greedy = lambda rid, m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    hits0 = on.scheduler.prefix_cache_hits
+    with_cache = run_with_arrivals(on, work, greedy)
+    without = run_with_arrivals(off, work, greedy)
+    assert on.scheduler.prefix_cache_hits - hits0 >= 64 * (len(work) // 2)  # most found the 4 system blocks
+    assert off.scheduler.prefix_cache_hits == 0
+    for rid, prompt, max_tokens, _ in work:
+        a, b = with_cache[rid].outputs[0].token_ids, without[rid].outputs[0].token_ids
+        if a != b:
+            assert_same_or_tied(a, alone(on, prompt, max_tokens))
+            assert_same_or_tied(b, alone(on, prompt, max_tokens))
+    for engine in (on, off):
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+        engine.block_pool.check_invariants()

@@ -22,9 +22,11 @@ def make_request(prompt_len, max_tokens=4, arrival=None, **params):
     )
 
 
-def make_scheduler(num_blocks=64, max_model_len=256, **cfg):
+def make_scheduler(num_blocks=64, max_model_len=256, enable_prefix_caching=False, **cfg):
     cfg = dict(dict(max_num_seqs=4, max_num_batched_tokens=16), **cfg)
-    return Scheduler(SchedulerConfig(**cfg), BlockPool(num_blocks), BLOCK, max_model_len)
+    return Scheduler(
+        SchedulerConfig(**cfg), BlockPool(num_blocks), BLOCK, max_model_len, enable_prefix_caching=enable_prefix_caching
+    )
 
 
 def run_step(sched, token=7):
@@ -224,4 +226,52 @@ def test_every_block_is_free_when_all_requests_are_done(policy):
             break
     assert all(r.is_finished for r in reqs)
     assert sched.pool.num_free_blocks == 11
+    sched.pool.check_invariants()
+
+
+def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_them():
+    sched = make_scheduler(num_blocks=40, enable_prefix_caching=True, max_num_batched_tokens=64)
+    system = list(range(100, 113))  # 13 tokens: 3 full blocks of 4
+    first = Request("first", system + [1, 2], SamplingParams(max_tokens=3, temperature=0))
+    sched.add_request(first)
+    run_step(sched)
+    later = [Request(f"r{i}", system + [50 + i, 60 + i, 70 + i], SamplingParams(max_tokens=4, temperature=0)) for i in range(4)]
+    for r in later:
+        sched.add_request(r)
+    for _ in range(30):
+        out = sched.schedule()
+        for s in out.scheduled:
+            for pos in range(s.start_position, s.start_position + len(s.token_ids)):
+                block = s.block_ids[pos // BLOCK]
+                assert sched.pool.ref_count(block) == 1 and not sched.pool.is_registered(block), "write into a cached block"
+        sched.update(out, RunnerOutput({s.request_id: SampledToken(7) for s in out.scheduled if s.samples}))
+        if not sched.num_unfinished:
+            break
+    assert sched.prefix_cache_hits == 4 * 12  # each later request found the 3 full system blocks
+    assert all(r.output_token_ids == [7] * 4 for r in later)
+    assert sched.pool.num_free_blocks == 39 and sched.pool.num_cached_blocks > 0
+    sched.pool.check_invariants()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_block():
+    sched = make_scheduler(num_blocks=20, enable_prefix_caching=True)
+    prompt = list(range(1, 9))  # exactly 2 blocks
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    run_step(sched)
+    sched.add_request(Request("b", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    out = sched.schedule()
+    [s] = out.scheduled
+    assert (s.start_position, s.token_ids) == (4, [5, 6, 7, 8])
+
+
+def test_eviction_takes_least_recently_freed_cached_blocks_first():
+    sched = make_scheduler(num_blocks=7, enable_prefix_caching=True, max_num_batched_tokens=32)
+    a = Request("a", list(range(1, 10)), SamplingParams(max_tokens=1, temperature=0))  # 2 full blocks + 1
+    sched.add_request(a)
+    run_step(sched)
+    assert sched.pool.num_cached_blocks == 2 and sched.pool.num_free_blocks == 6
+    b = Request("b", list(range(50, 71)), SamplingParams(max_tokens=1, temperature=0))  # 6 blocks: must evict
+    sched.add_request(b)
+    run_step(sched)
+    assert b.is_finished and sched.pool.num_evictions >= 1
     sched.pool.check_invariants()
