@@ -94,7 +94,10 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
-    policy: str = "fcfs"  # fcfs | static (request-level batching baseline)
+    policy: str = "fcfs"  # fcfs | priority | static (request-level batching baseline)
+    priority_aging_s: float = 10.0  # priority: a waiting request gains one priority level per this many seconds
+    max_waiting_requests: Optional[int] = None  # admission control: more waiting requests are refused (429)
+    max_waiting_tokens: Optional[int] = None  # admission control: prompt tokens waiting, at most
     enable_chunked_prefill: bool = True  # false: each prompt's prefill runs whole, in one step
     long_prefill_token_threshold: Optional[int] = None  # most tokens one prefill takes per step; None: the budget
     max_num_partial_prefills: int = 1  # prompts that may be mid-prefill at once
@@ -244,9 +247,13 @@ def validate_config(cfg: Config) -> None:
         f"scheduler.max_num_seqs={s.max_num_seqs} (every running sequence needs one token per step)",
     )
     _require(
-        s.policy in ("fcfs", "static"),
-        f"scheduler.policy={s.policy!r} must be one of fcfs, static",
+        s.policy in ("fcfs", "priority", "static"),
+        f"scheduler.policy={s.policy!r} must be one of fcfs, priority, static",
     )
+    _require(s.priority_aging_s > 0, f"scheduler.priority_aging_s={s.priority_aging_s} must be > 0")
+    for name in ("max_waiting_requests", "max_waiting_tokens"):
+        v = getattr(s, name)
+        _require(v is None or v >= 1, f"scheduler.{name}={v} must be >= 1, or null for no limit")
     _require(
         s.long_prefill_token_threshold is None or s.long_prefill_token_threshold >= 1,
         f"scheduler.long_prefill_token_threshold={s.long_prefill_token_threshold} must be >= 1, or null for no cap",

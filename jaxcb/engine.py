@@ -14,9 +14,11 @@ Life of a request:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -26,6 +28,7 @@ from tqdm import tqdm
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.detokenizer import IncrementalDetokenizer
+from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import allocate_planned_kv_cache, plan_kv_cache
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -99,6 +102,7 @@ class Engine:
         self._groups: dict[str, _Group] = {}
         self._seed_rng = random.Random(cfg.engine.seed)
         self._next_id = 0
+        self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens): throughput for hints
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -120,6 +124,7 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
+        self._admission_control(len(ids), params.n)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         seqs = []
         for i in range(params.n):
@@ -175,6 +180,31 @@ class Engine:
         if params.n > sched.max_num_seqs:
             raise InvalidRequestError(f"n={params.n} exceeds scheduler.max_num_seqs={sched.max_num_seqs}")
 
+    def _admission_control(self, num_prompt_tokens: int, n: int) -> None:
+        """Refuse (retryably) a request that would overfill the queue; it costs nothing when refused."""
+        s = self.cfg.scheduler
+        waiting = len(self.scheduler.waiting)
+        if s.max_waiting_requests is not None and waiting + n > s.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"{waiting} requests are waiting, the limit is scheduler.max_waiting_requests={s.max_waiting_requests}",
+                self.retry_after_s(),
+            )
+        tokens = self.scheduler.num_waiting_tokens
+        if s.max_waiting_tokens is not None and tokens + n * num_prompt_tokens > s.max_waiting_tokens:
+            raise EngineOverloadedError(
+                f"{tokens} prompt tokens are waiting and this request brings {n * num_prompt_tokens}, the limit is "
+                f"scheduler.max_waiting_tokens={s.max_waiting_tokens}",
+                self.retry_after_s(),
+            )
+
+    def retry_after_s(self) -> float:
+        """Seconds until the waiting tokens are likely processed at the recent throughput (1 to 60)."""
+        if len(self._recent_steps) < 2:
+            return 1.0
+        span = self._recent_steps[-1][0] - self._recent_steps[0][0]
+        tokens_per_s = sum(t for _, t in list(self._recent_steps)[1:]) / max(span, 1e-6)
+        return float(min(60, max(1, math.ceil(self.scheduler.num_waiting_tokens / max(tokens_per_s, 1e-6)))))
+
     def abort(self, request_id: str) -> bool:
         """End a request now and free its blocks; False if it is unknown or already finished."""
         group = self._groups.pop(request_id, None)
@@ -200,6 +230,7 @@ class Engine:
                 )
             return []
         runner_out = self.runner.execute(sched_out)
+        self._recent_steps.append((time.monotonic(), sched_out.num_scheduled_tokens))
         touched = self.scheduler.update(sched_out, runner_out)
         changed: dict[str, _Group] = {}
         for seq in touched:

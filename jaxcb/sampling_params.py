@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as given; the message names the field and the limit."""
+from jaxcb.errors import InvalidRequestError
 
 
 @dataclass

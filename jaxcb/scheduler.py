@@ -27,7 +27,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from jaxcb.block_pool import BlockPool, NoFreeBlocksError
 from jaxcb.config import SchedulerConfig
@@ -91,12 +91,14 @@ class Scheduler:
         *,
         enable_prefix_caching: bool = False,
         cache_salt: str = "",
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg
         self.pool = block_pool
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
+        self.clock = clock  # of arrival times and priority aging
         self._root_hash = hash(("jaxcb-prefix-cache", cache_salt))  # what else changes the K/V: the model
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
@@ -155,10 +157,28 @@ class Scheduler:
 
     # --- one step ------------------------------------------------------------------------------
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    def _priority_key(self, request: Request, now: float) -> tuple[float, float]:
+        """Smaller is served first: priority, minus one level per priority_aging_s of waiting."""
+        return (request.priority - (now - request.arrival_time) / self.cfg.priority_aging_s, request.arrival_time)
+
+    def _choose_victim(self, now: float) -> Request:
+        if self.cfg.policy == "priority":  # the worst priority, newest first
+            return max(self.running, key=lambda r: self._priority_key(r, now))
+        # recompute costs what the victim has computed: take the one that computed least (newest on ties)
+        return min(self.running, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
         scheduled: dict[str, ScheduledSequence] = {}
         preempted: list[str] = []
+        now = self.clock()
+        if self.cfg.policy == "priority":
+            self.running.sort(key=lambda r: self._priority_key(r, now))
+            self.waiting = deque(sorted(self.waiting, key=lambda r: self._priority_key(r, now)))
 
         for request in list(self.running):
             if request.status is not RequestStatus.RUNNING:
@@ -167,7 +187,7 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self._allocate(request, num_new):
-                victim = min(self.running, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+                victim = self._choose_victim(now)
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
                 if victim is request:
@@ -178,6 +198,8 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit(budget, scheduled)
+        if not preempted and self.cfg.policy == "priority":
+            preempted += self._preempt_for_priority(now, scheduled)
 
         out = SchedulerOutput(list(scheduled.values()), preempted, self._finished_since_step)
         self._finished_since_step = []
@@ -213,6 +235,27 @@ class Scheduler:
         returned = scheduled.pop(victim.request_id, None)
         log.debug("preempted %s (recompute)", victim.request_id)
         return len(returned.token_ids) if returned else 0
+
+    def _preempt_for_priority(self, now: float, scheduled: dict[str, ScheduledSequence]) -> list[str]:
+        """A waiting request that could not be admitted but outranks a running one takes its place:
+        the worst running request is preempted now, and the waiting one is admitted next step."""
+        if not self.waiting or not self.running:
+            return []
+        head = self.waiting[0]
+        worst = max(self.running, key=lambda r: self._priority_key(r, now))
+        if self._priority_key(head, now) >= self._priority_key(worst, now):
+            return []
+        first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens)
+        blocked = len(self.running) >= self.cfg.max_num_seqs or (
+            -(-first_chunk // self.block_size) > self.pool.num_free_blocks
+        )
+        if not blocked:  # it waits for budget, not for room: preempting would not help
+            return []
+        self._preempt(worst, scheduled)
+        # keep the outranking request first in line (the victim went to the head)
+        self.waiting.remove(head)
+        self.waiting.appendleft(head)
+        return [worst.request_id]
 
     def _admit(self, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
         if self.cfg.policy == "static" and self.running:

@@ -227,3 +227,32 @@ def test_prefix_caching_hits_a_shared_system_prompt_and_changes_no_output():
     for engine in (on, off):
         assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
         engine.block_pool.check_invariants()
+
+
+def test_admission_control_refuses_a_burst_beyond_the_queue_and_serves_the_rest():
+    from jaxcb.errors import EngineOverloadedError
+
+    engine = shared_engine(SMALL_CACHE, "scheduler.max_waiting_requests=4")
+    admitted, refused, done = [], [], set()
+    rng = random.Random(10)
+    for i in range(50):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 60))]
+        try:
+            admitted.append(engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8), request_id=f"b{i}"))
+        except EngineOverloadedError as e:
+            assert e.retryable and e.retry_after_s >= 1 and "max_waiting_requests=4" in str(e)
+            refused.append(i)
+        if i % 5 == 4:
+            done |= {o.request_id for o in engine.step() if o.finished}
+    assert refused and admitted
+    while engine.has_unfinished_requests():
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert done == set(admitted)
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+
+
+def test_request_that_can_never_fit_the_cache_is_not_retryable():
+    engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request([1] * 200, SamplingParams(max_tokens=50))
+    assert not info.value.retryable and "max_model_len=256" in str(info.value)

@@ -1,0 +1,23 @@
+"""Errors a request can meet, split by what the client should do: fix the request, or retry later.
+
+The server maps them to HTTP: InvalidRequestError -> 400, EngineOverloadedError -> 429 with
+a Retry-After header.
+"""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request that can never be served as given; the message names the field and the limit."""
+
+    retryable = False
+
+
+class EngineOverloadedError(RuntimeError):
+    """The queue is full now; the same request may succeed after `retry_after_s` seconds."""
+
+    retryable = True
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(f"{message}; retry after {retry_after_s:.0f} s")
+        self.retry_after_s = retry_after_s
