@@ -254,5 +254,6 @@ def test_admission_control_refuses_a_burst_beyond_the_queue_and_serves_the_rest(
 def test_request_that_can_never_fit_the_cache_is_not_retryable():
     engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request([1] * 200, SamplingParams(max_tokens=50))
+        engine.add_request([1] * 220, SamplingParams(max_tokens=50))
     assert not info.value.retryable and "max_model_len=256" in str(info.value)
+    assert not engine.has_unfinished_requests()
