@@ -78,6 +78,7 @@ class CacheConfig:
     memory_fraction: float = 0.9  # share of free device memory for weights + cache when num_blocks is None
     dtype: str = "auto"  # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16 | float16
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose tokens (and all before) match
+    swap_space_gib: float = 4.0  # host memory for blocks of sequences preempted by swap
 
 
 @dataclass
@@ -95,6 +96,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
     policy: str = "fcfs"  # fcfs | priority | static (request-level batching baseline)
+    preemption_mode: str = "recompute"  # recompute | swap (to cache.swap_space_gib of host memory; recompute if full)
     priority_aging_s: float = 10.0  # priority: a waiting request gains one priority level per this many seconds
     max_waiting_requests: Optional[int] = None  # admission control: more waiting requests are refused (429)
     max_waiting_tokens: Optional[int] = None  # admission control: prompt tokens waiting, at most
@@ -250,6 +252,11 @@ def validate_config(cfg: Config) -> None:
         s.policy in ("fcfs", "priority", "static"),
         f"scheduler.policy={s.policy!r} must be one of fcfs, priority, static",
     )
+    _require(
+        s.preemption_mode in ("recompute", "swap"),
+        f"scheduler.preemption_mode={s.preemption_mode!r} must be recompute or swap",
+    )
+    _require(c.swap_space_gib >= 0, f"cache.swap_space_gib={c.swap_space_gib} must be >= 0")
     _require(s.priority_aging_s > 0, f"scheduler.priority_aging_s={s.priority_aging_s} must be > 0")
     for name in ("max_waiting_requests", "max_waiting_tokens"):
         v = getattr(s, name)

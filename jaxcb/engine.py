@@ -29,7 +29,7 @@ from jaxcb.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.errors import EngineOverloadedError
-from jaxcb.kv_cache import allocate_planned_kv_cache, plan_kv_cache
+from jaxcb.kv_cache import HostSwapSpace, allocate_planned_kv_cache, num_swap_blocks, plan_kv_cache
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.request import Request, RequestStatus
@@ -79,6 +79,15 @@ class Engine:
         )
         self.cache_plan = plan
         self.block_pool = BlockPool(plan.num_blocks)
+        kv_cache = allocate_planned_kv_cache(model_cfg, plan)
+        host_pool = swap_space = None
+        if cfg.scheduler.preemption_mode == "swap":
+            num_host = num_swap_blocks(cfg.cache, plan)
+            if num_host >= 2:
+                host_pool, swap_space = BlockPool(num_host), HostSwapSpace(kv_cache, num_host)
+                log.info("swap space: %d host blocks (cache.swap_space_gib=%g)", num_host - 1, cfg.cache.swap_space_gib)
+            else:
+                log.warning("cache.swap_space_gib=%g holds no block: preemption will recompute", cfg.cache.swap_space_gib)
         self.scheduler = Scheduler(
             cfg.scheduler,
             self.block_pool,
@@ -86,16 +95,18 @@ class Engine:
             self.max_model_len,
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
             cache_salt=repr((cfg.model.name, cfg.model.checkpoint, cfg.model.seed, model_cfg, plan.dtype.name)),
+            host_pool=host_pool,
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
         buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, model.attention.name)
         self.runner = ModelRunner(
             model,
-            allocate_planned_kv_cache(model_cfg, plan),
+            kv_cache,
             buckets,
             max_model_len=self.max_model_len,
             max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
+            swap_space=swap_space,
         )
         if compile_buckets:
             self.runner.compile_all(progress=progress)

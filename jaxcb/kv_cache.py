@@ -10,12 +10,14 @@ unused block-table entries point there, so it never holds data anyone reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcb.block_pool import NULL_BLOCK
 from jaxcb.config import CacheConfig, ConfigError
@@ -177,3 +179,55 @@ def write_kv(
     k_flat = cache.k.reshape(flat).at[layer, :, slot_mapping].set(k.astype(cache.k.dtype), mode="drop")
     v_flat = cache.v.reshape(flat).at[layer, :, slot_mapping].set(v.astype(cache.v.dtype), mode="drop")
     return KVCache(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape))
+
+
+SWAP_CHUNK = 16  # blocks per device<->host copy call: one compiled shape, padded with the null block
+
+
+@jax.jit
+def gather_blocks(cache: KVCache, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """K and V of `block_ids` (i32[SWAP_CHUNK]): [num_layers, num_kv_heads, SWAP_CHUNK, block_size, head_dim] each."""
+    return cache.k[:, :, block_ids], cache.v[:, :, block_ids]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def scatter_blocks(cache: KVCache, block_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    """Write K and V into `block_ids` (in place: the cache is donated). Padding targets the null block."""
+    return KVCache(k=cache.k.at[:, :, block_ids].set(k), v=cache.v.at[:, :, block_ids].set(v))
+
+
+class HostSwapSpace:
+    """Preallocated host memory for swapped-out blocks, indexed by host block id (0 unused)."""
+
+    def __init__(self, cache: KVCache, num_blocks: int):
+        num_layers, num_kv_heads, _, block_size, head_dim = cache.k.shape
+        shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+        self.k = np.zeros(shape, cache.k.dtype)
+        self.v = np.zeros(shape, cache.v.dtype)
+        self.num_blocks = num_blocks
+
+    def swap_out(self, cache: KVCache, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks: pairs of (device block, host block)."""
+        for i in range(0, len(pairs), SWAP_CHUNK):
+            chunk = pairs[i : i + SWAP_CHUNK]
+            dev = np.zeros(SWAP_CHUNK, np.int32)
+            dev[: len(chunk)] = [d for d, _ in chunk]
+            k, v = gather_blocks(cache, jnp.asarray(dev))
+            host = [h for _, h in chunk]
+            self.k[:, :, host] = np.asarray(k)[:, :, : len(chunk)]
+            self.v[:, :, host] = np.asarray(v)[:, :, : len(chunk)]
+
+    def swap_in(self, cache: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
+        """Copy host blocks back into device blocks: pairs of (host block, device block)."""
+        for i in range(0, len(pairs), SWAP_CHUNK):
+            chunk = pairs[i : i + SWAP_CHUNK]
+            dev = np.zeros(SWAP_CHUNK, np.int32)  # padding rows land in the null block
+            dev[: len(chunk)] = [d for _, d in chunk]
+            host = np.zeros(SWAP_CHUNK, np.int64)
+            host[: len(chunk)] = [h for h, _ in chunk]
+            cache = scatter_blocks(cache, jnp.asarray(dev), jnp.asarray(self.k[:, :, host]), jnp.asarray(self.v[:, :, host]))
+        return cache
+
+
+def num_swap_blocks(cache_cfg: CacheConfig, plan: "KVCachePlan") -> int:
+    return int(cache_cfg.swap_space_gib * GIB // plan.bytes_per_block)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from jaxcb.attention import AttentionMetadata
 from jaxcb.config import EngineConfig, SchedulerConfig
-from jaxcb.kv_cache import KVCache
+from jaxcb.kv_cache import SWAP_CHUNK, HostSwapSpace, KVCache, gather_blocks, scatter_blocks
 from jaxcb.model.llama import Llama
 from jaxcb.sampling import SamplingArrays, sample
 from jaxcb.scheduler import RunnerOutput, SampledToken, SchedulerOutput
@@ -108,6 +108,7 @@ class ModelRunner:
         max_model_len: int,
         max_logprobs: int,
         max_stop_token_ids: int,
+        swap_space: Optional[HostSwapSpace] = None,
     ):
         self.graphdef, self.state = nnx.split(model)  # once; the step takes the state as an argument
         self.kv_cache = kv_cache
@@ -121,6 +122,7 @@ class ModelRunner:
         self.num_recompiles = 0
         self.num_steps = 0
         self.recorded: Optional[list] = None  # benchmarks: (bucket, inputs) of every step, for replay
+        self.swap_space = swap_space
         graphdef, logprobs = self.graphdef, max_logprobs
 
         def step(state, kv_cache: KVCache, x: StepInputs):
@@ -167,6 +169,10 @@ class ModelRunner:
         keys = self.buckets.all()
         for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
             self.compiled[key] = self._compile(key)
+        if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
+            null = jnp.zeros(SWAP_CHUNK, jnp.int32)
+            k, v = gather_blocks(self.kv_cache, null)
+            self.kv_cache = scatter_blocks(self.kv_cache, null, k, v)
         elapsed = time.perf_counter() - start
         log.info(
             "compiled %d step variants (tokens x seqs: %s; widths in blocks: %s) in %.1f s",
@@ -265,6 +271,10 @@ class ModelRunner:
         return cache[r]
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.swap_in:
+            self.kv_cache = self.swap_space.swap_in(self.kv_cache, out.swap_in)
+        if out.swap_out:
+            self.swap_space.swap_out(self.kv_cache, out.swap_out)
         key, inputs = self.build_inputs(out)
         if self.recorded is not None:
             self.recorded.append((key, inputs))

@@ -59,6 +59,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)  # left since the last step (finished or aborted)
+    # Block copies the runner makes before the step, swap_in first: a host block freed by a swap-in
+    # may be reused by a swap-out of the same step.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -92,6 +96,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         cache_salt: str = "",
         clock: Callable[[], float] = time.monotonic,
+        host_pool: Optional[BlockPool] = None,
     ):
         self.cfg = cfg
         self.pool = block_pool
@@ -99,6 +104,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock  # of arrival times and priority aging
+        self.host_pool = host_pool  # swap space (preemption_mode=swap)
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
         self._root_hash = hash(("jaxcb-prefix-cache", cache_salt))  # what else changes the K/V: the model
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
@@ -150,6 +160,9 @@ class Scheduler:
         if request.block_ids:
             self.pool.free(request.block_ids)
             request.block_ids = []
+        if request.host_block_ids:
+            self.host_pool.free(request.host_block_ids)
+            request.host_block_ids = []
 
     @property
     def num_unfinished(self) -> int:
@@ -201,8 +214,10 @@ class Scheduler:
         if not preempted and self.cfg.policy == "priority":
             preempted += self._preempt_for_priority(now, scheduled)
 
-        out = SchedulerOutput(list(scheduled.values()), preempted, self._finished_since_step)
-        self._finished_since_step = []
+        out = SchedulerOutput(
+            list(scheduled.values()), preempted, self._finished_since_step, self._swap_in, self._swap_out
+        )
+        self._finished_since_step, self._swap_out, self._swap_in = [], [], []
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -223,17 +238,35 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledSequence]) -> int:
-        """Free the victim's blocks and requeue it at the head; return the budget it gives back."""
+        """Free the victim's blocks and requeue it at the head; return the budget it gives back.
+
+        Swap mode copies the blocks holding its computed tokens to host memory first (the
+        runner does it before this step's writes can reuse them) and keeps its progress;
+        when the host pool is full it falls back to recompute."""
         self.running.remove(victim)
-        self._free_blocks(victim)
+        returned = scheduled.pop(victim.request_id, None)
+        num_kept = -(-victim.num_computed_tokens // self.block_size)
+        swap = (
+            self.cfg.preemption_mode == "swap"
+            and self.host_pool is not None
+            and 0 < num_kept <= self.host_pool.num_free_blocks
+        )
+        if swap:
+            host = self.host_pool.allocate(num_kept)
+            self._swap_out += list(zip(victim.block_ids[:num_kept], host))
+            self.pool.free(victim.block_ids)
+            victim.block_ids = []
+            victim.host_block_ids = host
+            self.num_swap_outs += 1
+        else:
+            self._free_blocks(victim)
+            victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
         victim.num_registered_blocks = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
-        returned = scheduled.pop(victim.request_id, None)
-        log.debug("preempted %s (recompute)", victim.request_id)
+        log.debug("preempted %s (%s)", victim.request_id, "swap" if swap else "recompute")
         return len(returned.token_ids) if returned else 0
 
     def _preempt_for_priority(self, now: float, scheduled: dict[str, ScheduledSequence]) -> list[str]:
@@ -264,6 +297,12 @@ class Scheduler:
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
+            if request.host_block_ids:
+                admitted = self._admit_swapped(request, budget, scheduled)
+                if admitted == 0:
+                    break
+                budget -= admitted
+                continue
             share = self._shareable_prefix(request)
             if share is None:  # a follower whose leader has not prefilled yet
                 skipped.append(self.waiting.popleft())
@@ -318,6 +357,27 @@ class Scheduler:
         # Full blocks before the block of the last prompt token: the follower recomputes that token
         # (to sample its own first token) into a block of its own.
         return leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
+
+    def _admit_swapped(self, request: Request, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
+        """Bring a swapped-out request back: fresh device blocks, its host blocks copied in; return
+        the tokens it takes this step (0: it does not fit yet)."""
+        start = request.num_computed_tokens
+        num_new = min(request.num_tokens - start, budget)
+        if self.cfg.long_prefill_token_threshold is not None:
+            num_new = min(num_new, self.cfg.long_prefill_token_threshold)
+        needed = -(-(start + num_new) // self.block_size)
+        if num_new <= 0 or needed > self.pool.num_free_blocks:
+            return 0
+        self.waiting.popleft()
+        request.block_ids = self.pool.allocate(needed)
+        self._swap_in += list(zip(request.host_block_ids, request.block_ids))
+        self.host_pool.free(request.host_block_ids)
+        request.host_block_ids = []
+        self.num_swap_ins += 1
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled[request.request_id] = self._scheduled(request, num_new)
+        return num_new
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Blocks of the longest cached prefix of the request's known tokens, leaving its last

@@ -58,20 +58,44 @@ def assert_same_or_tied(batched_tokens, ref):
     assert len(batched_tokens) == len(ref.token_ids)
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "static"])
-def test_greedy_outputs_do_not_depend_on_the_batch(policy):
-    engine = shared_engine(SMALL_CACHE, f"scheduler.policy={policy}")
-    work = random_workload(seed=1 if policy == "fcfs" else 2)
+SWAP = ("scheduler.preemption_mode=swap", "cache.swap_space_gib=0.002")  # ~170 host blocks of 12 KiB
+
+
+@pytest.mark.parametrize(
+    "policy, extra",
+    [("fcfs", ()), ("static", ()), ("fcfs", SWAP), ("priority", ())],
+    ids=["fcfs-recompute", "static", "fcfs-swap", "priority"],
+)
+def test_greedy_outputs_do_not_depend_on_the_batch(policy, extra):
+    engine = shared_engine(SMALL_CACHE, f"scheduler.policy={policy}", *extra)
+    work = random_workload(seed={"fcfs": 1, "static": 2, "priority": 11}[policy] + len(extra))
     greedy = lambda rid, m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
     results = run_with_arrivals(engine, work, greedy)
-    if policy == "fcfs":
+    if policy != "static":
         assert engine.scheduler.num_preemptions > 0, "the cache should have been small enough to preempt"
+    if extra:
+        assert engine.scheduler.num_swap_outs > 0 and engine.scheduler.num_swap_ins == engine.scheduler.num_swap_outs
     for rid, prompt, max_tokens, _ in work:
         out = results[rid].outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
         assert_same_or_tied(out.token_ids, alone(engine, prompt, max_tokens))
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+    if engine.scheduler.host_pool is not None:
+        assert engine.scheduler.host_pool.num_free_blocks == engine.scheduler.host_pool.num_blocks - 1
     assert engine.num_recompiles == 0
+
+
+def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
+    engine = shared_engine(SMALL_CACHE, "scheduler.preemption_mode=swap", "cache.swap_space_gib=0.00004")  # 2 usable host blocks
+    work = random_workload(seed=12, n=30)
+    greedy = lambda rid, m: SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    results = run_with_arrivals(engine, work, greedy)
+    s = engine.scheduler
+    assert s.num_swap_outs > 0 and s.num_preemptions > s.num_swap_outs  # some preemptions had to recompute
+    for rid, prompt, max_tokens, _ in work[:10]:
+        assert_same_or_tied(results[rid].outputs[0].token_ids, alone(engine, prompt, max_tokens))
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+    assert s.host_pool.num_free_blocks == s.host_pool.num_blocks - 1
 
 
 def test_seeded_sampling_gives_the_same_tokens_alone_and_batched():
