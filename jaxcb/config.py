@@ -110,6 +110,7 @@ class EngineConfig:
     """How the engine runs steps on the device."""
 
     max_model_len: Optional[int] = None  # prompt + output limit; None: the model's max positions
+    async_scheduling: bool = True  # schedule step N+1 on the host while the device runs step N
     seed: int = 0  # base seed of sampling
     compilation_cache_dir: Optional[str] = None  # JAX persistent compilation cache; None: ~/.cache/jaxcb/xla
     token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: powers of two up to the budget

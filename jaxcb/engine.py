@@ -114,6 +114,7 @@ class Engine:
         self._seed_rng = random.Random(cfg.engine.seed)
         self._next_id = 0
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens): throughput for hints
+        self._in_flight: Optional[tuple] = None  # async scheduling: the dispatched, uncollected step
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -226,31 +227,44 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        return bool(self._groups) or self._in_flight is not None
 
     # --- steps ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; outputs of the requests that changed (finished ones for the last time)."""
+        """Run one iteration; outputs of the requests that changed (finished ones for the last time).
+
+        With engine.async_scheduling, the step scheduled and dispatched here runs on the device
+        while the host collects and processes the previous one: the outputs returned are the
+        previous step's. Without it, the step is dispatched and collected here."""
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty:
-            if self.scheduler.num_unfinished:
-                raise RuntimeError(
-                    f"the scheduler could not schedule any of {self.scheduler.num_unfinished} unfinished sequences "
-                    f"({self.block_pool.num_free_blocks} free blocks); this is a bug"
-                )
-            return []
-        runner_out = self.runner.execute(sched_out)
+        handle = None
+        if not sched_out.is_empty:
+            handle = self.runner.dispatch(sched_out)
+            self.scheduler.commit(sched_out)
+        elif self._in_flight is None and self.scheduler.num_unfinished:
+            raise RuntimeError(
+                f"the scheduler could not schedule any of {self.scheduler.num_unfinished} unfinished sequences "
+                f"({self.block_pool.num_free_blocks} free blocks); this is a bug"
+            )
+        if not self.cfg.engine.async_scheduling:
+            return self._process(handle) if handle is not None else []
+        previous, self._in_flight = self._in_flight, handle
+        return self._process(previous) if previous is not None else []
+
+    def _process(self, handle: tuple) -> list[RequestOutput]:
+        """Collect a dispatched step's tokens and turn them into outputs."""
+        sched_out = handle[0]
+        runner_out = self.runner.collect(handle)
         self._recent_steps.append((time.monotonic(), sched_out.num_scheduled_tokens))
-        touched = self.scheduler.update(sched_out, runner_out)
         changed: dict[str, _Group] = {}
-        for seq in touched:
+        for seq, token in self.scheduler.update(sched_out, runner_out):
             group_id = seq.request_id.split("#")[0] if seq.sampling_params.n > 1 else seq.request_id
             group = self._groups.get(group_id)
             if group is None:
                 continue
             detok = group.detokenizers[seq.sample_index]
-            stop = detok.add_token(seq.output_token_ids[-1])
+            stop = detok.add_token(token)
             if stop is not None and not seq.is_finished:
                 self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_STOPPED)
             if seq.is_finished:

@@ -31,7 +31,7 @@ from jaxcb.config import EngineConfig, SchedulerConfig
 from jaxcb.kv_cache import SWAP_CHUNK, HostSwapSpace, KVCache, gather_blocks, scatter_blocks
 from jaxcb.model.llama import Llama
 from jaxcb.sampling import SamplingArrays, sample
-from jaxcb.scheduler import RunnerOutput, SampledToken, SchedulerOutput
+from jaxcb.scheduler import PLACEHOLDER, RunnerOutput, SampledToken, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,10 @@ class StepInputs:
     history: jax.Array  # i32[R, max_model_len] (zeros unless a row uses penalties)
     num_prompt: jax.Array  # i32[R]
     num_known: jax.Array  # i32[R]
+    # Async scheduling: tokens the previous step drew, still on the device, fill placeholders.
+    prev_tokens: jax.Array  # i32[max_rows]: the previous step's sampled token of each of its rows
+    prev_rows: jax.Array  # i32[T]: for a placeholder input token, its row in the previous step; else -1
+    history_fix: jax.Array  # i32[R, 2]: (position, previous row) of a placeholder in the history; -1: none
 
 
 jax.tree_util.register_dataclass(
@@ -125,18 +129,28 @@ class ModelRunner:
         self.swap_space = swap_space
         graphdef, logprobs = self.graphdef, max_logprobs
 
+        max_rows = self.max_rows = max(r for _, r, _ in buckets.all())
+
         def step(state, kv_cache: KVCache, x: StepInputs):
             model = nnx.merge(graphdef, state)
-            hidden, kv_cache = model(x.token_ids, x.positions, kv_cache, x.md)
-            logits = model.compute_logits(hidden[x.logits_indices])
-            token, token_lp, top_ids, top_lp = sample(
-                logits, x.sampling, x.history, x.num_prompt, x.num_known, logprobs
+            from_prev = x.prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
+            token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
+            fix_pos, fix_row = x.history_fix[:, 0], x.history_fix[:, 1]
+            rows = jnp.arange(x.history.shape[0])
+            history = x.history.at[rows, jnp.where(fix_pos >= 0, fix_pos, x.history.shape[1])].set(
+                x.prev_tokens[jnp.clip(fix_row, 0, max_rows - 1)], mode="drop"
             )
+            hidden, kv_cache = model(token_ids, x.positions, kv_cache, x.md)
+            logits = model.compute_logits(hidden[x.logits_indices])
+            token, token_lp, top_ids, top_lp = sample(logits, x.sampling, history, x.num_prompt, x.num_known, logprobs)
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
-            return ids, lps, kv_cache
+            next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)
+            return ids, lps, next_prev, kv_cache
 
         self._step = jax.jit(step, donate_argnums=(1,))
+        self._prev_tokens = jnp.zeros((max_rows,), jnp.int32)
+        self._prev_row_of: dict[str, int] = {}  # request id -> its row in the last dispatched step
 
     # --- compilation ---------------------------------------------------------------------------
 
@@ -156,6 +170,9 @@ class ModelRunner:
             history=i32(r, self.max_model_len),
             num_prompt=i32(r),
             num_known=i32(r),
+            prev_tokens=i32(self.max_rows),
+            prev_rows=i32(t),
+            history_fix=i32(r, 2),
         )
 
     def _compile(self, key: tuple[int, int, int]):
@@ -215,13 +232,17 @@ class ModelRunner:
         banned = np.full((r, self.max_banned), self.vocab_size, np.int32)
         num_prompt = np.zeros(r, np.int32)
         num_known = np.zeros(r, np.int32)
+        prev_rows = np.full(t, -1, np.int32)
+        history_fix = np.full((r, 2), -1, np.int32)
         history = None
         offset = 0
         for i, s in enumerate(seqs):
             n = len(s.token_ids)
+            if s.token_ids[-1] == PLACEHOLDER:  # drawn by the step in flight: take it from the device
+                prev_rows[offset + n - 1] = self._prev_row_of[s.request_id]
             pos = np.arange(s.start_position, s.start_position + n, dtype=np.int32)
             table = np.asarray(s.block_ids, np.int32)
-            token_ids[offset : offset + n] = s.token_ids
+            token_ids[offset : offset + n] = [max(0, tok) for tok in s.token_ids]
             positions[offset : offset + n] = pos
             slots[offset : offset + n] = table[pos // bs] * bs + pos % bs
             qsl[i] = offset
@@ -240,8 +261,10 @@ class ModelRunner:
             if s.history is not None:
                 if history is None:
                     history = np.zeros((r, self.max_model_len), np.int32)
-                history[i, : len(s.history)] = s.history
+                history[i, : len(s.history)] = [max(0, tok) for tok in s.history]
                 num_known[i] = len(s.history)
+                if s.history[-1] == PLACEHOLDER:
+                    history_fix[i] = (len(s.history) - 1, self._prev_row_of[s.request_id])
         qsl[len(seqs)] = num_tokens
         any_filter = bool(np.any(top_k > 0) or np.any(top_p < 1))
         sampling = SamplingArrays(
@@ -261,6 +284,9 @@ class ModelRunner:
             history=jnp.asarray(history) if history is not None else self._zero_history(r),
             num_prompt=jnp.asarray(num_prompt),
             num_known=jnp.asarray(num_known),
+            prev_tokens=self._prev_tokens,
+            prev_rows=jnp.asarray(prev_rows),
+            history_fix=jnp.asarray(history_fix),
         )
         return key, inputs
 
@@ -270,7 +296,8 @@ class ModelRunner:
             cache[r] = jnp.zeros((r, self.max_model_len), jnp.int32)
         return cache[r]
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def dispatch(self, out: SchedulerOutput) -> tuple:
+        """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
         if out.swap_in:
             self.kv_cache = self.swap_space.swap_in(self.kv_cache, out.swap_in)
         if out.swap_out:
@@ -278,8 +305,14 @@ class ModelRunner:
         key, inputs = self.build_inputs(out)
         if self.recorded is not None:
             self.recorded.append((key, inputs))
-        ids, lps, self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs)
+        ids, lps, self._prev_tokens, self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs)
+        self._prev_row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
         self.num_steps += 1
+        return out, ids, lps
+
+    def collect(self, handle: tuple) -> RunnerOutput:
+        """Wait for a dispatched step and bring its sampled tokens to the host."""
+        out, ids, lps = handle
         ids, lps = np.asarray(ids), np.asarray(lps)
         sampled = {}
         for i, s in enumerate(out.scheduled):
@@ -292,3 +325,6 @@ class ModelRunner:
                 top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
             sampled[s.request_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
         return RunnerOutput(sampled)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.dispatch(out))

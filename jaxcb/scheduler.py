@@ -35,6 +35,7 @@ from jaxcb.request import Request, RequestStatus
 from jaxcb.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+PLACEHOLDER = -1  # an output token still being drawn on the device (async scheduling)
 
 
 @dataclass
@@ -221,6 +222,10 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
+            done = request.num_output_tokens >= request.sampling_params.max_tokens
+            if done or request.num_tokens >= self.max_model_len:
+                return 0  # its token in flight is its last: computing past it would be wasted
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if request.is_prefilling and self.cfg.long_prefill_token_threshold is not None:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
@@ -434,38 +439,55 @@ class Scheduler:
 
     # --- applying a step's results -------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, runner_out: RunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled ones, finish sequences that stop; return those touched."""
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step was dispatched: advance computed tokens now, and give each sampling sequence a
+        PLACEHOLDER for the token the device is drawing, so the next step can be scheduled (and
+        feed that token from the device) before this one's results reach the host."""
+        for seq in out.scheduled:
+            request = self.requests.get(seq.request_id)
+            if request is None:
+                continue
+            request.num_computed_tokens = seq.start_position + len(seq.token_ids)
+            if seq.samples:
+                request.output_token_ids.append(PLACEHOLDER)
+
+    def update(self, out: SchedulerOutput, runner_out: RunnerOutput) -> list[tuple[Request, int]]:
+        """Fill the step's placeholders with the sampled tokens, register blocks that became full,
+        finish sequences that stop on a token (freeing their blocks); return (request, new token)."""
         touched = []
         now = time.monotonic()
         for seq in out.scheduled:
             request = self.requests.get(seq.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
-            request.num_computed_tokens = seq.start_position + len(seq.token_ids)
-            self._register_full_blocks(request)
+            if request is None:
+                continue  # finished or aborted since
             sampled = runner_out.sampled.get(seq.request_id) if seq.samples else None
-            if sampled is None:
-                continue
-            request.output_token_ids.append(sampled.token_id)
-            if request.sampling_params.logprobs is not None:
-                top = dict(sampled.top_logprobs or {})
-                top[sampled.token_id] = sampled.logprob
-                request.output_logprobs.append(top)
-            if request.first_token_time is None:
-                request.first_token_time = now
-            touched.append(request)
-            status = self._stop_status(request, sampled.token_id)
-            if status is not None:
-                self.running.remove(request)
-                self._finish(request, status)
+            if sampled is not None:
+                index = seq.num_output_tokens  # the placeholder this step filled
+                assert request.output_token_ids[index] == PLACEHOLDER
+                request.output_token_ids[index] = sampled.token_id
+                if request.sampling_params.logprobs is not None:
+                    top = dict(sampled.top_logprobs or {})
+                    top[sampled.token_id] = sampled.logprob
+                    request.output_logprobs.append(top)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                touched.append((request, sampled.token_id))
+            if request.status is RequestStatus.RUNNING and PLACEHOLDER not in request.token_ids(
+                request.num_registered_blocks * self.block_size, request.num_computed_tokens
+            ):
+                self._register_full_blocks(request)
+            if sampled is not None:
+                status = self._stop_status(request, sampled.token_id, index + 1)
+                if status is not None:
+                    del request.output_token_ids[index + 1 :]  # a token drawn ahead of the stop
+                    self.finish(request.request_id, status)
         return touched
 
-    def _stop_status(self, request: Request, token: int) -> Optional[RequestStatus]:
+    def _stop_status(self, request: Request, token: int, num_output: int) -> Optional[RequestStatus]:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        if num_output >= params.min_tokens:
             if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or request.num_prompt_tokens + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -281,3 +281,33 @@ def test_request_that_can_never_fit_the_cache_is_not_retryable():
         engine.add_request([1] * 220, SamplingParams(max_tokens=50))
     assert not info.value.retryable and "max_model_len=256" in str(info.value)
     assert not engine.has_unfinished_requests()
+
+
+def test_async_scheduling_gives_the_same_outputs_as_sync():
+    on = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
+    off = shared_engine(SMALL_CACHE, "engine.async_scheduling=false")
+    assert on.cfg.engine.async_scheduling and not off.cfg.engine.async_scheduling
+    work = random_workload(seed=13, n=30)
+    kinds = [
+        lambda m: SamplingParams(temperature=0, max_tokens=m),
+        lambda m: SamplingParams(temperature=0.8, top_p=0.9, max_tokens=m, seed=5, logprobs=2),
+        lambda m: SamplingParams(temperature=0.7, repetition_penalty=1.3, frequency_penalty=0.4, max_tokens=m, seed=6),
+        lambda m: SamplingParams(temperature=1.0, min_tokens=min(3, m), max_tokens=m, seed=7, stop=["e"]),
+        lambda m: SamplingParams(n=2, temperature=0.9, max_tokens=m, seed=8),
+    ]
+    params = {rid: kinds[i % len(kinds)](m) for i, (rid, _, m, _) in enumerate(work)}
+    a = run_with_arrivals(on, work, lambda rid, m: params[rid])
+    b = run_with_arrivals(off, work, lambda rid, m: params[rid])
+    assert on.scheduler.num_preemptions > 0
+    for rid, prompt, max_tokens, _ in work:
+        for x, y in zip(a[rid].outputs, b[rid].outputs):
+            if params[rid].temperature == 0 and x.token_ids != y.token_ids:
+                assert_same_or_tied(x.token_ids, alone(on, prompt, max_tokens))
+                assert_same_or_tied(y.token_ids, alone(on, prompt, max_tokens))
+                continue
+            assert (x.token_ids, x.text, x.finish_reason) == (y.token_ids, y.text, y.finish_reason), rid
+            if x.logprobs:
+                assert [sorted(d) for d in x.logprobs] == [sorted(d) for d in y.logprobs]
+    for engine in (on, off):
+        assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+        assert engine.num_recompiles == 0

@@ -31,6 +31,7 @@ def make_scheduler(num_blocks=64, max_model_len=256, enable_prefix_caching=False
 
 def run_step(sched, token=7):
     out = sched.schedule()
+    sched.commit(out)
     sampled = {s.request_id: SampledToken(token) for s in out.scheduled if s.samples}
     sched.update(out, RunnerOutput(sampled))
     return out
@@ -173,6 +174,7 @@ def test_stop_conditions_eos_stop_token_min_tokens_and_length():
     banned = {s.request_id: s.banned_token_ids for s in out.scheduled}
     assert banned[min_tok.request_id] == (99,) and banned[eos.request_id] == ()
     sampled = {eos.request_id: 99, stop_tok.request_id: 42, min_tok.request_id: 99, ignore.request_id: 99}
+    sched.commit(out)
     sched.update(out, RunnerOutput({k: SampledToken(v) for k, v in sampled.items()}))
     assert eos.status is RequestStatus.FINISHED_STOPPED
     assert stop_tok.status is RequestStatus.FINISHED_STOPPED
@@ -244,6 +246,7 @@ def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_them():
             for pos in range(s.start_position, s.start_position + len(s.token_ids)):
                 block = s.block_ids[pos // BLOCK]
                 assert sched.pool.ref_count(block) == 1 and not sched.pool.is_registered(block), "write into a cached block"
+        sched.commit(out)
         sched.update(out, RunnerOutput({s.request_id: SampledToken(7) for s in out.scheduled if s.samples}))
         if not sched.num_unfinished:
             break
