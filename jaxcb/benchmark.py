@@ -92,6 +92,10 @@ def with_policy(cfg: Config, policy: str) -> Config:
     return dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, policy=policy))
 
 
+def with_async(cfg: Config, enabled: bool) -> Config:
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, async_scheduling=enabled))
+
+
 def host_overhead(llm: LLM, items: list[WorkItem]) -> dict:
     """Engine wall time against a loop that replays the same compiled steps on pre-built inputs."""
     runner = llm.engine.runner
@@ -101,7 +105,7 @@ def host_overhead(llm: LLM, items: list[WorkItem]) -> dict:
     cache = runner.kv_cache
     start = time.perf_counter()
     for key, inputs in recorded:
-        ids, lps, cache = runner.compiled[key](runner.state, cache, inputs)
+        ids, lps, _, cache = runner.compiled[key](runner.state, cache, inputs)
     jax.block_until_ready(ids)
     replay = time.perf_counter() - start
     runner.kv_cache = cache

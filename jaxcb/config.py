@@ -146,7 +146,7 @@ class GenerateConfig:
 class BenchConfig:
     """Options of scripts/bench.py."""
 
-    task: str = "offline"  # offline | policies (fcfs vs static) | overhead (engine vs replayed steps)
+    task: str = "offline"  # offline | policies (fcfs vs static) | async (on vs off) | overhead (engine vs replayed steps)
     workload: str = "lognormal"  # lognormal (ShareGPT-like lengths) | random (fixed lengths)
     num_requests: int = 200
     input_mean: float = 200.0  # tokens, before scale
@@ -300,7 +300,10 @@ def validate_config(cfg: Config) -> None:
     )
     _require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
     b = cfg.bench
-    _require(b.task in ("offline", "policies", "overhead"), f"bench.task={b.task!r} must be offline, policies or overhead")
+    _require(
+        b.task in ("offline", "policies", "async", "overhead"),
+        f"bench.task={b.task!r} must be offline, policies, async or overhead",
+    )
     _require(b.workload in ("lognormal", "random"), f"bench.workload={b.workload!r} must be lognormal or random")
     _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
     _require(b.scale > 0, f"bench.scale={b.scale} must be > 0")

@@ -3,6 +3,7 @@
     python scripts/bench.py                                   # offline throughput (fcfs)
     python scripts/bench.py bench.task=policies               # fcfs vs static on the same workload
     python scripts/bench.py bench.task=overhead               # engine vs a replay of its compiled steps
+    python scripts/bench.py bench.task=async                  # engine.async_scheduling on vs off
     python scripts/bench.py -m scheduler.max_num_seqs=16,32,64 # a sweep (one run per value)
 """
 
@@ -13,7 +14,7 @@ import os
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from jaxcb.benchmark import host_overhead, ideal_static_ratio, make_workload, run_offline, with_policy
+from jaxcb.benchmark import host_overhead, ideal_static_ratio, make_workload, run_offline, with_async, with_policy
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
 from jaxcb.engine import LLM
@@ -34,14 +35,18 @@ def describe(r) -> str:
 def main(cfg: Config) -> None:
     b = cfg.bench
     result: dict = {"task": b.task, "workload": b.workload, "num_requests": b.num_requests, "scale": b.scale}
-    policies = ["fcfs", "static"] if b.task == "policies" else [cfg.scheduler.policy]
-    engines = {p: LLM(with_policy(cfg, p)) for p in policies}  # compile first: timing starts after
+    if b.task == "policies":
+        engines = {p: LLM(with_policy(cfg, p)) for p in ("fcfs", "static")}  # compile first: timing starts after
+    elif b.task == "async":
+        engines = {name: LLM(with_async(cfg, on)) for name, on in (("async", True), ("sync", False))}
+    else:
+        engines = {cfg.scheduler.policy: LLM(cfg)}
     first = next(iter(engines.values())).engine
     items = make_workload(b, first.model_config.vocab_size, first.max_model_len)
     print(f"workload: {len(items)} requests, {sum(len(w.prompt_token_ids) for w in items)} prompt tokens, "
           f"{sum(w.output_len for w in items)} output tokens")
     if b.task == "overhead":
-        result["overhead"] = o = host_overhead(engines[policies[0]], items)
+        result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "
               f"host overhead {100 * o['host_overhead_fraction']:.0f}% of engine time")
     else:
@@ -54,6 +59,10 @@ def main(cfg: Config) -> None:
             ideal = ideal_static_ratio(items, cfg.scheduler.max_num_seqs)
             result.update(fcfs_over_static=ratio, ideal_ratio=ideal)
             print(f"fcfs / static throughput: {ratio:.2f}x (ideal ratio the lengths allow: {ideal:.2f}x)")
+        if b.task == "async":
+            ratio = runs["async"].output_tokens_per_s / runs["sync"].output_tokens_per_s
+            result["async_over_sync"] = ratio
+            print(f"async / sync throughput: {ratio:.2f}x")
     out_dir = HydraConfig.get().runtime.output_dir
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump(result, f, indent=2)

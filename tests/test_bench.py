@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from jaxcb.benchmark import WorkItem, ideal_static_ratio, make_workload
 from jaxcb.config import BenchConfig
 
@@ -26,14 +28,22 @@ def test_lognormal_workload_is_seeded_and_respects_limits():
     assert 100 < mean_in < 220  # ShareGPT-like (before clipping: 200)
 
 
-def test_bench_policies_runs_and_writes_json(tmp_path):
+@pytest.mark.parametrize(
+    "task, runs", [("policies", {"fcfs", "static"}), ("async", {"async", "sync"}), ("overhead", None)]
+)
+def test_bench_runs_and_writes_json(tmp_path, task, runs):
     proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "bench.task=policies", "bench.num_requests=12",
+        [sys.executable, os.path.join(REPO, "scripts", "bench.py"), f"bench.task={task}", "bench.num_requests=12",
          "scheduler.max_num_batched_tokens=64", "scheduler.max_num_seqs=8", "engine.max_model_len=256",
          f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert set(result["runs"]) == {"fcfs", "static"}
-    assert result["runs"]["fcfs"]["num_recompiles"] == 0 and result["ideal_ratio"] >= 1
+    if runs is None:
+        assert 0 < result["overhead"]["step_replay_s"] and result["overhead"]["num_steps"] > 0
+        return
+    assert set(result["runs"]) == runs
+    assert all(r["num_recompiles"] == 0 for r in result["runs"].values())
+    if task == "policies":
+        assert result["ideal_ratio"] >= 1

@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException
 
 from jaxcb.config import CONF_DIR, Config, ConfigError, load_config
 
-PRESETS = ["tiny", "llama3_1b", "llama8b", "llama70b"]
+PRESETS = ["tiny", "small", "llama3_1b", "llama8b", "llama70b"]
 
 
 def compose_config(*overrides: str) -> Config:
