@@ -284,7 +284,8 @@ class Engine:
             completions.append(
                 CompletionOutput(
                     index=seq.sample_index,
-                    text=detok.text,
+                    # while running: without a tail that may still turn into a stop string
+                    text=detok.text if seq.is_finished else detok.stream_text,
                     token_ids=list(seq.output_token_ids[: len(detok.token_ids)]),
                     finish_reason=seq.status.value if seq.is_finished else None,
                     logprobs=list(seq.output_logprobs) if want_logprobs else None,

@@ -79,6 +79,14 @@ def make_buckets(engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_se
     return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths), max_seqs)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    num_tokens: int  # real tokens in the step
+    num_padded_tokens: int  # its token bucket
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
 @dataclasses.dataclass
 class StepInputs:
     token_ids: jax.Array  # i32[T]
@@ -125,6 +133,7 @@ class ModelRunner:
         self.compiled: dict[tuple[int, int, int], object] = {}
         self.num_recompiles = 0
         self.num_steps = 0
+        self.last_step = StepStats(0, 0, 0, 0)
         self.recorded: Optional[list] = None  # benchmarks: (bucket, inputs) of every step, for replay
         self.swap_space = swap_space
         graphdef, logprobs = self.graphdef, max_logprobs
@@ -306,6 +315,8 @@ class ModelRunner:
         if self.recorded is not None:
             self.recorded.append((key, inputs))
         ids, lps, self._prev_tokens, self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs)
+        num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
+        self.last_step = StepStats(out.num_scheduled_tokens, key[0], num_prefill, out.num_scheduled_tokens - num_prefill)
         self._prev_row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
         self.num_steps += 1
         return out, ids, lps

@@ -125,3 +125,11 @@ def load_tokenizer(directory: Optional[str]) -> Tokenizer:
     if directory is not None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
         return HFTokenizer(directory)
     return ByteTokenizer()
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
+    """Token ids of a chat rendered with the tokenizer's template, ready for the assistant's turn.
+
+    HF chat templates write BOS themselves, so their text is encoded without adding it again."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=isinstance(tokenizer, ByteTokenizer))

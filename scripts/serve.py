@@ -1,30 +1,38 @@
-"""The OpenAI-compatible server entry point.
+"""The OpenAI-compatible server.
 
+    python scripts/serve.py                                                  # tiny model, 127.0.0.1:8000
     python scripts/serve.py model=llama8b model.checkpoint=/path/to/Llama-3.1-8B scheduler.max_num_seqs=128
+    python scripts/serve.py server.port=9000 server.api_key=secret
 
-The HTTP server is not built yet: for now this validates the configuration, starts the
-engine and runs `generate.prompts` as one offline batch, so that the command is already
-the one that will serve.
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus). SIGTERM stops admitting, lets in-flight requests finish for
+server.shutdown_timeout_s, aborts the rest and exits 0.
 """
 
+import logging
+
 import hydra
+import uvicorn
 
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
-from jaxcb.offline import generate_prompts
+from jaxcb.server.app import build_app
+
+log = logging.getLogger("jaxcb.serve")
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 @entry_point
 def main(cfg: Config) -> None:
-    print(
-        f"jaxcb: the HTTP server is not available yet; would listen on {cfg.server.host}:{cfg.server.port}. "
-        f"Running the engine on generate.prompts offline instead (model={cfg.model.name})."
+    app = build_app(cfg)
+    log.info("serving %s on http://%s:%d", app.state.jaxcb.model_name, cfg.server.host, cfg.server.port)
+    uvicorn.run(
+        app,
+        host=cfg.server.host,
+        port=cfg.server.port,
+        log_level="info",
+        timeout_graceful_shutdown=int(cfg.server.shutdown_timeout_s) + 1,
     )
-    report = generate_prompts(cfg, list(cfg.generate.prompts))
-    for out in report.outputs:
-        c = out.outputs[0]
-        print(f"{out.prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, finish_reason={c.finish_reason})")
 
 
 if __name__ == "__main__":

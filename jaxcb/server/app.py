@@ -1,0 +1,381 @@
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+Every request is parsed and checked here (protocol.py) before it reaches the engine; the
+engine's refusals come back as 400 (can never fit) or 429 with Retry-After (queue full).
+A client that disconnects -- streaming or not -- has its request aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxcb.config import Config
+from jaxcb.engine import Engine
+from jaxcb.errors import EngineOverloadedError, InvalidRequestError
+from jaxcb.metrics import EngineMetrics
+from jaxcb.outputs import RequestOutput
+from jaxcb.server import openai_format as fmt
+from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, StreamAbortedError
+from jaxcb.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    message_text,
+    parse_request,
+    sampling_params,
+)
+from jaxcb.tokenizer import chat_prompt_ids
+
+log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.05
+
+
+def served_model_name(cfg: Config) -> str:
+    if cfg.server.served_model_name:
+        return cfg.server.served_model_name
+    if cfg.model.name == "hf" and cfg.model.checkpoint:
+        return os.path.basename(os.path.normpath(cfg.model.checkpoint))
+    return cfg.model.name
+
+
+class ServerState:
+    def __init__(self, cfg: Config, engine: Engine):
+        self.cfg = cfg
+        self.engine = engine
+        self.model_name = served_model_name(cfg)
+        self.metrics = EngineMetrics(self.model_name)
+        self.async_engine = AsyncEngine(
+            engine,
+            on_step=self.metrics.on_step,
+            on_abort=lambda rid, reason: self.metrics.request_aborted(rid),
+            stream_buffer_outputs=cfg.server.stream_buffer_outputs,
+            stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
+        )
+        self.shutting_down = False
+        self.num_in_flight = 0
+
+
+def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
+    """The app over `engine` (built from cfg when not given); the engine thread runs for the app's lifespan."""
+    state = ServerState(cfg, engine or Engine(cfg))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine.start()
+        yield
+        # Graceful shutdown: admit nothing, give in-flight requests their time, abort the rest.
+        state.shutting_down = True
+        deadline = time.monotonic() + cfg.server.shutdown_timeout_s
+        while state.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        state.async_engine.abort_all("shutdown")
+        await asyncio.sleep(0.1)
+        state.async_engine.stop()
+
+    app = FastAPI(title="jaxcb", lifespan=lifespan)
+    app.state.jaxcb = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
+
+    @app.middleware("http")
+    async def auth_and_limits(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            key = cfg.server.api_key
+            if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+                e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", type="authentication_error")
+                return JSONResponse(e.body(), status_code=401)
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > cfg.server.max_request_bytes:
+                e = APIError(413, f"request body of {length} bytes exceeds server.max_request_bytes={cfg.server.max_request_bytes}")
+                return JSONResponse(e.body(), status_code=413)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not state.async_engine.is_alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxcb",
+            "max_model_len": state.engine.max_model_len,
+        }]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request, cfg))
+        _check_model(state, req.model)
+        if req.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = _completion_prompts(req.prompt)
+        params = _params(state, req, req.max_tokens, req.logprobs)
+        streams = await _start(state, prompts, params, req.priority)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(state, streams, _completion_events(state, rid, req, streams, include_usage))
+        finals = await _collect(state, request, streams)
+        choices = []
+        for p_idx, out in enumerate(finals):
+            for c in out.outputs:
+                logprobs = fmt.completion_logprobs(state.engine.tokenizer, c, 0, 0) if req.logprobs is not None else None
+                choices.append({"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
+                                "finish_reason": fmt.finish_reason(c)})
+        return fmt.completion_response(rid, state.model_name, choices, *_usage(finals))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request, cfg))
+        _check_model(state, req.model)
+        if not req.messages:
+            raise APIError(400, "messages is empty; give at least one message", param="messages")
+        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        try:
+            prompt_ids = chat_prompt_ids(state.engine.tokenizer, messages)
+        except Exception as e:  # a template that refuses the conversation (raise_exception)
+            raise APIError(400, f"chat template: {e}", param="messages") from None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, state.engine.max_model_len - len(prompt_ids))
+        top_n = req.top_logprobs or 0
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        params = _params(state, req, max_tokens, max(top_n, 1) if req.logprobs else None)
+        streams = await _start(state, [prompt_ids], params, req.priority)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _sse(state, streams, _chat_events(state, rid, req, streams, include_usage, top_n))
+        [out] = await _collect(state, request, streams)
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": fmt.chat_logprobs(state.engine.tokenizer, c, 0, top_n) if req.logprobs else None,
+            "finish_reason": fmt.finish_reason(c),
+        } for c in out.outputs]
+        return fmt.chat_response(rid, state.model_name, choices, *_usage([out]))
+
+    return app
+
+
+# --- request handling helpers ------------------------------------------------------------------
+
+
+async def _json_body(request: Request, cfg: Config) -> Any:
+    raw = await request.body()
+    if len(raw) > cfg.server.max_request_bytes:
+        raise APIError(413, f"request body of {len(raw)} bytes exceeds server.max_request_bytes={cfg.server.max_request_bytes}")
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}",
+                       param="model", type="not_found_error", code="model_not_found")
+
+
+def _completion_prompts(prompt) -> list:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise APIError(400, "prompt is empty; give a non-empty string or list of token ids", param="prompt")
+    return prompts
+
+
+def _params(state: ServerState, req, max_tokens, logprobs):
+    return sampling_params(
+        req, max_tokens, logprobs, max_n=state.cfg.server.max_n, max_model_len=state.engine.max_model_len,
+        max_logprobs=state.cfg.engine.max_logprobs,
+    )
+
+
+async def _start(state: ServerState, prompts: list, params, priority: int) -> list[RequestStream]:
+    """Queue every prompt; if one is refused, abort those already queued and answer with the refusal."""
+    if state.shutting_down:
+        raise APIError(503, "the server is shutting down", type="server_error")
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            streams.append(await state.async_engine.add(prompt, params, priority=priority))
+    except InvalidRequestError as e:
+        _close(streams)
+        state.metrics.request_rejected("invalid")
+        raise APIError(400, str(e)) from None
+    except EngineOverloadedError as e:
+        _close(streams)
+        state.metrics.request_rejected("overloaded")
+        raise APIError(429, str(e), type="rate_limit_error", headers={"Retry-After": str(int(e.retry_after_s))}) from None
+    except EngineDeadError as e:
+        _close(streams)
+        raise APIError(503, str(e), type="server_error") from None
+    return streams
+
+
+def _close(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.close()
+
+
+def _usage(finals: list[RequestOutput]) -> tuple[int, int]:
+    return sum(len(o.prompt_token_ids) for o in finals), sum(len(c.token_ids) for o in finals for c in o.outputs)
+
+
+async def _final(stream: RequestStream) -> RequestOutput:
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+async def _collect(state: ServerState, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Final outputs of every stream; a client that disconnects meanwhile aborts them all."""
+    state.num_in_flight += 1
+    task = asyncio.ensure_future(asyncio.gather(*(_final(s) for s in streams)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    except StreamAbortedError as e:
+        raise APIError(503, str(e), type="server_error") from None
+    finally:
+        state.num_in_flight -= 1
+        _close(streams)
+
+
+def _sse(state: ServerState, streams: list[RequestStream], events: AsyncIterator[str]) -> StreamingResponse:
+    async def body():
+        state.num_in_flight += 1
+        try:
+            async for event in events:
+                yield event
+        except StreamAbortedError as e:
+            yield fmt.sse(APIError(503, str(e), type="server_error").body())
+        finally:  # also on disconnect: Starlette cancels this generator
+            state.num_in_flight -= 1
+            _close(streams)
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _completion_events(state, rid, req: CompletionRequest, streams, include_usage) -> AsyncIterator[str]:
+    created, tok = int(time.time()), state.engine.tokenizer
+    sent_text: dict[tuple[int, int], int] = {}
+    sent_tokens: dict[tuple[int, int], int] = {}
+    sent_done: set[tuple[int, int]] = set()
+    finals: dict[int, RequestOutput] = {}
+    async for p_idx, out in _merged(streams):
+        for c in out.outputs:
+            key = (p_idx, c.index)
+            if key in sent_done:
+                continue
+            t0, k0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
+            delta = c.text[t0:]
+            done = fmt.finish_reason(c)
+            if done:
+                sent_done.add(key)
+            if not delta and not done and (req.logprobs is None or len(c.token_ids) == k0):
+                continue
+            logprobs = fmt.completion_logprobs(tok, c, k0, t0) if req.logprobs is not None else None
+            sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
+            choice = {"index": p_idx * req.n + c.index, "text": delta, "logprobs": logprobs, "finish_reason": done}
+            yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [choice]))
+        if out.finished:
+            finals[p_idx] = out
+    if include_usage:
+        yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [], fmt.usage(*_usage(list(finals.values())))))
+    yield fmt.SSE_DONE
+
+
+async def _chat_events(state, rid, req: ChatCompletionRequest, streams, include_usage, top_n) -> AsyncIterator[str]:
+    created, tok = int(time.time()), state.engine.tokenizer
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    sent_done: set[int] = set()
+    final = None
+    for i in range(req.n):  # the role comes first, as OpenAI sends it
+        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+    async for _, out in _merged(streams):
+        for c in out.outputs:
+            if c.index in sent_done:
+                continue
+            t0, k0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+            delta = c.text[t0:]
+            done = fmt.finish_reason(c)
+            if done:
+                sent_done.add(c.index)
+            if not delta and not done:
+                continue
+            logprobs = fmt.chat_logprobs(tok, c, k0, top_n) if req.logprobs else None
+            sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+            choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+                      "finish_reason": done}
+            yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+        if out.finished:
+            final = out
+    if include_usage and final is not None:
+        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [], fmt.usage(*_usage([final]))))
+    yield fmt.SSE_DONE

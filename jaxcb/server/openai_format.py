@@ -1,0 +1,76 @@
+"""Engine outputs -> OpenAI response objects (completions and chat, whole and streamed)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional
+
+from jaxcb.outputs import CompletionOutput
+from jaxcb.tokenizer import Tokenizer
+
+
+def sse(data: Any) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def finish_reason(c: CompletionOutput) -> Optional[str]:
+    return c.finish_reason if c.finish_reason in ("stop", "length") else (c.finish_reason and "abort")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
+    """Legacy completions logprobs for tokens start..: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for token, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        text = tok.decode([token], skip_special_tokens=False)
+        tokens.append(text)
+        token_lps.append(lps.get(token))
+        tops.append({tok.decode([t], skip_special_tokens=False): lp for t, lp in lps.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, top_n: int) -> dict[str, Any]:
+    content = []
+    for token, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        def entry(t, lp):
+            text = tok.decode([t], skip_special_tokens=False)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+        top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]
+        content.append(dict(entry(token, lps.get(token)), top_logprobs=[entry(t, lp) for t, lp in top]))
+    return {"content": content}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(rid: str, model: str, created: int, choices: list[dict], usage_: Optional[dict] = None) -> dict:
+    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk
+
+
+def chat_chunk(rid: str, model: str, created: int, choices: list[dict], usage_: Optional[dict] = None) -> dict:
+    chunk = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        chunk["usage"] = usage_
+    return chunk

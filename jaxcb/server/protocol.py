@@ -1,0 +1,141 @@
+"""OpenAI request bodies, checked before anything reaches the engine, and OpenAI-style errors.
+
+Types are strict (a string where a number belongs is refused, not coerced); ranges are
+checked here with messages that name the field; what only the engine knows (the prompt's
+length against max_model_len) is checked by `Engine.add_request` and comes back as a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxcb.sampling_params import InvalidRequestError, SamplingParams
+
+
+class APIError(Exception):
+    """An error response: HTTP status + OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None, type: str = "invalid_request_error",
+                 code: Optional[str] = None, headers: Optional[dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    model: str
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    # extra sampling fields of the engine (as vLLM accepts them)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    priority: int = 0
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Union[str, list[dict[str, Any]]]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+
+def parse_request(cls: type[_Strict], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+
+
+def _check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise APIError(400, message, param=param)
+
+
+def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int], *, max_n: int,
+                    max_model_len: int, max_logprobs: int) -> SamplingParams:
+    """The engine's SamplingParams for a request, or APIError(400) naming the field."""
+    _check(1 <= req.n <= max_n, f"n={req.n} must be between 1 and {max_n}", "n")
+    if max_tokens is not None:
+        _check(1 <= max_tokens <= max_model_len, f"max_tokens={max_tokens} must be between 1 and {max_model_len}", "max_tokens")
+    t = 1.0 if req.temperature is None else req.temperature
+    _check(0 <= t <= 2, f"temperature={t} must be between 0 and 2", "temperature")
+    top_p = 1.0 if req.top_p is None else req.top_p
+    _check(0 < top_p <= 1, f"top_p={top_p} must be in (0, 1]", "top_p")
+    top_k = req.top_k if req.top_k not in (None, -1) else 0
+    _check(top_k >= 0, f"top_k={req.top_k} must be >= 0 (0 or -1 disables it)", "top_k")
+    if logprobs is not None:
+        _check(0 <= logprobs <= max_logprobs, f"logprobs={logprobs} must be between 0 and {max_logprobs}", "logprobs")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    _check(len(stop) <= 16 and all(stop), "stop must be at most 16 non-empty strings", "stop")
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens if max_tokens is not None else 16,
+            min_tokens=req.min_tokens,
+            temperature=t,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param=str(e).split("=")[0]) from None
+
+
+def message_text(message: ChatMessage) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, "only text content parts ({'type': 'text', 'text': ...}) are supported", param="messages")
+        parts.append(part["text"])
+    return "".join(parts)
