@@ -95,18 +95,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
 
-    @app.middleware("http")
-    async def auth_and_limits(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            key = cfg.server.api_key
-            if key is not None and request.headers.get("authorization") != f"Bearer {key}":
-                e = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", type="authentication_error")
-                return JSONResponse(e.body(), status_code=401)
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > cfg.server.max_request_bytes:
-                e = APIError(413, f"request body of {length} bytes exceeds server.max_request_bytes={cfg.server.max_request_bytes}")
-                return JSONResponse(e.body(), status_code=413)
-        return await call_next(request)
+    app.add_middleware(GuardMiddleware, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes)
 
     @app.get("/health")
     async def health():
@@ -183,6 +172,29 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
 
 
 # --- request handling helpers ------------------------------------------------------------------
+
+
+class GuardMiddleware:
+    """API key and body-size checks for /v1/*, as plain ASGI (so that disconnects still reach handlers)."""
+
+    def __init__(self, app, api_key: Optional[str], max_request_bytes: int):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            error = None
+            if self.api_key is not None and headers.get("authorization") != f"Bearer {self.api_key}":
+                error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                 type="authentication_error")
+            length = headers.get("content-length", "")
+            if error is None and length.isdigit() and int(length) > self.max_request_bytes:
+                error = APIError(413, f"request body of {length} bytes exceeds server.max_request_bytes={self.max_request_bytes}")
+            if error is not None:
+                await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
 
 
 async def _json_body(request: Request, cfg: Config) -> Any:

@@ -1,0 +1,275 @@
+"""The HTTP server with the official openai client: formats, streaming, errors, disconnects, overload."""
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine_factory import shared_engine
+from jaxcb.sampling_params import SamplingParams
+from server_harness import running_server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server("server.stream_stall_timeout_s=1.0") as (url, state):
+        yield url, state
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def engine_greedy(state, prompt_ids, max_tokens):
+    """What LLM.generate gives for the same prompt, computed on the same model with a separate engine."""
+    engine = shared_engine("scheduler.policy=fcfs")
+    engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens), request_id="ref")
+    while True:
+        for out in engine.step():
+            if out.finished:
+                return out.outputs[0]
+
+
+def wait_until_idle(state, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pool = state.engine.block_pool
+        if pool.num_free_blocks == pool.num_blocks - 1 and not state.engine.has_unfinished_requests():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_completion_matches_the_engine_and_reports_usage(client, server):
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0)
+    ref = engine_greedy(server[1], server[1].engine.tokenizer.encode("Hello there"), 12)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "tiny"
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 12 and r.usage.completion_tokens == 12 and r.usage.total_tokens == 24
+
+
+def test_streamed_completion_concatenates_to_the_whole_one(client):
+    whole = client.completions.create(model="tiny", prompt="Stream me", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(
+        model="tiny", prompt="Stream me", max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True}
+    ))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_streaming_and_not_with_n_and_logprobs(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=6, temperature=0.8,
+                                       seed=3, n=2, logprobs=True, top_logprobs=2)
+    assert r.object == "chat.completion" and len(r.choices) == 2
+    for choice in r.choices:
+        assert choice.message.role == "assistant" and choice.finish_reason == "length"
+        assert len(choice.logprobs.content) == 6 and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0.8,
+                                                 seed=3, n=2, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    for i in range(2):
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+        assert text == r.choices[i].message.content
+
+
+def test_stop_string_is_not_in_the_text(client):
+    base = client.completions.create(model="tiny", prompt="Once upon", max_tokens=12, temperature=0).choices[0].text
+    stop = base[4:6]
+    r = client.completions.create(model="tiny", prompt="Once upon", max_tokens=12, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[: base.find(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=12, temperature=0, stop=[stop], stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_completion_logprobs_and_token_id_prompts(client):
+    r = client.completions.create(model="tiny", prompt=[[72, 105], [1, 2, 3]], max_tokens=3, temperature=0, logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and len(lp.token_logprobs) == 3 and all(len(t) >= 2 for t in lp.top_logprobs)
+
+
+def test_models_health_and_metrics(server, client):
+    url, _ = server
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    text = httpx.get(url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
+                 "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "prompt_tokens_total", "generation_tokens_total", "request_success_total", "num_preemptions_total",
+                 "prefix_cache_queries_total", "recompilations_total", "iteration_tokens", "device_busy_ratio",
+                 "decode_tokens_per_second"):
+        assert f"jaxcb:{name}" in text, name
+    assert 'jaxcb:request_success_total{finished_reason="length",model_name="tiny"}' in text
+
+
+MALFORMED = [
+    ("not json", b"{nope", 400),
+    ("array body", b"[]", 400),
+    ("unknown model", {"model": "gpt-4", "prompt": "x"}, 404),
+    ("missing model", {"prompt": "x"}, 400),
+    ("missing prompt", {"model": "tiny"}, 400),
+    ("empty prompt", {"model": "tiny", "prompt": ""}, 400),
+    ("empty prompt list", {"model": "tiny", "prompt": []}, 400),
+    ("empty token list in batch", {"model": "tiny", "prompt": [[1, 2], []]}, 400),
+    ("prompt wrong type", {"model": "tiny", "prompt": 42}, 400),
+    ("negative max_tokens", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400),
+    ("zero max_tokens", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400),
+    ("absurd max_tokens", {"model": "tiny", "prompt": "x", "max_tokens": 10**9}, 400),
+    ("max_tokens string", {"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400),
+    ("negative temperature", {"model": "tiny", "prompt": "x", "temperature": -0.1}, 400),
+    ("temperature string", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400),
+    ("top_p zero", {"model": "tiny", "prompt": "x", "top_p": 0}, 400),
+    ("top_p above one", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400),
+    ("n zero", {"model": "tiny", "prompt": "x", "n": 0}, 400),
+    ("n above cap", {"model": "tiny", "prompt": "x", "n": 1000}, 400),
+    ("logprobs too many", {"model": "tiny", "prompt": "x", "logprobs": 50}, 400),
+    ("stop wrong type", {"model": "tiny", "prompt": "x", "stop": 5}, 400),
+    ("stream wrong type", {"model": "tiny", "prompt": "x", "stream": "yes"}, 400),
+    ("token id out of vocab", {"model": "tiny", "prompt": [1, 99999]}, 400),
+    ("prompt too long", {"model": "tiny", "prompt": [1] * 300}, 400),
+    ("prompt + max_tokens too long", {"model": "tiny", "prompt": [1] * 200, "max_tokens": 100}, 400),
+    ("presence_penalty out of range", {"model": "tiny", "prompt": "x", "presence_penalty": 5}, 400),
+    ("echo unsupported", {"model": "tiny", "prompt": "x", "echo": True}, 400),
+]
+MALFORMED_CHAT = [
+    ("empty messages", {"model": "tiny", "messages": []}, 400),
+    ("bad role", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400),
+    ("content wrong type", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400),
+    ("image part", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
+    ("top_logprobs without logprobs", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+]
+
+
+@pytest.mark.parametrize("name, body, status", MALFORMED + [(f"chat: {n}", b, s) for n, b, s in MALFORMED_CHAT],
+                         ids=[m[0] for m in MALFORMED] + [f"chat-{m[0]}" for m in MALFORMED_CHAT])
+def test_malformed_requests_get_a_4xx_with_an_openai_error_body(server, name, body, status):
+    url, state = server
+    path = "/v1/chat/completions" if name.startswith("chat") else "/v1/completions"
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url + path, headers={"content-type": "application/json"}, **kwargs)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] and set(error) == {"message", "type", "param", "code"}
+    assert httpx.get(url + "/health").status_code == 200
+    assert wait_until_idle(state)
+
+
+def test_oversized_body_is_refused_with_413(server):
+    url, _ = server
+    r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x" * (2 << 20)})
+    assert r.status_code == 413 and "max_request_bytes" in r.json()["error"]["message"]
+
+
+@pytest.fixture
+def slow_steps(server):
+    """Make every engine step take >= 20 ms, so a request is surely in flight when the client leaves."""
+    engine = server[1].async_engine
+    original = engine.on_step
+
+    def slow(*args):
+        time.sleep(0.02)
+        original(*args)
+
+    engine.on_step = slow
+    yield
+    engine.on_step = original
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, slow_steps):
+    url, state = server
+    before = state.metrics.aborts._value.get()
+    with httpx.stream("POST", url + "/v1/completions", json={
+        "model": "tiny", "prompt": "a long one", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
+    }) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    assert wait_until_idle(state)
+    assert state.metrics.aborts._value.get() == before + 1
+
+
+def test_client_disconnect_while_waiting_for_a_whole_response_aborts_it(server, slow_steps):
+    url, state = server
+    before = state.metrics.aborts._value.get()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={
+            "model": "tiny", "prompt": [5] * 150, "max_tokens": 100, "ignore_eos": True, "temperature": 0,
+        }, timeout=0.3)
+    assert wait_until_idle(state)
+    assert state.metrics.aborts._value.get() == before + 1
+
+
+def test_a_stalled_stream_reader_is_aborted_and_others_are_unaffected(server, slow_steps):
+    """A reader that stops reading: its outputs pile up in the server; after the stall timeout
+    (1 s here; 150 steps take >= 3 s) the request is aborted and its blocks freed, while another
+    stream carries on to the end."""
+    from jaxcb.server.async_engine import StreamAbortedError
+
+    url, state = server
+    engine = state.async_engine
+    before = state.metrics.aborts._value.get()
+
+    async def scenario():
+        params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+        stalled = await engine.add([7] * 20, params)
+        healthy = await engine.add([9] * 20, params)
+        await stalled.__anext__()  # reads one output, then nothing while the other stream runs
+        outs = [out async for out in healthy]
+        late = []
+        with pytest.raises(StreamAbortedError, match="slow_reader"):
+            async for out in stalled:
+                late.append(out)
+        return outs, late
+
+    outs, late = asyncio.run(scenario())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 150
+    assert not late or not late[-1].finished  # it never got to its end
+    assert wait_until_idle(state)
+    assert state.metrics.aborts._value.get() == before + 1
+
+
+def test_api_key_is_required_when_set():
+    engine = shared_engine("scheduler.policy=fcfs")
+    with running_server("server.api_key=sekrit", engine=None) as (url, _):
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        ok = openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0)
+        assert ok.models.list().data[0].id == "tiny"
+        assert httpx.get(url + "/health").status_code == 200  # only /v1/* is guarded
+    del engine
+
+
+def test_overload_burst_gets_429_with_retry_after_and_the_rest_complete():
+    with running_server("scheduler.max_waiting_requests=4", "scheduler.max_num_seqs=4") as (url, state):
+        results = []
+
+        def call(i):
+            r = httpx.post(url + "/v1/completions", json={
+                "model": "tiny", "prompt": [i % 200 + 1] * 30, "max_tokens": 20, "ignore_eos": True, "temperature": 0,
+            }, timeout=60)
+            results.append(r)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(40)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = [r.status_code for r in results]
+        assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) > 0
+        for r in results:
+            if r.status_code == 429:
+                assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
+            else:
+                assert r.json()["usage"]["completion_tokens"] == 20
+        assert httpx.get(url + "/health").status_code == 200
+        assert wait_until_idle(state)
+        assert 'reason="overloaded"' in httpx.get(url + "/metrics").text
