@@ -9,30 +9,17 @@ GET /metrics (Prometheus). SIGTERM stops admitting, lets in-flight requests fini
 server.shutdown_timeout_s, aborts the rest and exits 0.
 """
 
-import logging
-
 import hydra
-import uvicorn
 
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
-from jaxcb.server.app import build_app
-
-log = logging.getLogger("jaxcb.serve")
+from jaxcb.server.run import serve
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 @entry_point
 def main(cfg: Config) -> None:
-    app = build_app(cfg)
-    log.info("serving %s on http://%s:%d", app.state.jaxcb.model_name, cfg.server.host, cfg.server.port)
-    uvicorn.run(
-        app,
-        host=cfg.server.host,
-        port=cfg.server.port,
-        log_level="info",
-        timeout_graceful_shutdown=int(cfg.server.shutdown_timeout_s) + 1,
-    )
+    serve(cfg)
 
 
 if __name__ == "__main__":

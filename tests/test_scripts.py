@@ -72,8 +72,37 @@ def test_prompt_longer_than_max_model_len_is_refused(tmp_path):
     assert "exceeds engine.max_model_len=64" in proc.stderr
 
 
-def test_serve_says_it_runs_an_offline_generation_for_now(tmp_path):
-    proc = run_script("serve.py", "generate.max_tokens=3", *SMALL, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stderr
-    assert "HTTP server is not available yet" in proc.stdout
-    assert "127.0.0.1:8000" in proc.stdout
+def test_serve_starts_the_http_server_and_exits_0_on_sigterm(tmp_path):
+    import signal
+    import time
+
+    import httpx
+
+    from server_harness import free_port
+
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "scripts", "serve.py"), f"server.port={port}", *SMALL,
+         "server.shutdown_timeout_s=5", f"hydra.run.dir={tmp_path}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
+                       json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
