@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxcb.config import Config
@@ -26,6 +26,7 @@ from jaxcb.errors import EngineOverloadedError, InvalidRequestError
 from jaxcb.metrics import EngineMetrics
 from jaxcb.outputs import RequestOutput
 from jaxcb.server import openai_format as fmt
+from jaxcb.server.dashboard import DashboardHistory, dashboard_html
 from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, StreamAbortedError
 from jaxcb.server.protocol import (
     APIError,
@@ -55,15 +56,20 @@ class ServerState:
         self.engine = engine
         self.model_name = served_model_name(cfg)
         self.metrics = EngineMetrics(self.model_name)
+        self.history = DashboardHistory()
         self.async_engine = AsyncEngine(
             engine,
-            on_step=self.metrics.on_step,
+            on_step=self._on_step,
             on_abort=lambda rid, reason: self.metrics.request_aborted(rid),
             stream_buffer_outputs=cfg.server.stream_buffer_outputs,
             stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
         )
         self.shutting_down = False
         self.num_in_flight = 0
+
+    def _on_step(self, engine, outputs, step_seconds) -> None:
+        self.metrics.on_step(engine, outputs, step_seconds)
+        self.history.on_step(engine, outputs, step_seconds)
 
 
 def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
@@ -106,6 +112,14 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/dashboard")
+    async def dashboard():
+        return HTMLResponse(dashboard_html(state.model_name))
+
+    @app.get("/dashboard/data")
+    async def dashboard_data():
+        return {"model": state.model_name, "samples": state.history.snapshot()}
 
     @app.get("/v1/models")
     async def models():

@@ -1,0 +1,67 @@
+"""GET /dashboard in a real headless browser (Debian's chromium), with a screenshot kept as an artifact.
+
+CI installs chromium and sets JAXCB_REQUIRE_BROWSER=1, so there the browser test cannot be
+skipped; on a machine without chromium it is skipped with the reason.
+"""
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+
+import httpx
+import pytest
+
+from server_harness import running_server
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARTIFACTS = os.path.join(REPO, "outputs", "test-artifacts")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def make_traffic(url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    with httpx.Client(timeout=60) as http:
+        while time.monotonic() < deadline:
+            http.post(url + "/v1/completions", json={"model": "tiny", "prompt": "load", "max_tokens": 32, "temperature": 0.7})
+
+
+def test_dashboard_data_has_a_sample_a_second():
+    with running_server() as (url, _):
+        make_traffic(url, 2.5)
+        data = httpx.get(url + "/dashboard/data").json()
+        page = httpx.get(url + "/dashboard")
+    assert page.status_code == 200 and "<canvas" in page.text and "<script src" not in page.text  # self-contained
+    samples = data["samples"]
+    assert data["model"] == "tiny" and len(samples) >= 2
+    assert set(samples[-1]) >= {"running", "waiting", "kv_usage", "tokens_per_s", "ttft_p50", "ttft_p95", "tpot_p50"}
+    assert any(s["tokens_per_s"] > 0 for s in samples)
+
+
+def chromium(*args: str) -> subprocess.CompletedProcess:
+    profile = tempfile.mkdtemp(prefix="jaxcb-chromium-")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--window-size=1200,800", "--virtual-time-budget=4000"]
+    try:
+        return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.mark.skipif(CHROMIUM is None and not os.environ.get("JAXCB_REQUIRE_BROWSER"),
+                    reason="chromium is not installed (CI installs it: apt-get install chromium)")
+def test_dashboard_renders_in_headless_chromium(tmp_path):
+    assert CHROMIUM is not None, "JAXCB_REQUIRE_BROWSER is set but chromium is not installed"
+    with running_server() as (url, _):
+        make_traffic(url, 2.5)
+        dom = chromium("--dump-dom", url + "/dashboard")
+        shot = tmp_path / "dashboard.png"
+        chromium(f"--screenshot={shot}", url + "/dashboard")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'data-ready="1"' in dom.stdout, "the page never drew the engine's data"
+    assert "running:" in dom.stdout and "TTFT p50:" in dom.stdout and "samples, last" in dom.stdout
+    assert shot.exists() and shot.stat().st_size > 10_000  # a rendered page, not a blank one
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    shutil.copy(shot, os.path.join(ARTIFACTS, "dashboard.png"))
