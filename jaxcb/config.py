@@ -130,7 +130,7 @@ class ServerConfig:
     api_key: Optional[str] = None  # when set, /v1/* requires "Authorization: Bearer <key>"
     max_request_bytes: int = 1 << 20
     max_n: int = 16  # most completions per request
-    stream_buffer_outputs: int = 1024  # outputs that may wait for one streaming reader before it is aborted
+    stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted
 
@@ -299,7 +299,7 @@ def validate_config(cfg: Config) -> None:
     _require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
     _require(1 <= srv.port <= 65535, f"server.port={srv.port} must be in 1..65535")
     _require(srv.max_n >= 1, f"server.max_n={srv.max_n} must be >= 1")
-    _require(srv.stream_buffer_outputs >= 1, f"server.stream_buffer_outputs={srv.stream_buffer_outputs} must be >= 1")
+    _require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
     _require(srv.stream_stall_timeout_s > 0, f"server.stream_stall_timeout_s={srv.stream_stall_timeout_s} must be > 0")
     _require(srv.shutdown_timeout_s >= 0, f"server.shutdown_timeout_s={srv.shutdown_timeout_s} must be >= 0")
     _require(

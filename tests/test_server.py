@@ -169,14 +169,17 @@ def test_oversized_body_is_refused_with_413(server):
     assert r.status_code == 413 and "max_request_bytes" in r.json()["error"]["message"]
 
 
+STEP_DELAY_S = 0.02
+
+
 @pytest.fixture
 def slow_steps(server):
-    """Make every engine step take >= 20 ms, so a request is surely in flight when the client leaves."""
+    """Make every engine step take >= STEP_DELAY_S, so a request is surely in flight when the client leaves."""
     engine = server[1].async_engine
     original = engine.on_step
 
     def slow(*args):
-        time.sleep(0.02)
+        time.sleep(STEP_DELAY_S)
         original(*args)
 
     engine.on_step = slow
@@ -206,6 +209,33 @@ def test_client_disconnect_while_waiting_for_a_whole_response_aborts_it(server, 
         }, timeout=0.3)
     assert wait_until_idle(state)
     assert state.metrics.aborts._value.get() == before + 1
+
+
+def test_client_disconnect_mid_prefill_aborts_and_frees_blocks(server, slow_steps, monkeypatch):
+    """A 240-token prompt takes 4 prefill steps of the 64-token budget; at 0.1 s a step the client
+    leaves during the second one."""
+    monkeypatch.setattr(__import__(__name__), "STEP_DELAY_S", 0.1)
+    url, state = server
+    before = state.metrics.aborts._value.get()
+    seen_prefilling = []
+
+    def watch():
+        deadline = time.monotonic() + 1
+        while time.monotonic() < deadline:
+            for r in list(state.engine.scheduler.requests.values()):
+                if 0 < r.num_computed_tokens < r.num_prompt_tokens:
+                    seen_prefilling.append(r.num_computed_tokens)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [3] * 240, "max_tokens": 8}, timeout=0.15)
+    watcher.join()
+    assert seen_prefilling, "the request should have been mid-prefill"
+    assert wait_until_idle(state)
+    assert state.metrics.aborts._value.get() == before + 1
+    assert state.engine.block_pool.num_free_blocks == state.engine.block_pool.num_blocks - 1
 
 
 def test_a_stalled_stream_reader_is_aborted_and_others_are_unaffected(server, slow_steps):

@@ -61,7 +61,7 @@ class ServerState:
             engine,
             on_step=self._on_step,
             on_abort=lambda rid, reason: self.metrics.request_aborted(rid),
-            stream_buffer_outputs=cfg.server.stream_buffer_outputs,
+            stream_buffer_tokens=cfg.server.stream_buffer_tokens,
             stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
         )
         self.shutting_down = False

@@ -34,6 +34,8 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     last_read: float = field(default_factory=time.monotonic)
+    tokens_read: int = 0  # generated tokens in the last output the reader took
+    tokens_sent: int = 0  # generated tokens in the last output put in the queue
 
 
 class StreamAbortedError(RuntimeError):
@@ -56,6 +58,8 @@ class RequestStream:
             raise StopAsyncIteration
         out = await self._stream.outputs.get()
         self._stream.last_read = time.monotonic()
+        if isinstance(out, RequestOutput):
+            self._stream.tokens_read = _num_tokens(out)
         if isinstance(out, BaseException):
             self.finished = self.aborted = True
             raise out
@@ -76,13 +80,13 @@ class AsyncEngine:
         on_step: Optional[Callable[[Engine, list[RequestOutput], float], None]] = None,
         on_abort: Optional[Callable[[str, str], None]] = None,
         *,
-        stream_buffer_outputs: int = 1024,
+        stream_buffer_tokens: int = 1024,
         stream_stall_timeout_s: float = 30.0,
     ):
         self.engine = engine
         self.on_step = on_step  # metrics hook, called in the engine thread after every step
         self.on_abort = on_abort  # (request id, reason) of every abort, called in the engine thread
-        self.stream_buffer_outputs = stream_buffer_outputs  # outputs waiting for one reader, at most
+        self.stream_buffer_tokens = stream_buffer_tokens  # generated tokens waiting for one reader, at most
         self.stream_stall_timeout_s = stream_stall_timeout_s
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -166,9 +170,9 @@ class AsyncEngine:
         """A reader that lets outputs pile up (or stops reading) must not hold its blocks forever."""
         now = time.monotonic()
         for request_id, stream in list(self._streams.items()):
-            backlog = stream.outputs.qsize()
-            stalled = backlog and now - stream.last_read > self.stream_stall_timeout_s
-            if backlog > self.stream_buffer_outputs or stalled:
+            backlog = stream.tokens_sent - stream.tokens_read if stream.outputs.qsize() else 0
+            stalled = backlog > 0 and now - stream.last_read > self.stream_stall_timeout_s
+            if backlog > self.stream_buffer_tokens or stalled:
                 log.warning("aborting %s: its reader %s", request_id, "stalled" if stalled else "fell too far behind")
                 self._abort(request_id, "slow_reader")
 
@@ -205,6 +209,7 @@ class AsyncEngine:
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
+                        stream.tokens_sent = _num_tokens(out)
                         stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
                         if out.finished:
                             self._streams.pop(out.request_id, None)
@@ -214,6 +219,10 @@ class AsyncEngine:
             self.error = e
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, EngineDeadError(f"engine loop failed: {e!r}"))
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
