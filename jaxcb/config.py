@@ -171,6 +171,8 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    input: Optional[str] = None  # scripts/generate.py: a JSONL job to run instead of generate.prompts
+    output: Optional[str] = None  # scripts/generate.py: where the job's results go (appended; resumable)
 
 
 def register_configs() -> None:
@@ -307,6 +309,10 @@ def validate_config(cfg: Config) -> None:
         f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
     )
     _require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
+    _require(
+        (cfg.input is None) == (cfg.output is None),
+        f"input={cfg.input} and output={cfg.output}: give both (a JSONL job) or neither",
+    )
     b = cfg.bench
     _require(
         b.task in ("offline", "policies", "async", "overhead"),

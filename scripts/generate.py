@@ -1,5 +1,6 @@
-"""Offline generation: complete `generate.prompts` with the configured model, all in one batch.
+"""Offline generation: a JSONL job, or `generate.prompts`, with the configured model.
 
+    python scripts/generate.py input=prompts.jsonl output=results.jsonl   # crash-safe; rerun to resume
     python scripts/generate.py
     python scripts/generate.py 'generate.prompts=[Hello,"Once upon a time"]' generate.max_tokens=16
     python scripts/generate.py model=hf model.checkpoint=/path/to/llama generate.temperature=0.8 generate.seed=0
@@ -9,12 +10,20 @@ import hydra
 
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
+from jaxcb.jobs import run_job
 from jaxcb.offline import generate_prompts
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 @entry_point
 def main(cfg: Config) -> None:
+    if cfg.input is not None:
+        job = run_job(cfg, cfg.input, cfg.output)
+        print(
+            f"{job.num_input} records: {job.num_skipped} already done, {job.num_done} generated, "
+            f"{job.num_errors} errors; {job.output_tokens} tokens in {job.seconds:.1f} s -> {cfg.output}"
+        )
+        return
     report = generate_prompts(cfg, list(cfg.generate.prompts))
     for out in report.outputs:
         c = out.outputs[0]

@@ -1,0 +1,190 @@
+"""Offline generation jobs: JSONL in, JSONL out, crash-safe and exactly once per id.
+
+Input: one JSON object a line, with `id`, and `prompt` (text or token ids) or `messages`
+(a chat), plus optional sampling fields (max_tokens, temperature, top_p, top_k, min_p,
+repetition/presence/frequency_penalty, seed, stop, stop_token_ids, ignore_eos, min_tokens).
+Output: one line per id with `id`, `text`, `token_ids`, `finish_reason`, `usage` -- or `id`
+and `error` for a record that failed validation (the job goes on).
+
+Crash safety: each result is appended and flushed as it finishes. A rerun of the same
+command first cuts a torn last line (a write interrupted by a crash), then skips every id
+already written; so after any number of crashes (SIGKILL included) each id appears exactly
+once. Duplicate ids in the input are refused before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from tqdm import tqdm
+
+from jaxcb.cli import UserError
+from jaxcb.config import Config
+from jaxcb.engine import LLM
+from jaxcb.errors import EngineOverloadedError, InvalidRequestError
+from jaxcb.sampling_params import SamplingParams
+from jaxcb.tokenizer import chat_prompt_ids
+
+log = logging.getLogger(__name__)
+SAMPLING_FIELDS = (
+    "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+)
+FSYNC_EVERY = 64
+
+
+@dataclass
+class JobRecord:
+    line: int
+    id: Optional[str]
+    data: Optional[dict]
+    error: Optional[str] = None
+
+
+@dataclass
+class JobReport:
+    num_input: int
+    num_skipped: int  # already in the output
+    num_done: int = 0
+    num_errors: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+def read_input(path: str) -> list[JobRecord]:
+    if not os.path.isfile(path):
+        raise UserError(f"input={path} does not exist; give a JSONL file of {{'id': ..., 'prompt': ...}} records")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as e:
+                records.append(JobRecord(n, None, None, f"line {n} is not valid JSON: {e}"))
+                continue
+            if not isinstance(data, dict) or not isinstance(data.get("id"), (str, int)):
+                records.append(JobRecord(n, None, None, f"line {n} has no string or integer 'id'"))
+                continue
+            records.append(JobRecord(n, str(data["id"]), data))
+    ids = [r.id for r in records if r.id is not None]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise UserError(f"input={path} has duplicate ids {dupes[:10]}; every id must be unique")
+    return records
+
+
+def repair_and_read_output(path: str) -> set[str]:
+    """Ids already written; a torn last line (no newline: the write was cut short) is removed first."""
+    if not os.path.exists(path):
+        return set()
+    with open(path, "rb+") as f:
+        data = f.read()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            log.warning("output=%s: removing a torn last line of %d bytes", path, len(data) - end)
+            f.truncate(end)
+            data = data[:end]
+    done = set()
+    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        try:
+            done.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"output={path} line {n} is not a result record ({e}); move the file away or fix it") from None
+    return done
+
+
+def _request(llm: LLM, data: dict) -> tuple[Any, SamplingParams]:
+    if "messages" in data:
+        if not isinstance(data["messages"], list) or not data["messages"]:
+            raise InvalidRequestError("messages must be a non-empty list of {role, content}")
+        prompt: Any = chat_prompt_ids(llm.tokenizer, data["messages"])
+    elif "prompt" in data:
+        prompt = data["prompt"]
+        if not isinstance(prompt, (str, list)) or not prompt:
+            raise InvalidRequestError("prompt must be a non-empty string or list of token ids")
+    else:
+        raise InvalidRequestError("the record has neither 'prompt' nor 'messages'")
+    unknown = set(data) - {"id", "prompt", "messages", *SAMPLING_FIELDS}
+    if unknown:
+        raise InvalidRequestError(f"unknown fields {sorted(unknown)}; sampling fields are {list(SAMPLING_FIELDS)}")
+    kwargs = {k: data[k] for k in SAMPLING_FIELDS if k in data}
+    try:
+        return prompt, SamplingParams(**kwargs)
+    except TypeError as e:
+        raise InvalidRequestError(str(e)) from None
+
+
+class _Writer:
+    def __init__(self, path: str):
+        self.f = open(path, "a", encoding="utf-8")
+        self.count = 0
+
+    def write(self, record: dict) -> None:
+        self.f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.f.flush()  # in the OS once written: a killed process loses nothing it reported
+        self.count += 1
+        if self.count % FSYNC_EVERY == 0:
+            os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
+    records = read_input(input_path)
+    done = repair_and_read_output(output_path)
+    pending = [r for r in records if r.id is None or r.id not in done]
+    report = JobReport(num_input=len(records), num_skipped=len(records) - len(pending))
+    if not pending:
+        return report
+    writer = _Writer(output_path)
+    try:
+        llm = LLM(cfg, progress=False)
+        engine = llm.engine
+        queue = list(pending)
+        in_flight: dict[str, str] = {}  # engine request id -> record id
+        max_in_flight = 4 * cfg.scheduler.max_num_seqs
+        start = time.perf_counter()
+        with tqdm(total=len(pending), desc="job", unit="rec") as bar:
+            while queue or in_flight:
+                while queue and len(in_flight) < max_in_flight:
+                    rec = queue.pop(0)
+                    if rec.id is None or rec.error:  # unreadable line: report it, keyed by its line
+                        writer.write({"id": rec.id, "line": rec.line, "error": rec.error})
+                        report.num_errors += 1
+                        bar.update(1)
+                        continue
+                    try:
+                        prompt, params = _request(llm, rec.data)
+                        in_flight[engine.add_request(prompt, params)] = rec.id
+                    except (InvalidRequestError, EngineOverloadedError) as e:
+                        writer.write({"id": rec.id, "error": str(e)})
+                        report.num_errors += 1
+                        bar.update(1)
+                for out in engine.step():
+                    if not out.finished:
+                        continue
+                    c = out.outputs[0]
+                    writer.write({
+                        "id": in_flight.pop(out.request_id), "text": c.text, "token_ids": c.token_ids,
+                        "finish_reason": c.finish_reason,
+                        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids)},
+                    })
+                    report.num_done += 1
+                    report.output_tokens += len(c.token_ids)
+                    bar.update(1)
+                    bar.set_postfix(tok_s=f"{report.output_tokens / max(1e-9, time.perf_counter() - start):.0f}")
+        report.seconds = time.perf_counter() - start
+    finally:
+        writer.close()
+    return report
