@@ -8,6 +8,7 @@ depend on text) and every request generates exactly its drawn output length (ign
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -26,13 +27,33 @@ class WorkItem:
     output_len: int
 
 
+def read_workload_file(path: str, vocab_size: int, max_model_len: int) -> list[WorkItem]:
+    """The peers' workload.jsonl ({"_meta"} line, then {"id", "prompt_token_ids", "output_len"})."""
+    items = []
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "_meta" in rec:
+                continue
+            ids = rec.get("prompt_token_ids") or [t % vocab_size for t in rec["prompt"].encode()]
+            out = int(rec.get("output_len") or rec.get("max_tokens"))
+            items.append(WorkItem(list(ids), max(1, min(out, max_model_len - len(ids)))))
+    return items
+
+
 def make_workload(b: BenchConfig, vocab_size: int, max_model_len: int) -> list[WorkItem]:
     """`lognormal`: ShareGPT-like lengths (means b.input_mean / b.output_mean, times b.scale);
-    `random`: every request b.input_mean x b.scale in, b.output_mean x b.scale out."""
+    `random`: every request b.input_mean x b.scale in, b.output_mean x b.scale out;
+    `exp-output` (Anyscale-style): 512-token prompts, exponential outputs (mean b.output_mean x
+    b.scale) capped at b.output_cap; `file`: read from b.file."""
+    if b.workload == "file":
+        return read_workload_file(b.file, vocab_size, max_model_len)
     rng = np.random.default_rng(b.seed)
     items = []
     for _ in range(b.num_requests):
-        if b.workload == "lognormal":
+        if b.workload == "exp-output":
+            n_in, n_out = 512, min(b.output_cap, rng.exponential(b.output_mean * b.scale))
+        elif b.workload == "lognormal":
             # lognormal with the requested mean: mu = log(mean) - sigma^2 / 2
             n_in = rng.lognormal(math.log(b.input_mean * b.scale) - b.input_sigma**2 / 2, b.input_sigma)
             n_out = rng.lognormal(math.log(b.output_mean * b.scale) - b.output_sigma**2 / 2, b.output_sigma)

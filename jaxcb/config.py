@@ -151,7 +151,9 @@ class BenchConfig:
     """Options of scripts/bench.py."""
 
     task: str = "offline"  # offline | policies (fcfs vs static) | async (on vs off) | overhead (engine vs replayed steps)
-    workload: str = "lognormal"  # lognormal (ShareGPT-like lengths) | random (fixed lengths)
+    workload: str = "lognormal"  # lognormal (ShareGPT-like) | random (fixed lengths) | exp-output | file
+    output_cap: int = 128  # exp-output: outputs are exponential, capped here (32 / 128 / 512 / 1536)
+    file: Optional[str] = None  # workload=file: JSONL of {"prompt_token_ids" | "prompt", "output_len"}
     num_requests: int = 200
     input_mean: float = 200.0  # tokens, before scale
     output_mean: float = 300.0
@@ -318,7 +320,12 @@ def validate_config(cfg: Config) -> None:
         b.task in ("offline", "policies", "async", "overhead"),
         f"bench.task={b.task!r} must be offline, policies, async or overhead",
     )
-    _require(b.workload in ("lognormal", "random"), f"bench.workload={b.workload!r} must be lognormal or random")
+    _require(
+        b.workload in ("lognormal", "random", "exp-output", "file"),
+        f"bench.workload={b.workload!r} must be lognormal, random, exp-output or file",
+    )
+    _require(b.workload != "file" or b.file is not None, "bench.workload=file needs bench.file=PATH")
+    _require(b.output_cap >= 1, f"bench.output_cap={b.output_cap} must be >= 1")
     _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
     _require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
     _require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")

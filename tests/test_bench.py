@@ -47,3 +47,17 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
     assert all(r["num_recompiles"] == 0 for r in result["runs"].values())
     if task == "policies":
         assert result["ideal_ratio"] >= 1
+
+
+def test_exp_output_workload_has_512_token_prompts_and_capped_outputs():
+    items = make_workload(BenchConfig(workload="exp-output", output_cap=32, num_requests=100), 259, 2048)
+    assert all(len(w.prompt_token_ids) == 512 and 1 <= w.output_len <= 32 for w in items)
+    assert len({w.output_len for w in items}) > 5
+
+
+def test_file_workload_reads_the_peers_format(tmp_path):
+    path = tmp_path / "wl.jsonl"
+    path.write_text('{"_meta": {"n": 2}}\n{"id": 0, "prompt_token_ids": [1, 2, 3], "output_len": 7}\n'
+                    '{"id": 1, "prompt_token_ids": [4], "output_len": 2}\n')
+    items = make_workload(BenchConfig(workload="file", file=str(path)), 259, 2048)
+    assert items == [WorkItem([1, 2, 3], 7), WorkItem([4], 2)]
