@@ -298,9 +298,12 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
         if self.cfg.policy == "static" and self.running:
             return budget  # a static batch runs until every member finishes
+        # A static batch is formed whole -- every member that fits the cache joins now, whether or
+        # not this step's budget reaches it; members the budget misses start in the next steps.
+        static = self.cfg.policy == "static"
         num_partial = sum(1 for r in self.running if r.is_prefilling)
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and (budget > 0 or static) and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
             if request.host_block_ids:
                 admitted = self._admit_swapped(request, budget, scheduled)
@@ -316,7 +319,7 @@ class Scheduler:
             if len(cached) > len(share):
                 share = cached
             start = len(share) * self.block_size
-            if self.cfg.enable_chunked_prefill or request.num_preemptions:
+            if self.cfg.enable_chunked_prefill or request.num_preemptions or static:
                 num_new = min(request.num_tokens - start, budget)
             else:
                 num_new = request.num_tokens - start
@@ -324,7 +327,8 @@ class Scheduler:
                     break
             if self.cfg.long_prefill_token_threshold is not None:
                 num_new = min(num_new, self.cfg.long_prefill_token_threshold)
-            if start + num_new < request.num_prompt_tokens and num_partial >= self.cfg.max_num_partial_prefills:
+            partial = start + num_new < request.num_prompt_tokens
+            if not static and partial and num_partial >= self.cfg.max_num_partial_prefills:
                 break
             reserve = request.num_prompt_tokens + request.sampling_params.max_tokens
             total = reserve if self.cfg.policy == "static" else start + num_new
@@ -343,9 +347,10 @@ class Scheduler:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            scheduled[request.request_id] = self._scheduled(request, num_new)
-            budget -= num_new
-            if request.is_prefilling and start + num_new < request.num_prompt_tokens:
+            if num_new > 0:
+                scheduled[request.request_id] = self._scheduled(request, num_new)
+                budget -= num_new
+            if partial:
                 num_partial += 1
         self.waiting.extendleft(reversed(skipped))
         return budget

@@ -355,3 +355,17 @@ def test_aging_bounds_the_wait_of_a_low_priority_request_under_a_high_priority_f
     finished_at = run_flood(aging_s=5.0)
     assert finished_at is not None and finished_at <= 16 * 4 + 2
     assert run_flood(aging_s=1e9, steps=150) is None  # without aging it starves
+
+
+def test_static_batch_is_formed_whole_even_when_the_first_prompt_takes_the_budget():
+    sched = make_scheduler(policy="static", max_num_seqs=4, max_num_batched_tokens=16)
+    reqs = [make_request(16, max_tokens=3) for _ in range(6)]
+    for r in reqs:
+        sched.add_request(r)
+    out = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == [reqs[0].request_id]  # the budget covers one prompt
+    assert [r.status for r in reqs[:4]] == [RequestStatus.RUNNING] * 4  # but the batch has all four
+    assert reqs[4].status is RequestStatus.WAITING
+    for _ in range(30):
+        run_step(sched)
+    assert all(r.is_finished for r in reqs)
