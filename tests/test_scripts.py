@@ -101,7 +101,16 @@ def test_serve_starts_the_http_server_and_exits_0_on_sigterm(tmp_path):
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                        json={"model": "tiny", "prompt": "Hello", "max_tokens": 4}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-        proc.send_signal(signal.SIGTERM)
+        # A stream in flight when SIGTERM arrives is allowed to finish (shutdown_timeout_s=5).
+        lines = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": "Hello", "max_tokens": 60, "ignore_eos": True, "stream": True,
+        }) as stream:
+            it = stream.iter_lines()
+            lines.append(next(it))
+            proc.send_signal(signal.SIGTERM)
+            lines.extend(it)
+        assert lines[-1] == "data: [DONE]" or lines[-1] == "" and "data: [DONE]" in lines
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
