@@ -12,6 +12,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import numpy as np
@@ -107,6 +108,74 @@ def run_offline(llm: LLM, items: list[WorkItem], policy: str) -> OfflineResult:
         policy, len(items), seconds, sum(len(p) for p in prompts), out_tokens,
         engine.runner.num_steps - steps0, engine.scheduler.num_preemptions - preempt0, engine.num_recompiles,
     )
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
+    arr = np.asarray(values)
+    return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p95": float(np.percentile(arr, 95)),
+            "p99": float(np.percentile(arr, 99))}
+
+
+@dataclass
+class _Live:
+    arrival: float
+    first: Optional[float] = None
+    last: Optional[float] = None
+    num_tokens: int = 0
+
+
+def run_serving(llm: LLM, items: list[WorkItem], b: BenchConfig) -> dict:
+    """Requests arrive (Poisson at b.request_rate, at most b.max_concurrency in the engine); the
+    engine is stepped in this thread and every output's arrival time is taken as a client sees it."""
+    rng = np.random.default_rng(b.seed + 1)
+    gaps = rng.exponential(1.0 / b.request_rate, len(items)) if b.request_rate else np.zeros(len(items))
+    arrivals = np.cumsum(gaps)
+    engine = llm.engine
+    pending = list(range(len(items)))
+    live: dict[str, _Live] = {}
+    ttft, tpot, itl, e2e = [], [], [], []
+    good = out_tokens = 0
+    start = time.perf_counter()
+    while pending or live:
+        now = time.perf_counter() - start
+        while pending and arrivals[pending[0]] <= now and (b.max_concurrency is None or len(live) < b.max_concurrency):
+            i = pending.pop(0)
+            w = items[i]
+            rid = engine.add_request(w.prompt_token_ids, SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True))
+            live[rid] = _Live(arrival=start + arrivals[i])
+        if not engine.has_unfinished_requests():
+            if pending:
+                time.sleep(max(0.0, min(0.01, arrivals[pending[0]] - now)))
+            continue
+        outputs = engine.step()
+        t = time.perf_counter()
+        for out in outputs:
+            rec = live[out.request_id]
+            n = len(out.outputs[0].token_ids)
+            if n > rec.num_tokens:
+                if rec.first is None:
+                    rec.first = t
+                else:
+                    itl.extend([(t - rec.last) / (n - rec.num_tokens)] * (n - rec.num_tokens))
+                rec.last, rec.num_tokens = t, n
+            if out.finished:
+                del live[out.request_id]
+                ttft.append(rec.first - rec.arrival)
+                e2e.append(t - rec.arrival)
+                per_token = (rec.last - rec.first) / (n - 1) if n > 1 else 0.0
+                tpot.append(per_token)
+                out_tokens += n
+                good += ttft[-1] * 1e3 <= b.slo.ttft_ms and per_token * 1e3 <= b.slo.tpot_ms
+    seconds = time.perf_counter() - start
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in items)
+    return {
+        "seconds": seconds, "num_requests": len(items), "requests_per_s": len(items) / seconds,
+        "output_tokens_per_s": out_tokens / seconds, "total_tokens_per_s": (out_tokens + prompt_tokens) / seconds,
+        "goodput_requests_per_s": good / seconds, "slo": {"ttft_ms": b.slo.ttft_ms, "tpot_ms": b.slo.tpot_ms},
+        "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+    }
 
 
 def with_policy(cfg: Config, policy: str) -> Config:

@@ -147,9 +147,19 @@ class GenerateConfig:
 
 
 @dataclass
+class SLOConfig:
+    ttft_ms: float = 1000.0  # a request meets the SLO if its time to first token is at most this
+    tpot_ms: float = 100.0  # ... and its mean time per output token after the first at most this
+
+
+@dataclass
 class BenchConfig:
     """Options of scripts/bench.py."""
 
+    mode: str = "offline"  # offline (all requests at once) | serving (arrivals at request_rate, TTFT/TPOT/ITL/E2E)
+    request_rate: Optional[float] = None  # serving: Poisson arrivals per second; null: all at once
+    max_concurrency: Optional[int] = None  # serving: requests in the engine at most (the rest wait client-side)
+    slo: SLOConfig = field(default_factory=SLOConfig)
     task: str = "offline"  # offline | policies (fcfs vs static) | async (on vs off) | overhead (engine vs replayed steps)
     workload: str = "lognormal"  # lognormal (ShareGPT-like) | random (fixed lengths) | exp-output | file
     output_cap: int = 128  # exp-output: outputs are exponential, capped here (32 / 128 / 512 / 1536)
@@ -326,6 +336,9 @@ def validate_config(cfg: Config) -> None:
     )
     _require(b.workload != "file" or b.file is not None, "bench.workload=file needs bench.file=PATH")
     _require(b.output_cap >= 1, f"bench.output_cap={b.output_cap} must be >= 1")
+    _require(b.mode in ("offline", "serving"), f"bench.mode={b.mode!r} must be offline or serving")
+    _require(b.request_rate is None or b.request_rate > 0, f"bench.request_rate={b.request_rate} must be > 0 or null")
+    _require(b.max_concurrency is None or b.max_concurrency >= 1, f"bench.max_concurrency={b.max_concurrency} must be >= 1")
     _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
     _require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
     _require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")

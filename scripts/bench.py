@@ -4,6 +4,7 @@
     python scripts/bench.py bench.task=policies               # fcfs vs static on the same workload
     python scripts/bench.py bench.task=overhead               # engine vs a replay of its compiled steps
     python scripts/bench.py bench.task=async                  # engine.async_scheduling on vs off
+    python scripts/bench.py bench.mode=serving bench.request_rate=20   # TTFT/TPOT/ITL/E2E, goodput
     python scripts/bench.py -m scheduler.max_num_seqs=16,32,64 # a sweep (one run per value)
 """
 
@@ -14,7 +15,15 @@ import os
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from jaxcb.benchmark import host_overhead, ideal_static_ratio, make_workload, run_offline, with_async, with_policy
+from jaxcb.benchmark import (
+    host_overhead,
+    ideal_static_ratio,
+    make_workload,
+    run_offline,
+    run_serving,
+    with_async,
+    with_policy,
+)
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
 from jaxcb.engine import LLM
@@ -45,7 +54,14 @@ def main(cfg: Config) -> None:
     items = make_workload(b, first.model_config.vocab_size, first.max_model_len)
     print(f"workload: {len(items)} requests, {sum(len(w.prompt_token_ids) for w in items)} prompt tokens, "
           f"{sum(w.output_len for w in items)} output tokens")
-    if b.task == "overhead":
+    if b.mode == "serving" and b.task in ("offline", "policies", "async"):
+        runs = {name: run_serving(llm, items, b) for name, llm in engines.items()}
+        for name, r in runs.items():
+            print(f"{name}: {r['output_tokens_per_s']:,.0f} out tok/s, {r['requests_per_s']:.2f} req/s, goodput "
+                  f"{r['goodput_requests_per_s']:.2f} req/s; TTFT p50/p99 {1e3 * r['ttft_s']['p50']:.0f}/"
+                  f"{1e3 * r['ttft_s']['p99']:.0f} ms, TPOT mean {1e3 * r['tpot_s']['mean']:.1f} ms")
+        result["serving"] = runs
+    elif b.task == "overhead":
         result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "
               f"host overhead {100 * o['host_overhead_fraction']:.0f}% of engine time")
