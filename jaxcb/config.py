@@ -115,7 +115,7 @@ class EngineConfig:
     compilation_cache_dir: Optional[str] = None  # JAX persistent compilation cache; None: ~/.cache/jaxcb/xla
     token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: powers of two up to the budget
     seq_buckets: Optional[list[int]] = None  # step sizes in sequences; None: min(token bucket, max_num_seqs)
-    context_buckets: Optional[list[int]] = None  # block-table widths; None: a quarter and all (xla), all (pallas)
+    context_buckets: Optional[list[int]] = None  # block-table widths; None: 1/8, 1/4, 1/2 and all (xla), all (pallas)
     max_logprobs: int = 5  # most top logprobs a request may ask for (computed for every row)
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
 

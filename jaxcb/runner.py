@@ -74,8 +74,8 @@ def make_buckets(engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_se
         widths = sorted(set(min(w, max_blocks_per_seq) for w in engine.context_buckets) | {max_blocks_per_seq})
     elif attention.startswith("pallas"):
         widths = [max_blocks_per_seq]  # the kernel reads only up to each kv_len: no need to bucket
-    else:  # short contexts read a quarter of the table: the XLA path's cost follows the width
-        widths = sorted({max(1, max_blocks_per_seq // 4), max_blocks_per_seq})
+    else:  # the XLA path's cost follows the width: an eighth, a quarter, half and all of the table
+        widths = sorted({max(1, max_blocks_per_seq // d) for d in (8, 4, 2, 1)})
     return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths), max_seqs)
 
 
