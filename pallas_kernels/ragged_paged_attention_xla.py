@@ -1,12 +1,12 @@
 """Ragged paged attention in plain JAX/XLA: the fast path where there is no Pallas kernel (CPU).
 
 The same query tiling as the kernel, vectorised: the batch is cut into tiles of up to
-`tokens_per_tile` tokens of one sequence; each tile gathers its sequence's blocks straight
-from the stacked cache (one gather, no per-layer copy) and attends to them. Cost is
-tiles x context instead of tokens x context: a 512-token prefill with 16-token tiles
-reads its context 32 times, not 512. Decode-only batches use 1-token tiles, so no query
-work is wasted. The context read is bounded by the block table's width, which the
-runner buckets to what the batch needs.
+`tokens_per_tile` tokens of one sequence, and the tiles walk their block tables together,
+one block column per `fori_loop` iteration with an online softmax, gathering that column's
+blocks straight from the stacked cache. Cost is tiles x context instead of tokens x context
+(a 512-token prefill with 16-token tiles reads its context 32 times, not 512), no copy of
+the context is ever materialised, and the loop ends at the batch's longest context.
+Decode-only batches use 1-token tiles, so no query work is wasted.
 """
 
 from __future__ import annotations
@@ -58,29 +58,48 @@ def ragged_paged_attention_xla(
     q_tiles = q[jnp.clip(tok, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_tiles, num_kv_heads, group * tq, head_dim)
 
-    # One gather straight from the stacked cache: block ids of (layer, head) in the flat block axis.
+    # Walk the block columns of the tables with an online softmax: each iteration gathers one
+    # block per tile straight from the stacked cache ([G, Hkv, S, D]), so no copy of the whole
+    # context is ever made, and the loop stops at the longest context in the batch rather than
+    # at the table's width.
     num_layers, _, num_blocks, _, _ = k_cache.shape
-    ctx = width * block_size
-    flat_ids = (layer * num_kv_heads + jnp.arange(num_kv_heads))[None, :, None] * num_blocks + block_tables[seq][:, None, :]
     flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
-    k = k_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
-    v = v_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
-    key_pos = jnp.arange(ctx)
-    key_valid = key_pos[None, :] < kv_len[:, None]  # [G, C]
-    # Slots past kv_len may hold stale values or NaN: scores there are masked below, and V is
-    # zeroed so that 0 * NaN cannot reach the output.
-    v = jnp.where(key_valid[:, None, :, None], v, 0)
+    k_flat, v_flat = k_cache.reshape(flat_shape), v_cache.reshape(flat_shape)
+    head_base = (layer * num_kv_heads + jnp.arange(num_kv_heads))[None, :] * num_blocks  # [1, Hkv]
+    tables = block_tables[seq]  # [G, W]
+    q_pos = pos0[:, None] + offs[None, :]  # [G, tq]: causal limit of each row's token
+    row_pos = jnp.broadcast_to(q_pos[:, None, :], (num_tiles, group, tq)).reshape(num_tiles, 1, group * tq)
+    q_scaled = q_tiles.astype(jnp.float32) * sm_scale
+    rows = group * tq
 
-    scores = jnp.einsum("ghrd,ghcd->ghrc", q_tiles, k, preferred_element_type=jnp.float32) * sm_scale
-    q_pos = pos0[:, None] + offs[None, :]  # [G, tq]
-    visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [G, tq, C]
-    visible = jnp.broadcast_to(visible[:, None], (num_tiles, group, tq, ctx)).reshape(num_tiles, 1, group * tq, ctx)
-    scores = jnp.where(visible, scores, -jnp.inf)
-    row_max = jnp.max(scores, axis=-1, keepdims=True)
-    p = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("ghrc,ghcd->ghrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    out = out / jnp.where(denom == 0, 1.0, denom)
+    def column(w, carry):
+        m, l, acc = carry
+        ids = head_base + tables[:, w][:, None]  # [G, Hkv]
+        k = k_flat[ids].astype(jnp.float32)  # [G, Hkv, S, D]
+        v = v_flat[ids].astype(jnp.float32)
+        key_pos = w * block_size + jnp.arange(block_size)  # [S]
+        key_valid = key_pos[None, :] < kv_len[:, None]  # [G, S]
+        # Slots past kv_len may hold stale values or NaN: their scores are masked and V zeroed,
+        # so 0 * NaN cannot reach the output.
+        v = jnp.where(key_valid[:, None, :, None], v, 0.0)
+        scores = jnp.einsum("ghrd,ghsd->ghrs", q_scaled, k)
+        visible = key_valid[:, None, None, :] & (key_pos[None, None, None, :] <= row_pos[..., None])
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(scores - m_safe[..., None])
+        correction = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        acc = acc * correction[..., None] + jnp.einsum("ghrs,ghsd->ghrd", p, v)
+        return m_new, l * correction + p.sum(axis=-1), acc
+
+    init = (
+        jnp.full((num_tiles, num_kv_heads, rows), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tiles, num_kv_heads, rows), jnp.float32),
+        jnp.zeros((num_tiles, num_kv_heads, rows, head_dim), jnp.float32),
+    )
+    num_columns = jnp.minimum((jnp.max(kv_len) + block_size - 1) // block_size, width)
+    _, l, acc = jax.lax.fori_loop(0, num_columns, column, init)
+    out = acc / jnp.where(l == 0, 1.0, l)[..., None]
     out = out.reshape(num_tiles, num_kv_heads, group, tq, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles * tq, num_q_heads, head_dim).astype(q.dtype)
     # Each real token sits in exactly one tile; padding rows go out of range and are dropped.
