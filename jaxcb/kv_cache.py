@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.block_pool import NULL_BLOCK
+from jaxcb.block_pool import NULL_BLOCK  # noqa: F401  (re-exported: the cache owns the null block)
 from jaxcb.config import CacheConfig, ConfigError
 from jaxcb.model.config import LlamaConfig
 

@@ -27,7 +27,6 @@ the model's layer scan passes the whole stacked cache, which is never copied.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -20,6 +20,9 @@ from pallas_kernels.inputs import check_attention_inputs
 from pallas_kernels.query_tiles import max_query_tiles, query_tile_table
 
 
+GATHER_MAX_WIDTH = 16  # block-table widths up to this gather the context at once; wider ones walk it
+
+
 def default_tokens_per_tile(num_tokens: int, num_seqs_max: int) -> int:
     """1 when the batch can only be decodes; otherwise up to 16 tokens, scaled to tokens per sequence."""
     per_seq = max(1, num_tokens // max(1, num_seqs_max))
@@ -58,11 +61,64 @@ def ragged_paged_attention_xla(
     q_tiles = q[jnp.clip(tok, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_tiles, num_kv_heads, group * tq, head_dim)
 
-    # Walk the block columns of the tables with an online softmax: each iteration gathers one
-    # block per tile straight from the stacked cache ([G, Hkv, S, D]), so no copy of the whole
-    # context is ever made, and the loop stops at the longest context in the batch rather than
-    # at the table's width.
-    num_layers, _, num_blocks, _, _ = k_cache.shape
+    if width <= GATHER_MAX_WIDTH:
+        out = _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale)
+    else:
+        out = _attend_block_loop(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale)
+    out = out.reshape(num_tiles, num_kv_heads, group, tq, head_dim).transpose(0, 3, 1, 2, 4)
+    out = out.reshape(num_tiles * tq, num_q_heads, head_dim).astype(q.dtype)
+    # Each real token sits in exactly one tile; padding rows go out of range and are dropped.
+    dest = jnp.where(tok_valid, tok, num_tokens).reshape(-1)
+    return jnp.zeros_like(q).at[dest].set(out, mode="drop")
+
+
+
+def _shapes(q_tiles, k_cache, block_tables, tq):
+    num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
+    num_layers, _, num_blocks, block_size, _ = k_cache.shape
+    return num_tiles, num_kv_heads, rows // tq, head_dim, num_layers, num_blocks, block_size, block_tables.shape[1]
+
+
+def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale):
+    """Short tables: gather each tile's whole context in one go, attend in one einsum
+    (fewer, larger ops than the loop: faster when the context is a few blocks)."""
+    num_tiles, num_kv_heads, group, head_dim, num_layers, num_blocks, block_size, width = _shapes(
+        q_tiles, k_cache, block_tables, tq
+    )
+    offs = jnp.arange(tq)
+    # Block ids of (layer, head) in the flat block axis: one gather from the stacked cache.
+    ctx = width * block_size
+    flat_ids = (layer * num_kv_heads + jnp.arange(num_kv_heads))[None, :, None] * num_blocks + block_tables[seq][:, None, :]
+    flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
+    k = k_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
+    v = v_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
+    key_pos = jnp.arange(ctx)
+    key_valid = key_pos[None, :] < kv_len[:, None]  # [G, C]
+    # Slots past kv_len may hold stale values or NaN: scores there are masked below, and V is
+    # zeroed so that 0 * NaN cannot reach the output.
+    v = jnp.where(key_valid[:, None, :, None], v, 0)
+
+    scores = jnp.einsum("ghrd,ghcd->ghrc", q_tiles, k, preferred_element_type=jnp.float32) * sm_scale
+    q_pos = pos0[:, None] + offs[None, :]  # [G, tq]
+    visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [G, tq, C]
+    visible = jnp.broadcast_to(visible[:, None], (num_tiles, group, tq, ctx)).reshape(num_tiles, 1, group * tq, ctx)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    p = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("ghrc,ghcd->ghrd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.where(denom == 0, 1.0, denom)
+    return out  # f32[G, Hkv, group * tq, D]
+
+
+def _attend_block_loop(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale):
+    """Long tables: walk the block columns with an online softmax. Each iteration gathers one
+    block per tile straight from the stacked cache ([G, Hkv, S, D]), so no copy of the whole
+    context is made, and the loop stops at the longest context in the batch, not the width."""
+    num_tiles, num_kv_heads, group, head_dim, num_layers, num_blocks, block_size, width = _shapes(
+        q_tiles, k_cache, block_tables, tq
+    )
+    offs = jnp.arange(tq)
     flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
     k_flat, v_flat = k_cache.reshape(flat_shape), v_cache.reshape(flat_shape)
     head_base = (layer * num_kv_heads + jnp.arange(num_kv_heads))[None, :] * num_blocks  # [1, Hkv]
@@ -100,8 +156,4 @@ def ragged_paged_attention_xla(
     num_columns = jnp.minimum((jnp.max(kv_len) + block_size - 1) // block_size, width)
     _, l, acc = jax.lax.fori_loop(0, num_columns, column, init)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]
-    out = out.reshape(num_tiles, num_kv_heads, group, tq, head_dim).transpose(0, 3, 1, 2, 4)
-    out = out.reshape(num_tiles * tq, num_q_heads, head_dim).astype(q.dtype)
-    # Each real token sits in exactly one tile; padding rows go out of range and are dropped.
-    dest = jnp.where(tok_valid, tok, num_tokens).reshape(-1)
-    return jnp.zeros_like(q).at[dest].set(out, mode="drop")
+    return out  # f32[G, Hkv, group * tq, D]

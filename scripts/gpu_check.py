@@ -22,7 +22,6 @@ import json
 import sys
 import time
 import traceback
-from dataclasses import replace
 
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from engine_factory import make_engine, shared_engine
+from engine_factory import shared_engine
 from jaxcb.reference_generate import greedy_generate
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 

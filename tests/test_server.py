@@ -1,7 +1,6 @@
 """The HTTP server with the official openai client: formats, streaming, errors, disconnects, overload."""
 
 import asyncio
-import json
 import threading
 import time
 

@@ -17,7 +17,6 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
