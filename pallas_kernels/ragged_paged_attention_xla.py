@@ -45,7 +45,7 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
     check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
     num_tokens, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, _, block_size, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[1]
     num_seqs_max, width = block_tables.shape
     group = num_q_heads // num_kv_heads
     tq = tokens_per_tile or default_tokens_per_tile(num_tokens, num_seqs_max)
