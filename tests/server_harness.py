@@ -22,12 +22,20 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(*overrides: str, engine: Engine | None = None):
+def running_server(*overrides: str, engine: Engine | None = None, send_buffer_bytes: int | None = None):
+    """`send_buffer_bytes` caps the kernel's send buffer of each connection, as a slow network
+    does: loopback otherwise buffers megabytes, so a client that stops reading would never
+    make the server wait."""
     cfg = compose_config(BASE + overrides)
     app = build_app(cfg, engine)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes is not None:  # accepted connections inherit it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
@@ -39,3 +47,4 @@ def running_server(*overrides: str, engine: Engine | None = None):
     finally:
         server.should_exit = True
         thread.join(30)
+        listener.close()

@@ -1,6 +1,8 @@
 """The HTTP server with the official openai client: formats, streaming, errors, disconnects, overload."""
 
 import asyncio
+import json
+import socket
 import threading
 import time
 
@@ -13,9 +15,12 @@ from jaxcb.sampling_params import SamplingParams
 from server_harness import running_server
 
 
+SEND_BUFFER_BYTES = 8192
+
+
 @pytest.fixture(scope="module")
 def server():
-    with running_server("server.stream_stall_timeout_s=1.0") as (url, state):
+    with running_server("server.stream_stall_timeout_s=1.0", send_buffer_bytes=SEND_BUFFER_BYTES) as (url, state):
         yield url, state
 
 
@@ -264,6 +269,43 @@ def test_a_stalled_stream_reader_is_aborted_and_others_are_unaffected(server, sl
     assert not late or not late[-1].finished  # it never got to its end
     assert wait_until_idle(state)
     assert state.metrics.aborts._value.get() == before + 1
+
+
+def test_an_http_client_that_stops_reading_is_aborted_and_others_are_unaffected(server, slow_steps):
+    """A real HTTP client opens a stream, reads the headers and then nothing. Once its socket and
+    the server's buffers fill, the server's writes wait, outputs pile up for that reader and
+    after the 1 s stall timeout the request is aborted and its blocks freed; a client streaming
+    at the same time gets its whole answer."""
+    url, state = server
+    before = state.metrics.aborts._value.get()
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({
+        "model": "tiny", "prompt": [7] * 20, "max_tokens": 230, "n": 4, "logprobs": 5,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+    }).encode()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, as a slow link has
+    stalled.connect(("127.0.0.1", port))
+    stalled.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+    )
+    assert stalled.recv(64).startswith(b"HTTP/1.1 200")  # the stream started; now read nothing
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={
+            "model": "tiny", "prompt": [9] * 20, "max_tokens": 150, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True},
+        }, timeout=60) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["usage"]["completion_tokens"] == 150
+        deadline = time.monotonic() + 30
+        while state.metrics.aborts._value.get() == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert state.metrics.aborts._value.get() == before + 1
+        assert wait_until_idle(state)  # its blocks are free while its socket is still open
+    finally:
+        stalled.close()
 
 
 def test_api_key_is_required_when_set():

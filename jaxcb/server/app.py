@@ -319,8 +319,12 @@ def _sse(state: ServerState, streams: list[RequestStream], events: AsyncIterator
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """Outputs of several streams as they come, tagged with the stream's index.
+
+    The hand-over queue holds one item: when the HTTP write waits on a client that does not
+    read, the pumps stop taking outputs too, so the backlog (and the stall) shows in the
+    request's own stream, where the engine thread looks for slow readers."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
 
     async def pump(i, s):
         try:
