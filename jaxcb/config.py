@@ -115,7 +115,7 @@ class EngineConfig:
     compilation_cache_dir: Optional[str] = None  # JAX persistent compilation cache; None: ~/.cache/jaxcb/xla
     token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: powers of two up to the budget
     seq_buckets: Optional[list[int]] = None  # step sizes in sequences; None: min(token bucket, max_num_seqs)
-    context_buckets: Optional[list[int]] = None  # block-table widths; None: 1/8, 1/4, 1/2 and all (xla), all (pallas)
+    context_buckets: Optional[list[int]] = None  # block-table widths; None: 16 blocks and all (xla), all (pallas)
     max_logprobs: int = 5  # most top logprobs a request may ask for (computed for every row)
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
 
@@ -157,6 +157,8 @@ class BenchConfig:
     """Options of scripts/bench.py."""
 
     mode: str = "offline"  # offline (all requests at once) | serving (arrivals at request_rate, TTFT/TPOT/ITL/E2E)
+    backend: str = "engine"  # serving: engine (stepped in-process) | http (streaming OpenAI calls to a real server)
+    url: Optional[str] = None  # backend=http: the server, e.g. http://127.0.0.1:8000; null: start one in-process
     request_rate: Optional[float] = None  # serving: Poisson arrivals per second; null: all at once
     max_concurrency: Optional[int] = None  # serving: requests in the engine at most (the rest wait client-side)
     slo: SLOConfig = field(default_factory=SLOConfig)
@@ -337,6 +339,11 @@ def validate_config(cfg: Config) -> None:
     _require(b.workload != "file" or b.file is not None, "bench.workload=file needs bench.file=PATH")
     _require(b.output_cap >= 1, f"bench.output_cap={b.output_cap} must be >= 1")
     _require(b.mode in ("offline", "serving"), f"bench.mode={b.mode!r} must be offline or serving")
+    _require(b.backend in ("engine", "http"), f"bench.backend={b.backend!r} must be engine or http")
+    _require(
+        b.backend == "engine" or (b.mode == "serving" and b.task == "offline"),
+        "bench.backend=http measures one server in serving mode: use it with bench.mode=serving and bench.task=offline",
+    )
     _require(b.request_rate is None or b.request_rate > 0, f"bench.request_rate={b.request_rate} must be > 0 or null")
     _require(b.max_concurrency is None or b.max_concurrency >= 1, f"bench.max_concurrency={b.max_concurrency} must be >= 1")
     _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")

@@ -31,6 +31,7 @@ from jaxcb.kv_cache import SWAP_CHUNK, HostSwapSpace, KVCache, gather_blocks, sc
 from jaxcb.model.llama import Llama
 from jaxcb.sampling import SamplingArrays, sample
 from jaxcb.scheduler import PLACEHOLDER, RunnerOutput, SampledToken, SchedulerOutput
+from pallas_kernels.ragged_paged_attention_xla import GATHER_MAX_WIDTH
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,12 @@ def make_buckets(engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_se
     seqs = sorted(set(engine.seq_buckets) | {max_seqs}) if engine.seq_buckets else []
     if engine.context_buckets:
         widths = sorted(set(min(w, max_blocks_per_seq) for w in engine.context_buckets) | {max_blocks_per_seq})
-    elif attention.startswith("pallas"):
-        widths = [max_blocks_per_seq]  # the kernel reads only up to each kv_len: no need to bucket
-    else:  # the XLA path's cost follows the width: an eighth, a quarter, half and all of the table
-        widths = sorted({max(1, max_blocks_per_seq // d) for d in (8, 4, 2, 1)})
+    elif attention == "xla":
+        # Tables up to GATHER_MAX_WIDTH blocks are gathered whole (cost follows the width); wider
+        # ones are read pair by pair (cost follows the real context), so one more width is enough.
+        widths = sorted({min(GATHER_MAX_WIDTH, max_blocks_per_seq), max_blocks_per_seq})
+    else:  # the kernel and the reference read only up to each kv_len: no need to bucket
+        widths = [max_blocks_per_seq]
     return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths), max_seqs)
 
 

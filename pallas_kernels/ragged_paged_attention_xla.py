@@ -1,12 +1,14 @@
 """Ragged paged attention in plain JAX/XLA: the fast path where there is no Pallas kernel (CPU).
 
 The same query tiling as the kernel, vectorised: the batch is cut into tiles of up to
-`tokens_per_tile` tokens of one sequence, and the tiles walk their block tables together,
-one block column per `fori_loop` iteration with an online softmax, gathering that column's
-blocks straight from the stacked cache. Cost is tiles x context instead of tokens x context
-(a 512-token prefill with 16-token tiles reads its context 32 times, not 512), no copy of
-the context is ever materialised, and the loop ends at the batch's longest context.
+`tokens_per_tile` tokens of one sequence. Cost is tiles x context instead of tokens x
+context (a 512-token prefill with 16-token tiles reads its context 32 times, not 512).
 Decode-only batches use 1-token tiles, so no query work is wasted.
+
+Short block tables gather each tile's whole context at once. Longer ones list the (tile,
+block) pairs each tile really sees and attend to a chunk of pairs per loop iteration, with an
+online softmax combined per tile by sorted segment reductions: blocks are read straight from
+the stacked cache, and the work follows the batch's real context rather than its longest.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pallas_kernels.inputs import check_attention_inputs
 from pallas_kernels.query_tiles import max_query_tiles, query_tile_table
 
 
-GATHER_MAX_WIDTH = 16  # block-table widths up to this gather the context at once; wider ones walk it
+GATHER_MAX_WIDTH = 16  # block-table widths up to this gather the context at once; wider ones go by pairs
 
 
 def default_tokens_per_tile(num_tokens: int, num_seqs_max: int) -> int:
@@ -29,7 +31,7 @@ def default_tokens_per_tile(num_tokens: int, num_seqs_max: int) -> int:
     return min(16, 1 << (per_seq.bit_length() - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "tokens_per_tile"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "tokens_per_tile", "gather_max_width", "pairs_per_chunk"))
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
@@ -42,6 +44,8 @@ def ragged_paged_attention_xla(
     *,
     sm_scale: float,
     tokens_per_tile: int | None = None,
+    gather_max_width: int = GATHER_MAX_WIDTH,
+    pairs_per_chunk: int | None = None,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
     check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -61,10 +65,12 @@ def ragged_paged_attention_xla(
     q_tiles = q[jnp.clip(tok, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_tiles, num_kv_heads, group * tq, head_dim)
 
-    if width <= GATHER_MAX_WIDTH:
+    if width <= gather_max_width:
         out = _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale)
     else:
-        out = _attend_block_loop(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale)
+        out = _attend_block_pairs(
+            q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk
+        )
     out = out.reshape(num_tiles, num_kv_heads, group, tq, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles * tq, num_q_heads, head_dim).astype(q.dtype)
     # Each real token sits in exactly one tile; padding rows go out of range and are dropped.
@@ -111,49 +117,72 @@ def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len,
     return out  # f32[G, Hkv, group * tq, D]
 
 
-def _attend_block_loop(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale):
-    """Long tables: walk the block columns with an online softmax. Each iteration gathers one
-    block per tile straight from the stacked cache ([G, Hkv, S, D]), so no copy of the whole
-    context is made, and the loop stops at the longest context in the batch, not the width."""
+def default_pairs_per_chunk(rows: int) -> int:
+    """(tile, block) pairs one loop iteration takes: ~8k score rows, at most 512 pairs."""
+    return max(32, min(512, 8192 // rows))
+
+
+def _attend_block_pairs(
+    q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk
+):
+    """Long tables: attend over the (tile, block) pairs that are really visible, a chunk of
+    pairs per loop iteration with an online softmax. Pairs are listed tile by tile, so a tile's
+    partial results are combined with sorted segment reductions; the loop runs
+    ceil(real pairs / chunk) times. Cost follows the context the batch really has, not
+    tiles x the longest context (one 1,000-token sequence among 63 short ones no longer makes
+    every tile walk 64 blocks)."""
     num_tiles, num_kv_heads, group, head_dim, num_layers, num_blocks, block_size, width = _shapes(
         q_tiles, k_cache, block_tables, tq
     )
+    rows = group * tq
+    chunk = min(num_tiles * width, pairs_per_chunk or default_pairs_per_chunk(rows))
+    num_pairs = -(-num_tiles * width // chunk) * chunk  # a whole number of chunks, >= every real count
+    # Blocks a tile sees: up to its last token's position (causal), at most the table width.
+    seen = jnp.where(q_count > 0, jnp.minimum((pos0 + q_count + block_size - 1) // block_size, width), 0)
+    pair_end = jnp.cumsum(seen)
+    pair = jnp.arange(num_pairs)
+    pair_tile = jnp.minimum(jnp.searchsorted(pair_end, pair, side="right"), num_tiles - 1)
+    pair_col = pair - (pair_end[pair_tile] - seen[pair_tile])
+    pair_real = pair < pair_end[-1]
+    pair_block = block_tables[seq[pair_tile], jnp.clip(pair_col, 0, width - 1)]
+
     offs = jnp.arange(tq)
     flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
     k_flat, v_flat = k_cache.reshape(flat_shape), v_cache.reshape(flat_shape)
     head_base = (layer * num_kv_heads + jnp.arange(num_kv_heads))[None, :] * num_blocks  # [1, Hkv]
-    tables = block_tables[seq]  # [G, W]
     q_pos = pos0[:, None] + offs[None, :]  # [G, tq]: causal limit of each row's token
-    row_pos = jnp.broadcast_to(q_pos[:, None, :], (num_tiles, group, tq)).reshape(num_tiles, 1, group * tq)
+    row_pos = jnp.broadcast_to(q_pos[:, None, :], (num_tiles, group, tq)).reshape(num_tiles, rows)
     q_scaled = q_tiles.astype(jnp.float32) * sm_scale
-    rows = group * tq
 
-    def column(w, carry):
+    def step(i, carry):
         m, l, acc = carry
-        ids = head_base + tables[:, w][:, None]  # [G, Hkv]
-        k = k_flat[ids].astype(jnp.float32)  # [G, Hkv, S, D]
+        part = lambda a: jax.lax.dynamic_slice_in_dim(a, i * chunk, chunk)  # noqa: E731
+        tile, col, real, block = part(pair_tile), part(pair_col), part(pair_real), part(pair_block)
+        ids = head_base + block[:, None]  # [C, Hkv]
+        k = k_flat[ids].astype(jnp.float32)  # [C, Hkv, S, D]
         v = v_flat[ids].astype(jnp.float32)
-        key_pos = w * block_size + jnp.arange(block_size)  # [S]
-        key_valid = key_pos[None, :] < kv_len[:, None]  # [G, S]
+        key_pos = col[:, None] * block_size + jnp.arange(block_size)[None, :]  # [C, S]
+        key_valid = real[:, None] & (key_pos < kv_len[tile][:, None])
         # Slots past kv_len may hold stale values or NaN: their scores are masked and V zeroed,
         # so 0 * NaN cannot reach the output.
         v = jnp.where(key_valid[:, None, :, None], v, 0.0)
-        scores = jnp.einsum("ghrd,ghsd->ghrs", q_scaled, k)
-        visible = key_valid[:, None, None, :] & (key_pos[None, None, None, :] <= row_pos[..., None])
-        scores = jnp.where(visible, scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
+        scores = jnp.einsum("chrd,chsd->chrs", q_scaled[tile], k)
+        visible = key_valid[:, None, :] & (key_pos[:, None, :] <= row_pos[tile][:, :, None])  # [C, rows, S]
+        scores = jnp.where(visible[:, None], scores, -jnp.inf)
+        m_new = jnp.maximum(m, jax.ops.segment_max(scores.max(axis=-1), tile, num_tiles, indices_are_sorted=True))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.exp(scores - m_safe[..., None])
+        p = jnp.exp(scores - m_safe[tile][..., None])
         correction = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-        acc = acc * correction[..., None] + jnp.einsum("ghrs,ghsd->ghrd", p, v)
-        return m_new, l * correction + p.sum(axis=-1), acc
+        pv = jnp.einsum("chrs,chsd->chrd", p, v)
+        l = l * correction + jax.ops.segment_sum(p.sum(axis=-1), tile, num_tiles, indices_are_sorted=True)
+        acc = acc * correction[..., None] + jax.ops.segment_sum(pv, tile, num_tiles, indices_are_sorted=True)
+        return m_new, l, acc
 
     init = (
         jnp.full((num_tiles, num_kv_heads, rows), -jnp.inf, jnp.float32),
         jnp.zeros((num_tiles, num_kv_heads, rows), jnp.float32),
         jnp.zeros((num_tiles, num_kv_heads, rows, head_dim), jnp.float32),
     )
-    num_columns = jnp.minimum((jnp.max(kv_len) + block_size - 1) // block_size, width)
-    _, l, acc = jax.lax.fori_loop(0, num_columns, column, init)
+    _, l, acc = jax.lax.fori_loop(0, (pair_end[-1] + chunk - 1) // chunk, step, init)
     out = acc / jnp.where(l == 0, 1.0, l)[..., None]
     return out  # f32[G, Hkv, group * tq, D]

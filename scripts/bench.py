@@ -5,13 +5,16 @@
     python scripts/bench.py bench.task=overhead               # engine vs a replay of its compiled steps
     python scripts/bench.py bench.task=async                  # engine.async_scheduling on vs off
     python scripts/bench.py bench.mode=serving bench.request_rate=20   # TTFT/TPOT/ITL/E2E, goodput
+    python scripts/bench.py bench.mode=serving bench.backend=http      # the same, over HTTP to a real server
     python scripts/bench.py -m scheduler.max_num_seqs=16,32,64 # a sweep (one run per value)
 """
 
+import contextlib
 import json
 import logging
 import os
 
+import httpx
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
@@ -24,11 +27,21 @@ from jaxcb.benchmark import (
     with_async,
     with_policy,
 )
+from jaxcb.bench_http import run_serving_http, serve_in_thread
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
 from jaxcb.engine import LLM
+from jaxcb.model.config import resolve_llama_config
 
 log = logging.getLogger("jaxcb.bench")
+
+
+def describe_serving(name: str, r: dict) -> str:
+    return (
+        f"{name}: {r['output_tokens_per_s']:,.0f} out tok/s, {r['requests_per_s']:.2f} req/s, goodput "
+        f"{r['goodput_requests_per_s']:.2f} req/s; TTFT p50/p99 {1e3 * r['ttft_s']['p50']:.0f}/"
+        f"{1e3 * r['ttft_s']['p99']:.0f} ms, TPOT mean {1e3 * r['tpot_s']['mean']:.1f} ms"
+    )
 
 
 def describe(r) -> str:
@@ -44,6 +57,10 @@ def describe(r) -> str:
 def main(cfg: Config) -> None:
     b = cfg.bench
     result: dict = {"task": b.task, "workload": b.workload, "num_requests": b.num_requests, "scale": b.scale}
+    if b.backend == "http":
+        result["serving"] = {"http": serve_over_http(cfg)}
+        write_result(result)
+        return
     if b.task == "policies":
         engines = {p: LLM(with_policy(cfg, p)) for p in ("fcfs", "static")}  # compile first: timing starts after
     elif b.task == "async":
@@ -57,9 +74,7 @@ def main(cfg: Config) -> None:
     if b.mode == "serving" and b.task in ("offline", "policies", "async"):
         runs = {name: run_serving(llm, items, b) for name, llm in engines.items()}
         for name, r in runs.items():
-            print(f"{name}: {r['output_tokens_per_s']:,.0f} out tok/s, {r['requests_per_s']:.2f} req/s, goodput "
-                  f"{r['goodput_requests_per_s']:.2f} req/s; TTFT p50/p99 {1e3 * r['ttft_s']['p50']:.0f}/"
-                  f"{1e3 * r['ttft_s']['p99']:.0f} ms, TPOT mean {1e3 * r['tpot_s']['mean']:.1f} ms")
+            print(describe_serving(name, r))
         result["serving"] = runs
     elif b.task == "overhead":
         result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
@@ -79,6 +94,25 @@ def main(cfg: Config) -> None:
             ratio = runs["async"].output_tokens_per_s / runs["sync"].output_tokens_per_s
             result["async_over_sync"] = ratio
             print(f"async / sync throughput: {ratio:.2f}x")
+    write_result(result)
+
+
+def serve_over_http(cfg: Config) -> dict:
+    """bench.backend=http: the workload as streaming OpenAI calls, to bench.url or to a server started here."""
+    b = cfg.bench
+    with contextlib.ExitStack() as stack:
+        url = b.url or stack.enter_context(serve_in_thread(cfg))
+        r = httpx.get(url + "/v1/models", timeout=30).json()
+        # Prompt token ids must fit the served model: the same model.* overrides as the server's.
+        model = resolve_llama_config(cfg.model)
+        items = make_workload(b, model.vocab_size, cfg.engine.max_model_len or model.max_position_embeddings)
+        print(f"workload: {len(items)} requests to {url} ({r['data'][0]['id']})")
+        result = run_serving_http(url, items, b)
+    print(describe_serving("http", result) + f"; {result['num_errors']} errors")
+    return result
+
+
+def write_result(result: dict) -> None:
     out_dir = HydraConfig.get().runtime.output_dir
     with open(os.path.join(out_dir, "bench.json"), "w") as f:
         json.dump(result, f, indent=2)

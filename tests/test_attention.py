@@ -20,6 +20,7 @@ SM_SCALE = 0.3
 IMPLS = {
     "reference": ragged_paged_attention_reference,
     "xla": ragged_paged_attention_xla,
+    "xla-pairs": functools.partial(ragged_paged_attention_xla, gather_max_width=0),  # the long-table path
     "pallas-interpret": functools.partial(ragged_paged_attention, interpret=True),
 }
 
@@ -68,7 +69,7 @@ def test_reference_equals_dense_attention(params):
     assert_matches(run("reference", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas-interpret"])
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches())
 def test_implementation_equals_reference_in_fp32(impl, params):
@@ -76,7 +77,7 @@ def test_implementation_equals_reference_in_fp32(impl, params):
     assert_matches(run(impl, batch), run("reference", batch), batch, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas-interpret"])
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret"])
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=24))
 def test_implementation_equals_reference_in_bf16(impl, params):
@@ -93,10 +94,20 @@ def test_kernel_covers_every_block_size_and_head_dim(block_size, head_dim):
     assert_matches(run("pallas-interpret", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
 
 
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs"])
 @pytest.mark.parametrize("tokens_per_tile", [1, 2, 16])
-def test_xla_path_is_exact_for_any_query_tile(tokens_per_tile):
+def test_xla_path_is_exact_for_any_query_tile(impl, tokens_per_tile):
     batch = make_ragged_batch([(1, 5), (17, 40), (3, 3)], block_size=8, num_kv_heads=2, group=3, head_dim=16)
-    assert_matches(run("xla", batch, tokens_per_tile=tokens_per_tile), dense_attention(batch, SM_SCALE), batch, 1e-5)
+    assert_matches(run(impl, batch, tokens_per_tile=tokens_per_tile), dense_attention(batch, SM_SCALE), batch, 1e-5)
+
+
+def test_xla_pairs_path_reads_only_the_context_each_sequence_has():
+    """One long sequence among short ones, in chunks smaller than the real pairs: every chunk
+    boundary and every tile's partial softmax must combine exactly."""
+    seqs = [(1, 300)] + [(1, n) for n in (3, 17, 40, 9, 64, 1, 33)] + [(24, 50)]
+    batch = make_ragged_batch(seqs, block_size=8, num_kv_heads=2, group=2, head_dim=16, seed=3)
+    for chunk in (None, 5, 16):  # one chunk, and chunk boundaries inside a tile's pairs
+        assert_matches(run("xla-pairs", batch, pairs_per_chunk=chunk), dense_attention(batch, SM_SCALE), batch, 1e-5)
 
 
 def test_validation_names_the_bad_argument():
