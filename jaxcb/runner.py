@@ -10,6 +10,11 @@ counted and logged as an error (tests fail on it).
 The step (one `jax.jit`, KV cache donated): the model over all T tokens, logits of each
 sequence's last token, sampling with per-row parameters; it returns the sampled tokens
 with their logprobs, packed into two arrays for the host copy.
+
+Under tensor parallelism (`tp`) every bucket is compiled for the mesh: the parameters and
+the cache with their own shardings, the step's inputs and outputs replicated, and the
+updated cache pinned to the cache's sharding, so a donated step hands the next one a cache
+it was compiled for (no resharding, no recompile).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jaxcb.kv_cache import SWAP_CHUNK, HostSwapSpace, KVCache, gather_blocks, sc
 from jaxcb.model.llama import Llama
 from jaxcb.sampling import SamplingArrays, sample
 from jaxcb.scheduler import PLACEHOLDER, RunnerOutput, SampledToken, SchedulerOutput
+from jaxcb.sharding import TensorParallel, fetch
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +126,10 @@ class ModelRunner:
         max_logprobs: int,
         max_stop_token_ids: int,
         swap_space: Optional[HostSwapSpace] = None,
+        tp: Optional[TensorParallel] = None,
     ):
         self.graphdef, self.state = nnx.split(model)  # once; the step takes the state as an argument
+        self.tp = tp
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.block_size = kv_cache.block_size
@@ -156,8 +164,15 @@ class ModelRunner:
             next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)
             return ids, lps, next_prev, kv_cache
 
-        self._step = jax.jit(step, donate_argnums=(1,))
-        self._prev_tokens = jnp.zeros((max_rows,), jnp.int32)
+        if tp is None:
+            self._step = jax.jit(step, donate_argnums=(1,))
+        else:
+            replicated = tp.replicated
+            self._step = jax.jit(
+                step, donate_argnums=(1,), out_shardings=(replicated, replicated, replicated, tp.kv_cache)
+            )
+        self._inputs_sharding = tp.replicated if tp is not None else None
+        self._prev_tokens = jnp.zeros((max_rows,), jnp.int32, device=self._inputs_sharding)
         self._prev_row_of: dict[str, int] = {}  # request id -> its row in the last dispatched step
 
     # --- compilation ---------------------------------------------------------------------------
@@ -165,7 +180,7 @@ class ModelRunner:
     def _abstract_inputs(self, t: int, r: int, w: int) -> StepInputs:
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
         f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-        return StepInputs(
+        inputs = StepInputs(
             token_ids=i32(t),
             positions=i32(t),
             md=AttentionMetadata(i32(t), i32(r + 1), i32(r), i32(r, w), i32()),
@@ -182,10 +197,16 @@ class ModelRunner:
             prev_rows=i32(t),
             history_fix=i32(r, 2),
         )
+        if self.tp is None:
+            return inputs
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.tp.replicated), inputs)
 
     def _compile(self, key: tuple[int, int, int]):
-        abstract_cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_cache)
-        abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.state)
+        # Under TP the abstract state and cache carry the shardings of the real arrays.
+        sharding = (lambda a: a.sharding) if self.tp is not None else (lambda a: None)
+        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a))  # noqa: E731
+        abstract_cache = jax.tree.map(abstract, self.kv_cache)
+        abstract_state = jax.tree.map(abstract, self.state)
         return self._step.lower(abstract_state, abstract_cache, self._abstract_inputs(*key)).compile()
 
     def compile_all(self, progress: bool = True) -> float:
@@ -296,18 +317,22 @@ class ModelRunner:
             prev_rows=jnp.asarray(prev_rows),
             history_fix=jnp.asarray(history_fix),
         )
+        if self._inputs_sharding is not None:  # replicated on the mesh; arrays already there are not copied
+            inputs = jax.device_put(inputs, self._inputs_sharding)
         return key, inputs
 
     def _zero_history(self, r: int) -> jax.Array:
         cache = self.__dict__.setdefault("_zero_histories", {})
         if r not in cache:
-            cache[r] = jnp.zeros((r, self.max_model_len), jnp.int32)
+            cache[r] = jnp.zeros((r, self.max_model_len), jnp.int32, device=self._inputs_sharding)
         return cache[r]
 
     def dispatch(self, out: SchedulerOutput) -> tuple:
         """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
         if out.swap_in:
             self.kv_cache = self.swap_space.swap_in(self.kv_cache, out.swap_in)
+            if self.tp is not None:  # keep the sharding the steps were compiled for (a no-op if unchanged)
+                self.kv_cache = jax.device_put(self.kv_cache, self.tp.kv_cache)
         if out.swap_out:
             self.swap_space.swap_out(self.kv_cache, out.swap_out)
         key, inputs = self.build_inputs(out)
@@ -323,7 +348,7 @@ class ModelRunner:
     def collect(self, handle: tuple) -> RunnerOutput:
         """Wait for a dispatched step and bring its sampled tokens to the host."""
         out, ids, lps = handle
-        ids, lps = np.asarray(ids), np.asarray(lps)
+        ids, lps = fetch(ids), fetch(lps)
         sampled = {}
         for i, s in enumerate(out.scheduled):
             if not s.samples:
