@@ -296,28 +296,31 @@ class ModelRunner:
                     history_fix[i] = (len(s.history) - 1, self._prev_row_of[s.request_id])
         qsl[len(seqs)] = num_tokens
         any_filter = bool(np.any(top_k > 0) or np.any(top_p < 1))
+        # Under TP the host arrays go to every device in one device_put below (on several hosts,
+        # each process supplies its own identical copy); otherwise each goes to the default device.
+        put = jnp.asarray if self._inputs_sharding is None else np.asarray
         sampling = SamplingArrays(
-            *(jnp.asarray(a) for a in (temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned)),
-            any_penalty=jnp.asarray(history is not None),
-            any_filter=jnp.asarray(any_filter),
+            *(put(a) for a in (temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned)),
+            any_penalty=put(history is not None),
+            any_filter=put(any_filter),
         )
         inputs = StepInputs(
-            token_ids=jnp.asarray(token_ids),
-            positions=jnp.asarray(positions),
+            token_ids=put(token_ids),
+            positions=put(positions),
             md=AttentionMetadata(
-                jnp.asarray(slots), jnp.asarray(qsl), jnp.asarray(kv_lens), jnp.asarray(tables),
-                jnp.asarray(len(seqs), jnp.int32),
+                put(slots), put(qsl), put(kv_lens), put(tables),
+                put(len(seqs), jnp.int32),
             ),
-            logits_indices=jnp.asarray(logits_idx),
+            logits_indices=put(logits_idx),
             sampling=sampling,
-            history=jnp.asarray(history) if history is not None else self._zero_history(r),
-            num_prompt=jnp.asarray(num_prompt),
-            num_known=jnp.asarray(num_known),
+            history=put(history) if history is not None else self._zero_history(r),
+            num_prompt=put(num_prompt),
+            num_known=put(num_known),
             prev_tokens=self._prev_tokens,
-            prev_rows=jnp.asarray(prev_rows),
-            history_fix=jnp.asarray(history_fix),
+            prev_rows=put(prev_rows),
+            history_fix=put(history_fix),
         )
-        if self._inputs_sharding is not None:  # replicated on the mesh; arrays already there are not copied
+        if self._inputs_sharding is not None:  # replicated; arrays already there (prev_tokens) are not copied
             inputs = jax.device_put(inputs, self._inputs_sharding)
         return key, inputs
 
