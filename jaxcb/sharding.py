@@ -88,7 +88,10 @@ def check_tensor_parallel(tensor_parallel_size: int, model: LlamaConfig, num_dev
         if value % tp
     ]
     if problems:
-        sizes = [d for d in range(1, model.num_kv_heads + 1) if not (model.num_kv_heads % d or model.num_heads % d or model.intermediate_size % d)]
+        sizes = [
+            d for d in range(1, model.num_kv_heads + 1)
+            if not (model.num_kv_heads % d or model.num_heads % d or model.intermediate_size % d)
+        ]
         raise ConfigError("; ".join(problems) + f"; use engine.tensor_parallel_size in {sizes}")
     if tp > num_devices:
         raise ConfigError(

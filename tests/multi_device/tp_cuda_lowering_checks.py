@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxcb.attention import AttentionBackend, AttentionMetadata
 from jaxcb.kv_cache import KVCache, kv_cache_shape
@@ -39,8 +39,7 @@ def test_tp2_llama8b_step_lowers_for_cuda_with_the_kernel_per_shard():
     )
     num_tokens, num_seqs, width = 256, 64, 64
     cache = jax.ShapeDtypeStruct(kv_cache_shape(LLAMA8B, num_seqs * width + 1, 16), jnp.bfloat16, sharding=tp.kv_cache)
-    replicated = NamedSharding(tp.mesh, PartitionSpec())
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=tp.replicated)  # noqa: E731
     md = AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, width), i32())
     traced = forward_step.trace(graphdef, state, KVCache(cache, cache), i32(num_tokens), i32(num_tokens), md, i32(num_seqs))
     text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -6,6 +6,8 @@ Run by tests/test_tensor_parallel.py in a subprocess with 8 fake CPU devices; a 
 """
 
 import functools
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -146,3 +148,36 @@ def test_every_xla_attention_impl_gives_one_device_logits_under_tp2(impl):
 def test_pallas_kernel_runs_per_shard_under_tp2_in_the_interpreter():
     tp2 = uncompiled_engine(2, "attention.impl=pallas", "attention.interpret=true")
     np.testing.assert_allclose(forward_logits(tp2), forward_logits(engine(1)), rtol=1e-4, atol=1e-5)
+
+
+COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
+
+
+def test_step_communicates_two_activation_all_reduces_per_layer_and_never_gathers_cache_or_weights():
+    e = engine(2)
+    ((tokens, rows, _), executable), = e.runner.compiled.items()
+    collectives = [
+        (kind, tuple(int(d) for d in dims.split(",") if d))
+        for _, dims, kind in COLLECTIVE.findall(executable.as_text())
+    ]
+    hidden, vocab = e.model_config.hidden_size, e.model_config.vocab_size
+    # The layer body (traced once under scan): after attention's o_proj and after the MLP's down_proj.
+    assert [c for c in collectives if c == ("all-reduce", (tokens, hidden))] == [("all-reduce", (tokens, hidden))] * 2
+    # Everything else is per sampling row: the vocabulary-split logits and the sampler's reductions.
+    largest = max(math.prod(shape) for _, shape in collectives)
+    assert largest <= max(tokens * hidden, rows * vocab), collectives
+
+
+def test_swapped_blocks_come_back_into_the_split_cache():
+    from jaxcb.kv_cache import HostSwapSpace
+
+    tp = engine(2).tp
+    cache = allocate_kv_cache(engine(2).model_config, 6, 16, jnp.float32, tp.kv_cache)
+    values = jax.random.normal(jax.random.key(0), cache.k.shape)
+    cache = jax.device_put(type(cache)(k=values, v=-values), tp.kv_cache)
+    swap = HostSwapSpace(cache, 4)
+    swap.swap_out(cache, [(2, 1), (3, 2)])
+    cache = jax.device_put(swap.swap_in(cache, [(1, 4), (2, 5)]), tp.kv_cache)
+    assert cache.k.sharding.spec == P(None, "tp")
+    np.testing.assert_array_equal(np.asarray(cache.k[:, :, 4:6]), np.asarray(values[:, :, 2:4]))
+    np.testing.assert_array_equal(np.asarray(cache.v[:, :, 4:6]), -np.asarray(values[:, :, 2:4]))
