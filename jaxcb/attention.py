@@ -11,18 +11,25 @@ The model asks for "attention of these query tokens over the paged cache" throug
 
 `AttentionMetadata` is the per-step description of the ragged batch (DESIGN.md, "Data
 flow of one step"); it is a pytree so that it travels into the jitted step as arrays.
+
+Under tensor parallelism the backend carries the mesh, and `write_and_attend` runs per
+shard of heads in `shard_map`: each device writes and reads the cache of its own KV heads
+with its own query heads, whatever the implementation (XLA cannot partition a Pallas
+kernel, and a scatter into a sharded cache left to it might gather the whole cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxcb.config import AttentionConfig, ConfigError
-from jaxcb.kv_cache import KVCache
+from jaxcb.kv_cache import KVCache, write_kv
+from jaxcb.sharding import HEADS_SPEC, KV_CACHE_SPEC
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, ragged_paged_attention_xla
 
 
@@ -48,6 +55,7 @@ class AttentionBackend:
 
     name: str
     fn: Callable[..., jax.Array]
+    mesh: Optional[Mesh] = None  # tensor parallelism: attention runs per shard of heads on this mesh
 
     def attend(
         self,
@@ -62,6 +70,34 @@ class AttentionBackend:
             sm_scale=sm_scale,
         )
 
+    def write_and_attend(
+        self,
+        q: jax.Array,  # [T, num_q_heads, head_dim]
+        k: jax.Array,  # [T, num_kv_heads, head_dim]
+        v: jax.Array,  # [T, num_kv_heads, head_dim]
+        cache: KVCache,
+        layer: jax.Array,  # i32[]
+        md: AttentionMetadata,
+        sm_scale: float,
+    ) -> tuple[jax.Array, KVCache]:  # ([T, num_q_heads, head_dim], cache with this layer's new K/V)
+        """Write the new tokens' K/V into the cache, then attend over it (per shard of heads under TP)."""
+
+        def write_then_attend(q, k, v, cache, layer, md):
+            cache = write_kv(cache, layer, k, v, md.slot_mapping)
+            return self.attend(q, cache, layer, md, sm_scale), cache
+
+        if self.mesh is None:
+            return write_then_attend(q, k, v, cache, layer, md)
+        cache_spec = KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC)
+        return jax.shard_map(
+            write_then_attend,
+            mesh=self.mesh,
+            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, cache_spec, PartitionSpec(), PartitionSpec()),
+            out_specs=(HEADS_SPEC, cache_spec),
+            # A pallas_call's output declares no varying mesh axes, which the check would demand.
+            check_vma=False,
+        )(q, k, v, cache, layer, md)
+
 
 def resolve_attention_impl(impl: str, platform: str | None = None) -> str:
     platform = platform or jax.default_backend()
@@ -70,7 +106,8 @@ def resolve_attention_impl(impl: str, platform: str | None = None) -> str:
     return impl
 
 
-def get_attention_backend(cfg: AttentionConfig | None = None) -> AttentionBackend:
+def get_attention_backend(cfg: AttentionConfig | None = None, mesh: Optional[Mesh] = None) -> AttentionBackend:
+    """The implementation `attention.impl` names; with a mesh, it runs per shard of heads."""
     cfg = cfg or AttentionConfig()
     impl = resolve_attention_impl(cfg.impl)
     if impl == "pallas":
@@ -80,9 +117,9 @@ def get_attention_backend(cfg: AttentionConfig | None = None) -> AttentionBacken
                 f"or attention.interpret=true to run the kernel in the Pallas interpreter"
             )
         fn = functools.partial(ragged_paged_attention, interpret=cfg.interpret)
-        return AttentionBackend("pallas-interpret" if cfg.interpret else "pallas", fn)
+        return AttentionBackend("pallas-interpret" if cfg.interpret else "pallas", fn, mesh)
     if impl == "xla":
-        return AttentionBackend("xla", ragged_paged_attention_xla)
+        return AttentionBackend("xla", ragged_paged_attention_xla, mesh)
     if impl == "reference":
-        return AttentionBackend("reference", ragged_paged_attention_reference)
+        return AttentionBackend("reference", ragged_paged_attention_reference, mesh)
     raise ConfigError(f"attention.impl={impl!r} must be one of auto, pallas, xla, reference")

@@ -106,8 +106,17 @@ class SchedulerConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Multi-host JAX: `jax.distributed.initialize` arguments; all null (one host) skips it."""
+
+    coordinator_address: Optional[str] = None  # "host:port" of process 0, the same on every host
+    num_processes: Optional[int] = None  # hosts (processes) taking part
+    process_id: Optional[int] = None  # this host's rank, 0 .. num_processes - 1
+
+
+@dataclass
 class EngineConfig:
-    """How the engine runs steps on the device."""
+    """How the engine runs steps on the device(s)."""
 
     max_model_len: Optional[int] = None  # prompt + output limit; None: the model's max positions
     async_scheduling: bool = True  # schedule step N+1 on the host while the device runs step N
@@ -118,6 +127,8 @@ class EngineConfig:
     context_buckets: Optional[list[int]] = None  # block-table widths; None: 16 blocks and all (xla), all (pallas)
     max_logprobs: int = 5  # most top logprobs a request may ask for (computed for every row)
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
+    tensor_parallel_size: int = 1  # devices each weight and the KV cache are split over (by head / MLP column)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-host; null: one host
 
 
 @dataclass
@@ -313,6 +324,11 @@ def validate_config(cfg: Config) -> None:
             f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} (a step never pads past the budget)",
         )
     _require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
+    _require(
+        e.tensor_parallel_size >= 1,
+        f"engine.tensor_parallel_size={e.tensor_parallel_size} must be >= 1 (1: one device, no sharding)",
+    )
+    validate_distributed_config(e.distributed)
     _require(1 <= srv.port <= 65535, f"server.port={srv.port} must be in 1..65535")
     _require(srv.max_n >= 1, f"server.max_n={srv.max_n} must be >= 1")
     _require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
@@ -349,6 +365,27 @@ def validate_config(cfg: Config) -> None:
     _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
     _require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
     _require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
+
+
+def validate_distributed_config(d: DistributedConfig) -> None:
+    given = {
+        "coordinator_address": d.coordinator_address,
+        "num_processes": d.num_processes,
+        "process_id": d.process_id,
+    }
+    unset = [f"engine.distributed.{k}" for k, v in given.items() if v is None]
+    _require(
+        len(unset) in (0, len(given)),
+        f"{', '.join(unset)} unset: a multi-host run needs all of engine.distributed.coordinator_address, "
+        f"num_processes and process_id (or none of them, for one host)",
+    )
+    if not unset:
+        _require(d.num_processes >= 1, f"engine.distributed.num_processes={d.num_processes} must be >= 1")
+        _require(
+            0 <= d.process_id < d.num_processes,
+            f"engine.distributed.process_id={d.process_id} must be in 0..{d.num_processes - 1} "
+            f"(engine.distributed.num_processes={d.num_processes})",
+        )
 
 
 _ARCH_FIELDS = (

@@ -30,12 +30,14 @@ from jaxcb.config import Config
 from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import HostSwapSpace, allocate_planned_kv_cache, num_swap_blocks, plan_kv_cache
+from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.request import Request, RequestStatus
 from jaxcb.runner import ModelRunner, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.scheduler import Scheduler
+from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -69,17 +71,21 @@ class _Group:
 class Engine:
     def __init__(self, cfg: Config, *, compile_buckets: bool = True, progress: bool = True):
         self.cfg = cfg
+        initialize_distributed(cfg.engine.distributed)  # several hosts: before anything touches a device
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
-        model, model_cfg, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention)
+        # The mesh, checked against the architecture before any weight is read.
+        self.tp = make_tensor_parallel(cfg.engine.tensor_parallel_size, resolve_llama_config(cfg.model))
+        model, model_cfg, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention, self.tp)
         self.model_config = model_cfg
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or ())
         self.max_model_len = cfg.engine.max_model_len or model_cfg.max_position_embeddings
         plan = plan_kv_cache(
-            cfg.cache, model_cfg, max_model_len=self.max_model_len, max_num_seqs=cfg.scheduler.max_num_seqs
+            cfg.cache, model_cfg, max_model_len=self.max_model_len, max_num_seqs=cfg.scheduler.max_num_seqs,
+            tensor_parallel_size=cfg.engine.tensor_parallel_size,
         )
         self.cache_plan = plan
         self.block_pool = BlockPool(plan.num_blocks)
-        kv_cache = allocate_planned_kv_cache(model_cfg, plan)
+        kv_cache = allocate_planned_kv_cache(model_cfg, plan, self.tp.kv_cache if self.tp is not None else None)
         host_pool = swap_space = None
         if cfg.scheduler.preemption_mode == "swap":
             num_host = num_swap_blocks(cfg.cache, plan)
@@ -107,6 +113,7 @@ class Engine:
             max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
             swap_space=swap_space,
+            tp=self.tp,
         )
         if compile_buckets:
             self.runner.compile_all(progress=progress)

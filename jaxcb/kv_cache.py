@@ -4,7 +4,8 @@ K and V of all layers live in two preallocated arrays, `[num_layers, num_kv_head
 num_blocks, block_size, head_dim]` -- one block of one head is a contiguous
 [block_size, head_dim] tile, what the attention kernel reads -- allocated once and updated
 in place by the jitted step (which donates them). Block 0 is the null block: padding tokens write there and
-unused block-table entries point there, so it never holds data anyone reads.
+unused block-table entries point there, so it never holds data anyone reads. Under tensor
+parallelism both arrays are split on the KV-head axis: each device holds 1/tp of every block.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Sharding
 
 from jaxcb.block_pool import NULL_BLOCK  # noqa: F401  (re-exported: the cache owns the null block)
 from jaxcb.config import CacheConfig, ConfigError
@@ -66,9 +68,10 @@ class KVCachePlan:
     num_blocks: int  # including the null block
     block_size: int
     dtype: jnp.dtype
-    bytes_per_block: int  # K and V, all layers
+    bytes_per_block: int  # K and V, all layers, all KV heads (over all devices)
     max_model_len: int
     source: str  # what the size came from
+    tensor_parallel_size: int = 1  # devices the cache is split over, by KV head
 
     @property
     def num_tokens(self) -> int:
@@ -82,10 +85,18 @@ class KVCachePlan:
     def max_full_length_seqs(self) -> float:
         return self.num_tokens / self.max_model_len
 
+    @property
+    def bytes_per_device(self) -> int:
+        return self.total_bytes // self.tensor_parallel_size
+
     def describe(self) -> str:
+        split = (
+            f" ({format_bytes(self.bytes_per_device)} on each of {self.tensor_parallel_size} devices)"
+            if self.tensor_parallel_size > 1 else ""
+        )
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens:,} tokens, "
-            f"{format_bytes(self.total_bytes)} {jnp.dtype(self.dtype).name} ({self.source}); "
+            f"{format_bytes(self.total_bytes)} {jnp.dtype(self.dtype).name}{split} ({self.source}); "
             f"holds {self.max_full_length_seqs:.1f} sequences of max_model_len={self.max_model_len}"
         )
 
@@ -115,11 +126,14 @@ def plan_kv_cache(
     max_num_seqs: int,
     reserve_bytes: int = 0,
     device: Optional[jax.Device] = None,
+    tensor_parallel_size: int = 1,
 ) -> KVCachePlan:
     """Size the cache from `cache.num_blocks`, or from free device memory.
 
     On a GPU/TPU the cache takes `memory_fraction` of device memory minus what is in use
-    (load the weights first) and `reserve_bytes` (step activations). On CPU, where JAX
+    (load the weights first) and `reserve_bytes` (step activations). Under tensor
+    parallelism every device holds 1/tensor_parallel_size of each block (its KV heads), so
+    one device's free memory holds tensor_parallel_size times more blocks. On CPU, where JAX
     reports no memory statistics, it takes `memory_fraction` of available host memory but
     no more than `max_num_seqs` sequences of `max_model_len` need -- a CPU run should not
     pin gigabytes it cannot use. Fails if one sequence of max_model_len would not fit.
@@ -130,12 +144,12 @@ def plan_kv_cache(
     if cache.num_blocks is not None:
         num_blocks, source = cache.num_blocks, "cache.num_blocks"
     else:
-        device = device or jax.devices()[0]
+        device = device or jax.local_devices()[0]  # on several hosts, one this process can query
         free = _free_device_bytes(device, cache.memory_fraction)
         if free is not None:
             budget, source = free[0] - reserve_bytes, free[1]
-            num_blocks = max(0, budget // bytes_per_block)
-        else:
+            num_blocks = max(0, budget // (bytes_per_block // tensor_parallel_size))
+        else:  # fake CPU devices share the host's memory: the whole cache counts against it
             budget = int(_available_host_bytes() * cache.memory_fraction) - reserve_bytes
             needed = max_num_seqs * blocks_per_seq + 1
             num_blocks = min(max(0, budget // bytes_per_block), needed)
@@ -144,7 +158,9 @@ def plan_kv_cache(
                 if num_blocks == needed
                 else f"cache.memory_fraction={cache.memory_fraction} of available host memory"
             )
-    plan = KVCachePlan(int(num_blocks), cache.block_size, dtype, bytes_per_block, max_model_len, source)
+    plan = KVCachePlan(
+        int(num_blocks), cache.block_size, dtype, bytes_per_block, max_model_len, source, tensor_parallel_size
+    )
     if plan.num_blocks - 1 < blocks_per_seq:
         raise ConfigError(
             f"the KV cache ({source}) holds {max(0, plan.num_tokens)} tokens, fewer than one sequence of "
@@ -154,15 +170,18 @@ def plan_kv_cache(
     return plan
 
 
-def allocate_kv_cache(model: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
-    """The device buffers, allocated once; the step updates them in place (donated)."""
+def allocate_kv_cache(
+    model: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, sharding: Optional[Sharding] = None
+) -> KVCache:
+    """The device buffers, allocated once (each device allocates only its shard, if `sharding` splits
+    them); the step updates them in place (donated)."""
     shape = kv_cache_shape(model, num_blocks, block_size)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+    return KVCache(k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding))
 
 
-def allocate_planned_kv_cache(model: LlamaConfig, plan: KVCachePlan) -> KVCache:
+def allocate_planned_kv_cache(model: LlamaConfig, plan: KVCachePlan, sharding: Optional[Sharding] = None) -> KVCache:
     log.info(plan.describe())
-    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype)
+    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding)
 
 
 def write_kv(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from typing import Optional
 
 from jaxcb.attention import get_attention_backend
 from jaxcb.config import AttentionConfig, ModelConfig
 from jaxcb.model.config import LlamaConfig
 from jaxcb.model.llama import Llama
 from jaxcb.model.loader import load_model
+from jaxcb.sharding import TensorParallel
 from jaxcb.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -27,9 +29,12 @@ def checkpoint_eos_token_ids(directory: str) -> set[int]:
     return ids
 
 
-def load_model_and_tokenizer(m: ModelConfig, attention: AttentionConfig) -> tuple[Llama, LlamaConfig, Tokenizer]:
-    backend = get_attention_backend(attention)
-    model, cfg = load_model(m, backend)
+def load_model_and_tokenizer(
+    m: ModelConfig, attention: AttentionConfig, tp: Optional[TensorParallel] = None
+) -> tuple[Llama, LlamaConfig, Tokenizer]:
+    """The model (split over `tp`'s mesh if given) and its tokenizer with every end-of-sequence id."""
+    backend = get_attention_backend(attention, tp.mesh if tp is not None else None)
+    model, cfg = load_model(m, backend, tp)
     tokenizer = load_tokenizer(m.tokenizer or m.checkpoint)
     # End-of-sequence ids: the tokenizer's, the preset's and the checkpoint's (config.json and
     # generation_config.json list the end-of-turn ids of chat models).

@@ -10,6 +10,11 @@ counted and logged as an error (tests fail on it).
 The step (one `jax.jit`, KV cache donated): the model over all T tokens, logits of each
 sequence's last token, sampling with per-row parameters; it returns the sampled tokens
 with their logprobs, packed into two arrays for the host copy.
+
+Under tensor parallelism (`tp`) every bucket is compiled for the mesh: the parameters and
+the cache with their own shardings, the step's inputs and outputs replicated, and the
+updated cache pinned to the cache's sharding, so a donated step hands the next one a cache
+it was compiled for (no resharding, no recompile).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from jaxcb.kv_cache import SWAP_CHUNK, HostSwapSpace, KVCache, gather_blocks, sc
 from jaxcb.model.llama import Llama
 from jaxcb.sampling import SamplingArrays, sample
 from jaxcb.scheduler import PLACEHOLDER, RunnerOutput, SampledToken, SchedulerOutput
+from jaxcb.sharding import TensorParallel, fetch
 from pallas_kernels.ragged_paged_attention_xla import GATHER_MAX_WIDTH
 
 log = logging.getLogger(__name__)
@@ -123,8 +129,10 @@ class ModelRunner:
         max_logprobs: int,
         max_stop_token_ids: int,
         swap_space: Optional[HostSwapSpace] = None,
+        tp: Optional[TensorParallel] = None,
     ):
         self.graphdef, self.state = nnx.split(model)  # once; the step takes the state as an argument
+        self.tp = tp
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.block_size = kv_cache.block_size
@@ -159,8 +167,15 @@ class ModelRunner:
             next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)
             return ids, lps, next_prev, kv_cache
 
-        self._step = jax.jit(step, donate_argnums=(1,))
-        self._prev_tokens = jnp.zeros((max_rows,), jnp.int32)
+        if tp is None:
+            self._step = jax.jit(step, donate_argnums=(1,))
+        else:
+            replicated = tp.replicated
+            self._step = jax.jit(
+                step, donate_argnums=(1,), out_shardings=(replicated, replicated, replicated, tp.kv_cache)
+            )
+        self._inputs_sharding = tp.replicated if tp is not None else None
+        self._prev_tokens = jnp.zeros((max_rows,), jnp.int32, device=self._inputs_sharding)
         self._prev_row_of: dict[str, int] = {}  # request id -> its row in the last dispatched step
 
     # --- compilation ---------------------------------------------------------------------------
@@ -168,7 +183,7 @@ class ModelRunner:
     def _abstract_inputs(self, t: int, r: int, w: int) -> StepInputs:
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
         f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
-        return StepInputs(
+        inputs = StepInputs(
             token_ids=i32(t),
             positions=i32(t),
             md=AttentionMetadata(i32(t), i32(r + 1), i32(r), i32(r, w), i32()),
@@ -185,10 +200,16 @@ class ModelRunner:
             prev_rows=i32(t),
             history_fix=i32(r, 2),
         )
+        if self.tp is None:
+            return inputs
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.tp.replicated), inputs)
 
     def _compile(self, key: tuple[int, int, int]):
-        abstract_cache = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_cache)
-        abstract_state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.state)
+        # Under TP the abstract state and cache carry the shardings of the real arrays.
+        sharding = (lambda a: a.sharding) if self.tp is not None else (lambda a: None)
+        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a))  # noqa: E731
+        abstract_cache = jax.tree.map(abstract, self.kv_cache)
+        abstract_state = jax.tree.map(abstract, self.state)
         return self._step.lower(abstract_state, abstract_cache, self._abstract_inputs(*key)).compile()
 
     def compile_all(self, progress: bool = True) -> float:
@@ -278,39 +299,46 @@ class ModelRunner:
                     history_fix[i] = (len(s.history) - 1, self._prev_row_of[s.request_id])
         qsl[len(seqs)] = num_tokens
         any_filter = bool(np.any(top_k > 0) or np.any(top_p < 1))
+        # Under TP the host arrays go to every device in one device_put below (on several hosts,
+        # each process supplies its own identical copy); otherwise each goes to the default device.
+        put = jnp.asarray if self._inputs_sharding is None else np.asarray
         sampling = SamplingArrays(
-            *(jnp.asarray(a) for a in (temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned)),
-            any_penalty=jnp.asarray(history is not None),
-            any_filter=jnp.asarray(any_filter),
+            *(put(a) for a in (temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned)),
+            any_penalty=put(history is not None),
+            any_filter=put(any_filter),
         )
         inputs = StepInputs(
-            token_ids=jnp.asarray(token_ids),
-            positions=jnp.asarray(positions),
+            token_ids=put(token_ids),
+            positions=put(positions),
             md=AttentionMetadata(
-                jnp.asarray(slots), jnp.asarray(qsl), jnp.asarray(kv_lens), jnp.asarray(tables),
-                jnp.asarray(len(seqs), jnp.int32),
+                put(slots), put(qsl), put(kv_lens), put(tables),
+                put(len(seqs), jnp.int32),
             ),
-            logits_indices=jnp.asarray(logits_idx),
+            logits_indices=put(logits_idx),
             sampling=sampling,
-            history=jnp.asarray(history) if history is not None else self._zero_history(r),
-            num_prompt=jnp.asarray(num_prompt),
-            num_known=jnp.asarray(num_known),
+            history=put(history) if history is not None else self._zero_history(r),
+            num_prompt=put(num_prompt),
+            num_known=put(num_known),
             prev_tokens=self._prev_tokens,
-            prev_rows=jnp.asarray(prev_rows),
-            history_fix=jnp.asarray(history_fix),
+            prev_rows=put(prev_rows),
+            history_fix=put(history_fix),
         )
+        if self._inputs_sharding is not None:  # replicated; arrays already there (prev_tokens) are not copied
+            inputs = jax.device_put(inputs, self._inputs_sharding)
         return key, inputs
 
     def _zero_history(self, r: int) -> jax.Array:
         cache = self.__dict__.setdefault("_zero_histories", {})
         if r not in cache:
-            cache[r] = jnp.zeros((r, self.max_model_len), jnp.int32)
+            cache[r] = jnp.zeros((r, self.max_model_len), jnp.int32, device=self._inputs_sharding)
         return cache[r]
 
     def dispatch(self, out: SchedulerOutput) -> tuple:
         """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
         if out.swap_in:
             self.kv_cache = self.swap_space.swap_in(self.kv_cache, out.swap_in)
+            if self.tp is not None:  # keep the sharding the steps were compiled for (a no-op if unchanged)
+                self.kv_cache = jax.device_put(self.kv_cache, self.tp.kv_cache)
         if out.swap_out:
             self.swap_space.swap_out(self.kv_cache, out.swap_out)
         key, inputs = self.build_inputs(out)
@@ -326,7 +354,7 @@ class ModelRunner:
     def collect(self, handle: tuple) -> RunnerOutput:
         """Wait for a dispatched step and bring its sampled tokens to the host."""
         out, ids, lps = handle
-        ids, lps = np.asarray(ids), np.asarray(lps)
+        ids, lps = fetch(ids), fetch(lps)
         sampled = {}
         for i, s in enumerate(out.scheduled):
             if not s.samples:

@@ -98,6 +98,19 @@ def test_unknown_preset_fails_at_composition():
         (["model.dtype=float64"], r"model\.dtype='float64'"),
         (["model.init=zeros"], r"model\.init='zeros'"),
         (["model.num_kv_heads=4"], r"model\.num_heads=6 must be a multiple of model\.num_kv_heads=4"),
+        (["engine.tensor_parallel_size=0"], r"engine\.tensor_parallel_size=0 must be >= 1"),
+        (
+            ["engine.distributed.coordinator_address=host:1234"],
+            r"engine\.distributed\.num_processes, engine\.distributed\.process_id unset",
+        ),
+        (
+            [
+                "engine.distributed.coordinator_address=host:1234",
+                "engine.distributed.num_processes=2",
+                "engine.distributed.process_id=2",
+            ],
+            r"engine\.distributed\.process_id=2 must be in 0\.\.1",
+        ),
         (
             ["engine.max_model_len=4096"],
             r"engine\.max_model_len=4096 must be <= model\.max_position_embeddings=2048",

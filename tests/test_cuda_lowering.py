@@ -79,3 +79,10 @@ def test_full_llama8b_step_lowers_for_cuda_with_the_pallas_kernel():
     )
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "ragged_paged_attention" in text
+
+
+def test_tensor_parallel_llama8b_step_lowers_for_cuda():
+    """TP=2 with the kernel per shard (tests/multi_device/tp_cuda_lowering_checks.py), on two fake CPU devices."""
+    from fake_devices import assert_all_passed, run_tests_on_fake_devices
+
+    assert_all_passed(run_tests_on_fake_devices("tests/multi_device/tp_cuda_lowering_checks.py", num_devices=2))

@@ -48,6 +48,19 @@ def test_gpu_size_comes_from_memory_fraction_minus_memory_in_use():
     assert plan.num_blocks == 400 and "memory_fraction=0.5" in plan.source
 
 
+def test_tensor_parallel_cache_holds_tp_times_the_blocks_in_the_same_memory_per_device():
+    # Each of 2 devices holds 1 of TINY's 2 KV heads: a block costs it half as much.
+    bytes_per_block = TINY.kv_bytes_per_token(2) * 16
+    device = FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block)
+    plan = plan_kv_cache(
+        CacheConfig(block_size=16, memory_fraction=0.5, dtype="bfloat16"), TINY, max_model_len=64, max_num_seqs=4,
+        device=device, tensor_parallel_size=2,
+    )
+    assert plan.num_blocks == 800
+    assert plan.bytes_per_device == 400 * bytes_per_block
+    assert "on each of 2 devices" in plan.describe()
+
+
 def test_cache_that_cannot_hold_one_max_length_sequence_is_refused():
     with pytest.raises(ConfigError, match=r"fewer than one sequence of max_model_len=2048.*lower engine\.max_model_len"):
         plan_kv_cache(CacheConfig(num_blocks=10), TINY, max_model_len=2048, max_num_seqs=1)

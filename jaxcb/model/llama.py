@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from jaxcb.kv_cache import KVCache, write_kv
+from jaxcb.kv_cache import KVCache
 from jaxcb.model.config import LlamaConfig, RopeScaling
 
 INIT_STD = 0.02
@@ -119,8 +119,8 @@ class Llama(nnx.Module):
             q = apply_rope(jnp.einsum("td,dhk->thk", x, wq), positions, inv_freq)
             k = apply_rope(jnp.einsum("td,dhk->thk", x, wk), positions, inv_freq)
             v = jnp.einsum("td,dhk->thk", x, wv)
-            cache = write_kv(cache, layer, k, v, md.slot_mapping)
-            attn = self.attention.attend(q, cache, layer, md, sm_scale).astype(h.dtype)
+            attn, cache = self.attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
+            attn = attn.astype(h.dtype)
             h = h + jnp.einsum("thk,hkd->td", attn, wo)
             x = rms_norm(h, mlp_norm, cfg.rms_norm_eps)
             gate = jnp.einsum("td,df->tf", x, w_gate)

@@ -4,7 +4,8 @@ Every path goes through the abstract model (`nnx.eval_shape`): its parameter tre
 contract. A checkpoint must fill every parameter exactly once with a tensor of the right
 shape; otherwise loading fails with one `CheckpointError` listing every problem, before
 any weight is read. HF tensors are read from memory maps one parameter at a time, so the
-weights are never held twice.
+weights are never held twice. Under tensor parallelism each parameter goes straight to its
+shards (`jaxcb.sharding`): a model too big for one device is never whole on one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import shutil
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -26,6 +28,7 @@ from jaxcb.config import ModelConfig
 from jaxcb.model.config import LlamaConfig, resolve_llama_config
 from jaxcb.model.llama import Llama, build_abstract_model, build_random_model
 from jaxcb.model.safetensors_io import TensorInfo, index_checkpoint, read_tensor
+from jaxcb.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +168,10 @@ def check_hf_checkpoint(cfg: LlamaConfig, tensors: dict[str, TensorInfo]) -> Non
         raise CheckpointError(f"checkpoint does not match the model ({len(problems)} problems): " + "; ".join(problems))
 
 
-def load_hf_params(cfg: LlamaConfig, directory: str, abstract_state: dict) -> dict:
-    """Pure-dict parameters filled from a HF safetensors directory."""
+def load_hf_params(
+    cfg: LlamaConfig, directory: str, abstract_state: dict, tp: Optional[TensorParallel] = None
+) -> dict:
+    """Pure-dict parameters filled from a HF safetensors directory (split over `tp`'s mesh if given)."""
     tensors = index_checkpoint(directory)
     check_hf_checkpoint(cfg, tensors)
     by_param: dict[tuple[str, ...], list[tuple[str, HFTensorRule, Optional[int]]]] = {}
@@ -186,7 +191,7 @@ def load_hf_params(cfg: LlamaConfig, directory: str, abstract_state: dict) -> di
                 host[...] = value
             else:
                 host[layer] = value
-        loaded[path] = jnp.asarray(host)
+        loaded[path] = jnp.asarray(host) if tp is None else jax.device_put(host, tp.param(path[-1], host.shape))
         del host
     return _unflatten(loaded)
 
@@ -203,7 +208,7 @@ def _orbax_tree_metadata(path: str) -> dict:
     return getattr(item, "tree", item)
 
 
-def load_orbax_params(directory: str, abstract_state: dict) -> dict:
+def load_orbax_params(directory: str, abstract_state: dict, tp: Optional[TensorParallel] = None) -> dict:
     import orbax.checkpoint as ocp
 
     path = os.path.abspath(os.path.join(directory, ORBAX_PARAMS_DIR))
@@ -219,6 +224,11 @@ def load_orbax_params(directory: str, abstract_state: dict) -> dict:
     problems += [f"unexpected parameter {'.'.join(p)}" for p in sorted(set(saved) - set(expected))]
     if problems:
         raise CheckpointError(f"Orbax checkpoint {path} does not match the model: " + "; ".join(problems))
+    if tp is not None:  # Orbax restores each array straight into the shardings it is given
+        abstract_state = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            abstract_state, tp.params(abstract_state),
+        )
     return ocp.StandardCheckpointer().restore(path, abstract_state)
 
 
@@ -232,20 +242,36 @@ def save_orbax_params(model: Llama, directory: str) -> None:
     checkpointer.wait_until_finished()
 
 
-def load_model(m: ModelConfig, attention: AttentionBackend | None = None) -> tuple[Llama, LlamaConfig]:
-    """The model that `model.*` describes, with its weights on the default device."""
+def build_sharded_random_model(
+    cfg: LlamaConfig, seed: int, attention: AttentionBackend | None, tp: TensorParallel
+) -> Llama:
+    """The random model, each parameter created in its shards (the same values as `build_random_model`:
+    JAX's random bits do not depend on how the output is split)."""
+    graphdef, abstract_state = nnx.split(build_abstract_model(cfg, attention))
+    init = jax.jit(
+        lambda: nnx.split(build_random_model(cfg, seed, attention))[1], out_shardings=tp.params(abstract_state)
+    )
+    return nnx.merge(graphdef, init())
+
+
+def load_model(
+    m: ModelConfig, attention: AttentionBackend | None = None, tp: Optional[TensorParallel] = None
+) -> tuple[Llama, LlamaConfig]:
+    """The model that `model.*` describes, with its weights on the default device, or split over `tp`'s mesh."""
     cfg = resolve_llama_config(m)
     if m.init == "random":
         log.info("model=%s: random weights (seed %d)", m.name, m.seed)
+        if tp is not None:
+            return build_sharded_random_model(cfg, m.seed, attention, tp), cfg
         return build_random_model(cfg, m.seed, attention), cfg
     assert m.checkpoint is not None  # validate_model_config guarantees it
     abstract = build_abstract_model(cfg, attention)
     graphdef, abstract_state = nnx.split(abstract)
     pure = _to_pure_dict(abstract_state)
     if is_orbax_checkpoint(m.checkpoint):
-        params = load_orbax_params(m.checkpoint, pure)
+        params = load_orbax_params(m.checkpoint, pure, tp)
     else:
-        params = load_hf_params(cfg, m.checkpoint, pure)
+        params = load_hf_params(cfg, m.checkpoint, pure, tp)
     _replace_by_pure_dict(abstract_state, params)
     log.info("model=%s: loaded %s", m.name, m.checkpoint)
     return nnx.merge(graphdef, abstract_state), cfg

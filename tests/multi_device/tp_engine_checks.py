@@ -1,0 +1,183 @@
+"""Tensor parallelism on fake CPU devices: TP=2 and TP=4 give TP=1's logits and greedy tokens,
+and every array is split as jaxcb.sharding says.
+
+Run by tests/test_tensor_parallel.py in a subprocess with 8 fake CPU devices; a plain
+`pytest` run does not collect this file (it would see one device).
+"""
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from engine_factory import BASE
+from jaxcb.attention import AttentionMetadata
+from jaxcb.config import compose_config
+from jaxcb.engine import LLM, Engine
+from jaxcb.kv_cache import allocate_kv_cache
+from jaxcb.reference_generate import forward_step
+from jaxcb.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+
+# The tiny model with head counts that divide by 2 and 4 (head_dim stays 16), and a vocabulary
+# of 264 = 8 x 33 so that lm_head is split too. One token bucket keeps compile time down.
+TP_MODEL = ("model.num_heads=8", "model.num_kv_heads=4", "model.vocab_size=264", "engine.token_buckets=[64]")
+PROMPTS = ["Hello", "Once upon a time there was a fox who", "The quick brown fox jumps over the lazy dog, twice."]
+
+
+def tp_config(tp: int, *overrides: str):
+    return compose_config(BASE + TP_MODEL + (f"engine.tensor_parallel_size={tp}",) + overrides)
+
+
+@functools.lru_cache(maxsize=None)
+def llm(tp: int) -> LLM:
+    """A served engine: every bucket compiled at start-up."""
+    return LLM(tp_config(tp), progress=False)
+
+
+def engine(tp: int) -> Engine:
+    return llm(tp).engine
+
+
+@functools.lru_cache(maxsize=None)
+def uncompiled_engine(tp: int, *overrides: str) -> Engine:
+    """Parameters and cache only, for forward passes (no step buckets compiled)."""
+    return Engine(tp_config(tp, *overrides), compile_buckets=False, progress=False)
+
+
+@functools.lru_cache(maxsize=None)
+def greedy_tokens(tp: int) -> tuple[tuple[int, ...], ...]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outputs = llm(tp).generate(PROMPTS, params, use_tqdm=False)
+    return tuple(tuple(o.outputs[0].token_ids) for o in outputs)
+
+
+def forward_logits(e: Engine) -> np.ndarray:
+    """f32[28, vocab]: logits of every token of a ragged prefill of two sequences (7 and 21 tokens),
+    through the engine's parameters and a fresh cache with the engine's cache sharding."""
+    lens, block_size = (7, 21), e.cache_plan.block_size
+    tables = np.array([[1, 0], [2, 3]], np.int32)
+    num_tokens, padded = sum(lens), 32
+    rng = np.random.default_rng(0)
+    token_ids = np.zeros(padded, np.int32)
+    token_ids[:num_tokens] = rng.integers(0, 256, num_tokens)
+    positions = np.zeros(padded, np.int32)
+    slots = np.zeros(padded, np.int32)  # padding writes to the null block
+    offset = 0
+    for r, n in enumerate(lens):
+        pos = np.arange(n)
+        positions[offset : offset + n] = pos
+        slots[offset : offset + n] = tables[r, pos // block_size] * block_size + pos % block_size
+        offset += n
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray(slots),
+        query_start_loc=jnp.asarray([0, lens[0], num_tokens], jnp.int32),
+        kv_lens=jnp.asarray(lens, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        num_seqs=jnp.asarray(2, jnp.int32),
+    )
+    sharding = e.tp.kv_cache if e.tp is not None else None
+    cache = allocate_kv_cache(e.model_config, 4, block_size, jnp.float32, sharding)
+    runner = e.runner
+    logits, cache = forward_step(
+        runner.graphdef, runner.state, cache, jnp.asarray(token_ids), jnp.asarray(positions), md,
+        jnp.arange(num_tokens, dtype=jnp.int32),
+    )
+    if sharding is not None:
+        assert cache.k.sharding.spec == P(None, "tp"), "the cache left the step with another sharding"
+    return np.asarray(logits)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_logits_under_tensor_parallelism_equal_one_device(tp):
+    np.testing.assert_allclose(forward_logits(engine(tp)), forward_logits(engine(1)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_greedy_outputs_under_tensor_parallelism_equal_one_device_with_no_recompile(tp):
+    assert greedy_tokens(tp) == greedy_tokens(1)
+    assert engine(tp).num_recompiles == 0 and engine(1).num_recompiles == 0
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_parameters_are_split_megatron_style(tp):
+    layers = engine(tp).runner.state["layers"]
+    expected = {
+        "q_proj": P(None, None, "tp", None),  # [L, D, Hq, K]: heads
+        "k_proj": P(None, None, "tp", None),
+        "v_proj": P(None, None, "tp", None),
+        "o_proj": P(None, "tp", None, None),  # [L, Hq, K, D]: heads
+        "gate_proj": P(None, None, "tp"),  # [L, D, F]: MLP columns
+        "up_proj": P(None, None, "tp"),
+        "down_proj": P(None, "tp", None),  # [L, F, D]: MLP rows
+        "attn_norm": P(),
+        "mlp_norm": P(),
+    }
+    for name, spec in expected.items():
+        assert layers[name][...].sharding.spec == spec, name
+    state = engine(tp).runner.state
+    assert state["lm_head"][...].sharding.spec == P(None, "tp")  # [D, V]: vocabulary
+    assert state["embed"][...].sharding.spec == P() and state["final_norm"][...].sharding.spec == P()
+    # Each device holds its share of the heads, not a copy.
+    assert layers["q_proj"][...].addressable_shards[0].data.shape == (3, 96, 8 // tp, 16)
+    assert layers["down_proj"][...].addressable_shards[0].data.shape == (3, 200 // tp, 96)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_kv_cache_is_split_by_kv_head_and_keeps_its_sharding_across_steps(tp):
+    greedy_tokens(tp)  # the engine has run donated steps
+    cache = engine(tp).runner.kv_cache
+    for buffer in (cache.k, cache.v):
+        assert buffer.sharding.spec == P(None, "tp")  # [L, Hkv, num_blocks, block_size, head_dim]
+        assert len(buffer.sharding.device_set) == tp
+        assert buffer.addressable_shards[0].data.shape[1] == 4 // tp
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_every_xla_attention_impl_gives_one_device_logits_under_tp2(impl):
+    tp2 = uncompiled_engine(2, f"attention.impl={impl}")
+    np.testing.assert_allclose(forward_logits(tp2), forward_logits(engine(1)), rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_kernel_runs_per_shard_under_tp2_in_the_interpreter():
+    tp2 = uncompiled_engine(2, "attention.impl=pallas", "attention.interpret=true")
+    np.testing.assert_allclose(forward_logits(tp2), forward_logits(engine(1)), rtol=1e-4, atol=1e-5)
+
+
+COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
+
+
+def test_step_communicates_two_activation_all_reduces_per_layer_and_never_gathers_cache_or_weights():
+    e = engine(2)
+    ((tokens, rows, _), executable), = e.runner.compiled.items()
+    collectives = [
+        (kind, tuple(int(d) for d in dims.split(",") if d))
+        for _, dims, kind in COLLECTIVE.findall(executable.as_text())
+    ]
+    hidden, vocab = e.model_config.hidden_size, e.model_config.vocab_size
+    # The layer body (traced once under scan): after attention's o_proj and after the MLP's down_proj.
+    assert [c for c in collectives if c == ("all-reduce", (tokens, hidden))] == [("all-reduce", (tokens, hidden))] * 2
+    # Everything else is per sampling row: the vocabulary-split logits and the sampler's reductions.
+    largest = max(math.prod(shape) for _, shape in collectives)
+    assert largest <= max(tokens * hidden, rows * vocab), collectives
+
+
+def test_swapped_blocks_come_back_into_the_split_cache():
+    from jaxcb.kv_cache import HostSwapSpace
+
+    tp = engine(2).tp
+    cache = allocate_kv_cache(engine(2).model_config, 6, 16, jnp.float32, tp.kv_cache)
+    values = jax.random.normal(jax.random.key(0), cache.k.shape)
+    cache = jax.device_put(type(cache)(k=values, v=-values), tp.kv_cache)
+    swap = HostSwapSpace(cache, 4)
+    swap.swap_out(cache, [(2, 1), (3, 2)])
+    cache = jax.device_put(swap.swap_in(cache, [(1, 4), (2, 5)]), tp.kv_cache)
+    assert cache.k.sharding.spec == P(None, "tp")
+    np.testing.assert_array_equal(np.asarray(cache.k[:, :, 4:6]), np.asarray(values[:, :, 2:4]))
+    np.testing.assert_array_equal(np.asarray(cache.v[:, :, 4:6]), -np.asarray(values[:, :, 2:4]))
