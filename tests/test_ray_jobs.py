@@ -4,6 +4,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -85,6 +87,36 @@ def test_a_killed_replica_is_replaced_and_its_batches_retried_exactly_once(ray_c
     assert written_at_kill < NUM_RECORDS, "the kill came after the job had finished"
     assert results_by_id(out) == reference  # all 100, each once, each as one engine makes it
     assert "goes back in the queue" in caplog.text and "restarted (1 of" in caplog.text
+
+
+def test_a_killed_driver_resumes_on_rerun_with_every_id_exactly_once(ray_cluster, job_input, reference, tmp_path):
+    """The whole job process dies (SIGKILL, its local Ray cluster with it); the same command finishes the job."""
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, os.path.join(REPO, "scripts", "generate.py"), f"input={job_input}", f"output={out}", *BASE,
+           *RAY, "job.batch_size=2", "job.batches_per_replica=1", "ray.num_cpus=2", f"hydra.run.dir={tmp_path / 'hydra'}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    driver = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out.exists() and len(out.read_text().splitlines()) >= 6):
+            assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()[-3000:]
+            time.sleep(0.02)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    finally:
+        try:  # what the dead driver's cluster leaves behind (Ray's agents) goes too
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    written_before = len(results_by_id(out))
+    assert written_before < NUM_RECORDS
+    with open(out, "a") as f:
+        f.write('{"id": "r99", "text": "torn wri')  # as if a write was cut short by the crash
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"{written_before} already done" in rerun.stdout
+    assert results_by_id(out) == reference
 
 
 def _run_catching(failure, cfg, job_input, out):
