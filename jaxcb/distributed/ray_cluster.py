@@ -67,7 +67,12 @@ def replica_options(cfg: RayConfig, *, max_restarts: int) -> dict:
 
 
 def check_room(cfg: RayConfig, num_replicas: int, group: str) -> None:
-    """Fail at once, not after a timeout, when the cluster cannot hold the replicas asked for."""
+    """Fail at once, not after a timeout, when a local cluster cannot hold the replicas asked for.
+
+    A cluster joined by address may grow (an autoscaler adds nodes for pending replicas), so
+    there only ray.replica_start_timeout_s applies."""
+    if cfg.address is not None:
+        return
     ray = import_ray()
     total = ray.cluster_resources()
     for resource, per_replica, knob in (("CPU", cfg.cpus_per_replica, "cpus_per_replica"),

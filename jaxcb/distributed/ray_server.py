@@ -130,12 +130,15 @@ class RemoteRequestStream:
         self.aborted = False
         self.reading = False  # awaiting the next output now (a reader that is not is checked for stalling)
         self.last_read = time.monotonic()
+        self._abort_reason: Optional[str] = None  # why the request was aborted here: client, shutdown, slow_reader
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> RequestOutput:
         if self.finished:
+            if self._abort_reason not in (None, "client"):  # the server ended it: tell the reader, as AsyncEngine does
+                raise StreamAbortedError(f"request aborted: {self._abort_reason}")
             raise StopAsyncIteration
         ray = self.router.ray
         self.reading = True
@@ -145,6 +148,8 @@ class RemoteRequestStream:
             self._end(aborted=True)
             raise StreamAbortedError(f"replica {self.replica.index} ended the request early") from None
         except ray.exceptions.RayTaskError as e:
+            if self._abort_reason is not None:  # cancelled by close() or abort() while this read waited
+                raise StreamAbortedError(f"request aborted: {self._abort_reason}") from None
             self._end(aborted=True)
             cause = e.cause
             if isinstance(cause, (StreamAbortedError, EngineDeadError)):
@@ -165,8 +170,13 @@ class RemoteRequestStream:
         return out
 
     def close(self) -> None:
-        """Abort the request on its replica unless it finished (cancellation reaches the replica's coroutine)."""
+        """Abort the request on its replica unless it finished (what a reader that leaves calls)."""
+        self.abort("client")
+
+    def abort(self, reason: str) -> None:
+        """Cancel the replica's generator; the cancellation reaches its coroutine, which aborts the request."""
         if not self.finished:
+            self._abort_reason = reason
             self.router.ray.cancel(self._generator)
             self._end(aborted=True)
 
@@ -203,8 +213,9 @@ class ReplicaRouter:
         replica_class = ray.remote(EngineReplica).options(
             **replica_options(cfg.ray, max_restarts=cfg.ray.max_replica_restarts), max_concurrency=10_000
         )
-        self.replicas = [RoutedReplica(i, replica_class.remote(cfg, i, model_name)) for i in range(cfg.server.num_replicas)]
+        self._poller: Optional[asyncio.Task] = None
         self._stopped = False
+        self.replicas = [RoutedReplica(i, replica_class.remote(cfg, i, model_name)) for i in range(cfg.server.num_replicas)]
         try:
             infos = wait_until_ready(ray, [r.actor.ready.remote() for r in self.replicas], cfg.ray)
         except BaseException:
@@ -216,7 +227,6 @@ class ReplicaRouter:
         self.metrics = RouterMetrics(self, model_name)
         self.history = ReplicaDashboard(self)
         self._tie_break = itertools.count()
-        self._poller: Optional[asyncio.Task] = None
 
     # --- the AsyncEngine interface ---------------------------------------------------------------
 
@@ -276,7 +286,7 @@ class ReplicaRouter:
     def abort_all(self, reason: str) -> None:
         for stream in list(self.streams.values()):
             log.info("aborting %s: %s", stream.request_id, reason)
-            stream.close()
+            stream.abort(reason)
 
     # --- routing and liveness --------------------------------------------------------------------
 
@@ -313,7 +323,7 @@ class ReplicaRouter:
         for stream in list(self.streams.values()):
             if not stream.reading and now - stream.last_read > self.cfg.server.stream_stall_timeout_s:
                 log.warning("aborting %s: its reader stalled", stream.request_id)
-                stream.close()
+                stream.abort("slow_reader")
 
 
 def pick_replica(live: list[RoutedReplica], turn: int, num_replicas: int) -> Optional[RoutedReplica]:
