@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine with Python 3.11:
 #   make serve   -- create .venv, install jaxcb, start the server on the embedded tiny model
-#   make test    -- create .venv with the test extras, run the whole test suite
+#   make test    -- create .venv with the test and dist (Ray) extras, run the whole test suite
 # Extra Hydra overrides go in ARGS, e.g. make serve ARGS="model=llama8b model.init=random".
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,dist]'
 	touch $(VENV)/.installed $@
 
 serve: $(VENV)/.installed

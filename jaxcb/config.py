@@ -144,6 +144,31 @@ class ServerConfig:
     stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted
+    backend: str = "local"  # local: one engine in this process | ray: num_replicas engines on Ray behind this endpoint
+    num_replicas: int = 1  # ray: engine replicas; each request goes to the one with the fewest waiting tokens
+
+
+@dataclass
+class JobConfig:
+    """How scripts/generate.py runs a JSONL job (input=, output=): one engine here, or replicas on Ray."""
+
+    backend: str = "local"  # local: one engine in this process | ray: num_replicas engines on Ray (jaxcb[dist])
+    num_replicas: int = 1  # ray: engine replicas, each a Ray actor with its own model and KV cache
+    batch_size: int = 32  # ray: records handed to a replica at once; a batch lost with its replica is retried whole
+    batches_per_replica: int = 2  # ray: batches queued on each replica, so it never idles waiting for the driver
+    max_batch_attempts: int = 3  # ray: a batch lost with its replica this many times stops the job (a rerun resumes)
+
+
+@dataclass
+class RayConfig:
+    """The Ray cluster that job.backend=ray and server.backend=ray place their engine replicas on."""
+
+    address: Optional[str] = None  # null: start a local cluster in this process; "auto" or "ray://host:10001": join one
+    num_cpus: Optional[int] = None  # the local cluster's CPUs (null: all of this machine's); ignored when joining one
+    cpus_per_replica: float = 1.0  # Ray CPUs each replica reserves; fractions let several replicas share a small machine
+    gpus_per_replica: float = 0.0  # Ray GPUs each replica reserves: 1 on a GPU cluster gives each engine its own GPU
+    max_replica_restarts: int = 3  # a replica that dies is started again (its model reloaded) at most this many times
+    replica_start_timeout_s: float = 600.0  # replicas not ready by then (no room on the cluster?) stop the start-up
 
 
 @dataclass
@@ -196,6 +221,8 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    job: JobConfig = field(default_factory=JobConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     input: Optional[str] = None  # scripts/generate.py: a JSONL job to run instead of generate.prompts
     output: Optional[str] = None  # scripts/generate.py: where the job's results go (appended; resumable)
 
@@ -211,6 +238,8 @@ def register_configs() -> None:
         ("scheduler", SchedulerConfig),
         ("engine", EngineConfig),
         ("server", ServerConfig),
+        ("job", JobConfig),
+        ("ray", RayConfig),
     ):
         cs.store(group=group, name=f"base_{group}", node=node)
 
@@ -338,6 +367,7 @@ def validate_config(cfg: Config) -> None:
         srv.max_request_bytes >= 1024,
         f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
     )
+    validate_replica_config(cfg)
     _require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
     _require(
         (cfg.input is None) == (cfg.output is None),
@@ -386,6 +416,35 @@ def validate_distributed_config(d: DistributedConfig) -> None:
             f"engine.distributed.process_id={d.process_id} must be in 0..{d.num_processes - 1} "
             f"(engine.distributed.num_processes={d.num_processes})",
         )
+
+
+def validate_replica_config(cfg: Config) -> None:
+    """Backends and replica counts of jobs and the server, and the Ray cluster they run on."""
+    for group, knobs in (("job", cfg.job), ("server", cfg.server)):
+        _require(knobs.backend in ("local", "ray"), f"{group}.backend={knobs.backend!r} must be local or ray")
+        _require(knobs.num_replicas >= 1, f"{group}.num_replicas={knobs.num_replicas} must be >= 1")
+        _require(
+            knobs.backend == "ray" or knobs.num_replicas == 1,
+            f"{group}.num_replicas={knobs.num_replicas} needs {group}.backend=ray (the local backend runs one engine)",
+        )
+    j, r = cfg.job, cfg.ray
+    _require(j.batch_size >= 1, f"job.batch_size={j.batch_size} must be >= 1")
+    _require(j.batches_per_replica >= 1, f"job.batches_per_replica={j.batches_per_replica} must be >= 1")
+    _require(j.max_batch_attempts >= 1, f"job.max_batch_attempts={j.max_batch_attempts} must be >= 1")
+    _require(r.num_cpus is None or r.num_cpus >= 1, f"ray.num_cpus={r.num_cpus} must be >= 1, or null for all CPUs")
+    _require(r.cpus_per_replica >= 0, f"ray.cpus_per_replica={r.cpus_per_replica} must be >= 0")
+    _require(r.gpus_per_replica >= 0, f"ray.gpus_per_replica={r.gpus_per_replica} must be >= 0")
+    _require(r.max_replica_restarts >= 0, f"ray.max_replica_restarts={r.max_replica_restarts} must be >= 0")
+    _require(r.replica_start_timeout_s > 0, f"ray.replica_start_timeout_s={r.replica_start_timeout_s} must be > 0")
+    if r.address is None and r.num_cpus is not None:
+        for group, knobs in (("job", cfg.job), ("server", cfg.server)):
+            if knobs.backend == "ray":
+                needed = knobs.num_replicas * r.cpus_per_replica
+                _require(
+                    needed <= r.num_cpus,
+                    f"{group}.num_replicas={knobs.num_replicas} x ray.cpus_per_replica={r.cpus_per_replica} needs "
+                    f"{needed:g} CPUs but ray.num_cpus={r.num_cpus}; lower ray.cpus_per_replica (fractions are fine)",
+                )
 
 
 _ARCH_FIELDS = (

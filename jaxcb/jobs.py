@@ -18,8 +18,9 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from tqdm import tqdm
 
@@ -140,51 +141,101 @@ class _Writer:
         self.f.close()
 
 
+class JobOutput:
+    """The one writer of a job's output file: counts results and writes each id at most once.
+
+    Every backend hands its results here as they finish. A result for an id already written
+    (on an earlier run, or by a replica whose batch was also retried elsewhere) is dropped,
+    which is what keeps the output exactly once per id whatever the backend retries."""
+
+    def __init__(self, path: str, report: JobReport, done_ids: set[str], total: int):
+        self.report = report
+        self.written_ids = set(done_ids)
+        self._writer = _Writer(path)
+        self._bar = tqdm(total=total, desc="job", unit="rec")
+        self._start = time.perf_counter()
+
+    def write(self, result: dict) -> bool:
+        """Append one result record; False (nothing written) if its id is already in the output."""
+        record_id = result.get("id")
+        if record_id is not None:
+            if record_id in self.written_ids:
+                return False
+            self.written_ids.add(record_id)
+        self._writer.write(result)
+        if "error" in result:
+            self.report.num_errors += 1
+        else:
+            self.report.num_done += 1
+            self.report.output_tokens += result["usage"]["completion_tokens"]
+        self._bar.update(1)
+        elapsed = max(1e-9, time.perf_counter() - self._start)
+        self._bar.set_postfix(tok_s=f"{self.report.output_tokens / elapsed:.0f}")
+        return True
+
+    def close(self) -> None:
+        self.report.seconds = time.perf_counter() - self._start
+        self._bar.close()
+        self._writer.close()
+
+
+def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> Iterator[dict]:
+    """Result records of `records` in the order they finish: one engine, continuously batched.
+
+    A record that cannot be read or fails validation yields an `error` record at once and the
+    rest go on; at most `max_in_flight` requests are queued in the engine at a time."""
+    engine = llm.engine
+    queue = deque(records)
+    in_flight: dict[str, str] = {}  # engine request id -> record id
+    while queue or in_flight:
+        while queue and len(in_flight) < max_in_flight:
+            rec = queue.popleft()
+            if rec.id is None or rec.error:  # unreadable line: report it, keyed by its line
+                yield {"id": rec.id, "line": rec.line, "error": rec.error}
+                continue
+            try:
+                prompt, params = _request(llm, rec.data)
+                in_flight[engine.add_request(prompt, params)] = rec.id
+            except (InvalidRequestError, EngineOverloadedError) as e:
+                yield {"id": rec.id, "error": str(e)}
+        for out in engine.step():
+            if not out.finished:
+                continue
+            c = out.outputs[0]
+            yield {
+                "id": in_flight.pop(out.request_id), "text": c.text, "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
+                "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids)},
+            }
+
+
+def max_in_flight(cfg: Config) -> int:
+    """Requests one engine keeps queued during a job: enough that every step can be full."""
+    return 4 * cfg.scheduler.max_num_seqs
+
+
 def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
+    """Run the records of `input_path` not yet in `output_path`, on cfg.job.backend; append their results."""
     records = read_input(input_path)
     done = repair_and_read_output(output_path)
     pending = [r for r in records if r.id is None or r.id not in done]
     report = JobReport(num_input=len(records), num_skipped=len(records) - len(pending))
     if not pending:
         return report
-    writer = _Writer(output_path)
+
+    def open_output() -> JobOutput:  # once the engines are up: the clock times generation, not start-up
+        return JobOutput(output_path, report, done, len(pending))
+
+    if cfg.job.backend == "ray":
+        from jaxcb.distributed.ray_jobs import run_on_ray_replicas
+
+        run_on_ray_replicas(cfg, pending, open_output)
+        return report
+    llm = LLM(cfg, progress=False)
+    output = open_output()
     try:
-        llm = LLM(cfg, progress=False)
-        engine = llm.engine
-        queue = list(pending)
-        in_flight: dict[str, str] = {}  # engine request id -> record id
-        max_in_flight = 4 * cfg.scheduler.max_num_seqs
-        start = time.perf_counter()
-        with tqdm(total=len(pending), desc="job", unit="rec") as bar:
-            while queue or in_flight:
-                while queue and len(in_flight) < max_in_flight:
-                    rec = queue.pop(0)
-                    if rec.id is None or rec.error:  # unreadable line: report it, keyed by its line
-                        writer.write({"id": rec.id, "line": rec.line, "error": rec.error})
-                        report.num_errors += 1
-                        bar.update(1)
-                        continue
-                    try:
-                        prompt, params = _request(llm, rec.data)
-                        in_flight[engine.add_request(prompt, params)] = rec.id
-                    except (InvalidRequestError, EngineOverloadedError) as e:
-                        writer.write({"id": rec.id, "error": str(e)})
-                        report.num_errors += 1
-                        bar.update(1)
-                for out in engine.step():
-                    if not out.finished:
-                        continue
-                    c = out.outputs[0]
-                    writer.write({
-                        "id": in_flight.pop(out.request_id), "text": c.text, "token_ids": c.token_ids,
-                        "finish_reason": c.finish_reason,
-                        "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids)},
-                    })
-                    report.num_done += 1
-                    report.output_tokens += len(c.token_ids)
-                    bar.update(1)
-                    bar.set_postfix(tok_s=f"{report.output_tokens / max(1e-9, time.perf_counter() - start):.0f}")
-        report.seconds = time.perf_counter() - start
+        for result in generate_results(llm, pending, max_in_flight(cfg)):
+            output.write(result)
     finally:
-        writer.close()
+        output.close()
     return report

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -20,9 +21,9 @@ RATE_WINDOW_S = 10.0
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, extra_labels: Optional[dict[str, str]] = None):
         self.registry = r = CollectorRegistry()
-        lbl = {"model_name": model_name}
+        lbl = {"model_name": model_name, **(extra_labels or {})}  # e.g. {"replica": "0"} behind a Ray router
         self.labels = lbl
 
         def gauge(name, doc):

@@ -1,6 +1,7 @@
 """Offline generation: a JSONL job, or `generate.prompts`, with the configured model.
 
     python scripts/generate.py input=prompts.jsonl output=results.jsonl   # crash-safe; rerun to resume
+    python scripts/generate.py input=prompts.jsonl output=results.jsonl job.backend=ray job.num_replicas=4   # jaxcb[dist]
     python scripts/generate.py
     python scripts/generate.py 'generate.prompts=[Hello,"Once upon a time"]' generate.max_tokens=16
     python scripts/generate.py model=hf model.checkpoint=/path/to/llama generate.temperature=0.8 generate.seed=0

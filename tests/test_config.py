@@ -32,9 +32,9 @@ def test_every_model_preset_composes_with_random_init(preset):
 
 def test_every_group_has_a_default_and_is_typed():
     cfg = compose_config()
-    for group in ("model", "cache", "scheduler", "engine", "server"):
+    for group in ("model", "cache", "scheduler", "engine", "server", "job", "ray"):
         assert type(getattr(cfg, group)).__name__.endswith("Config")
-    for group in ("model", "cache", "scheduler", "engine", "server"):
+    for group in ("model", "cache", "scheduler", "engine", "server", "job", "ray"):
         assert os.path.isdir(os.path.join(CONF_DIR, group))
 
 
@@ -130,3 +130,27 @@ def test_preset_that_contradicts_its_checkpoint_lists_the_differences(tmp_path):
     cfg = compose_config("model=llama3_1b", f"model.checkpoint={tmp_path}")
     with pytest.raises(ConfigError, match=r"model\.hidden_size=2048 but config\.json says 48.*model=hf"):
         resolve_llama_config(cfg.model)
+
+
+def test_replica_knobs_need_the_ray_backend_and_room_on_the_local_cluster():
+    cfg = compose_config("job.backend=ray", "job.num_replicas=4", "server.backend=ray", "server.num_replicas=2")
+    assert (cfg.job.num_replicas, cfg.server.num_replicas, cfg.ray.address) == (4, 2, None)
+    with pytest.raises(ConfigError, match=r"job\.num_replicas=2 needs job\.backend=ray"):
+        compose_config("job.num_replicas=2")
+    with pytest.raises(ConfigError, match=r"server\.backend='spark' must be local or ray"):
+        compose_config("server.backend=spark")
+    with pytest.raises(ConfigError, match=r"needs 4 CPUs but ray\.num_cpus=2; lower ray\.cpus_per_replica"):
+        compose_config("server.backend=ray", "server.num_replicas=4", "ray.num_cpus=2")
+    with pytest.raises(ConfigError, match=r"job\.batch_size=0 must be >= 1"):
+        compose_config("job.batch_size=0")
+
+
+def test_the_ray_backend_without_ray_says_what_to_install(monkeypatch):
+    import sys
+
+    from jaxcb.cli import UserError
+    from jaxcb.distributed.ray_cluster import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(UserError, match=r"pip install 'jaxcb\[dist\]'"):
+        import_ray()

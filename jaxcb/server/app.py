@@ -8,6 +8,7 @@ A client that disconnects -- streaming or not -- has its request aborted at once
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -51,21 +52,31 @@ def served_model_name(cfg: Config) -> str:
 
 
 class ServerState:
-    def __init__(self, cfg: Config, engine: Engine):
+    """What the handlers share: the engine (in this process, or replicas behind a Ray router), metrics, history."""
+
+    def __init__(self, cfg: Config, engine: Optional[Engine] = None):
         self.cfg = cfg
-        self.engine = engine
         self.model_name = served_model_name(cfg)
+        self.shutting_down = False
+        self.num_in_flight = 0
+        if cfg.server.backend == "ray":
+            from jaxcb.distributed.ray_server import ReplicaRouter
+
+            # The router has AsyncEngine's interface; the tokenizer and limits come from its replicas.
+            router = ReplicaRouter(cfg, self.model_name)
+            self.engine, self.metrics, self.history, self.async_engine = (
+                router.model_info, router.metrics, router.history, router)
+            return
+        self.engine = engine or Engine(cfg)
         self.metrics = EngineMetrics(self.model_name)
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(
-            engine,
+            self.engine,
             on_step=self._on_step,
             on_abort=lambda rid, reason: self.metrics.request_aborted(rid),
             stream_buffer_tokens=cfg.server.stream_buffer_tokens,
             stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
         )
-        self.shutting_down = False
-        self.num_in_flight = 0
 
     def _on_step(self, engine, outputs, step_seconds) -> None:
         self.metrics.on_step(engine, outputs, step_seconds)
@@ -73,8 +84,9 @@ class ServerState:
 
 
 def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
-    """The app over `engine` (built from cfg when not given); the engine thread runs for the app's lifespan."""
-    state = ServerState(cfg, engine or Engine(cfg))
+    """The app over `engine` (built from cfg when not given, or Ray replicas when server.backend=ray);
+    the engine loop runs for the app's lifespan."""
+    state = ServerState(cfg, engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -111,7 +123,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await _maybe_await(state.metrics.render()), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/dashboard")
     async def dashboard():
@@ -119,7 +131,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
 
     @app.get("/dashboard/data")
     async def dashboard_data():
-        return {"model": state.model_name, "samples": state.history.snapshot()}
+        return {"model": state.model_name, "samples": await _maybe_await(state.history.snapshot())}
 
     @app.get("/v1/models")
     async def models():
@@ -209,6 +221,11 @@ class GuardMiddleware:
                 return
         await self.app(scope, receive, send)
 
+
+
+async def _maybe_await(value):
+    """Ray replicas' metrics and history come by a remote call; the local engine's are at hand."""
+    return await value if inspect.isawaitable(value) else value
 
 
 async def _json_body(request: Request, cfg: Config) -> Any:

@@ -1,0 +1,333 @@
+"""One OpenAI endpoint in front of several engine replicas on Ray (server.backend=ray).
+
+    HTTP handlers (app.py) ──> ReplicaRouter ──┬──> EngineReplica 0 (Ray actor: Engine + AsyncEngine loop)
+                                               └──> EngineReplica 1 ...
+
+`ReplicaRouter` has the interface app.py already uses for its in-process `AsyncEngine`
+(`add` -> a stream of `RequestOutput`s with `close()`, `abort_all`, `is_alive`, `start`,
+`stop`), so the handlers do not know where the engines run. Each replica is an async Ray
+actor running the same `AsyncEngine` loop as the local server; a request is one call of
+its `generate`, a Ray streaming generator that yields the request's outputs.
+
+- Routing: each request goes to the live replica with the fewest waiting tokens, as the
+  router counts them: for every request it sent there and that has not finished, its prompt
+  tokens until the first output, plus the output tokens it may still make (n x max_tokens
+  minus those made). Counting in the router costs no call and is never stale.
+- Abort: closing a stream (client gone, stalled reader, shutdown) cancels the generator
+  with `ray.cancel`; the cancellation reaches the replica's coroutine, whose `finally`
+  aborts the request in its engine and frees its blocks.
+- Health: a replica is live while it answers a load query each POLL_S; /health is 200
+  while at least one replica is live (requests go only to live replicas). A replica that
+  dies is restarted by Ray (`ray.max_replica_restarts`); its in-flight requests end with
+  an error (503), new ones go to the others meanwhile.
+- Metrics: each replica keeps its own Prometheus metrics labelled `replica="i"`; /metrics
+  fetches and merges them, with the router's own figures (`jaxcb:replica_up`,
+  `jaxcb:router_waiting_tokens`, `jaxcb:router_requests`) and rejections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from jaxcb.config import Config
+from jaxcb.distributed.ray_cluster import check_room, connect, import_ray, replica_options, wait_until_ready
+from jaxcb.distributed.replica_metrics import QUERY_TIMEOUT_S, ReplicaDashboard, RouterMetrics, await_ref
+from jaxcb.engine import Engine, PromptType
+from jaxcb.metrics import EngineMetrics
+from jaxcb.outputs import RequestOutput
+from jaxcb.sampling_params import SamplingParams
+from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, StreamAbortedError
+from jaxcb.server.dashboard import DashboardHistory
+from jaxcb.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+POLL_S = 1.0  # how often each replica's liveness (and the slow-reader check) is refreshed
+
+
+class EngineReplica:
+    """One engine and its loop thread, in an async Ray actor; every method runs on the actor's event loop."""
+
+    def __init__(self, cfg: Config, index: int, model_name: str):
+        self.index = index
+        self.engine = Engine(cfg, progress=False)
+        self.metrics = EngineMetrics(model_name, extra_labels={"replica": str(index)})
+        self.history = DashboardHistory()
+        self.async_engine = AsyncEngine(
+            self.engine,
+            on_step=self._on_step,
+            on_abort=lambda rid, reason: self.metrics.request_aborted(rid),
+            stream_buffer_tokens=cfg.server.stream_buffer_tokens,
+            stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
+        )
+        self.async_engine.start()
+
+    def _on_step(self, engine, outputs, step_seconds) -> None:
+        self.metrics.on_step(engine, outputs, step_seconds)
+        self.history.on_step(engine, outputs, step_seconds)
+
+    async def ready(self) -> dict:
+        """What the front end needs to parse and check requests as the engine would."""
+        return {"tokenizer": self.engine.tokenizer, "max_model_len": self.engine.max_model_len, "pid": os.getpid()}
+
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int):
+        """Streams None once the request is queued (or raises the engine's refusal), then its outputs."""
+        stream = await self.async_engine.add(prompt, params, request_id=request_id, priority=priority)
+        try:
+            yield None
+            async for out in stream:
+                yield out
+        finally:  # finished, failed, or cancelled by the router: an unfinished request is aborted here
+            stream.close()
+
+    async def load(self) -> dict:
+        sched = self.engine.scheduler
+        return {"alive": self.async_engine.is_alive, "running": len(sched.running), "waiting": len(sched.waiting)}
+
+    async def metric_families(self) -> list:
+        return list(self.metrics.registry.collect())
+
+    async def dashboard_samples(self) -> list[dict]:
+        return self.history.snapshot()
+
+
+@dataclass
+class ReplicaModelInfo:
+    """What app.py reads off `state.engine`: the replicas' tokenizer and length limit."""
+
+    tokenizer: Tokenizer
+    max_model_len: int
+
+
+@dataclass
+class RoutedReplica:
+    index: int
+    actor: Any
+    alive: bool = True
+    waiting_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens still to compute
+    num_served: int = 0  # requests sent here since start-up
+
+    @property
+    def load(self) -> int:
+        return sum(self.waiting_tokens.values())
+
+
+class RemoteRequestStream:
+    """The outputs of one request on a replica; the same face as async_engine.RequestStream."""
+
+    def __init__(self, router: "ReplicaRouter", replica: RoutedReplica, request_id: str, generator, cost: "_Cost"):
+        self.router, self.replica, self.request_id = router, replica, request_id
+        self._generator, self._cost = generator, cost
+        self.finished = False
+        self.aborted = False
+        self.reading = False  # awaiting the next output now (a reader that is not is checked for stalling)
+        self.last_read = time.monotonic()
+        self._abort_reason: Optional[str] = None  # why the request was aborted here: client, shutdown, slow_reader
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            if self._abort_reason not in (None, "client"):  # the server ended it: tell the reader, as AsyncEngine does
+                raise StreamAbortedError(f"request aborted: {self._abort_reason}")
+            raise StopAsyncIteration
+        ray = self.router.ray
+        self.reading = True
+        try:
+            out = await (await self._generator.__anext__())
+        except StopAsyncIteration:  # the replica ended the stream without a final output
+            self._end(aborted=True)
+            raise StreamAbortedError(f"replica {self.replica.index} ended the request early") from None
+        except ray.exceptions.RayTaskError as e:
+            if self._abort_reason is not None:  # cancelled by close() or abort() while this read waited
+                raise StreamAbortedError(f"request aborted: {self._abort_reason}") from None
+            self._end(aborted=True)
+            cause = e.cause
+            if isinstance(cause, (StreamAbortedError, EngineDeadError)):
+                raise cause from None
+            raise StreamAbortedError(f"replica {self.replica.index} failed: {cause!r}") from None
+        except ray.exceptions.RayActorError:
+            self._end(aborted=True)
+            self.router.mark_down(self.replica)
+            raise StreamAbortedError(f"replica {self.replica.index} died while serving the request") from None
+        finally:
+            self.reading = False
+            self.last_read = time.monotonic()
+        self.finished = out.finished
+        if self.finished:
+            self._end(aborted=False)
+        else:
+            self.replica.waiting_tokens[self.request_id] = self._cost.remaining(out)
+        return out
+
+    def close(self) -> None:
+        """Abort the request on its replica unless it finished (what a reader that leaves calls)."""
+        self.abort("client")
+
+    def abort(self, reason: str) -> None:
+        """Cancel the replica's generator; the cancellation reaches its coroutine, which aborts the request."""
+        if not self.finished:
+            self._abort_reason = reason
+            self.router.ray.cancel(self._generator)
+            self._end(aborted=True)
+
+    def _end(self, aborted: bool) -> None:
+        self.finished = True
+        self.aborted = self.aborted or aborted
+        self.replica.waiting_tokens.pop(self.request_id, None)
+        self.router.streams.pop(self.request_id, None)
+
+
+@dataclass
+class _Cost:
+    """Tokens a request makes its replica compute: prompt (until the first output) + outputs still to come."""
+
+    prompt_tokens: int
+    max_output_tokens: int  # n x max_tokens
+
+    @property
+    def initial(self) -> int:
+        return self.prompt_tokens + self.max_output_tokens
+
+    def remaining(self, out: RequestOutput) -> int:
+        return max(0, self.max_output_tokens - sum(len(c.token_ids) for c in out.outputs))
+
+
+class ReplicaRouter:
+    """N engine replicas on Ray behind the interface of AsyncEngine; see the module docstring."""
+
+    def __init__(self, cfg: Config, model_name: str):
+        self.cfg = cfg
+        self.ray = ray = import_ray()
+        self._owns_connection = connect(cfg.ray)
+        self._poller: Optional[asyncio.Task] = None
+        self._stopped = False
+        self.replicas: list[RoutedReplica] = []
+        replica_class = ray.remote(EngineReplica).options(
+            **replica_options(cfg.ray, max_restarts=cfg.ray.max_replica_restarts), max_concurrency=10_000
+        )
+        try:
+            check_room(cfg.ray, cfg.server.num_replicas, "server")
+            self.replicas = [RoutedReplica(i, replica_class.remote(cfg, i, model_name))
+                             for i in range(cfg.server.num_replicas)]
+            infos = wait_until_ready(ray, [r.actor.ready.remote() for r in self.replicas], cfg.ray)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("engine replicas up, process ids %s", [info["pid"] for info in infos])
+        self.model_info = ReplicaModelInfo(infos[0]["tokenizer"], infos[0]["max_model_len"])
+        self.streams: dict[str, RemoteRequestStream] = {}
+        self.metrics = RouterMetrics(self, model_name)
+        self.history = ReplicaDashboard(self)
+        self._tie_break = itertools.count()
+
+    # --- the AsyncEngine interface ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._poller is not None:
+            self._poller.cancel()
+        for replica in self.replicas:
+            self.ray.kill(replica.actor, no_restart=True)
+        if self._owns_connection:
+            self.ray.shutdown()
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._stopped and any(r.alive for r in self.replicas)
+
+    async def add(
+        self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0
+    ) -> RemoteRequestStream:
+        """Queue a request on the least loaded live replica; raises its refusal (InvalidRequestError, ...) here."""
+        request_id = request_id or uuid.uuid4().hex
+        prompt_ids = self.model_info.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        cost = _Cost(len(prompt_ids), params.n * params.max_tokens)
+        tried: set[int] = set()
+        while True:  # a replica found dead here has generated nothing yet: the next one may take the request
+            replica = self._pick(exclude=tried)
+            if replica is None:
+                raise EngineDeadError("no engine replica is alive")
+            tried.add(replica.index)
+            generator = replica.actor.generate.options(num_returns="streaming").remote(
+                request_id, prompt, params, priority
+            )
+            replica.waiting_tokens[request_id] = cost.initial
+            try:
+                await (await generator.__anext__())  # None: queued in the replica's engine
+            except self.ray.exceptions.RayTaskError as e:
+                replica.waiting_tokens.pop(request_id, None)
+                raise e.cause from None  # InvalidRequestError, EngineOverloadedError: the app answers 400/429
+            except self.ray.exceptions.RayActorError:
+                replica.waiting_tokens.pop(request_id, None)
+                self.mark_down(replica)
+                continue
+            except BaseException:  # cancelled while waiting (client gone): do not leave it running
+                replica.waiting_tokens.pop(request_id, None)
+                self.ray.cancel(generator)
+                raise
+            replica.num_served += 1
+            stream = RemoteRequestStream(self, replica, request_id, generator, cost)
+            self.streams[request_id] = stream
+            return stream
+
+    def abort_all(self, reason: str) -> None:
+        for stream in list(self.streams.values()):
+            log.info("aborting %s: %s", stream.request_id, reason)
+            stream.abort(reason)
+
+    # --- routing and liveness --------------------------------------------------------------------
+
+    def _pick(self, exclude: set[int]) -> Optional[RoutedReplica]:
+        live = [r for r in self.replicas if r.alive and r.index not in exclude]
+        return pick_replica(live, next(self._tie_break), len(self.replicas))
+
+    def mark_down(self, replica: RoutedReplica) -> None:
+        if replica.alive:
+            log.warning("replica %d is down; routing around it until it answers again", replica.index)
+        replica.alive = False
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(r) for r in self.replicas))
+            self._abort_stalled_readers()
+            await asyncio.sleep(POLL_S)
+
+    async def _check(self, replica: RoutedReplica) -> None:
+        try:
+            load = await asyncio.wait_for(await_ref(replica.actor.load.remote()), QUERY_TIMEOUT_S)
+            alive = bool(load["alive"])
+        except Exception:  # noqa: BLE001 -- dead, restarting or stuck: all mean "send nothing there"
+            alive = False
+        if alive and not replica.alive:
+            log.info("replica %d is up again", replica.index)
+        if not alive:
+            self.mark_down(replica)
+        replica.alive = alive
+
+    def _abort_stalled_readers(self) -> None:
+        """A client that stops reading its stream must not hold a replica's KV blocks forever."""
+        now = time.monotonic()
+        for stream in list(self.streams.values()):
+            if not stream.reading and now - stream.last_read > self.cfg.server.stream_stall_timeout_s:
+                log.warning("aborting %s: its reader stalled", stream.request_id)
+                stream.abort("slow_reader")
+
+
+def pick_replica(live: list[RoutedReplica], turn: int, num_replicas: int) -> Optional[RoutedReplica]:
+    """The replica with the fewest waiting tokens, then the fewest requests; equal ones take turns."""
+    if not live:
+        return None
+    return min(live, key=lambda r: (r.load, len(r.waiting_tokens), (r.index - turn) % num_replicas))
