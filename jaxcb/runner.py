@@ -191,7 +191,7 @@ class ModelRunner:
             sampling=SamplingArrays(
                 f32(r), i32(r), f32(r), f32(r), f32(r), f32(r), f32(r),
                 jax.ShapeDtypeStruct((r,), jnp.uint32), i32(r), i32(r, self.max_banned),
-                jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_),
+                *(jax.ShapeDtypeStruct((), jnp.bool_) for _ in range(4)),
             ),
             history=i32(r, self.max_model_len),
             num_prompt=i32(r),
@@ -306,6 +306,8 @@ class ModelRunner:
             *(put(a) for a in (temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned)),
             any_penalty=put(history is not None),
             any_filter=put(any_filter),
+            any_random=put(bool(np.any(temperature > 0))),
+            any_logprobs=put(any(s.sampling_params.logprobs for s in seqs)),
         )
         inputs = StepInputs(
             token_ids=put(token_ids),

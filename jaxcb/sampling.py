@@ -32,6 +32,9 @@ class SamplingArrays:
     banned_token_ids: jax.Array  # i32[R, max_banned]; vocab_size (out of range) pads
     any_penalty: jax.Array  # bool[]: skip the penalty pass when no row asks for one
     any_filter: jax.Array  # bool[]: skip the sort when no row uses top-k / top-p
+    # On a small model these two cost as much as the layers: skip them when no row needs them.
+    any_random: jax.Array = True  # bool[]: skip drawing noise when every row is greedy
+    any_logprobs: jax.Array = True  # bool[]: skip the top-n logprobs when no row asks for them
 
 
 jax.tree_util.register_dataclass(
@@ -112,9 +115,17 @@ def sample(
         key = jax.random.fold_in(jax.random.key(seed), counter)
         return jax.random.gumbel(key, (vocab,), jnp.float32)
 
-    noise = jax.vmap(row_noise)(s.seeds, s.counters)
+    noise = jax.lax.cond(
+        s.any_random,
+        lambda: jax.vmap(row_noise)(s.seeds, s.counters),
+        lambda: jnp.zeros((num_rows, vocab), jnp.float32),
+    )
     drawn = jnp.argmax(x_scaled + noise, axis=-1)
     token = jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
     token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    top_logprobs, top_ids = jax.lax.cond(
+        s.any_logprobs,
+        lambda: tuple(jax.lax.top_k(logprobs, num_logprobs)),
+        lambda: (jnp.zeros((num_rows, num_logprobs), jnp.float32), jnp.zeros((num_rows, num_logprobs), jnp.int32)),
+    )
     return token, token_logprob, top_ids.astype(jnp.int32), top_logprobs

@@ -87,3 +87,15 @@ def test_repetition_penalty_applies_to_prompt_and_output_presence_only_to_output
     history2 = np.array([[5, 2, 0, 0, 0, 0, 0, 0]], np.int32)
     tok, *_ = draw(LOGITS, freq, history2, num_prompt=np.array([1]), num_known=np.array([2]))
     assert tok[0] == 3
+
+
+def test_skipping_noise_and_top_logprobs_changes_no_greedy_token():
+    """The runner clears any_random when every row is greedy and any_logprobs when no row asks
+    for logprobs; the tokens and their logprobs must be the same as with both on."""
+    logits = np.random.default_rng(0).standard_normal((4, VOCAB)).astype(np.float32)
+    full = draw(logits, arrays(4, temperature=[0, 0, 0, 0]))
+    s = arrays(4, temperature=[0, 0, 0, 0])
+    lean = draw(logits, SamplingArrays(**{**vars(s), "any_random": jnp.asarray(False), "any_logprobs": jnp.asarray(False)}))
+    np.testing.assert_array_equal(full[0], lean[0])
+    np.testing.assert_array_equal(full[1], lean[1])
+    assert np.all(lean[2] == 0) and np.all(lean[3] == 0)
