@@ -206,3 +206,48 @@ def host_overhead(llm: LLM, items: list[WorkItem]) -> dict:
         host_overhead_fraction=1 - replay / result.seconds,
         engine_over_replay=result.seconds / replay,
     )
+
+
+def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, repeats: int = 20) -> float:
+    """FLOP/s of one jitted [m, k] @ [k, n] on this machine: the ceiling the model's linear layers aim at."""
+    import jax.numpy as jnp
+
+    a = jnp.ones((m, k), dtype)
+    b = jnp.ones((k, n), dtype)
+    dot = jax.jit(lambda x, y: x @ y)
+    dot(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best
+
+
+def model_flops(llm: LLM, items: list[WorkItem]) -> dict:
+    """Model FLOP/s of an offline run next to the matmul ceiling measured here with JAX.
+
+    Linear FLOPs: 2 x (layer weights) for every token the steps process, plus the LM head
+    for every sampled token. Attention FLOPs (QK and PV over the context) are listed apart."""
+    m = llm.engine.model_config
+    result = run_offline(llm, items, llm.engine.cfg.scheduler.policy)
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    layer_params = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
+    tokens = result.prompt_tokens + result.output_tokens
+    linear = 2 * m.num_layers * layer_params * tokens + 2 * m.hidden_size * m.vocab_size * result.output_tokens
+    # Each token attends to its whole context: sum over requests of 1..(prompt + output).
+    contexts = sum((n := len(w.prompt_token_ids) + w.output_len) * (n + 1) // 2 for w in items)
+    attention = 4 * m.num_layers * q * contexts
+    dtype = m.dtype
+    budget = llm.engine.cfg.scheduler.max_num_batched_tokens
+    ceiling_big = matmul_flops_per_s(budget, m.hidden_size, m.intermediate_size, dtype)
+    ceiling_decode = matmul_flops_per_s(llm.engine.cfg.scheduler.max_num_seqs, m.hidden_size, m.intermediate_size, dtype)
+    achieved = (linear + attention) / result.seconds
+    return dict(
+        seconds=result.seconds, output_tokens_per_s=result.output_tokens_per_s, num_steps=result.num_steps,
+        linear_flops=linear, attention_flops=attention, model_flops_per_s=achieved,
+        matmul_ceiling_flops_per_s={f"{budget}x{m.hidden_size}x{m.intermediate_size}": ceiling_big,
+                                    f"{llm.engine.cfg.scheduler.max_num_seqs}x{m.hidden_size}x{m.intermediate_size}":
+                                    ceiling_decode},
+        model_over_ceiling=achieved / ceiling_big,
+    )

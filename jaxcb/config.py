@@ -198,7 +198,7 @@ class BenchConfig:
     request_rate: Optional[float] = None  # serving: Poisson arrivals per second; null: all at once
     max_concurrency: Optional[int] = None  # serving: requests in the engine at most (the rest wait client-side)
     slo: SLOConfig = field(default_factory=SLOConfig)
-    task: str = "offline"  # offline | policies (fcfs vs static) | async (on vs off) | overhead (engine vs replayed steps)
+    task: str = "offline"  # offline | policies (fcfs vs static) | async (on vs off) | overhead (engine vs replayed steps) | flops (model FLOP/s vs the matmul ceiling)
     workload: str = "lognormal"  # lognormal (ShareGPT-like) | random (fixed lengths) | exp-output | file
     output_cap: int = 128  # exp-output: outputs are exponential, capped here (32 / 128 / 512 / 1536)
     file: Optional[str] = None  # workload=file: JSONL of {"prompt_token_ids" | "prompt", "output_len"}
@@ -375,8 +375,8 @@ def validate_config(cfg: Config) -> None:
     )
     b = cfg.bench
     _require(
-        b.task in ("offline", "policies", "async", "overhead"),
-        f"bench.task={b.task!r} must be offline, policies, async or overhead",
+        b.task in ("offline", "policies", "async", "overhead", "flops"),
+        f"bench.task={b.task!r} must be offline, policies, async, overhead or flops",
     )
     _require(
         b.workload in ("lognormal", "random", "exp-output", "file"),

@@ -4,6 +4,7 @@
     python scripts/bench.py bench.task=policies               # fcfs vs static on the same workload
     python scripts/bench.py bench.task=overhead               # engine vs a replay of its compiled steps
     python scripts/bench.py bench.task=async                  # engine.async_scheduling on vs off
+    python scripts/bench.py bench.task=flops                  # model FLOP/s against a matmul measured here
     python scripts/bench.py bench.mode=serving bench.request_rate=20   # TTFT/TPOT/ITL/E2E, goodput
     python scripts/bench.py bench.mode=serving bench.backend=http      # the same, over HTTP to a real server
     python scripts/bench.py -m scheduler.max_num_seqs=16,32,64 # a sweep (one run per value)
@@ -22,6 +23,7 @@ from jaxcb.benchmark import (
     host_overhead,
     ideal_static_ratio,
     make_workload,
+    model_flops,
     run_offline,
     run_serving,
     with_async,
@@ -76,6 +78,12 @@ def main(cfg: Config) -> None:
         for name, r in runs.items():
             print(describe_serving(name, r))
         result["serving"] = runs
+    elif b.task == "flops":
+        result["flops"] = f = model_flops(next(iter(engines.values())), items)
+        ceilings = ", ".join(f"{shape}: {v / 1e9:.1f}" for shape, v in f["matmul_ceiling_flops_per_s"].items())
+        print(f"{f['output_tokens_per_s']:,.0f} out tok/s; model {f['model_flops_per_s'] / 1e9:.1f} GFLOP/s "
+              f"({f['attention_flops'] / (f['linear_flops'] + f['attention_flops']):.0%} of it attention); "
+              f"matmul ceiling GFLOP/s {ceilings}; model / ceiling {f['model_over_ceiling']:.2f}")
     elif b.task == "overhead":
         result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "

@@ -29,7 +29,8 @@ def test_lognormal_workload_is_seeded_and_respects_limits():
 
 
 @pytest.mark.parametrize(
-    "task, runs", [("policies", {"fcfs", "static"}), ("async", {"async", "sync"}), ("overhead", None)]
+    "task, runs",
+    [("policies", {"fcfs", "static"}), ("async", {"async", "sync"}), ("overhead", None), ("flops", None)],
 )
 def test_bench_runs_and_writes_json(tmp_path, task, runs):
     proc = subprocess.run(
@@ -40,8 +41,15 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
-    if runs is None:
+    if task == "overhead":
         assert 0 < result["overhead"]["step_replay_s"] and result["overhead"]["num_steps"] > 0
+        return
+    if task == "flops":
+        f = result["flops"]
+        assert f["linear_flops"] > 0 and f["attention_flops"] > 0 and len(f["matmul_ceiling_flops_per_s"]) == 2
+        assert 0 < f["model_over_ceiling"] == pytest.approx(
+            f["model_flops_per_s"] / next(iter(f["matmul_ceiling_flops_per_s"].values()))
+        )
         return
     assert set(result["runs"]) == runs
     assert all(r["num_recompiles"] == 0 for r in result["runs"].values())
@@ -61,3 +69,24 @@ def test_file_workload_reads_the_peers_format(tmp_path):
                     '{"id": 1, "prompt_token_ids": [4], "output_len": 2}\n')
     items = make_workload(BenchConfig(workload="file", file=str(path)), 259, 2048)
     assert items == [WorkItem([1, 2, 3], 7), WorkItem([4], 2)]
+
+
+def test_serving_bench_over_http_streams_from_a_real_server(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "bench.mode=serving", "bench.backend=http",
+         "bench.num_requests=10", "bench.request_rate=50", "scheduler.max_num_batched_tokens=64",
+         "scheduler.max_num_seqs=8", "engine.max_model_len=256", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "bench.json").read_text())["serving"]["http"]
+    assert r["num_errors"] == 0 and r["num_requests"] == 10
+    assert r["output_tokens_per_s"] > 0 and 0 < r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] <= r["e2e_s"]["p99"]
+    assert r["tpot_s"]["mean"] > 0 and r["itl_s"]["p50"] > 0
+
+
+def test_http_backend_is_refused_outside_serving_mode():
+    from jaxcb.config import ConfigError, compose_config
+
+    with pytest.raises(ConfigError, match="bench.backend=http measures one server in serving mode"):
+        compose_config(["bench.backend=http"])
