@@ -106,6 +106,9 @@ def main() -> None:
     plot(ok, best, "ttft_p99_ms", "p99 TTFT (ms)", os.path.join(args.sweep_dir, "throughput_vs_ttft.png"))
     plot(ok, best, "tpot_mean_ms", "mean TPOT (ms)", os.path.join(args.sweep_dir, "throughput_vs_tpot.png"))
     print(f"wrote {csv_path} and two plots ({len(ok)} runs ok, {len(runs) - len(ok)} failed)")
+    if best["goodput_requests_per_s"] == 0:  # nothing to recommend by the SLO: say so, and fall back
+        print("no run met the SLO (goodput 0 everywhere): loosen bench.slo.ttft_ms / bench.slo.tpot_ms or lower "
+              "bench.request_rate; the run with the highest throughput is marked instead")
     print(f"recommended: scheduler.max_num_seqs={best['max_num_seqs']} "
           f"scheduler.max_num_batched_tokens={best['max_num_batched_tokens']} "
           f"(goodput {best['goodput_requests_per_s']} req/s, {best['output_tokens_per_s']} out tok/s, "
