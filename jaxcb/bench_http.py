@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
@@ -117,24 +115,8 @@ def run_serving_http(url: str, items: list[WorkItem], b: BenchConfig) -> dict:
 @contextlib.contextmanager
 def serve_in_thread(cfg: Config) -> Iterator[str]:
     """The real server (FastAPI + uvicorn, engine loop thread) on a free loopback port; yields its URL."""
-    import uvicorn
-
     from jaxcb.server.app import build_app
+    from jaxcb.server.run import serve_app_in_thread
 
-    app = build_app(cfg)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 600
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the benchmark's server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(60)
+    with serve_app_in_thread(build_app(cfg)) as url:
+        yield url

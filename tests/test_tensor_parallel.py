@@ -11,9 +11,11 @@ from jaxcb.config import ConfigError, DistributedConfig, compose_config
 from jaxcb.sharding import initialize_distributed, param_partition_spec
 
 
-def test_tp2_and_tp4_match_one_device_on_8_fake_cpu_devices():
-    """Logits and greedy tokens equal TP=1's, every array split as intended, no recompile."""
-    assert_all_passed(run_tests_on_fake_devices("tests/multi_device/tp_engine_checks.py", num_devices=8))
+@pytest.mark.parametrize("num_devices", [4, 8])
+def test_tp2_and_tp4_match_one_device_on_fake_cpu_devices(num_devices):
+    """Logits and greedy tokens equal TP=1's, every array split as intended, no recompile,
+    whether TP=4 takes all the devices JAX sees or half of them."""
+    assert_all_passed(run_tests_on_fake_devices("tests/multi_device/tp_engine_checks.py", num_devices=num_devices))
 
 
 def test_tp_size_that_does_not_divide_the_kv_heads_fails_at_start_up_saying_what_to_use():

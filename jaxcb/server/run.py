@@ -5,8 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
+import threading
+import time
+from typing import Iterator, Optional
 
 import uvicorn
+
+from fastapi import FastAPI
 
 from jaxcb.config import Config
 from jaxcb.server.app import build_app
@@ -43,3 +49,34 @@ def serve(cfg: Config) -> None:
         timeout_graceful_shutdown=int(cfg.server.shutdown_timeout_s) + 1,
     )
     _GracefulServer(config).run()
+
+
+@contextlib.contextmanager
+def serve_app_in_thread(
+    app: FastAPI, *, send_buffer_bytes: Optional[int] = None, start_timeout_s: float = 600.0
+) -> Iterator[str]:
+    """Serve `app` with uvicorn on a free loopback port in a background thread; yields its URL.
+
+    For benchmarks and tests that drive the real HTTP path from the same process.
+    `send_buffer_bytes` caps each connection's kernel send buffer (accepted sockets inherit
+    the listener's), as a slow network does: loopback otherwise buffers megabytes.
+    """
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes is not None:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        listener.close()
