@@ -5,9 +5,11 @@ The model asks for "attention of these query tokens over the paged cache" throug
 
     pallas     the Pallas ragged paged-attention kernel (GPU; `attention.interpret=true`
                runs it in the Pallas interpreter, for tests on CPU)
-    xla        the plain-JAX tiled path (CPU, or anywhere without a kernel)
+    cpu        a C++ kernel called through the XLA FFI (`cpu_kernels/`), built on first use
+               with the system compiler: reads each sequence's blocks in place
+    xla        the plain-JAX tiled path (anywhere; no compiler needed)
     reference  the simple O(tokens x context) definition, for tests and debugging
-    auto       pallas on GPU, xla elsewhere
+    auto       pallas on GPU; on CPU the C++ kernel, or xla (with a warning) if it cannot be built
 
 `AttentionMetadata` is the per-step description of the ragged batch (DESIGN.md, "Data
 flow of one step"); it is a pytree so that it travels into the jitted step as arrays.
@@ -22,15 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Callable, Optional
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, ragged_paged_attention_cpu
 from jaxcb.config import AttentionConfig, ConfigError
 from jaxcb.kv_cache import KVCache, write_kv
 from jaxcb.sharding import HEADS_SPEC, KV_CACHE_SPEC
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, ragged_paged_attention_xla
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -100,10 +106,19 @@ class AttentionBackend:
 
 
 def resolve_attention_impl(impl: str, platform: str | None = None) -> str:
+    """The implementation `impl` stands for on `platform`; building the CPU kernel if auto picks it."""
     platform = platform or jax.default_backend()
-    if impl == "auto":
-        return "pallas" if platform == "gpu" else "xla"
-    return impl
+    if impl != "auto":
+        return impl
+    if platform == "gpu":
+        return "pallas"
+    if platform == "cpu":
+        try:
+            load_cpu_kernels()
+            return "cpu"
+        except CpuKernelUnavailable as e:
+            log.warning("attention.impl=auto: the C++ CPU kernel is unavailable, using the slower xla path (%s)", e)
+    return "xla"
 
 
 def get_attention_backend(cfg: AttentionConfig | None = None, mesh: Optional[Mesh] = None) -> AttentionBackend:
@@ -113,13 +128,21 @@ def get_attention_backend(cfg: AttentionConfig | None = None, mesh: Optional[Mes
     if impl == "pallas":
         if jax.default_backend() != "gpu" and not cfg.interpret:
             raise ConfigError(
-                f"attention.impl=pallas needs a GPU (this is {jax.default_backend()}); use attention.impl=xla, "
+                f"attention.impl=pallas needs a GPU (this is {jax.default_backend()}); use attention.impl=auto, "
                 f"or attention.interpret=true to run the kernel in the Pallas interpreter"
             )
         fn = functools.partial(ragged_paged_attention, interpret=cfg.interpret)
         return AttentionBackend("pallas-interpret" if cfg.interpret else "pallas", fn, mesh)
+    if impl == "cpu":
+        if jax.default_backend() != "cpu":
+            raise ConfigError(f"attention.impl=cpu runs on CPU only (this is {jax.default_backend()}); use attention.impl=auto")
+        try:
+            load_cpu_kernels()
+        except CpuKernelUnavailable as e:
+            raise ConfigError(f"attention.impl=cpu: {e}\nInstall a C++ compiler, or use attention.impl=xla") from e
+        return AttentionBackend("cpu", ragged_paged_attention_cpu, mesh)
     if impl == "xla":
         return AttentionBackend("xla", ragged_paged_attention_xla, mesh)
     if impl == "reference":
         return AttentionBackend("reference", ragged_paged_attention_reference, mesh)
-    raise ConfigError(f"attention.impl={impl!r} must be one of auto, pallas, xla, reference")
+    raise ConfigError(f"attention.impl={impl!r} must be one of auto, pallas, cpu, xla, reference")

@@ -85,7 +85,7 @@ class CacheConfig:
 class AttentionConfig:
     """Which implementation of attention over the paged cache the model uses."""
 
-    impl: str = "auto"  # auto (pallas on GPU, xla elsewhere) | pallas | xla | reference
+    impl: str = "auto"  # auto (pallas on GPU, the C++ kernel on CPU) | pallas | cpu | xla | reference
     interpret: bool = False  # run the Pallas kernel in the interpreter (CPU tests; slow)
 
 
@@ -295,8 +295,8 @@ def validate_config(cfg: Config) -> None:
         f"cache.dtype={c.dtype!r} must be 'auto' or one of {list(DTYPES)}",
     )
     _require(
-        cfg.attention.impl in ("auto", "pallas", "xla", "reference"),
-        f"attention.impl={cfg.attention.impl!r} must be one of auto, pallas, xla, reference",
+        cfg.attention.impl in ("auto", "pallas", "cpu", "xla", "reference"),
+        f"attention.impl={cfg.attention.impl!r} must be one of auto, pallas, cpu, xla, reference",
     )
     _require(s.max_num_seqs >= 1, f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
     _require(

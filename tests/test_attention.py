@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from attention_batches import dense_attention, make_ragged_batch
+from cpu_kernels import ragged_paged_attention_cpu
 from pallas_kernels import (
     check_batch_values,
     ragged_paged_attention,
@@ -22,6 +23,7 @@ IMPLS = {
     "xla": ragged_paged_attention_xla,
     "xla-pairs": functools.partial(ragged_paged_attention_xla, gather_max_width=0),  # the long-table path
     "pallas-interpret": functools.partial(ragged_paged_attention, interpret=True),
+    "cpu": ragged_paged_attention_cpu,
 }
 
 
@@ -69,7 +71,7 @@ def test_reference_equals_dense_attention(params):
     assert_matches(run("reference", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret"])
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches())
 def test_implementation_equals_reference_in_fp32(impl, params):
@@ -77,7 +79,7 @@ def test_implementation_equals_reference_in_fp32(impl, params):
     assert_matches(run(impl, batch), run("reference", batch), batch, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret"])
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=24))
 def test_implementation_equals_reference_in_bf16(impl, params):
@@ -86,12 +88,34 @@ def test_implementation_equals_reference_in_bf16(impl, params):
     assert_matches(run(impl, batch, jnp.bfloat16), expected, batch, 2e-2)
 
 
+@pytest.mark.parametrize("impl", ["pallas-interpret", "cpu"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
-def test_kernel_covers_every_block_size_and_head_dim(block_size, head_dim):
+def test_kernel_covers_every_block_size_and_head_dim(impl, block_size, head_dim):
     seqs = [(1, 37), (9, 9), (4, 70)]
     batch = make_ragged_batch(seqs, block_size=block_size, num_kv_heads=2, group=4, head_dim=head_dim, seed=block_size)
-    assert_matches(run("pallas-interpret", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
+    assert_matches(run(impl, batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
+
+
+def test_cpu_kernel_tiles_long_prefills_and_skips_empty_sequences():
+    """Prefills longer than one 16-token tile, a chunk in the middle of a long context, and a
+    sequence with no new tokens this step (it must neither attend nor write)."""
+    seqs = [(40, 40), (1, 130), (0, 12), (33, 100), (1, 1)]
+    batch = make_ragged_batch(seqs, block_size=16, num_kv_heads=2, group=3, head_dim=64, seed=7)
+    assert_matches(run("cpu", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
+
+
+def test_cpu_kernel_rejects_metadata_that_points_outside_the_cache():
+    """Inside jit nothing checks block ids; the kernel refuses them instead of reading out of bounds."""
+    batch = make_ragged_batch([(2, 20)], block_size=8, num_kv_heads=1, group=1, head_dim=16)
+    q, k, v, kv_lens, tables, qsl, n, layer = batch.args(jnp)
+    bad_tables = tables.at[0, 1].set(k.shape[2] + 5)
+    with pytest.raises(Exception, match="block id .* is outside the cache"):
+        jax.block_until_ready(ragged_paged_attention_cpu(q, k, v, kv_lens, bad_tables, qsl, n, layer, sm_scale=1.0))
+    with pytest.raises(Exception, match="must be >= its new tokens and fit its block table"):
+        jax.block_until_ready(
+            ragged_paged_attention_cpu(q, k, v, kv_lens.at[0].set(10_000), tables, qsl, n, layer, sm_scale=1.0)
+        )
 
 
 @pytest.mark.parametrize("impl", ["xla", "xla-pairs"])

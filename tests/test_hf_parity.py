@@ -13,6 +13,7 @@ from jaxcb.reference_generate import SingleSequence
 
 BACKENDS = {
     "xla": AttentionConfig(impl="xla"),
+    "cpu": AttentionConfig(impl="cpu"),
     "reference": AttentionConfig(impl="reference"),
     "pallas-interpret": AttentionConfig(impl="pallas", interpret=True),
 }

@@ -139,7 +139,7 @@ def test_kv_cache_is_split_by_kv_head_and_keeps_its_sharding_across_steps(tp):
         assert buffer.addressable_shards[0].data.shape[1] == 4 // tp
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "cpu"])
 def test_every_xla_attention_impl_gives_one_device_logits_under_tp2(impl):
     tp2 = uncompiled_engine(2, f"attention.impl={impl}")
     np.testing.assert_allclose(forward_logits(tp2), forward_logits(engine(1)), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,133 @@
+"""Ragged paged attention for CPU: a C++ kernel called from JAX through the XLA FFI.
+
+Same arguments and result as the other implementations (`pallas_kernels/__init__.py`). The
+source (`ragged_paged_attention.cc`) is compiled on first use with the system C++ compiler
+for this machine's CPU (`-march=native`) and cached, keyed by the source, the flags, the
+compiler, the CPU and jaxlib, so a changed kernel or a different machine rebuilds.
+
+`load_cpu_kernels()` raises `CpuKernelUnavailable` with the compiler's message when there is
+no compiler or the build fails; `attention.impl=auto` then falls back to the XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.inputs import check_attention_inputs
+
+SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
+TARGET_NAME = "jaxcb_ragged_paged_attention"
+CXX_FLAGS = (
+    "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+    # Lets GCC vectorise the dot-product reductions; no -ffinite-math-only (masks rely on it not).
+    "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+)
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ kernel could not be built or loaded here (no compiler, or the build failed)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("JAXCB_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxcb", "cpu_kernels"
+    )
+    return Path(root)
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise CpuKernelUnavailable("no C++ compiler found (install g++ or set CXX); attention.impl=xla needs none")
+    return cxx
+
+
+def build_library() -> Path:
+    """Path of the compiled kernel, building it if this source/flags/CPU has not been built yet."""
+    cxx = _compiler()
+    include = jax.ffi.include_dir()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CpuKernelUnavailable(f"C++ compiler {cxx} does not run: {e}") from e
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), " ".join(CXX_FLAGS), version, _cpu_signature(), include, jax.__version__]).encode()
+    ).hexdigest()[:16]
+    out = cache_dir() / f"ragged_paged_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build to a private name, then rename: concurrent builders never see a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *CXX_FLAGS, "-isystem", include, str(SOURCE), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise CpuKernelUnavailable(f"building the CPU attention kernel failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def load_cpu_kernels() -> None:
+    """Builds (once per machine) and registers the kernel with XLA; raises CpuKernelUnavailable."""
+    path = build_library()
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:
+        raise CpuKernelUnavailable(f"cannot load {path}: {e}") from e
+    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
+
+
+def cpu_kernels_available() -> bool:
+    try:
+        load_cpu_kernels()
+        return True
+    except CpuKernelUnavailable:
+        return False
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    kv_lens: jax.Array,  # i32[R]
+    block_tables: jax.Array,  # i32[R, max_blocks_per_seq]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    num_seqs: jax.Array,  # i32[]
+    layer: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
+    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {q.dtype}; use attention.impl=xla")
+    load_cpu_kernels()
+    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+        jnp.reshape(num_seqs, ()), jnp.reshape(layer, ()), sm_scale=np.float32(sm_scale),
+    )
