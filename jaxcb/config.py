@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 MODEL_PRESETS = ("tiny", "llama3_1b", "llama8b", "llama70b", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 
 
@@ -53,6 +54,10 @@ class ModelConfig:
     seed: int = 0  # seed of random initialisation
     dtype: str = "bfloat16"  # parameter and activation dtype: float32 | bfloat16 | float16
     tokenizer: Optional[str] = None  # directory with tokenizer.json; default: the checkpoint's
+    # How the step runs the decoder layers: scan (over weights stacked by layer; one layer traced,
+    # fast compiles) | unrolled (a loop over per-layer weight arrays; XLA:CPU copies every layer's
+    # slice of a stacked weight, so this is faster there) | auto (unrolled on CPU, scan elsewhere).
+    layer_loop: str = "auto"
     vocab_size: Optional[int] = None
     hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
@@ -465,6 +470,11 @@ _ARCH_FIELDS = (
 def validate_model_config(m: ModelConfig) -> None:
     _require(m.init in ("checkpoint", "random"), f"model.init={m.init!r} must be 'checkpoint' or 'random'")
     _require(m.dtype in DTYPES, f"model.dtype={m.dtype!r} must be one of {list(DTYPES)}")
+    _require(
+        m.layer_loop in LAYER_LOOPS,
+        f"model.layer_loop={m.layer_loop!r} must be one of {', '.join(LAYER_LOOPS)} "
+        f"(auto: unrolled on CPU, scan elsewhere)",
+    )
     if m.init == "checkpoint":
         _require(
             m.checkpoint is not None,

@@ -31,6 +31,7 @@ from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import HostSwapSpace, allocate_planned_kv_cache, num_swap_blocks, plan_kv_cache
 from jaxcb.model.config import resolve_llama_config
+from jaxcb.model.llama import resolve_layer_loop
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.request import Request, RequestStatus
@@ -114,6 +115,7 @@ class Engine:
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
             swap_space=swap_space,
             tp=self.tp,
+            unroll_layers=resolve_layer_loop(cfg.model.layer_loop) == "unrolled",
         )
         if compile_buckets:
             self.runner.compile_all(progress=progress)

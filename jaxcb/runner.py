@@ -11,6 +11,10 @@ The step (one `jax.jit`, KV cache donated): the model over all T tokens, logits 
 sequence's last token, sampling with per-row parameters; it returns the sampled tokens
 with their logprobs, packed into two arrays for the host copy.
 
+With `unroll_layers` (`model.layer_loop=unrolled`) the runner first splits the model's stacked
+decoder weights into one array per layer, in place, so that the step takes each layer's
+weights as inputs of their own and runs the layers in a Python loop.
+
 Under tensor parallelism (`tp`) every bucket is compiled for the mesh: the parameters and
 the cache with their own shardings, the step's inputs and outputs replicated, and the
 updated cache pinned to the cache's sharding, so a donated step hands the next one a cache
@@ -130,9 +134,13 @@ class ModelRunner:
         max_stop_token_ids: int,
         swap_space: Optional[HostSwapSpace] = None,
         tp: Optional[TensorParallel] = None,
+        unroll_layers: bool = False,
     ):
+        if unroll_layers:  # before the split, so that the step's inputs are the per-layer arrays
+            model.unstack_layers()
         self.graphdef, self.state = nnx.split(model)  # once; the step takes the state as an argument
         self.tp = tp
+        self.unroll_layers = unroll_layers
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.block_size = kv_cache.block_size
@@ -224,8 +232,9 @@ class ModelRunner:
             self.kv_cache = scatter_blocks(self.kv_cache, null, k, v)
         elapsed = time.perf_counter() - start
         log.info(
-            "compiled %d step variants (tokens x seqs: %s; widths in blocks: %s) in %.1f s",
-            len(keys), sorted({(t, r) for t, r, _ in keys}), list(self.buckets.widths), elapsed,
+            "compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; layers %s) in %.1f s",
+            len(keys), sorted({(t, r) for t, r, _ in keys}), list(self.buckets.widths),
+            "unrolled" if self.unroll_layers else "scanned", elapsed,
         )
         return elapsed
 

@@ -11,6 +11,9 @@ after the MLP, both inserted by XLA (GSPMD):
     lm_head     [D, V]          split V      when V divides by tp; else replicated
     embed, norms                replicated
 
+Under `model.layer_loop=unrolled` each layer's own weights (the same shapes without L) are
+split on the same axes.
+
 The KV cache `[L, Hkv, P, S, D]` is split on Hkv, so a device holds the cache of exactly
 the KV heads it computes; attention runs per shard (`AttentionBackend` wraps it in
 `shard_map`: a Pallas kernel cannot be partitioned automatically). The step's small
@@ -46,16 +49,17 @@ TP_AXIS = "tp"
 HEADS_SPEC = PartitionSpec(None, TP_AXIS, None)  # [T, heads, head_dim]: attention's inputs and output
 KV_CACHE_SPEC = PartitionSpec(None, TP_AXIS)  # [L, Hkv, num_blocks, block_size, head_dim]: by KV head
 
-# Parameter name -> the axis split over `tp` (None: replicated).
+# Parameter name -> the axis split over `tp` (None: replicated), counted from the end, so that the
+# rule holds for the stacked weights [L, ...] and for each layer's own array (model.layer_loop=unrolled).
 PARAM_SHARDED_AXIS: dict[str, Optional[int]] = {
-    "q_proj": 2,  # [L, D, Hq, K]
-    "k_proj": 2,  # [L, D, Hkv, K]
-    "v_proj": 2,  # [L, D, Hkv, K]
-    "o_proj": 1,  # [L, Hq, K, D]
-    "gate_proj": 2,  # [L, D, F]
-    "up_proj": 2,  # [L, D, F]
-    "down_proj": 1,  # [L, F, D]
-    "lm_head": 1,  # [D, V]; replicated when V does not divide by tp
+    "q_proj": -2,  # [L, D, Hq, K]
+    "k_proj": -2,  # [L, D, Hkv, K]
+    "v_proj": -2,  # [L, D, Hkv, K]
+    "o_proj": -3,  # [L, Hq, K, D]
+    "gate_proj": -1,  # [L, D, F]
+    "up_proj": -1,  # [L, D, F]
+    "down_proj": -2,  # [L, F, D]
+    "lm_head": -1,  # [D, V]; replicated when V does not divide by tp
     "embed": None,  # [V, D]
     "attn_norm": None,  # [L, D]
     "mlp_norm": None,  # [L, D]

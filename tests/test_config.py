@@ -97,6 +97,7 @@ def test_unknown_preset_fails_at_composition():
         (["server.port=70000"], r"server\.port=70000"),
         (["model.dtype=float64"], r"model\.dtype='float64'"),
         (["model.init=zeros"], r"model\.init='zeros'"),
+        (["model.layer_loop=unroll"], r"model\.layer_loop='unroll' must be one of auto, scan, unrolled"),
         (["model.num_kv_heads=4"], r"model\.num_heads=6 must be a multiple of model\.num_kv_heads=4"),
         (["engine.tensor_parallel_size=0"], r"engine\.tensor_parallel_size=0 must be >= 1"),
         (

@@ -6,8 +6,13 @@ paged cache and its `AttentionMetadata` -- and returns the final-normed hidden s
 attention knows which token belongs to which sequence. `compute_logits` is separate so the
 step projects only the rows that sample.
 
-The decoder layers' weights are stacked on a leading `num_layers` axis and run under
-`jax.lax.scan`: one layer is traced and compiled, whatever the depth.
+The decoder layers' weights are built, loaded and saved stacked on a leading `num_layers`
+axis (`DecoderLayers`) and run under `jax.lax.scan`: one layer is traced and compiled,
+whatever the depth. `model.layer_loop=unrolled` (the default on CPU) splits them once, after
+loading, into one `DecoderLayer` per layer and runs a Python loop over them: XLA:CPU copies
+each layer's slice of a stacked weight before every use (~300 MB per decode step of the
+100M-parameter `small` preset), but reads a weight that is an input of its own in place.
+Both loops run the same `decoder_layer`.
 
 Axis letters in einsums: t tokens, d hidden, h heads, k head_dim, f MLP width, v vocab.
 """
@@ -15,13 +20,16 @@ Axis letters in einsums: t tokens, d hidden, h heads, k head_dim, f MLP width, v
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from jaxcb.config import LAYER_LOOPS, ConfigError
 from jaxcb.kv_cache import KVCache
 from jaxcb.model.config import LlamaConfig, RopeScaling
 
@@ -65,7 +73,26 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed.astype(x.dtype)
 
 
-class DecoderLayers(nnx.Module):
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights (under scan: every layer's, each with a leading [num_layers] axis)."""
+
+    attn_norm: jax.Array  # [D]
+    q_proj: jax.Array  # [D, Hq, K]
+    k_proj: jax.Array  # [D, Hkv, K]
+    v_proj: jax.Array  # [D, Hkv, K]
+    o_proj: jax.Array  # [Hq, K, D]
+    mlp_norm: jax.Array  # [D]
+    gate_proj: jax.Array  # [D, F]
+    up_proj: jax.Array  # [D, F]
+    down_proj: jax.Array  # [F, D]
+
+
+class _LayerParams(nnx.Module):
+    def weights(self) -> LayerWeights:
+        return LayerWeights(*(getattr(self, name)[...] for name in LayerWeights._fields))
+
+
+class DecoderLayers(_LayerParams):
     """All decoder layers, each weight stacked on a leading [num_layers] axis."""
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs):
@@ -82,6 +109,47 @@ class DecoderLayers(nnx.Module):
         self.gate_proj = nnx.Param(normal(rngs.params(), (L, D, F), dt))
         self.up_proj = nnx.Param(normal(rngs.params(), (L, D, F), dt))
         self.down_proj = nnx.Param(normal(rngs.params(), (L, F, D), dt))
+
+
+class DecoderLayer(_LayerParams):
+    """One decoder layer's weights, each an array of its own (`model.layer_loop=unrolled`)."""
+
+    def __init__(self, weights: LayerWeights):
+        for name, value in weights._asdict().items():
+            setattr(self, name, nnx.Param(value))
+
+
+def _split_layers(stacked: jax.Array) -> list[jax.Array]:
+    """[L, ...] -> L arrays [...], each split over the devices as its parent was, minus the layer axis."""
+    sharding = stacked.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return jax.jit(lambda w: [w[i] for i in range(w.shape[0])], out_shardings=sharding)(stacked)
+
+
+def decoder_layer(
+    cfg: LlamaConfig,
+    attention: AttentionBackend,
+    h: jax.Array,  # [T, hidden]: the residual stream
+    cache: KVCache,
+    layer: jax.Array,  # i32[]: which layer of the cache
+    w: LayerWeights,
+    positions: jax.Array,  # i32[T]
+    md: AttentionMetadata,
+) -> tuple[jax.Array, KVCache]:  # ([T, hidden], cache with this layer's new K/V)
+    sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
+    q = apply_rope(jnp.einsum("td,dhk->thk", x, w.q_proj), positions, inv_freq)
+    k = apply_rope(jnp.einsum("td,dhk->thk", x, w.k_proj), positions, inv_freq)
+    v = jnp.einsum("td,dhk->thk", x, w.v_proj)
+    attn, cache = attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
+    attn = attn.astype(h.dtype)
+    h = h + jnp.einsum("thk,hkd->td", attn, w.o_proj)
+    x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
+    gate = jnp.einsum("td,df->tf", x, w.gate_proj)
+    up = jnp.einsum("td,df->tf", x, w.up_proj)
+    return h + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w.down_proj), cache
 
 
 class Llama(nnx.Module):
@@ -104,34 +172,33 @@ class Llama(nnx.Module):
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # ([T, hidden] final-normed, updated cache)
         cfg = self.cfg
-        sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-        inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        lw = self.layers
-        stacked = (
-            lw.attn_norm[...], lw.q_proj[...], lw.k_proj[...], lw.v_proj[...], lw.o_proj[...],
-            lw.mlp_norm[...], lw.gate_proj[...], lw.up_proj[...], lw.down_proj[...],
-        )
 
         def layer_step(carry, xs):
-            h, cache = carry
-            layer, (attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down) = xs
-            x = rms_norm(h, attn_norm, cfg.rms_norm_eps)
-            q = apply_rope(jnp.einsum("td,dhk->thk", x, wq), positions, inv_freq)
-            k = apply_rope(jnp.einsum("td,dhk->thk", x, wk), positions, inv_freq)
-            v = jnp.einsum("td,dhk->thk", x, wv)
-            attn, cache = self.attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
-            attn = attn.astype(h.dtype)
-            h = h + jnp.einsum("thk,hkd->td", attn, wo)
-            x = rms_norm(h, mlp_norm, cfg.rms_norm_eps)
-            gate = jnp.einsum("td,df->tf", x, w_gate)
-            up = jnp.einsum("td,df->tf", x, w_up)
-            h = h + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
-            return (h, cache), None
+            (h, cache), (layer, w) = carry, xs
+            return decoder_layer(cfg, self.attention, h, cache, layer, w, positions, md), None
 
         h = jnp.take(self.embed[...], token_ids, axis=0)
-        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (h, kv_cache), _ = jax.lax.scan(layer_step, (h, kv_cache), (layers, stacked))
+        if isinstance(self.layers, DecoderLayers):
+            layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            (h, kv_cache), _ = jax.lax.scan(layer_step, (h, kv_cache), (layers, self.layers.weights()))
+        else:
+            for i, layer in enumerate(self.layers):
+                (h, kv_cache), _ = layer_step((h, kv_cache), (jnp.int32(i), layer.weights()))
         return rms_norm(h, self.final_norm[...], cfg.rms_norm_eps), kv_cache
+
+    def unstack_layers(self) -> None:
+        """Replace the stacked decoder weights by one `DecoderLayer` per layer, in place.
+
+        Weight by weight, so that at most one stacked weight exists twice at a time; the
+        stacked arrays are freed unless something else still holds them."""
+        stacked = self.layers
+        if not isinstance(stacked, DecoderLayers):
+            return
+        columns = []  # columns[weight][layer]
+        for name in LayerWeights._fields:
+            columns.append(_split_layers(getattr(stacked, name)[...]))
+            delattr(stacked, name)
+        self.layers = nnx.List([DecoderLayer(LayerWeights(*weights)) for weights in zip(*columns)])
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, hidden] -> f32[N, vocab]
         if self.cfg.tie_word_embeddings:
@@ -139,6 +206,16 @@ class Llama(nnx.Module):
         else:
             logits = jnp.einsum("td,dv->tv", hidden, self.lm_head[...])
         return logits.astype(jnp.float32)
+
+
+def resolve_layer_loop(layer_loop: str, platform: str | None = None) -> str:
+    """`scan` or `unrolled`: `auto` unrolls on CPU (see the module docstring) and scans elsewhere,
+    where tracing one layer keeps compile time low."""
+    if layer_loop not in LAYER_LOOPS:
+        raise ConfigError(f"model.layer_loop={layer_loop!r} must be one of {', '.join(LAYER_LOOPS)}")
+    if layer_loop == "auto":
+        return "unrolled" if (platform or jax.default_backend()) == "cpu" else "scan"
+    return layer_loop
 
 
 def build_random_model(cfg: LlamaConfig, seed: int, attention: AttentionBackend | None = None) -> Llama:

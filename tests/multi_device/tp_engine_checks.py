@@ -105,28 +105,47 @@ def test_greedy_outputs_under_tensor_parallelism_equal_one_device_with_no_recomp
     assert engine(tp).num_recompiles == 0 and engine(1).num_recompiles == 0
 
 
+LAYER_SPECS = {  # one layer's weights, without the layer axis
+    "q_proj": P(None, "tp", None),  # [D, Hq, K]: heads
+    "k_proj": P(None, "tp", None),
+    "v_proj": P(None, "tp", None),
+    "o_proj": P("tp", None, None),  # [Hq, K, D]: heads
+    "gate_proj": P(None, "tp"),  # [D, F]: MLP columns
+    "up_proj": P(None, "tp"),
+    "down_proj": P("tp", None),  # [F, D]: MLP rows
+    "attn_norm": P(),
+    "mlp_norm": P(),
+}
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parameters_are_split_megatron_style(tp):
-    layers = engine(tp).runner.state["layers"]
-    expected = {
-        "q_proj": P(None, None, "tp", None),  # [L, D, Hq, K]: heads
-        "k_proj": P(None, None, "tp", None),
-        "v_proj": P(None, None, "tp", None),
-        "o_proj": P(None, "tp", None, None),  # [L, Hq, K, D]: heads
-        "gate_proj": P(None, None, "tp"),  # [L, D, F]: MLP columns
-        "up_proj": P(None, None, "tp"),
-        "down_proj": P(None, "tp", None),  # [L, F, D]: MLP rows
-        "attn_norm": P(),
-        "mlp_norm": P(),
-    }
-    for name, spec in expected.items():
-        assert layers[name][...].sharding.spec == spec, name
-    state = engine(tp).runner.state
+    runner = engine(tp).runner
+    assert runner.unroll_layers, "model.layer_loop=auto unrolls on CPU"
+    layers = runner.state["layers"]
+    for i in range(engine(tp).model_config.num_layers):  # each layer's own arrays
+        for name, spec in LAYER_SPECS.items():
+            assert layers[i][name][...].sharding.spec == spec, (i, name)
+    state = runner.state
     assert state["lm_head"][...].sharding.spec == P(None, "tp")  # [D, V]: vocabulary
     assert state["embed"][...].sharding.spec == P() and state["final_norm"][...].sharding.spec == P()
     # Each device holds its share of the heads, not a copy.
+    assert layers[0]["q_proj"][...].addressable_shards[0].data.shape == (96, 8 // tp, 16)
+    assert layers[2]["down_proj"][...].addressable_shards[0].data.shape == (200 // tp, 96)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_stacked_parameters_of_scanned_layers_are_split_on_the_same_axes(tp):
+    layers = uncompiled_engine(tp, "model.layer_loop=scan").runner.state["layers"]
+    for name, spec in LAYER_SPECS.items():
+        stacked_spec = P(None, *spec) if spec else P()  # [L, ...]
+        assert layers[name][...].sharding.spec == stacked_spec, name
     assert layers["q_proj"][...].addressable_shards[0].data.shape == (3, 96, 8 // tp, 16)
-    assert layers["down_proj"][...].addressable_shards[0].data.shape == (3, 200 // tp, 96)
+
+
+def test_scanned_layers_under_tp2_give_one_device_logits():
+    tp2 = uncompiled_engine(2, "model.layer_loop=scan")
+    np.testing.assert_allclose(forward_logits(tp2), forward_logits(engine(1)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -161,8 +180,9 @@ def test_step_communicates_two_activation_all_reduces_per_layer_and_never_gather
         for _, dims, kind in COLLECTIVE.findall(executable.as_text())
     ]
     hidden, vocab = e.model_config.hidden_size, e.model_config.vocab_size
-    # The layer body (traced once under scan): after attention's o_proj and after the MLP's down_proj.
-    assert [c for c in collectives if c == ("all-reduce", (tokens, hidden))] == [("all-reduce", (tokens, hidden))] * 2
+    # In each of the (unrolled) layers: after attention's o_proj and after the MLP's down_proj.
+    activation_all_reduces = [c for c in collectives if c == ("all-reduce", (tokens, hidden))]
+    assert len(activation_all_reduces) == 2 * e.model_config.num_layers, collectives
     # Everything else is per sampling row: the vocabulary-split logits and the sampler's reductions.
     largest = max(math.prod(shape) for _, shape in collectives)
     assert largest <= max(tokens * hidden, rows * vocab), collectives

@@ -1,0 +1,103 @@
+"""`model.layer_loop`: scanned and unrolled decoder layers compute the same thing, and an unrolled
+step takes each layer's weights as arrays of their own, with no stacked weight left to slice."""
+
+import gc
+import re
+import weakref
+
+import jax
+import numpy as np
+from flax import nnx
+
+from engine_factory import shared_engine
+from jaxcb.config import compose_config
+from jaxcb.model.config import resolve_llama_config
+from jaxcb.model.llama import LayerWeights, build_random_model, resolve_layer_loop
+from jaxcb.reference_generate import greedy_generate
+from jaxcb.sampling_params import SamplingParams
+
+PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
+# A dynamic-slice that cuts one layer [1, ...] out of a stacked f32 array, as the body of the scan does.
+LAYER_SLICE = re.compile(r"= f32\[1,([\d,]+)\]\{[\d,]*\} dynamic-slice\(")
+
+
+def engine(layer_loop: str):
+    return shared_engine(f"model.layer_loop={layer_loop}")
+
+
+def generate(e, prompts, params) -> list:
+    ids = [e.add_request(p, params) for p in prompts]
+    done = {}
+    while e.has_unfinished_requests():
+        done.update({out.request_id: out.outputs[0] for out in e.step() if out.finished})
+    return [done[i] for i in ids]
+
+
+def layer_weight_shapes(e) -> set[tuple[int, ...]]:
+    """The shapes of one layer's weights, without the layer axis."""
+    cfg = e.model_config
+    D, F, Hq, Hkv, K = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    return {(D,), (D, Hq, K), (D, Hkv, K), (Hq, K, D), (D, F), (F, D)}
+
+
+def sliced_layer_shapes(executable) -> set[tuple[int, ...]]:
+    return {tuple(int(d) for d in dims.split(",")) for dims in LAYER_SLICE.findall(executable.as_text())}
+
+
+def test_auto_unrolls_on_cpu_and_scans_on_accelerators():
+    assert resolve_layer_loop("auto", "cpu") == "unrolled"
+    assert resolve_layer_loop("auto", "gpu") == "scan" and resolve_layer_loop("auto", "tpu") == "scan"
+    assert resolve_layer_loop("scan", "cpu") == "scan" and resolve_layer_loop("unrolled", "gpu") == "unrolled"
+
+
+def test_scanned_and_unrolled_layers_give_the_same_greedy_tokens_and_logprobs_through_the_engine():
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    scanned, unrolled = (generate(engine(mode), PROMPTS, params) for mode in ("scan", "unrolled"))
+    for s, u in zip(scanned, unrolled):
+        assert s.token_ids == u.token_ids
+        for s_top, u_top in zip(s.logprobs, u.logprobs):
+            assert s_top.keys() == u_top.keys()
+            np.testing.assert_allclose(list(s_top.values()), [u_top[t] for t in s_top], rtol=1e-6, atol=1e-6)
+
+
+def test_scanned_and_unrolled_parameters_give_the_same_logits():
+    models = [nnx.merge(engine(mode).runner.graphdef, engine(mode).runner.state) for mode in ("scan", "unrolled")]
+    scanned, unrolled = (greedy_generate(m, PROMPTS[1], 8, prefill_chunk=5) for m in models)
+    assert scanned.token_ids == unrolled.token_ids
+    np.testing.assert_allclose(np.stack(scanned.logits), np.stack(unrolled.logits), rtol=1e-6, atol=1e-6)
+
+
+def test_unrolled_step_takes_one_array_per_layer_and_slices_no_weight():
+    e, cfg = engine("unrolled"), engine("unrolled").model_config
+    layers = e.runner.state["layers"]
+    assert len(layers) == cfg.num_layers
+    shapes = [leaf.shape for leaf in jax.tree.leaves(layers)]
+    assert len(shapes) == cfg.num_layers * len(LayerWeights._fields)
+    assert set(shapes) == layer_weight_shapes(e)
+    assert e.runner.compiled
+    for executable in e.runner.compiled.values():
+        assert not sliced_layer_shapes(executable) & layer_weight_shapes(e)
+
+
+def test_scanned_step_slices_each_layer_out_of_stacked_weights():
+    """The other side of the test above: the pattern it looks for is there under scan."""
+    e, cfg = engine("scan"), engine("scan").model_config
+    shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.state["layers"])}
+    assert shapes == {(cfg.num_layers, *s) for s in layer_weight_shapes(e)}
+    for executable in e.runner.compiled.values():
+        assert sliced_layer_shapes(executable) >= layer_weight_shapes(e) - {(cfg.hidden_size,)}
+
+
+def test_unstacking_frees_the_stacked_weights_and_keeps_every_value():
+    cfg = resolve_llama_config(compose_config(["model=tiny"]).model)
+    model = build_random_model(cfg, seed=0)
+    stacked = model.layers.weights()
+    expected = {name: np.array(w, copy=True) for name, w in stacked._asdict().items()}
+    refs = [weakref.ref(w) for w in stacked]
+    del stacked
+    model.unstack_layers()
+    gc.collect()
+    assert all(ref() is None for ref in refs)
+    for i, layer in enumerate(model.layers):
+        for name, w in layer.weights()._asdict().items():
+            np.testing.assert_array_equal(np.asarray(w), expected[name][i])
