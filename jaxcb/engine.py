@@ -62,6 +62,7 @@ class _Group:
     prompt_token_ids: list[int]
     seqs: list[Request]
     detokenizers: list[IncrementalDetokenizer]
+    final_only: bool = False  # step() reports it only once it has finished
     arrival_time: float = field(default_factory=time.monotonic)
 
     @property
@@ -134,8 +135,13 @@ class Engine:
         *,
         request_id: Optional[str] = None,
         priority: int = 0,
+        final_only: bool = False,
     ) -> str:
-        """Queue a request; raise InvalidRequestError (nothing queued) if it can never be served."""
+        """Queue a request; raise InvalidRequestError (nothing queued) if it can never be served.
+
+        `final_only`: `step()` returns this request's output once, when it finishes, instead of
+        after every step (offline generation, where nobody reads partial outputs: building them
+        costs host time that grows with the output length)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(self._next_id)
@@ -161,7 +167,10 @@ class Engine:
                     parent_id=seqs[0].request_id if i else None,
                 )
             )
-        group = _Group(request_id, text, list(ids), seqs, [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs])
+        group = _Group(
+            request_id, text, list(ids), seqs, [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
+            final_only=final_only,
+        )
         self._groups[request_id] = group
         for seq in seqs:
             self.scheduler.add_request(seq)
@@ -281,8 +290,10 @@ class Engine:
             changed[group_id] = group
         outputs = []
         for group_id, group in changed.items():
-            outputs.append(self._output(group))
-            if group.finished:
+            finished = group.finished
+            if finished or not group.final_only:
+                outputs.append(self._output(group))
+            if finished:
                 del self._groups[group_id]
         return outputs
 
@@ -335,7 +346,7 @@ class LLM:
         ids = []
         try:
             for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params))
+                ids.append(self.engine.add_request(prompt, params, final_only=True))
         except Exception:
             for rid in ids:  # nothing half-queued stays behind
                 self.engine.abort(rid)

@@ -81,7 +81,12 @@ class Request:
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     def token_ids(self, start: int, stop: int) -> list[int]:
-        return [self.token_id(p) for p in range(start, stop)]
+        n = self.num_prompt_tokens
+        if stop <= n:
+            return self.prompt_token_ids[start:stop]
+        if start >= n:
+            return self.output_token_ids[start - n : stop - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -311,3 +311,17 @@ def test_async_scheduling_gives_the_same_outputs_as_sync():
     for engine in (on, off):
         assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
         assert engine.num_recompiles == 0
+
+
+def test_a_final_only_request_is_reported_once_when_it_finishes_with_the_same_output():
+    engine = shared_engine()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request([5, 6, 7, 8], params, request_id="streamed")
+    engine.add_request([5, 6, 7, 8], params, request_id="final", final_only=True)
+    seen = {"streamed": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen["streamed"]) == 12 and [o.finished for o in seen["final"]] == [True]
+    final, streamed = seen["final"][0].outputs[0], seen["streamed"][-1].outputs[0]
+    assert (final.token_ids, final.text, final.finish_reason) == (streamed.token_ids, streamed.text, "length")
