@@ -157,11 +157,11 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
   }
 }
 
-// Runs items [0, n) on the calling thread and on up to `helpers` pool threads. Items are
+// Runs items [0, n) on the calling thread and on up to `extra_threads` pool threads. Items are
 // claimed from a shared counter, so a pool task that starts late (or never) costs nothing:
 // the caller only waits for items someone has claimed.
 template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t helpers, F&& body) {
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t extra_threads, F&& body) {
   struct State {
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
@@ -175,7 +175,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t helpers, F&& body) {
       state->done.fetch_add(1, std::memory_order_release);
     }
   };
-  for (int64_t h = 0; h < helpers; ++h) pool.Schedule(decltype(worker)(worker));
+  for (int64_t h = 0; h < extra_threads; ++h) pool.Schedule(decltype(worker)(worker));
   worker();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
@@ -210,8 +210,8 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const T* q, const T* k_
       for (int32_t h = 0; h < s.num_kv_heads; ++h) items.push_back(WorkItem{r, h, first});
   }
   const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  ParallelFor(pool, n, std::max<int64_t>(helpers, 0), [&](int64_t i) {
+  const int64_t extra_threads = std::min<int64_t>(pool.num_threads() - 1, n - 1);
+  ParallelFor(pool, n, std::max<int64_t>(extra_threads, 0), [&](int64_t i) {
     const WorkItem& item = items[i];
     AttendTile<T>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
                   qsl[item.seq + 1] - qsl[item.seq], layer, item, sm_scale, out);
