@@ -102,14 +102,6 @@ def load_cpu_kernels() -> None:
     jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
 
 
-def cpu_kernels_available() -> bool:
-    try:
-        load_cpu_kernels()
-        return True
-    except CpuKernelUnavailable:
-        return False
-
-
 def ragged_paged_attention_cpu(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]

@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -58,6 +59,14 @@ inline void LoadRow<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
 }
 
+// A cache block's rows as floats: f32 blocks are read in place, bf16 ones converted into `buf`.
+inline const float* BlockAsFloat(const float* src, float*, int64_t) { return src; }
+
+inline const float* BlockAsFloat(const uint16_t* src, float* buf, int64_t n) {
+  LoadRow<uint16_t>(src, buf, n);
+  return buf;
+}
+
 template <typename T>
 inline void StoreRow(const float* src, T* dst, int64_t n);
 
@@ -96,9 +105,7 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
   const int64_t last_pos = pos0 + tile_tokens - 1;
 
   std::vector<float> qf(rows * D), acc(rows * D, 0.0f), m(rows, -1e30f), l(rows, 0.0f);
-  std::vector<float> kbuf(BS * D), vbuf(BS * D);
-  float* kb = kbuf.data();
-  float* vb = vbuf.data();
+  std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : BS * D), vbuf(kbuf.size());  // bf16 only
   float sc[kMaxBlockSize];
   for (int64_t t = 0; t < tile_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
@@ -115,8 +122,8 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
     const int64_t block_start = b * BS;
     const int64_t keys = std::min<int64_t>(BS, last_pos + 1 - block_start);  // <= kv_len - block_start
     const int64_t offset = (head_base + block_table[b]) * BS * D;
-    LoadRow<T>(k_cache + offset, kb, keys * D);
-    LoadRow<T>(v_cache + offset, vb, keys * D);
+    const float* kb = BlockAsFloat(k_cache + offset, kbuf.data(), keys * D);
+    const float* vb = BlockAsFloat(v_cache + offset, vbuf.data(), keys * D);
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t visible = std::min<int64_t>(keys, pos0 + row / group + 1 - block_start);
       if (visible <= 0) continue;

@@ -312,29 +312,28 @@ class ModelRunner:
         # jnp.asarray or device_put per array (tens a step) cost ~4 ms of Python a step on CPU.
         # Under TP one device_put replicates them on every device (on several hosts, each
         # process supplies its own identical copy).
-        put = np.asarray
         sampling = SamplingArrays(
-            *(put(a) for a in (temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned)),
-            any_penalty=put(history is not None),
-            any_filter=put(any_filter),
-            any_random=put(bool(np.any(temperature > 0))),
-            any_logprobs=put(any(s.sampling_params.logprobs for s in seqs)),
+            temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned,
+            any_penalty=np.asarray(history is not None),
+            any_filter=np.asarray(any_filter),
+            any_random=np.asarray(bool(np.any(temperature > 0))),
+            any_logprobs=np.asarray(any(s.sampling_params.logprobs for s in seqs)),
         )
         inputs = StepInputs(
-            token_ids=put(token_ids),
-            positions=put(positions),
+            token_ids=token_ids,
+            positions=positions,
             md=AttentionMetadata(
-                put(slots), put(qsl), put(kv_lens), put(tables),
-                put(len(seqs), np.int32),
+                slots, qsl, kv_lens, tables,
+                np.asarray(len(seqs), np.int32),
             ),
-            logits_indices=put(logits_idx),
+            logits_indices=logits_idx,
             sampling=sampling,
-            history=put(history) if history is not None else self._zero_history(r),
-            num_prompt=put(num_prompt),
-            num_known=put(num_known),
+            history=history if history is not None else self._zero_history(r),
+            num_prompt=num_prompt,
+            num_known=num_known,
             prev_tokens=self._prev_tokens,
-            prev_rows=put(prev_rows),
-            history_fix=put(history_fix),
+            prev_rows=prev_rows,
+            history_fix=history_fix,
         )
         if self._inputs_sharding is not None:  # arrays already there (prev_tokens) are not copied
             inputs = jax.device_put(inputs, self._inputs_sharding)

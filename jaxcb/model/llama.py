@@ -29,7 +29,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from jaxcb.config import LAYER_LOOPS, ConfigError
 from jaxcb.kv_cache import KVCache
 from jaxcb.model.config import LlamaConfig, RopeScaling
 
@@ -209,10 +208,8 @@ class Llama(nnx.Module):
 
 
 def resolve_layer_loop(layer_loop: str, platform: str | None = None) -> str:
-    """`scan` or `unrolled`: `auto` unrolls on CPU (see the module docstring) and scans elsewhere,
-    where tracing one layer keeps compile time low."""
-    if layer_loop not in LAYER_LOOPS:
-        raise ConfigError(f"model.layer_loop={layer_loop!r} must be one of {', '.join(LAYER_LOOPS)}")
+    """`scan` or `unrolled` (the value is validated with the config): `auto` unrolls on CPU (see
+    the module docstring) and scans elsewhere, where tracing one layer keeps compile time low."""
     if layer_loop == "auto":
         return "unrolled" if (platform or jax.default_backend()) == "cpu" else "scan"
     return layer_loop
