@@ -1,12 +1,16 @@
-"""Ragged paged attention for CPU: a C++ kernel called from JAX through the XLA FFI.
+"""C++ kernels for CPU, called from JAX through the XLA FFI.
 
-Same arguments and result as the other implementations (`pallas_kernels/__init__.py`). The
-source (`ragged_paged_attention.cc`) is compiled on first use with the system C++ compiler
-for this machine's CPU (`-march=native`) and cached, keyed by the source, the flags, the
-compiler, the CPU and jaxlib, so a changed kernel or a different machine rebuilds.
+- `ragged_paged_attention_cpu`: same arguments and result as the other attention
+  implementations (`pallas_kernels/__init__.py`); `attention.impl=cpu`.
+- `packed_matmul`: float32 x @ w with w packed once by `pack_columns`; the model's linear
+  layers under `model.linear_impl=cpu`.
+
+The sources (`*.cc`, `*.h` here) are compiled into one library on first use with the system
+C++ compiler for this machine's CPU (`-march=native`) and cached, keyed by the sources, the
+flags, the compiler, the CPU and jaxlib, so a changed kernel or a different machine rebuilds.
 
 `load_cpu_kernels()` raises `CpuKernelUnavailable` with the compiler's message when there is
-no compiler or the build fails; `attention.impl=auto` then falls back to the XLA path.
+no compiler or the build fails; the `auto` settings then fall back to the XLA paths.
 """
 
 from __future__ import annotations
@@ -26,10 +30,14 @@ import numpy as np
 
 from pallas_kernels.inputs import check_attention_inputs
 
-SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
-TARGET_NAME = "jaxcb_ragged_paged_attention"
+HERE = Path(__file__).parent
+SOURCES = (HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc")
+HEADERS = (HERE / "parallel_for.h",)
+ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
+MATMUL_TARGET = "jaxcb_packed_matmul"
+PANEL = 16  # columns per packed panel (packed_matmul.cc)
 CXX_FLAGS = (
-    "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+    "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
     # Lets GCC vectorise the dot-product reductions; no -ffinite-math-only (masks rely on it not).
     "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
 )
@@ -62,7 +70,7 @@ def _compiler() -> str:
 
 
 def build_library() -> Path:
-    """Path of the compiled kernel, building it if this source/flags/CPU has not been built yet."""
+    """Path of the compiled library, building it if these sources/flags/CPU have not been built yet."""
     cxx = _compiler()
     include = jax.ffi.include_dir()
     try:
@@ -70,20 +78,21 @@ def build_library() -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise CpuKernelUnavailable(f"C++ compiler {cxx} does not run: {e}") from e
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(CXX_FLAGS), version, _cpu_signature(), include, jax.__version__]).encode()
+        "\0".join([*(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(CXX_FLAGS), version, _cpu_signature(),
+                   include, jax.__version__]).encode()
     ).hexdigest()[:16]
-    out = cache_dir() / f"ragged_paged_attention-{key}.so"
+    out = cache_dir() / f"jaxcb_cpu_kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Build to a private name, then rename: concurrent builders never see a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, "-isystem", include, str(SOURCE), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, "-I", str(HERE), "-isystem", include, *map(str, SOURCES), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            raise CpuKernelUnavailable(f"building the CPU attention kernel failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+            raise CpuKernelUnavailable(f"building the CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -93,13 +102,14 @@ def build_library() -> Path:
 
 @functools.cache
 def load_cpu_kernels() -> None:
-    """Builds (once per machine) and registers the kernel with XLA; raises CpuKernelUnavailable."""
+    """Builds (once per machine) and registers the kernels with XLA; raises CpuKernelUnavailable."""
     path = build_library()
     try:
         lib = ctypes.cdll.LoadLibrary(str(path))
     except OSError as e:
         raise CpuKernelUnavailable(f"cannot load {path}: {e}") from e
-    jax.ffi.register_ffi_target(TARGET_NAME, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
 
 
 def ragged_paged_attention_cpu(
@@ -118,8 +128,33 @@ def ragged_paged_attention_cpu(
     if q.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {q.dtype}; use attention.impl=xla")
     load_cpu_kernels()
-    call = jax.ffi.ffi_call(TARGET_NAME, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
         jnp.reshape(num_seqs, ()), jnp.reshape(layer, ()), sm_scale=np.float32(sm_scale),
     )
+
+
+def pack_columns(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / 16), K, 16], zero-padded columns
+    """The layout `packed_matmul` reads: panel p holds columns [16p, 16p + 16) of w, row by row."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def unpack_columns(packed: jax.Array, n: int) -> jax.Array:  # [P, K, 16] -> [K, n]
+    panels, k, _ = packed.shape
+    return packed.transpose(1, 0, 2).reshape(k, panels * PANEL)[:, :n]
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
+    """x @ w for float32, with `packed = pack_columns(w)` and n = w.shape[1]."""
+    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
+    if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or packed.shape[0] != -(-n // PANEL):
+        raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} and n={n}")
+    load_cpu_kernels()
+    rows = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, packed)
+    return y.reshape(*x.shape[:-1], n)

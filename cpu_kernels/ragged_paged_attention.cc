@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -164,29 +165,6 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
   }
 }
 
-// Runs items [0, n) on the calling thread and on up to `extra_threads` pool threads. Items are
-// claimed from a shared counter, so a pool task that starts late (or never) costs nothing:
-// the caller only waits for items someone has claimed.
-template <typename F>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, int64_t extra_threads, F&& body) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> done{0};
-  };
-  auto state = std::make_shared<State>();
-  // A pool task that starts after every item is claimed touches only `state` (which it keeps
-  // alive), never `body`, so it may safely outlive this call.
-  auto worker = [state, n, &body]() {
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1)) {
-      body(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 0; h < extra_threads; ++h) pool.Schedule(decltype(worker)(worker));
-  worker();
-  while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
-}
-
 template <typename T>
 ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
                   const int32_t* kv_lens, const int32_t* block_tables, const int32_t* qsl, int32_t num_seqs,
@@ -218,7 +196,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const T* q, const T* k_
   }
   const int64_t n = static_cast<int64_t>(items.size());
   const int64_t extra_threads = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  ParallelFor(pool, n, std::max<int64_t>(extra_threads, 0), [&](int64_t i) {
+  jaxcb::ParallelFor(pool, n, std::max<int64_t>(extra_threads, 0), [&](int64_t i) {
     const WorkItem& item = items[i];
     AttendTile<T>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
                   qsl[item.seq + 1] - qsl[item.seq], layer, item, sm_scale, out);

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 MODEL_PRESETS = ("tiny", "llama3_1b", "llama8b", "llama70b", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
+LINEAR_IMPLS = ("auto", "cpu", "xla")
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 
 
@@ -58,6 +59,10 @@ class ModelConfig:
     # fast compiles) | unrolled (a loop over per-layer weight arrays; XLA:CPU copies every layer's
     # slice of a stacked weight, so this is faster there) | auto (unrolled on CPU, scan elsewhere).
     layer_loop: str = "auto"
+    # Who multiplies in the linear layers and the LM head: cpu (a C++ kernel over weights packed
+    # once at load; float32, unrolled layers, one device) | xla (XLA's dot) | auto (cpu where it
+    # applies, xla elsewhere).
+    linear_impl: str = "auto"
     vocab_size: Optional[int] = None
     hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
@@ -127,7 +132,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule step N+1 on the host while the device runs step N
     seed: int = 0  # base seed of sampling
     compilation_cache_dir: Optional[str] = None  # JAX persistent compilation cache; None: ~/.cache/jaxcb/xla
-    token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: powers of two up to the budget
+    token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: runner.default_token_buckets
     seq_buckets: Optional[list[int]] = None  # step sizes in sequences; None: min(token bucket, max_num_seqs)
     context_buckets: Optional[list[int]] = None  # block-table widths; None: 16 blocks and all (xla), all (pallas)
     max_logprobs: int = 5  # most top logprobs a request may ask for (computed for every row)
@@ -474,6 +479,11 @@ def validate_model_config(m: ModelConfig) -> None:
         m.layer_loop in LAYER_LOOPS,
         f"model.layer_loop={m.layer_loop!r} must be one of {', '.join(LAYER_LOOPS)} "
         f"(auto: unrolled on CPU, scan elsewhere)",
+    )
+    _require(
+        m.linear_impl in LINEAR_IMPLS,
+        f"model.linear_impl={m.linear_impl!r} must be one of {', '.join(LINEAR_IMPLS)} "
+        f"(auto: the C++ matmul on CPU for float32 weights, XLA's dot elsewhere)",
     )
     if m.init == "checkpoint":
         _require(

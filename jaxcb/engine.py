@@ -31,7 +31,7 @@ from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import HostSwapSpace, allocate_planned_kv_cache, num_swap_blocks, plan_kv_cache
 from jaxcb.model.config import resolve_llama_config
-from jaxcb.model.llama import resolve_layer_loop
+from jaxcb.model.llama import resolve_layer_loop, resolve_linear_impl
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.request import Request, RequestStatus
@@ -107,6 +107,7 @@ class Engine:
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
         buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, model.attention.name)
+        layer_loop = resolve_layer_loop(cfg.model.layer_loop)
         self.runner = ModelRunner(
             model,
             kv_cache,
@@ -116,7 +117,11 @@ class Engine:
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
             swap_space=swap_space,
             tp=self.tp,
-            unroll_layers=resolve_layer_loop(cfg.model.layer_loop) == "unrolled",
+            unroll_layers=layer_loop == "unrolled",
+            pack_linear=resolve_linear_impl(
+                cfg.model.linear_impl, dtype=model_cfg.dtype, layer_loop=layer_loop,
+                tensor_parallel_size=cfg.engine.tensor_parallel_size,
+            ) == "cpu",
         )
         if compile_buckets:
             self.runner.compile_all(progress=progress)

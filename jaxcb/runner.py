@@ -13,7 +13,8 @@ with their logprobs, packed into two arrays for the host copy.
 
 With `unroll_layers` (`model.layer_loop=unrolled`) the runner first splits the model's stacked
 decoder weights into one array per layer, in place, so that the step takes each layer's
-weights as inputs of their own and runs the layers in a Python loop.
+weights as inputs of their own and runs the layers in a Python loop. With `pack_linear`
+(`model.linear_impl=cpu`) it then packs those weights for the C++ matmul.
 
 Under tensor parallelism (`tp`) every bucket is compiled for the mesh: the parameters and
 the cache with their own shardings, the step's inputs and outputs replicated, and the
@@ -76,9 +77,27 @@ class Buckets:
         return t, r, w
 
 
-def make_buckets(engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_seq: int, attention: str) -> Buckets:
+CPU_DENSE_BUCKETS_UP_TO = 256
+
+
+def default_token_buckets(budget: int, platform: str) -> list[int]:
+    """On an accelerator a small step costs what reading the weights costs, padded or not, so
+    powers of two from 16 keep the compile count low. On CPU a step's time grows with its
+    padded tokens (its matmuls are compute-bound from a few rows on), so the buckets start at
+    4 and add the midpoints (x1.5) up to 256 tokens, where decode steps live."""
+    if platform != "cpu":
+        return powers_up_to(budget, 2, min(16, budget))
+    powers = powers_up_to(budget, 2, min(4, budget))
+    mids = [p * 3 // 2 for p in powers if p * 3 // 2 < min(budget, CPU_DENSE_BUCKETS_UP_TO)]
+    return sorted(set(powers) | set(mids))
+
+
+def make_buckets(
+    engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_seq: int, attention: str, platform: str | None = None
+) -> Buckets:
     budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
-    tokens = sorted(set(engine.token_buckets or powers_up_to(budget, 2, min(16, budget))) | {budget})
+    default = default_token_buckets(budget, platform or jax.default_backend())
+    tokens = sorted(set(engine.token_buckets or default) | {budget})
     seqs = sorted(set(engine.seq_buckets) | {max_seqs}) if engine.seq_buckets else []
     if engine.context_buckets:
         widths = sorted(set(min(w, max_blocks_per_seq) for w in engine.context_buckets) | {max_blocks_per_seq})
@@ -135,12 +154,16 @@ class ModelRunner:
         swap_space: Optional[HostSwapSpace] = None,
         tp: Optional[TensorParallel] = None,
         unroll_layers: bool = False,
+        pack_linear: bool = False,
     ):
         if unroll_layers:  # before the split, so that the step's inputs are the per-layer arrays
             model.unstack_layers()
+        if pack_linear:
+            model.pack_linear_weights()
         self.graphdef, self.state = nnx.split(model)  # once; the step takes the state as an argument
         self.tp = tp
         self.unroll_layers = unroll_layers
+        self.pack_linear = pack_linear
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.block_size = kv_cache.block_size
@@ -232,9 +255,9 @@ class ModelRunner:
             self.kv_cache = scatter_blocks(self.kv_cache, null, k, v)
         elapsed = time.perf_counter() - start
         log.info(
-            "compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; layers %s) in %.1f s",
+            "compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; layers %s; matmul %s) in %.1f s",
             len(keys), sorted({(t, r) for t, r, _ in keys}), list(self.buckets.widths),
-            "unrolled" if self.unroll_layers else "scanned", elapsed,
+            "unrolled" if self.unroll_layers else "scanned", "cpu (packed)" if self.pack_linear else "xla", elapsed,
         )
         return elapsed
 

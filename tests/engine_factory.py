@@ -29,3 +29,22 @@ def make_engine(*overrides: str) -> Engine:
 def shared_engine(*overrides: str) -> Engine:
     """An engine reused across tests; every test must leave it with no unfinished requests."""
     return make_engine(*overrides)
+
+
+def generate_first_completions(e: Engine, prompts: list, params) -> list:
+    """Each prompt's first completion, in prompt order, running the engine until all finish."""
+    ids = [e.add_request(p, params) for p in prompts]
+    done = {}
+    while e.has_unfinished_requests():
+        done.update({out.request_id: out.outputs[0] for out in e.step() if out.finished})
+    return [done[i] for i in ids]
+
+
+def assert_same_tokens_and_logprobs(a: list, b: list, tol: float) -> None:
+    import numpy as np
+
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        for x_top, y_top in zip(x.logprobs, y.logprobs, strict=True):
+            assert x_top.keys() == y_top.keys()
+            np.testing.assert_allclose(list(x_top.values()), [y_top[t] for t in x_top], rtol=tol, atol=tol)

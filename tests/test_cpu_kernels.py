@@ -1,5 +1,5 @@
-"""The C++ CPU attention kernel: built once per machine and source, chosen by attention.impl=auto
-on CPU, and a clear fallback or error where it cannot be built."""
+"""The C++ CPU kernels: built once per machine and source, chosen by attention.impl=auto on CPU,
+and a clear fallback or error where they cannot be built."""
 
 import logging
 
@@ -39,9 +39,9 @@ def test_a_missing_compiler_is_named_in_the_error(monkeypatch, tmp_path):
 def test_a_failed_build_says_why_and_leaves_no_library_behind(monkeypatch, tmp_path):
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", bad)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (cpu_kernels.SOURCES[0], bad))
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(cpu_kernels.CpuKernelUnavailable, match="building the CPU attention kernel failed"):
+    with pytest.raises(cpu_kernels.CpuKernelUnavailable, match="building the CPU kernels failed"):
         cpu_kernels.build_library()
     assert list((tmp_path / "cache").iterdir()) == []
 
@@ -51,7 +51,11 @@ def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypat
     first = cpu_kernels.build_library()
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels.build_library() == first and first.stat().st_mtime_ns == mtime
-    changed = tmp_path / "changed.cc"
-    changed.write_text(cpu_kernels.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", changed)
-    assert cpu_kernels.build_library() != first
+    for i, source in enumerate(cpu_kernels.SOURCES):  # each source is part of the key
+        changed = tmp_path / f"changed{i}.cc"
+        changed.write_text(source.read_text() + "\n// changed\n")
+        sources = list(cpu_kernels.SOURCES)
+        sources[i] = changed
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernels, "SOURCES", tuple(sources))
+            assert cpu_kernels.build_library() != first

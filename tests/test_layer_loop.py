@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from engine_factory import shared_engine
+from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
 from jaxcb.config import compose_config
 from jaxcb.model.config import resolve_llama_config
 from jaxcb.model.llama import LayerWeights, build_random_model, resolve_layer_loop
@@ -22,15 +22,9 @@ LAYER_SLICE = re.compile(r"= f32\[1,([\d,]+)\]\{[\d,]*\} dynamic-slice\(")
 
 
 def engine(layer_loop: str):
-    return shared_engine(f"model.layer_loop={layer_loop}")
+    # XLA's dot in both, so that only the loop differs (the packed CPU matmul: test_linear_impl.py).
+    return shared_engine(f"model.layer_loop={layer_loop}", "model.linear_impl=xla")
 
-
-def generate(e, prompts, params) -> list:
-    ids = [e.add_request(p, params) for p in prompts]
-    done = {}
-    while e.has_unfinished_requests():
-        done.update({out.request_id: out.outputs[0] for out in e.step() if out.finished})
-    return [done[i] for i in ids]
 
 
 def layer_weight_shapes(e) -> set[tuple[int, ...]]:
@@ -52,12 +46,8 @@ def test_auto_unrolls_on_cpu_and_scans_on_accelerators():
 
 def test_scanned_and_unrolled_layers_give_the_same_greedy_tokens_and_logprobs_through_the_engine():
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
-    scanned, unrolled = (generate(engine(mode), PROMPTS, params) for mode in ("scan", "unrolled"))
-    for s, u in zip(scanned, unrolled):
-        assert s.token_ids == u.token_ids
-        for s_top, u_top in zip(s.logprobs, u.logprobs):
-            assert s_top.keys() == u_top.keys()
-            np.testing.assert_allclose(list(s_top.values()), [u_top[t] for t in s_top], rtol=1e-6, atol=1e-6)
+    scanned, unrolled = (generate_first_completions(engine(mode), PROMPTS, params) for mode in ("scan", "unrolled"))
+    assert_same_tokens_and_logprobs(scanned, unrolled, tol=1e-6)
 
 
 def test_scanned_and_unrolled_parameters_give_the_same_logits():

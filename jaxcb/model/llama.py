@@ -14,11 +14,19 @@ each layer's slice of a stacked weight before every use (~300 MB per decode step
 100M-parameter `small` preset), but reads a weight that is an input of its own in place.
 Both loops run the same `decoder_layer`.
 
+`model.linear_impl=cpu` (the default on CPU for float32 weights) then packs each unrolled
+layer's projections into the 16-column panels of the C++ matmul (`cpu_kernels`), with q/k/v
+fused into one matrix and gate/up into another (`PackedDecoderLayer`), and the LM head the
+same way: XLA:CPU's dot re-packs its weight operand on every call and streams it at a few
+GB/s for a decode step's few rows, where the packed kernel runs near the machine's matmul
+peak. The layer's arithmetic is the same; only who multiplies changes.
+
 Axis letters in einsums: t tokens, d hidden, h heads, k head_dim, f MLP width, v vocab.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
@@ -28,11 +36,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, pack_columns, packed_matmul
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxcb.kv_cache import KVCache
+from jaxcb.config import ConfigError
 from jaxcb.model.config import LlamaConfig, RopeScaling
 
 INIT_STD = 0.02
+log = logging.getLogger(__name__)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
@@ -85,10 +96,64 @@ class LayerWeights(NamedTuple):
     up_proj: jax.Array  # [D, F]
     down_proj: jax.Array  # [F, D]
 
+    def project_qkv(self, x: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(jnp.einsum("td,dhk->thk", x, w) for w in (self.q_proj, self.k_proj, self.v_proj))
+
+    def project_out(self, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:  # [T, Hq, K] -> [T, D]
+        return jnp.einsum("thk,hkd->td", attn, self.o_proj)
+
+    def mlp(self, x: jax.Array, cfg: LlamaConfig) -> jax.Array:  # [T, D] -> [T, D]
+        gate = jnp.einsum("td,df->tf", x, self.gate_proj)
+        up = jnp.einsum("td,df->tf", x, self.up_proj)
+        return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, self.down_proj)
+
+
+class PackedLayerWeights(NamedTuple):
+    """One layer's weights packed for `cpu_kernels.packed_matmul` (`pack_columns` panels [P, in, 16])."""
+
+    attn_norm: jax.Array  # [D]
+    qkv_proj: jax.Array  # panels of [D, (Hq + 2 Hkv) K]: q, k and v side by side
+    o_proj: jax.Array  # panels of [Hq K, D]
+    mlp_norm: jax.Array  # [D]
+    gate_up_proj: jax.Array  # panels of [D, 2F]: gate, then up
+    down_proj: jax.Array  # panels of [F, D]
+
+    @staticmethod
+    def pack(w: LayerWeights) -> "PackedLayerWeights":
+        d = w.q_proj.shape[0]
+        qkv = jnp.concatenate([p.reshape(d, -1) for p in (w.q_proj, w.k_proj, w.v_proj)], axis=1)
+        return PackedLayerWeights(
+            w.attn_norm,
+            pack_columns(qkv),
+            pack_columns(w.o_proj.reshape(-1, w.o_proj.shape[-1])),
+            w.mlp_norm,
+            pack_columns(jnp.concatenate([w.gate_proj, w.up_proj], axis=1)),
+            pack_columns(w.down_proj),
+        )
+
+    def project_qkv(self, x: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = packed_matmul(x, self.qkv_proj, q + 2 * kv)
+        return (
+            qkv[:, :q].reshape(-1, cfg.num_heads, cfg.head_dim),
+            qkv[:, q : q + kv].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
+            qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
+        )
+
+    def project_out(self, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:
+        return packed_matmul(attn.reshape(attn.shape[0], -1), self.o_proj, cfg.hidden_size)
+
+    def mlp(self, x: jax.Array, cfg: LlamaConfig) -> jax.Array:
+        f = cfg.intermediate_size
+        gate_up = packed_matmul(x, self.gate_up_proj, 2 * f)
+        return packed_matmul(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], self.down_proj, cfg.hidden_size)
+
 
 class _LayerParams(nnx.Module):
-    def weights(self) -> LayerWeights:
-        return LayerWeights(*(getattr(self, name)[...] for name in LayerWeights._fields))
+    WEIGHTS = LayerWeights
+
+    def weights(self):
+        return self.WEIGHTS(*(getattr(self, name)[...] for name in self.WEIGHTS._fields))
 
 
 class DecoderLayers(_LayerParams):
@@ -118,6 +183,12 @@ class DecoderLayer(_LayerParams):
             setattr(self, name, nnx.Param(value))
 
 
+class PackedDecoderLayer(DecoderLayer):
+    """One decoder layer's weights packed for the CPU matmul (`model.linear_impl=cpu`)."""
+
+    WEIGHTS = PackedLayerWeights
+
+
 def _split_layers(stacked: jax.Array) -> list[jax.Array]:
     """[L, ...] -> L arrays [...], each split over the devices as its parent was, minus the layer axis."""
     sharding = stacked.sharding
@@ -132,23 +203,18 @@ def decoder_layer(
     h: jax.Array,  # [T, hidden]: the residual stream
     cache: KVCache,
     layer: jax.Array,  # i32[]: which layer of the cache
-    w: LayerWeights,
+    w: LayerWeights | PackedLayerWeights,
     positions: jax.Array,  # i32[T]
     md: AttentionMetadata,
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden], cache with this layer's new K/V)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
-    q = apply_rope(jnp.einsum("td,dhk->thk", x, w.q_proj), positions, inv_freq)
-    k = apply_rope(jnp.einsum("td,dhk->thk", x, w.k_proj), positions, inv_freq)
-    v = jnp.einsum("td,dhk->thk", x, w.v_proj)
+    q, k, v = w.project_qkv(x, cfg)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     attn, cache = attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
-    attn = attn.astype(h.dtype)
-    h = h + jnp.einsum("thk,hkd->td", attn, w.o_proj)
-    x = rms_norm(h, w.mlp_norm, cfg.rms_norm_eps)
-    gate = jnp.einsum("td,df->tf", x, w.gate_proj)
-    up = jnp.einsum("td,df->tf", x, w.up_proj)
-    return h + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w.down_proj), cache
+    h = h + w.project_out(attn.astype(h.dtype), cfg)
+    return h + w.mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), cfg), cache
 
 
 class Llama(nnx.Module):
@@ -199,7 +265,30 @@ class Llama(nnx.Module):
             delattr(stacked, name)
         self.layers = nnx.List([DecoderLayer(LayerWeights(*weights)) for weights in zip(*columns)])
 
+    def pack_linear_weights(self) -> None:
+        """Pack every unrolled layer's projections and the LM head for the CPU matmul, in place.
+
+        Layer by layer, so that at most one layer's weights exist twice at a time. The tied
+        embedding stays as it is for the token lookup; its packed transpose is a copy."""
+        if isinstance(self.layers, DecoderLayers):
+            raise ValueError("pack_linear_weights needs unrolled layers: call unstack_layers first")
+        pack = jax.jit(PackedLayerWeights.pack)
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, PackedDecoderLayer):
+                continue
+            packed = pack(layer.weights())
+            for name in LayerWeights._fields:
+                delattr(layer, name)
+            self.layers[i] = PackedDecoderLayer(packed)
+        if getattr(self, "packed_lm_head", None) is None:
+            head = self.embed[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+            self.packed_lm_head = nnx.Param(jax.jit(pack_columns)(head))
+            if not self.cfg.tie_word_embeddings:
+                del self.lm_head
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:  # [N, hidden] -> f32[N, vocab]
+        if getattr(self, "packed_lm_head", None) is not None:
+            return packed_matmul(hidden, self.packed_lm_head[...], self.cfg.vocab_size)
         if self.cfg.tie_word_embeddings:
             logits = jnp.einsum("td,vd->tv", hidden, self.embed[...])
         else:
@@ -213,6 +302,38 @@ def resolve_layer_loop(layer_loop: str, platform: str | None = None) -> str:
     if layer_loop == "auto":
         return "unrolled" if (platform or jax.default_backend()) == "cpu" else "scan"
     return layer_loop
+
+
+def resolve_linear_impl(
+    linear_impl: str, *, dtype: str, layer_loop: str, tensor_parallel_size: int, platform: str | None = None
+) -> str:
+    """`cpu` or `xla` (the value is validated with the config). `auto` picks the C++ matmul where
+    it applies -- CPU, float32 weights, unrolled layers, one device -- and XLA's dot elsewhere;
+    `cpu` where it does not apply is a ConfigError that says what to change."""
+    if linear_impl == "xla":
+        return "xla"
+    platform = platform or jax.default_backend()
+    why_not = []
+    if platform != "cpu":
+        why_not.append(f"it runs on CPU only (this is {platform})")
+    if dtype != "float32":
+        why_not.append(f"it takes float32 weights (model.dtype={dtype})")
+    if layer_loop != "unrolled":
+        why_not.append("it needs model.layer_loop=unrolled")
+    if tensor_parallel_size > 1:
+        why_not.append(f"it runs on one device (engine.tensor_parallel_size={tensor_parallel_size})")
+    if not why_not:
+        try:
+            load_cpu_kernels()
+        except CpuKernelUnavailable as e:
+            if linear_impl == "auto":
+                log.warning("model.linear_impl=auto: the C++ CPU matmul is unavailable, using XLA's dot (%s)", e)
+            why_not.append(str(e))
+    if not why_not:
+        return "cpu"
+    if linear_impl == "auto":
+        return "xla"
+    raise ConfigError(f"model.linear_impl=cpu: {'; '.join(why_not)}. Use model.linear_impl=auto or xla")
 
 
 def build_random_model(cfg: LlamaConfig, seed: int, attention: AttentionBackend | None = None) -> Llama:

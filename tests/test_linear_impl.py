@@ -1,0 +1,156 @@
+"""`model.linear_impl`: the C++ packed-weight matmul computes x @ w for every shape, the model's
+layers and LM head run through it (no XLA dot left in a step) with the same tokens as XLA's
+dot, and `auto` picks it only where it applies."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import cpu_kernels
+import jaxcb.model.llama as llama
+from cpu_kernels import pack_columns, packed_matmul, unpack_columns
+from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
+from jaxcb.config import ConfigError, compose_config
+from jaxcb.model.llama import PackedLayerWeights, resolve_linear_impl
+from jaxcb.runner import default_token_buckets
+from jaxcb.sampling_params import SamplingParams
+
+PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
+matmul = jax.jit(packed_matmul, static_argnums=2)
+
+
+def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    return (x.astype(np.float64) @ w.astype(np.float64)).astype(np.float32)
+
+
+# Rows past one 6-row tile and one 96-row block, K past one 256 block, N off the 16-column panels.
+@pytest.mark.parametrize("m,k,n", [(1, 8, 16), (5, 7, 5), (6, 300, 33), (13, 768, 1280), (97, 513, 47), (200, 64, 17)])
+def test_packed_matmul_equals_x_at_w(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), pack_columns(jnp.asarray(w)), n)), reference(x, w),
+                               rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+@settings(deadline=None, max_examples=25)
+@given(m=st.integers(1, 40), k=st.integers(1, 300), n=st.integers(1, 70), seed=st.integers(0, 2**16))
+def test_packed_matmul_equals_x_at_w_for_any_shape(m, k, n, seed):
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), pack_columns(jnp.asarray(w)), n)), reference(x, w),
+                               rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def test_packed_matmul_keeps_leading_axes_and_writes_every_output_row():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 24), np.float32))
+    w = jnp.asarray(np.random.default_rng(1).standard_normal((24, 40), np.float32))
+    # A NaN-filled output buffer would leak through any row or column the kernel skipped.
+    y = jax.jit(lambda x, p: packed_matmul(x, p, 40) + jnp.zeros((2, 3, 40)))(x, pack_columns(w))
+    np.testing.assert_allclose(np.asarray(y), reference(np.asarray(x).reshape(6, 24), np.asarray(w)).reshape(2, 3, 40),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pack_columns_round_trips_and_pads_with_zeros():
+    w = jnp.arange(5 * 21, dtype=jnp.float32).reshape(5, 21)
+    packed = pack_columns(w)
+    assert packed.shape == (2, 5, 16)
+    np.testing.assert_array_equal(np.asarray(unpack_columns(packed, 21)), np.asarray(w))
+    assert not np.asarray(packed[1, :, 5:]).any()
+
+
+def test_packed_matmul_rejects_what_it_cannot_multiply():
+    x = jnp.ones((4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="float32.*linear_impl=xla"):
+        packed_matmul(x.astype(jnp.bfloat16), pack_columns(jnp.ones((8, 16))), 16)
+    with pytest.raises(ValueError, match="does not match"):
+        packed_matmul(x, pack_columns(jnp.ones((9, 16))), 16)
+    with pytest.raises(ValueError, match="does not match"):
+        packed_matmul(x, pack_columns(jnp.ones((8, 16))), 40)
+
+
+
+def test_cpu_and_xla_matmuls_give_the_same_greedy_tokens_through_the_engine():
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    engines = (shared_engine(f"model.linear_impl={impl}") for impl in ("xla", "cpu"))
+    xla, cpu = (generate_first_completions(e, PROMPTS, params) for e in engines)
+    assert_same_tokens_and_logprobs(xla, cpu, tol=1e-5)
+
+
+def test_packed_step_takes_packed_panels_and_runs_no_xla_dot():
+    e = shared_engine("model.linear_impl=cpu")
+    cfg = e.model_config
+    D, F, Hq, Hkv, K, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.vocab_size)
+    panels = lambda n: -(-n // 16)  # noqa: E731
+    layers = e.runner.state["layers"]
+    assert len(layers) == cfg.num_layers
+    for i in range(cfg.num_layers):
+        layer = layers[i]
+        assert set(layer.keys()) == set(PackedLayerWeights._fields)
+        assert layer["qkv_proj"][...].shape == (panels((Hq + 2 * Hkv) * K), D, 16)
+        assert layer["o_proj"][...].shape == (panels(D), Hq * K, 16)
+        assert layer["gate_up_proj"][...].shape == (panels(2 * F), D, 16)
+        assert layer["down_proj"][...].shape == (panels(D), F, 16)
+    assert e.runner.state["packed_lm_head"][...].shape == (panels(V), D, 16)
+    assert "lm_head" not in e.runner.state  # untied head: only the packed copy is kept
+    for executable in e.runner.compiled.values():
+        text = executable.as_text()
+        assert " dot(" not in text and "jaxcb_packed_matmul" in text
+
+
+def test_xla_step_keeps_the_plain_weights():
+    e = shared_engine("model.linear_impl=xla")
+    assert "packed_lm_head" not in e.runner.state
+    assert "q_proj" in e.runner.state["layers"][0]
+
+
+def test_auto_picks_the_cpu_matmul_only_where_it_applies():
+    ok = dict(dtype="float32", layer_loop="unrolled", tensor_parallel_size=1, platform="cpu")
+    assert resolve_linear_impl("auto", **ok) == "cpu"
+    assert resolve_linear_impl("xla", **ok) == "xla"
+    for change in (dict(platform="gpu"), dict(dtype="bfloat16"), dict(layer_loop="scan"), dict(tensor_parallel_size=2)):
+        assert resolve_linear_impl("auto", **{**ok, **change}) == "xla"
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (dict(platform="gpu"), "runs on CPU only"),
+        (dict(dtype="bfloat16"), r"takes float32 weights \(model.dtype=bfloat16\)"),
+        (dict(layer_loop="scan"), "needs model.layer_loop=unrolled"),
+        (dict(tensor_parallel_size=2), r"one device \(engine.tensor_parallel_size=2\)"),
+    ],
+)
+def test_linear_impl_cpu_where_it_cannot_run_says_why_and_what_to_use(change, reason):
+    ok = dict(dtype="float32", layer_loop="unrolled", tensor_parallel_size=1, platform="cpu")
+    with pytest.raises(ConfigError, match=f"model.linear_impl=cpu: .*{reason}.*Use model.linear_impl=auto or xla"):
+        resolve_linear_impl("cpu", **{**ok, **change})
+
+
+def test_auto_falls_back_to_xla_with_a_warning_without_a_compiler(monkeypatch, caplog):
+    def no_compiler():
+        raise cpu_kernels.CpuKernelUnavailable("no C++ compiler found")
+
+    monkeypatch.setattr(llama, "load_cpu_kernels", no_compiler)
+    ok = dict(dtype="float32", layer_loop="unrolled", tensor_parallel_size=1, platform="cpu")
+    with caplog.at_level(logging.WARNING, logger="jaxcb.model.llama"):
+        assert resolve_linear_impl("auto", **ok) == "xla"
+    assert "no C++ compiler found" in caplog.text
+    with pytest.raises(ConfigError, match="no C\\+\\+ compiler found"):
+        resolve_linear_impl("cpu", **ok)
+
+
+def test_an_unknown_linear_impl_is_a_config_error():
+    with pytest.raises(ConfigError, match="model.linear_impl='blas' must be one of auto, cpu, xla"):
+        compose_config(["model.linear_impl=blas"])
+
+
+def test_cpu_token_buckets_are_dense_where_decode_steps_live():
+    assert default_token_buckets(2048, "cpu") == [4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048]
+    assert default_token_buckets(2048, "gpu") == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert default_token_buckets(50, "cpu") == [4, 6, 8, 12, 16, 24, 32, 48, 50]
+    assert default_token_buckets(3, "cpu") == [3]
