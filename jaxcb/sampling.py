@@ -96,7 +96,10 @@ def sample(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n])."""
     num_rows, vocab = logits.shape
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    # log_softmax's own steps, kept apart so that only the rows' chosen entries (and the top-n,
+    # when asked for) are ever formed: a full [R, V] logprob array is a pass over the vocab.
+    shifted = logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    log_norm = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
     def penalise(x):
         seen, out_counts = token_counts(history, num_prompt, num_known, vocab)
@@ -106,26 +109,31 @@ def sample(
     rows = jnp.arange(num_rows)[:, None]
     x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
     greedy = s.temperature == 0
-    x_scaled = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
-    x_scaled = jax.lax.cond(s.any_filter, lambda v: _filter_top_k_top_p(v, s), lambda v: v, x_scaled)
-    probs = jax.nn.softmax(x_scaled, axis=-1)
-    x_scaled = jnp.where(probs < s.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x_scaled)
 
-    def row_noise(seed, counter):
-        key = jax.random.fold_in(jax.random.key(seed), counter)
-        return jax.random.gumbel(key, (vocab,), jnp.float32)
+    def draw(x):  # temperature, top-k / top-p / min-p, then Gumbel-argmax; greedy rows ignore it
+        x_scaled = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
+        x_scaled = jax.lax.cond(s.any_filter, lambda v: _filter_top_k_top_p(v, s), lambda v: v, x_scaled)
+        probs = jax.nn.softmax(x_scaled, axis=-1)
+        x_scaled = jnp.where(probs < s.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x_scaled)
 
-    noise = jax.lax.cond(
-        s.any_random,
-        lambda: jax.vmap(row_noise)(s.seeds, s.counters),
-        lambda: jnp.zeros((num_rows, vocab), jnp.float32),
-    )
-    drawn = jnp.argmax(x_scaled + noise, axis=-1)
+        def row_noise(seed, counter):
+            key = jax.random.fold_in(jax.random.key(seed), counter)
+            return jax.random.gumbel(key, (vocab,), jnp.float32)
+
+        return jnp.argmax(x_scaled + jax.vmap(row_noise)(s.seeds, s.counters), axis=-1)
+
+    # With every row greedy (the common offline case) the draw is skipped whole.
+    drawn = jax.lax.cond(s.any_random, draw, lambda x: jnp.zeros((num_rows,), jnp.int32), x)
     token = jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
-    token_logprob = jnp.take_along_axis(logprobs, token[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.cond(
+    token_logprob = (jnp.take_along_axis(shifted, token[:, None], axis=-1) - log_norm)[:, 0]
+
+    def top_logprobs():
+        _, ids = jax.lax.top_k(logits, num_logprobs)  # the same order as the logprobs'
+        return jnp.take_along_axis(shifted, ids, axis=-1) - log_norm, ids
+
+    top_lp, top_ids = jax.lax.cond(
         s.any_logprobs,
-        lambda: tuple(jax.lax.top_k(logprobs, num_logprobs)),
+        top_logprobs,
         lambda: (jnp.zeros((num_rows, num_logprobs), jnp.float32), jnp.zeros((num_rows, num_logprobs), jnp.int32)),
     )
-    return token, token_logprob, top_ids.astype(jnp.int32), top_logprobs
+    return token, token_logprob, top_ids.astype(jnp.int32), top_lp

@@ -1,11 +1,18 @@
-"""Micro-benchmark of the attention implementations on this machine (CPU by default).
+"""Micro-benchmark of the CPU kernels on this machine (CPU by default).
 
-    python scripts/bench_kernels.py            # prints a markdown table; see docs/benchmarks.md
+    python scripts/bench_kernels.py                    # both markdown tables; see docs/benchmarks.md
+    python scripts/bench_kernels.py --kernels matmul   # one of attention, matmul
 
-Compares, on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
+attention: on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
-interpreter. All are timed side by side in one run (median wall time per jitted call), so
-the ratios are what to quote; absolute times depend on the machine and its load.
+interpreter.
+
+matmul: the linear layers of the `small` preset (12 x q/k/v, o, gate/up, down, then the
+32000-row LM head; 498 MB of float32 weights) as one jitted chain, through the packed C++
+matmul (`model.linear_impl=cpu`) and through XLA's dot, for steps of 1 to 2048 tokens.
+
+Everything is timed side by side in one run (median wall time per jitted call), so the ratios
+are what to quote; absolute times depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -16,7 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from cpu_kernels import ragged_paged_attention_cpu
+import numpy as np
+
+from cpu_kernels import pack_columns, packed_matmul, ragged_paged_attention_cpu
 from jaxcb.timing import time_calls
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, ragged_paged_attention_xla
 from pallas_kernels.testing import make_ragged_batch
@@ -39,11 +48,56 @@ IMPLS = {
 }
 
 
+# (in, out) of each matmul of the `small` preset's step: hidden 768, MLP 2048, 12/4 heads of 64.
+SMALL_LINEARS = [(768, 1280), (768, 768), (768, 4096), (2048, 768)] * 12 + [(768, 32000)]
+MATMUL_TOKENS = (1, 4, 16, 64, 256, 2048)
+
+
+def matmul_table(calls: int) -> None:
+    rng = np.random.default_rng(0)
+    weights = [jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02) for shape in SMALL_LINEARS]
+    packed = [jax.block_until_ready(pack_columns(w)) for w in weights]
+    flops_per_token = 2 * sum(k * n for k, n in SMALL_LINEARS)
+
+    def chain(matmul):
+        def run(x, ws):  # each matmul's input is the step's x cut or tiled to its width
+            total = jnp.float32(0)
+            for (k, n), w in zip(SMALL_LINEARS, ws):
+                total += matmul(jnp.tile(x, (1, -(-k // x.shape[1])))[:, :k], w, n).sum()
+            return total
+
+        return jax.jit(run)
+
+    packed_chain, xla_chain = chain(packed_matmul), chain(lambda x, w, n: x @ w)
+    print("| tokens in the step | packed C++ (ms) | XLA dot (ms) | XLA / packed | packed GFLOP/s | packed weight GB/s |")
+    print("|---|---|---|---|---|---|")
+    for m in MATMUL_TOKENS:
+        x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
+        n = max(3, calls // 5) if m >= 256 else calls
+        cpu_ms = time_calls(packed_chain, x, packed, calls=n).median_ms
+        xla_ms = time_calls(xla_chain, x, weights, calls=n).median_ms
+        gbs = 4 * sum(k * n for k, n in SMALL_LINEARS) / cpu_ms / 1e6
+        print(f"| {m} | {cpu_ms:.1f} | {xla_ms:.1f} | {xla_ms / cpu_ms:.2f}x | "
+              f"{flops_per_token * m / cpu_ms / 1e6:.1f} | {gbs:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--kernels", default="attention,matmul", help="comma-separated: attention, matmul")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls\n")
+    kernels = set(args.kernels.split(","))
+    if kernels - {"attention", "matmul"}:
+        parser.error(f"--kernels {args.kernels}: each must be attention or matmul")
+    if "attention" in kernels:
+        attention_table(args.calls)
+    if "matmul" in kernels:
+        print()
+        matmul_table(args.calls)
+
+
+def attention_table(calls_per_impl: int) -> None:
     others = [name for name in IMPLS if name != "cpu"]
     print("| workload | tokens | " + " | ".join(f"{name} (ms)" for name in IMPLS) + " | "
           + " | ".join(f"{name} / cpu" for name in others) + " |")
@@ -56,7 +110,7 @@ def main() -> None:
         ms = {}
         for impl, fn in IMPLS.items():
             jitted = jax.jit(functools.partial(fn, sm_scale=HEADS["head_dim"] ** -0.5))
-            calls = max(2, args.calls // 5) if impl == "pallas (interpret)" else args.calls
+            calls = max(2, calls_per_impl // 5) if impl == "pallas (interpret)" else calls_per_impl
             ms[impl] = time_calls(jitted, *inputs, calls=calls).median_ms
         cells = " | ".join(f"{ms[i]:.2f}" for i in IMPLS)
         ratios = " | ".join(f"{ms[i] / ms['cpu']:.1f}x" for i in others)
