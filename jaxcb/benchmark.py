@@ -193,11 +193,15 @@ def host_overhead(llm: LLM, items: list[WorkItem]) -> dict:
     result = run_offline(llm, items, llm.engine.cfg.scheduler.policy)
     recorded, runner.recorded = runner.recorded, None
     cache = runner.kv_cache
-    start = time.perf_counter()
-    for key, inputs in recorded:
+    per_bucket: dict[tuple, list[float]] = {}
+    replay = 0.0
+    for key, inputs in recorded:  # each step waited for, so that it can be timed on its own
+        start = time.perf_counter()
         ids, lps, _, cache = runner.compiled[key](runner.state, cache, inputs)
-    jax.block_until_ready(ids)
-    replay = time.perf_counter() - start
+        jax.block_until_ready(ids)
+        took = time.perf_counter() - start
+        replay += took
+        per_bucket.setdefault(key, []).append(took)
     runner.kv_cache = cache
     return dict(
         engine_s=result.seconds,
@@ -205,6 +209,11 @@ def host_overhead(llm: LLM, items: list[WorkItem]) -> dict:
         num_steps=len(recorded),
         host_overhead_fraction=1 - replay / result.seconds,
         engine_over_replay=result.seconds / replay,
+        # "tokens x seqs x width" -> where the replayed time went, bucket by bucket
+        per_bucket={
+            "x".join(map(str, key)): dict(steps=len(t), median_ms=1e3 * float(np.median(t)), total_s=sum(t))
+            for key, t in sorted(per_bucket.items())
+        },
     )
 
 

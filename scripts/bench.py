@@ -88,6 +88,9 @@ def main(cfg: Config) -> None:
         result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "
               f"host overhead {100 * o['host_overhead_fraction']:.0f}% of engine time")
+        print("replayed time by bucket (tokens x seqs x width): " + "; ".join(
+            f"{key}: {v['steps']} steps, median {v['median_ms']:.1f} ms, {v['total_s']:.1f} s"
+            for key, v in o["per_bucket"].items()))
     else:
         runs = {p: run_offline(llm, items, p) for p, llm in engines.items()}
         for r in runs.values():

@@ -42,7 +42,10 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench.json").read_text())
     if task == "overhead":
-        assert 0 < result["overhead"]["step_replay_s"] and result["overhead"]["num_steps"] > 0
+        o = result["overhead"]
+        assert 0 < o["step_replay_s"] and o["num_steps"] > 0
+        assert sum(b["steps"] for b in o["per_bucket"].values()) == o["num_steps"]
+        assert sum(b["total_s"] for b in o["per_bucket"].values()) == pytest.approx(o["step_replay_s"])
         return
     if task == "flops":
         f = result["flops"]
