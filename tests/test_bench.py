@@ -36,7 +36,7 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench.py"), f"bench.task={task}", "bench.num_requests=12",
          "scheduler.max_num_batched_tokens=64", "scheduler.max_num_seqs=8", "engine.max_model_len=256",
-         f"hydra.run.dir={tmp_path}"],
+         "engine.token_buckets=[16]", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_serving_bench_over_http_streams_from_a_real_server(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "bench.mode=serving", "bench.backend=http",
          "bench.num_requests=10", "bench.request_rate=50", "scheduler.max_num_batched_tokens=64",
-         "scheduler.max_num_seqs=8", "engine.max_model_len=256", f"hydra.run.dir={tmp_path}"],
+         "scheduler.max_num_seqs=8", "engine.max_model_len=256", "engine.token_buckets=[16]", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

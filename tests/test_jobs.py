@@ -9,7 +9,8 @@ import time
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ("scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", "engine.max_model_len=128")
+SMALL = ("scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", "engine.max_model_len=128",
+         "engine.token_buckets=[16]")
 
 
 def write_jsonl(path, records):

@@ -7,7 +7,9 @@ import sys
 from hf_checkpoints import make_hf_llama, write_word_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ("scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", "engine.max_model_len=128")
+# Few step buckets: each script run compiles every one (the CPU defaults have seven up to 32 tokens).
+SMALL = ("scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", "engine.max_model_len=128",
+         "engine.token_buckets=[16]")
 
 
 def run_script(script, *overrides, cwd=None):
@@ -66,7 +68,7 @@ def test_key_typo_fails_before_anything_runs(tmp_path):
 def test_prompt_longer_than_max_model_len_is_refused(tmp_path):
     proc = run_script(
         "generate.py", "engine.max_model_len=64", "generate.prompts=[" + "a" * 60 + "]", "generate.max_tokens=8",
-        "scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", cwd=str(tmp_path),
+        "scheduler.max_num_batched_tokens=32", "scheduler.max_num_seqs=4", "engine.token_buckets=[16]", cwd=str(tmp_path),
     )
     assert proc.returncode == 2
     assert "exceeds engine.max_model_len=64" in proc.stderr

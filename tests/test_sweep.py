@@ -15,7 +15,7 @@ def test_sweep_over_a_2x2_grid_gives_a_csv_plots_and_a_recommendation(tmp_path):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench.py"), "-m", "bench.mode=serving", "bench.request_rate=50",
          "bench.num_requests=10", "engine.max_model_len=256", "scheduler.max_num_seqs=4,8",
-         "scheduler.max_num_batched_tokens=32,64", f"hydra.sweep.dir={sweep}"],
+         "scheduler.max_num_batched_tokens=32,64", "engine.token_buckets=[16]", f"hydra.sweep.dir={sweep}"],
         capture_output=True, text=True, timeout=900, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
