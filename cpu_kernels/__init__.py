@@ -143,11 +143,6 @@ def pack_columns(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / 16), K, 16],
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
 
 
-def unpack_columns(packed: jax.Array, n: int) -> jax.Array:  # [P, K, 16] -> [K, n]
-    panels, k, _ = packed.shape
-    return packed.transpose(1, 0, 2).reshape(k, panels * PANEL)[:, :n]
-
-
 def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
     """x @ w for float32, with `packed = pack_columns(w)` and n = w.shape[1]."""
     if x.dtype != jnp.float32 or packed.dtype != jnp.float32:

@@ -44,11 +44,19 @@ template <int R>
 void Tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int64_t nv, bool accumulate,
           const float* next) {
   __m256 lo[R], hi[R];
+  const bool full = nv == kPanel;  // every panel but a matrix's last: plain loads and stores
   const __m256i mlo = FirstLanes(std::min<int64_t>(nv, 8)), mhi = FirstLanes(std::max<int64_t>(nv - 8, 0));
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    lo[r] = accumulate ? _mm256_maskload_ps(c + r * ldc, mlo) : _mm256_setzero_ps();
-    hi[r] = accumulate ? _mm256_maskload_ps(c + r * ldc + 8, mhi) : _mm256_setzero_ps();
+    if (!accumulate) {
+      lo[r] = hi[r] = _mm256_setzero_ps();
+    } else if (full) {
+      lo[r] = _mm256_loadu_ps(c + r * ldc);
+      hi[r] = _mm256_loadu_ps(c + r * ldc + 8);
+    } else {
+      lo[r] = _mm256_maskload_ps(c + r * ldc, mlo);
+      hi[r] = _mm256_maskload_ps(c + r * ldc + 8, mhi);
+    }
   }
   for (int64_t k = 0; k < kc; ++k) {
     if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
@@ -62,8 +70,13 @@ void Tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int
   }
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
-    _mm256_maskstore_ps(c + r * ldc, mlo, lo[r]);
-    _mm256_maskstore_ps(c + r * ldc + 8, mhi, hi[r]);
+    if (full) {
+      _mm256_storeu_ps(c + r * ldc, lo[r]);
+      _mm256_storeu_ps(c + r * ldc + 8, hi[r]);
+    } else {
+      _mm256_maskstore_ps(c + r * ldc, mlo, lo[r]);
+      _mm256_maskstore_ps(c + r * ldc + 8, mhi, hi[r]);
+    }
   }
 }
 #else  // portable: the compiler vectorises what this CPU has

@@ -3,7 +3,8 @@
 Only the runner turns host lists into device arrays. A step has three static sizes: tokens
 T, sequences R and block-table width W. Each comes from a short list of buckets (config, or
 `default_token_buckets` -- denser on CPU, where padding costs compute -- up to the limits;
-the token budget is always a bucket, so a step never pads past it), and every (T, R, W) combination is compiled ahead of time at start-up.
+the token budget is always a bucket, so a step never pads past it), and every (T, R, W)
+combination is compiled ahead of time at start-up.
 Serving then only looks compiled steps up; a miss is a recompile, which is compiled,
 counted and logged as an error (tests fail on it).
 

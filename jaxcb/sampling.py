@@ -98,7 +98,7 @@ def sample(
     num_rows, vocab = logits.shape
     # log_softmax's own steps, kept apart so that only the rows' chosen entries (and the top-n,
     # when asked for) are ever formed: a full [R, V] logprob array is a pass over the vocab.
-    shifted = logits - jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    shifted = logits - logits.max(axis=-1, keepdims=True)
     log_norm = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
 
     def penalise(x):

@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, pack_columns, packed_matmul
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
-from jaxcb.kv_cache import KVCache
 from jaxcb.config import ConfigError
+from jaxcb.kv_cache import KVCache
 from jaxcb.model.config import LlamaConfig, RopeScaling
 
 INIT_STD = 0.02
