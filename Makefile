@@ -7,7 +7,8 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist): most tests are bound by one-threaded XLA compiles.
+PYTEST_ARGS ?= -n 2
 
 .PHONY: serve test generate clean-venv
 
