@@ -97,9 +97,14 @@ def sample(
     """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n])."""
     num_rows, vocab = logits.shape
     # log_softmax's own steps, kept apart so that only the rows' chosen entries (and the top-n,
-    # when asked for) are ever formed: a full [R, V] logprob array is a pass over the vocab.
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    log_norm = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
+    # when asked for) are ever formed: neither the shifted logits nor the logprobs are ever a
+    # full [R, V] array (the shift fuses into the sum of exps), and each entry is still
+    # (logit - max) - log_norm, the very arithmetic of log_softmax.
+    row_max = logits.max(axis=-1, keepdims=True)
+    log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+
+    def logprobs_at(ids: jax.Array) -> jax.Array:  # i32[R, n] -> f32[R, n]
+        return (jnp.take_along_axis(logits, ids, axis=-1) - row_max) - log_norm
 
     def penalise(x):
         seen, out_counts = token_counts(history, num_prompt, num_known, vocab)
@@ -125,11 +130,11 @@ def sample(
     # With every row greedy (the common offline case) the draw is skipped whole.
     drawn = jax.lax.cond(s.any_random, draw, lambda x: jnp.zeros((num_rows,), jnp.int32), x)
     token = jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
-    token_logprob = (jnp.take_along_axis(shifted, token[:, None], axis=-1) - log_norm)[:, 0]
+    token_logprob = logprobs_at(token[:, None])[:, 0]
 
     def top_logprobs():
         _, ids = jax.lax.top_k(logits, num_logprobs)  # the same order as the logprobs'
-        return jnp.take_along_axis(shifted, ids, axis=-1) - log_norm, ids
+        return logprobs_at(ids), ids
 
     top_lp, top_ids = jax.lax.cond(
         s.any_logprobs,
