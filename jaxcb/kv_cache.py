@@ -194,6 +194,12 @@ def write_kv(
     """Scatter one layer's new K/V into their slots (in place when the cache is donated)."""
     num_layers, num_kv_heads, num_blocks, block_size, head_dim = cache.k.shape
     flat = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+    if slot_mapping.shape[0] == 1:
+        # XLA rewrites a one-row scatter as a select around a dynamic-update-slice, which it
+        # does not do in place: every layer's write would copy the whole cache (hundreds of
+        # MB per step). A second row aimed past the end (dropped) keeps it a scatter.
+        k, v = (jnp.concatenate([a, jnp.zeros_like(a)]) for a in (k, v))
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), flat[2], slot_mapping.dtype)])
     # Indexing [layer, :, slots] puts the token axis first: the update is [T, num_kv_heads, head_dim].
     k_flat = cache.k.reshape(flat).at[layer, :, slot_mapping].set(k.astype(cache.k.dtype), mode="drop")
     v_flat = cache.v.reshape(flat).at[layer, :, slot_mapping].set(v.astype(cache.v.dtype), mode="drop")

@@ -92,3 +92,27 @@ def test_write_kv_updates_a_donated_cache_in_place():
     out = step(cache, k, jnp.asarray([9], jnp.int32))
     assert isinstance(out, KVCache) and cache.k.is_deleted()
     assert out.k.unsafe_buffer_pointer() == before
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 5])
+def test_write_kv_never_copies_the_cache_whatever_the_number_of_tokens(num_tokens):
+    # A one-token step once copied the whole cache for every layer's write (XLA turned the
+    # one-row scatter into a dynamic-update-slice that it did not do in place).
+    cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=jnp.float32)
+
+    def every_layer(c, k, s):
+        for layer in range(TINY.num_layers):
+            c = write_kv(c, jnp.int32(layer), k * layer, -k, s)
+        return c
+
+    k = jnp.ones((num_tokens, 2, 16))
+    slots = jnp.arange(num_tokens, dtype=jnp.int32) + 3
+    step = jax.jit(every_layer, donate_argnums=0)
+    text = step.lower(cache, k, slots).compile().as_text()
+    flat = "f32[3,2,32,16]"
+    copies = [line for line in text.splitlines() if " copy(" in line and (flat in line or "f32[3,2,4,8,16]" in line)]
+    assert copies == []
+    out = step(cache, k, slots)
+    for layer in range(TINY.num_layers):
+        np.testing.assert_array_equal(out.k[layer, :, 0, 3], np.full((2, 16), layer, np.float32))
+    np.testing.assert_array_equal(out.v[1, :, 0, 3], -np.ones((2, 16), np.float32))
