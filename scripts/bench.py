@@ -83,7 +83,9 @@ def main(cfg: Config) -> None:
         ceilings = ", ".join(f"{shape}: {v / 1e9:.1f}" for shape, v in f["matmul_ceiling_flops_per_s"].items())
         print(f"{f['output_tokens_per_s']:,.0f} out tok/s; model {f['model_flops_per_s'] / 1e9:.1f} GFLOP/s "
               f"({f['attention_flops'] / (f['linear_flops'] + f['attention_flops']):.0%} of it attention); "
-              f"matmul ceiling GFLOP/s {ceilings}; model / ceiling {f['model_over_ceiling']:.2f}")
+              f"matmul ceiling GFLOP/s {ceilings} (the first: best of before/after the run, "
+              f"{' / '.join(f'{v / 1e9:.1f}' for v in f['ceiling_before_and_after_flops_per_s'])}); "
+              f"model / ceiling {f['model_over_ceiling']:.2f}")
     elif b.task == "overhead":
         result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "

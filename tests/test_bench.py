@@ -53,6 +53,7 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
         assert 0 < f["model_over_ceiling"] == pytest.approx(
             f["model_flops_per_s"] / next(iter(f["matmul_ceiling_flops_per_s"].values()))
         )
+        assert next(iter(f["matmul_ceiling_flops_per_s"].values())) == max(f["ceiling_before_and_after_flops_per_s"])
         return
     assert set(result["runs"]) == runs
     assert all(r["num_recompiles"] == 0 for r in result["runs"].values())

@@ -151,7 +151,7 @@ def test_an_unknown_linear_impl_is_a_config_error():
 
 
 def test_cpu_token_buckets_are_dense_where_decode_steps_live():
-    assert default_token_buckets(2048, "cpu") == [4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048]
+    assert default_token_buckets(2048, "cpu") == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048]
     assert default_token_buckets(2048, "gpu") == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert default_token_buckets(50, "cpu") == [4, 6, 8, 12, 16, 24, 32, 48, 50]
-    assert default_token_buckets(3, "cpu") == [3]
+    assert default_token_buckets(50, "cpu") == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 50]
+    assert default_token_buckets(3, "cpu") == [1, 2, 3]
