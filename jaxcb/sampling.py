@@ -112,7 +112,14 @@ def sample(
 
     x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, logits)
     rows = jnp.arange(num_rows)[:, None]
-    x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
+    # Skipped when no row bans anything (ids past the vocab pad): the scatter copies the whole
+    # [R, V] logits, ~1 ms at 64 rows of a 32k vocab on CPU, on every step.
+    x = jax.lax.cond(
+        jnp.any(s.banned_token_ids < vocab),
+        lambda x: x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop"),
+        lambda x: x,
+        x,
+    )
     greedy = s.temperature == 0
 
     def draw(x):  # temperature, top-k / top-p / min-p, then Gumbel-argmax; greedy rows ignore it

@@ -1,5 +1,8 @@
 """In-jit sampling: each parameter does what it says, and a row's draw depends only on its own key."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -99,3 +102,32 @@ def test_skipping_noise_and_top_logprobs_changes_no_greedy_token():
     np.testing.assert_array_equal(full[0], lean[0])
     np.testing.assert_array_equal(full[1], lean[1])
     assert np.all(lean[2] == 0) and np.all(lean[3] == 0)
+
+
+def test_banning_runs_only_in_a_branch_taken_when_some_row_bans_a_token():
+    """The ban's scatter copies the whole [R, V] logits, so it must sit in a conditional's
+    branch (taken only when some row bans an id), never in the step's straight-line code."""
+    s = arrays(2, temperature=[0.0, 0.0])
+    zeros = jnp.zeros((2,), jnp.int32)
+    hlo = (
+        jax.jit(lambda lg, s: sample(lg, s, jnp.zeros((2, 8), jnp.int32), zeros, zeros, 3))
+        .lower(jnp.zeros((2, VOCAB), jnp.float32), s)
+        .compile()
+        .as_text()
+    )
+    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S)}
+    branches = set()
+    for body in bodies.values():
+        for m in re.finditer(r"conditional\(.*?branch_computations=\{([^}]*)\}", body):
+            branches.update(name.strip().lstrip("%") for name in m.group(1).split(","))
+
+    def reaches_scatter(name, seen=()):
+        body = bodies.get(name, "")
+        if "scatter(" in body:
+            return True
+        called = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", body)
+        return any(reaches_scatter(c, seen + (name,)) for c in called if c not in seen and c not in branches)
+
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
+    assert any(reaches_scatter(b) for b in branches), "no branch bans tokens"
+    assert not reaches_scatter(entry), "the ban's scatter runs on every step"
