@@ -162,6 +162,7 @@ class ModelRunner:
             model.unstack_layers()
         if pack_linear:
             model.pack_linear_weights()
+        model.build_rope_table(max_model_len, tp.replicated if tp is not None else None)
         self.graphdef, self.state = nnx.split(model)  # once; the step takes the state as an argument
         self.tp = tp
         self.unroll_layers = unroll_layers
