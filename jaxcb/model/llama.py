@@ -270,15 +270,17 @@ class Llama(nnx.Module):
             # table built once (`build_rope_table`). Clipped: padding tokens may carry any position.
             cos_sin = jnp.take(table[...], positions, axis=1, mode="clip")
             return cos_sin[0], cos_sin[1]
+        return rope_angles(positions, self._rope_inv_freq())
+
+    def _rope_inv_freq(self) -> jax.Array:
         cfg = self.cfg
-        return rope_angles(positions, jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)))
+        return jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
 
     def build_rope_table(self, max_len: int, sharding: jax.sharding.Sharding | None = None) -> None:
         """Precompute the rotary angles of positions [0, max_len): max_len x head_dim f32 of memory
         (4 MiB for head_dim 128 at 8,192 positions). Computed by the same XLA cos/sin as the
         in-step path, so the values are the same bits."""
-        cfg = self.cfg
-        inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        inv_freq = self._rope_inv_freq()
         table = jax.jit(lambda: jnp.stack(rope_angles(jnp.arange(max_len, dtype=jnp.int32), inv_freq)),
                         out_shardings=sharding)()
         self.rope_table = RopeTable(table)
