@@ -7,7 +7,9 @@
 // holds columns [16p, 16p + 16) row after row, so a 6x16 register tile reads its B rows as one
 // contiguous stream. Per call only x is packed (6-row chunks, k-major), which is cheap next to
 // the weights. Work items are (block of rows, group of panels), spread over XLA's intra-op
-// thread pool; within an item K is walked in blocks whose B panel fits L1.
+// thread pool. Within an item each panel is read from memory once and then from L2 by every
+// row chunk; each tile runs over all of K, so its outputs stay in registers and are stored
+// once, and the next panel is prefetched a few lines per tile, spread over the row chunks.
 
 #include <algorithm>
 #include <cstdint>
@@ -28,52 +30,51 @@ namespace {
 
 constexpr int64_t kPanel = 16;     // columns per packed panel (two AVX2 registers)
 constexpr int64_t kTileRows = 6;   // rows of the register tile: 12 accumulators + 2 B + 1 A
-constexpr int64_t kKBlock = 256;   // a 256 x 16 f32 block of B is 16 KiB: stays in L1
-constexpr int64_t kRowBlock = 96;  // rows per work item; 96 x 256 of packed x (96 KiB) stays in L2
+constexpr int64_t kRowBlock = 96;  // rows per work item: their packed x (96 x 768 f32: 288 KiB) stays in L2
 
-// acc[r][:nv] (+)= sum_k a[k * kTileRows + r] * b[k * kPanel + :] for r < R, k < kc.
-// a: one packed chunk of x; b: kc rows of one panel; c: the output tile (row stride ldc).
-// next (or null): the B block the following tile will read, fetched into L1 while this one
-// computes, so that a few-row step overlaps its weight reads with its multiplies.
+// c[r][:nv] = sum_k a[k * kTileRows + r] * b[k * kPanel + :] for r < R, k < K.
+// a: one packed chunk of x; b: one panel (K rows of 16); c: the output tile (row stride ldc).
+// prefetch[0, lines): 64-byte lines of the panel a later tile reads, fetched into L1 evenly
+// over this tile's k loop. Spread over all the row chunks of a panel, they overlap the next
+// panel's weight reads with this one's multiplies without a burst of misses in any one tile.
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256i FirstLanes(int64_t n) {  // mask of lanes [0, n), n in [0, 8]
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
 template <int R>
-void Tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int64_t nv, bool accumulate,
-          const float* next) {
+void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char* prefetch,
+          int64_t lines) {
   __m256 lo[R], hi[R];
-  const bool full = nv == kPanel;  // every panel but a matrix's last: plain loads and stores
-  const __m256i mlo = FirstLanes(std::min<int64_t>(nv, 8)), mhi = FirstLanes(std::max<int64_t>(nv - 8, 0));
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    if (!accumulate) {
-      lo[r] = hi[r] = _mm256_setzero_ps();
-    } else if (full) {
-      lo[r] = _mm256_loadu_ps(c + r * ldc);
-      hi[r] = _mm256_loadu_ps(c + r * ldc + 8);
-    } else {
-      lo[r] = _mm256_maskload_ps(c + r * ldc, mlo);
-      hi[r] = _mm256_maskload_ps(c + r * ldc + 8, mhi);
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  // k runs in segments of `step`, one prefetch per segment: no division in the inner loop.
+  const int64_t step = lines > 0 ? std::max<int64_t>(K / lines, 1) : K;
+  int64_t fetched = 0;
+  for (int64_t k0 = 0; k0 < K; k0 += step) {
+    if (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T0);
+    const int64_t k1 = std::min(K, k0 + step);
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
+#pragma GCC unroll 6
+      for (int r = 0; r < R; ++r) {
+        const __m256 av = _mm256_broadcast_ss(a + k * kTileRows + r);
+        lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
+        hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+      }
     }
   }
-  for (int64_t k = 0; k < kc; ++k) {
-    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T0);
-    const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
+  while (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T0);
+  if (nv == kPanel) {  // every panel but a matrix's last: plain stores
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(a + k * kTileRows + r);
-      lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) {
-    if (full) {
       _mm256_storeu_ps(c + r * ldc, lo[r]);
       _mm256_storeu_ps(c + r * ldc + 8, hi[r]);
-    } else {
+    }
+  } else {
+    const __m256i mlo = FirstLanes(std::min<int64_t>(nv, 8)), mhi = FirstLanes(std::max<int64_t>(nv - 8, 0));
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
       _mm256_maskstore_ps(c + r * ldc, mlo, lo[r]);
       _mm256_maskstore_ps(c + r * ldc + 8, mhi, hi[r]);
     }
@@ -81,12 +82,9 @@ void Tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int
 }
 #else  // portable: the compiler vectorises what this CPU has
 template <int R>
-void Tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int64_t nv, bool accumulate,
-          const float*) {
-  float acc[R][kPanel];
-  for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < kPanel; ++j) acc[r][j] = accumulate && j < nv ? c[r * ldc + j] : 0.0f;
-  for (int64_t k = 0; k < kc; ++k)
+void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char*, int64_t) {
+  float acc[R][kPanel] = {};
+  for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
       for (int64_t j = 0; j < kPanel; ++j) acc[r][j] += a[k * kTileRows + r] * b[k * kPanel + j];
   for (int r = 0; r < R; ++r)
@@ -94,7 +92,7 @@ void Tile(const float* a, const float* b, int64_t kc, float* c, int64_t ldc, int
 }
 #endif
 
-using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, bool, const float*);
+using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, const char*, int64_t);
 constexpr TileFn kTiles[kTileRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>, Tile<5>, Tile<6>};
 
 // x [M, K] -> chunks of kTileRows rows, each k-major ([k][row]); rows past M stay unread.
@@ -142,17 +140,16 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, threads - 1), [&](int64_t item) {
     const int64_t m0 = (item / groups) * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
     const int64_t p0 = (item % groups) * group, p1 = std::min(P, p0 + group);
-    // K is blocked only when several row chunks reuse a B block; one chunk streams whole panels.
-    const int64_t kblock = m1 - m0 > kTileRows ? kKBlock : K;
-    for (int64_t k0 = 0; k0 < K; k0 += kblock) {
-      const int64_t kc = std::min(kblock, K - k0);
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* bp = b + (p * K + k0) * kPanel;
-        const int64_t nv = std::min(kPanel, N - p * kPanel);
-        for (int64_t m = m0; m < m1; m += kTileRows) {
-          kTiles[std::min(kTileRows, m1 - m)](a + m * K + k0 * kTileRows, bp, kc, c + m * N + p * kPanel, N, nv,
-                                              k0 > 0, m == m0 && p + 1 < p1 ? bp + K * kPanel : nullptr);
-        }
+    const int64_t row_chunks = (m1 - m0 + kTileRows - 1) / kTileRows;
+    const int64_t lines_per_chunk = (K + row_chunks - 1) / row_chunks;  // of the next panel: one line per k
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* bp = b + p * K * kPanel;
+      const char* next = p + 1 < P ? reinterpret_cast<const char*>(bp + K * kPanel) : nullptr;
+      const int64_t nv = std::min(kPanel, N - p * kPanel);
+      for (int64_t m = m0, i = 0; m < m1; m += kTileRows, ++i) {
+        const int64_t l0 = std::min(K, i * lines_per_chunk), l1 = std::min(K, l0 + lines_per_chunk);
+        kTiles[std::min(kTileRows, m1 - m)](a + m * K, bp, K, c + m * N + p * kPanel, N, nv,
+                                            next ? next + 64 * l0 : nullptr, next ? l1 - l0 : 0);
       }
     }
   });

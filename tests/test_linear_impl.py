@@ -27,7 +27,8 @@ def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return (x.astype(np.float64) @ w.astype(np.float64)).astype(np.float32)
 
 
-# Rows past one 6-row tile and one 96-row block, K past one 256 block, N off the 16-column panels.
+# Rows past one 6-row tile and one 96-row block, K shorter and longer than a panel's prefetch spread, N off the
+# 16-column panels.
 @pytest.mark.parametrize("m,k,n", [(1, 8, 16), (5, 7, 5), (6, 300, 33), (13, 768, 1280), (97, 513, 47), (200, 64, 17)])
 def test_packed_matmul_equals_x_at_w(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
