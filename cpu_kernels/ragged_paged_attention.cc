@@ -7,8 +7,12 @@
 // Why C++: on CPU the XLA path spends most of its time gathering K/V blocks into fresh
 // buffers and in many small ops. Here each (sequence, KV head, tile of query tokens) reads
 // its blocks in place from the cache, one block at a time, with an online softmax, and never
-// touches a key past its sequence's kv_len (stale slots, even NaN, cannot reach the output).
-// Work items are spread over XLA's intra-op thread pool.
+// lets a key past its sequence's kv_len reach the output (stale slots, even NaN, are masked
+// out of the scores and never read for the values). Work items are spread over XLA's intra-op
+// thread pool. With AVX2 a row scores 8 keys per pass and its softmax exponentials are
+// vectorised, and the next block's keys and values are prefetched while this one is used:
+// decode steps read blocks scattered over the cache, which the hardware prefetcher cannot
+// follow.
 
 #include <algorithm>
 #include <atomic>
@@ -23,6 +27,10 @@
 
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -93,6 +101,152 @@ struct WorkItem {
   int32_t first_token;  // offset of the tile's first query token within the sequence's new tokens
 };
 
+// One query row (already scaled) against the first `visible` keys of a block: the online
+// softmax update of its running max m, sum l and output acc. k and v hold the block's rows
+// (block_rows of them, D floats each); sc is scratch for kMaxBlockSize scores.
+inline void AttendRowScalar(const float* q, const float* k, const float* v, int64_t visible, int64_t D, float& m,
+                            float& l, float* acc, float* sc) {
+  float block_max = -1e30f;
+  for (int64_t j = 0; j < visible; ++j) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[j * D + d];
+    sc[j] = dot;
+    block_max = std::max(block_max, dot);
+  }
+  const float m_new = std::max(m, block_max);
+  const float correction = std::exp(m - m_new);
+  float sum = l * correction;
+  for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
+  for (int64_t j = 0; j < visible; ++j) {
+    const float p = std::exp(sc[j] - m_new);
+    sum += p;
+    for (int64_t d = 0; d < D; ++d) acc[d] += p * v[j * D + d];
+  }
+  l = sum;
+  m = m_new;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) for the softmax's shifted scores (x <= 0): x = n ln2 + r, a degree-7 polynomial for
+// exp(r) (Cephes' expf coefficients, ~1 ulp), times 2^n. Below -87.3 (and -inf) it is 0.
+inline __m256 Exp8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
+}
+
+inline float HorizontalSum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float HorizontalMax(__m256 x) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// q . k[j] for the 8 keys j < 8 (rows of D floats, D % 8 == 0), as one vector.
+inline __m256 Dot8(const float* q, const float* k, int64_t D) {
+  __m256 a[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * D + d), a[j]);
+  }
+  // Pairwise sums, then the two 128-bit halves: lane j of the result is key j's dot.
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// acc[0, 8C) = acc * correction + sum_{j < visible} p[j] v[j][0, 8C), in registers.
+template <int C>
+inline void AccumulateValues(const float* p, const float* v, int64_t visible, int64_t D, float correction,
+                             float* acc) {
+  __m256 o[C];
+  const __m256 corr = _mm256_set1_ps(correction);
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) o[c] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * c), corr);
+  for (int64_t j = 0; j < visible; ++j) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * D + 8 * c), o[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + 8 * c, o[c]);
+}
+
+using AccumulateFn = void (*)(const float*, const float*, int64_t, int64_t, float, float*);
+constexpr AccumulateFn kAccumulate[9] = {nullptr,
+                                         AccumulateValues<1>,
+                                         AccumulateValues<2>,
+                                         AccumulateValues<3>,
+                                         AccumulateValues<4>,
+                                         AccumulateValues<5>,
+                                         AccumulateValues<6>,
+                                         AccumulateValues<7>,
+                                         AccumulateValues<8>};
+
+// AttendRowScalar for D % 8 == 0. Keys are scored 8 at a time while 8 rows of the block remain
+// (a group may run past `visible`: those scores, NaN or not, are replaced by -inf before use).
+inline void AttendRow(const float* q, const float* k, const float* v, int64_t block_rows, int64_t visible, int64_t D,
+                      float& m, float& l, float* acc, float* sc) {
+  if (D % 8) return AttendRowScalar(q, k, v, visible, D, m, l, acc, sc);
+  int64_t j = 0;
+  for (; j < visible && j + 8 <= block_rows; j += 8) _mm256_storeu_ps(sc + j, Dot8(q, k + j * D, D));
+  for (; j < visible; ++j) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[j * D + d];
+    sc[j] = dot;
+  }
+  const int64_t padded = (visible + 7) / 8 * 8;  // <= kMaxBlockSize: block sizes are multiples of 8 or scored above
+  for (int64_t t = visible; t < padded; ++t) sc[t] = -INFINITY;
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
+  const float m_new = std::max(m, HorizontalMax(mx));
+  const float correction = std::exp(m - m_new);
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(m_new);
+  for (int64_t t = 0; t < padded; t += 8) {
+    const __m256 p = Exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), shift));
+    sum = _mm256_add_ps(sum, p);
+    _mm256_storeu_ps(sc + t, p);
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t chunk = std::min<int64_t>(64, D - d0);
+    kAccumulate[chunk / 8](sc, v + d0, visible, D, correction, acc + d0);
+  }
+  l = l * correction + HorizontalSum(sum);
+  m = m_new;
+}
+#else
+inline void AttendRow(const float* q, const float* k, const float* v, int64_t, int64_t visible, int64_t D, float& m,
+                      float& l, float* acc, float* sc) {
+  AttendRowScalar(q, k, v, visible, D, m, l, acc, sc);
+}
+#endif
+
+// Fetches a cache block's rows into L1 ahead of use.
+inline void PrefetchBlock(const void* block, int64_t bytes) {
+  const char* p = static_cast<const char*>(block);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
 // One (sequence, KV head, query tile): rows are (token, head-in-group) pairs.
 template <typename T>
 void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
@@ -105,9 +259,17 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
   const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + item.first_token;
   const int64_t last_pos = pos0 + tile_tokens - 1;
 
-  std::vector<float> qf(rows * D), acc(rows * D, 0.0f), m(rows, -1e30f), l(rows, 0.0f);
-  std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : BS * D), vbuf(kbuf.size());  // bf16 only
-  float sc[kMaxBlockSize];
+  // Per-thread scratch, grown once: no allocation per work item.
+  thread_local std::vector<float> qf, acc, m, l, kbuf, vbuf;
+  qf.resize(rows * D);
+  acc.assign(rows * D, 0.0f);
+  m.assign(rows, -1e30f);
+  l.assign(rows, 0.0f);
+  if (!std::is_same_v<T, float>) {  // bf16 blocks are converted to floats here
+    kbuf.resize(BS * D);
+    vbuf.resize(BS * D);
+  }
+  alignas(32) float sc[kMaxBlockSize];
   for (int64_t t = 0; t < tile_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t row = t * group + g;
@@ -122,34 +284,19 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
   for (int64_t b = 0; b < num_blocks_seen; ++b) {
     const int64_t block_start = b * BS;
     const int64_t keys = std::min<int64_t>(BS, last_pos + 1 - block_start);  // <= kv_len - block_start
+    if (b + 1 < num_blocks_seen) {
+      const int64_t next = (head_base + block_table[b + 1]) * BS * D;
+      const int64_t next_keys = std::min<int64_t>(BS, last_pos + 1 - block_start - BS);
+      PrefetchBlock(k_cache + next, next_keys * D * sizeof(T));
+      PrefetchBlock(v_cache + next, next_keys * D * sizeof(T));
+    }
     const int64_t offset = (head_base + block_table[b]) * BS * D;
     const float* kb = BlockAsFloat(k_cache + offset, kbuf.data(), keys * D);
     const float* vb = BlockAsFloat(v_cache + offset, vbuf.data(), keys * D);
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t visible = std::min<int64_t>(keys, pos0 + row / group + 1 - block_start);
       if (visible <= 0) continue;
-      const float* qr = &qf[row * D];
-      float block_max = -1e30f;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float* kr = &kb[j * D];
-        float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-        sc[j] = dot;
-        block_max = std::max(block_max, dot);
-      }
-      const float m_new = std::max(m[row], block_max);
-      const float correction = std::exp(m[row] - m_new);
-      float* ar = &acc[row * D];
-      float sum = l[row] * correction;
-      for (int64_t d = 0; d < D; ++d) ar[d] *= correction;
-      for (int64_t j = 0; j < visible; ++j) {
-        const float p = std::exp(sc[j] - m_new);
-        sum += p;
-        const float* vr = &vb[j * D];
-        for (int64_t d = 0; d < D; ++d) ar[d] += p * vr[d];
-      }
-      l[row] = sum;
-      m[row] = m_new;
+      AttendRow(&qf[row * D], kb, vb, BS, visible, D, m[row], l[row], &acc[row * D], sc);
     }
   }
 

@@ -97,6 +97,13 @@ def test_kernel_covers_every_block_size_and_head_dim(impl, block_size, head_dim)
     assert_matches(run(impl, batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [12, 20])
+def test_cpu_kernel_handles_head_dims_off_its_8_wide_vectors(head_dim):
+    seqs = [(1, 37), (9, 9), (4, 70)]
+    batch = make_ragged_batch(seqs, block_size=16, num_kv_heads=2, group=3, head_dim=head_dim, seed=head_dim)
+    assert_matches(run("cpu", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
+
+
 def test_cpu_kernel_tiles_long_prefills_and_skips_empty_sequences():
     """Prefills longer than one 16-token tile, a chunk in the middle of a long context, and a
     sequence with no new tokens this step (it must neither attend nor write)."""
