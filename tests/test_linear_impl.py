@@ -151,8 +151,10 @@ def test_an_unknown_linear_impl_is_a_config_error():
         compose_config(["model.linear_impl=blas"])
 
 
-def test_cpu_token_buckets_are_dense_where_decode_steps_live():
-    assert default_token_buckets(2048, "cpu") == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512, 1024, 2048]
+def test_cpu_token_buckets_pad_a_step_by_at_most_a_third():
+    assert default_token_buckets(2048, "cpu") == [
+        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048
+    ]
     assert default_token_buckets(2048, "gpu") == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert default_token_buckets(50, "cpu") == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 50]
     assert default_token_buckets(3, "cpu") == [1, 2, 3]
