@@ -106,20 +106,6 @@ def sample(
     def logprobs_at(ids: jax.Array) -> jax.Array:  # i32[R, n] -> f32[R, n]
         return (jnp.take_along_axis(logits, ids, axis=-1) - row_max) - log_norm
 
-    def penalise(x):
-        seen, out_counts = token_counts(history, num_prompt, num_known, vocab)
-        return apply_penalties(x, seen, out_counts, s)
-
-    x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, logits)
-    rows = jnp.arange(num_rows)[:, None]
-    # Skipped when no row bans anything (ids past the vocab pad): the scatter copies the whole
-    # [R, V] logits, ~1 ms at 64 rows of a 32k vocab on CPU, on every step.
-    x = jax.lax.cond(
-        jnp.any(s.banned_token_ids < vocab),
-        lambda x: x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop"),
-        lambda x: x,
-        x,
-    )
     greedy = s.temperature == 0
 
     def draw(x):  # temperature, top-k / top-p / min-p, then Gumbel-argmax; greedy rows ignore it
@@ -134,9 +120,24 @@ def sample(
 
         return jnp.argmax(x_scaled + jax.vmap(row_noise)(s.seeds, s.counters), axis=-1)
 
-    # With every row greedy (the common offline case) the draw is skipped whole.
-    drawn = jax.lax.cond(s.any_random, draw, lambda x: jnp.zeros((num_rows,), jnp.int32), x)
-    token = jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
+    def choose(x):  # i32[R]: greedy rows take the argmax, the others a draw
+        # With every row greedy (the common offline case) the draw is skipped whole.
+        drawn = jax.lax.cond(s.any_random, draw, lambda x: jnp.zeros((num_rows,), jnp.int32), x)
+        return jnp.where(greedy, jnp.argmax(x, axis=-1), drawn).astype(jnp.int32)
+
+    def adjust_then_choose(x):  # penalties, then the banned ids (min_tokens), then choose
+        def penalise(x):
+            seen, out_counts = token_counts(history, num_prompt, num_known, vocab)
+            return apply_penalties(x, seen, out_counts, s)
+
+        x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, x)
+        rows = jnp.arange(num_rows)[:, None]
+        return choose(x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop"))
+
+    # The branches return only the [R] tokens: a branch that returned the [R, V] logits (even
+    # unchanged) would copy them, ~1 ms at 64 rows of a 32k vocab on CPU, on every step.
+    any_banned = jnp.any(s.banned_token_ids < vocab)  # ids past the vocab pad
+    token = jax.lax.cond(s.any_penalty | any_banned, adjust_then_choose, choose, logits)
     token_logprob = logprobs_at(token[:, None])[:, 0]
 
     def top_logprobs():
