@@ -104,18 +104,22 @@ def test_skipping_noise_and_top_logprobs_changes_no_greedy_token():
     assert np.all(lean[2] == 0) and np.all(lean[3] == 0)
 
 
-def test_no_conditional_of_the_step_returns_the_whole_logits():
-    """A conditional that returns the [R, V] logits copies them even from the branch that leaves
-    them unchanged (~1 ms at 64 rows of a 32k vocab on CPU). The step's conditionals must
-    return only per-row results; the penalties and the ban rewrite the logits inside a branch."""
-    s = arrays(2, temperature=[0.0, 1.0])
+def compiled_sample_hlo(s) -> str:  # the optimised HLO of `sample` over 2 rows
     zeros = jnp.zeros((2,), jnp.int32)
-    hlo = (
+    return (
         jax.jit(lambda lg, s: sample(lg, s, jnp.zeros((2, 8), jnp.int32), zeros, zeros, 3))
         .lower(jnp.zeros((2, VOCAB), jnp.float32), s)
         .compile()
         .as_text()
     )
+
+
+def test_no_conditional_of_the_step_returns_the_whole_logits():
+    """A conditional that returns the [R, V] logits copies them even from the branch that leaves
+    them unchanged (~1 ms at 64 rows of a 32k vocab on CPU). The step's conditionals must
+    return only per-row results; the penalties and the ban rewrite the logits inside a branch."""
+    s = arrays(2, temperature=[0.0, 1.0])
+    hlo = compiled_sample_hlo(s)
     entry = re.search(r"^ENTRY [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S).group(1)
     conditionals = re.findall(r"= (.*?) conditional\(", entry)
     assert conditionals, "the step has no conditional at all"
@@ -126,13 +130,7 @@ def test_banning_runs_only_in_a_branch_taken_when_some_row_bans_a_token():
     """The ban's scatter copies the whole [R, V] logits, so it must sit in a conditional's
     branch (taken only when some row bans an id), never in the step's straight-line code."""
     s = arrays(2, temperature=[0.0, 0.0])
-    zeros = jnp.zeros((2,), jnp.int32)
-    hlo = (
-        jax.jit(lambda lg, s: sample(lg, s, jnp.zeros((2, 8), jnp.int32), zeros, zeros, 3))
-        .lower(jnp.zeros((2, VOCAB), jnp.float32), s)
-        .compile()
-        .as_text()
-    )
+    hlo = compiled_sample_hlo(s)
     bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S)}
     branches = set()
     for body in bodies.values():
