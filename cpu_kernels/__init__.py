@@ -1,7 +1,9 @@
 """C++ kernels for CPU, called from JAX through the XLA FFI.
 
 - `ragged_paged_attention_cpu`: same arguments and result as the other attention
-  implementations (`pallas_kernels/__init__.py`); `attention.impl=cpu`.
+  implementations (`pallas_kernels/__init__.py`); `attention.impl=cpu`. q (and the result)
+  and the cache may differ in dtype (float32 / bfloat16 each): an f32 model can keep a bf16
+  cache, read as f32.
 - `packed_matmul`: float32 x @ w with w packed once by `pack_columns`; the model's linear
   layers under `model.linear_impl=cpu`.
 
@@ -124,9 +126,13 @@ def ragged_paged_attention_cpu(
     *,
     sm_scale: float,
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
-    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
-    if q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {q.dtype}; use attention.impl=xla")
+    check_attention_inputs(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, q_may_differ_from_cache=True
+    )
+    for name, dtype in (("q", q.dtype), ("the KV cache", k_cache.dtype)):
+        if dtype not in (jnp.float32, jnp.bfloat16):
+            raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {dtype} for {name}; "
+                             f"use cache.dtype=float32 or bfloat16, or attention.impl=xla")
     load_cpu_kernels()
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(

@@ -248,10 +248,11 @@ inline void PrefetchBlock(const void* block, int64_t bytes) {
 }
 
 // One (sequence, KV head, query tile): rows are (token, head-in-group) pairs.
-template <typename T>
-void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+// Q: the element type of q and out; C: the cache's (float, or uint16_t holding bf16).
+template <typename Q, typename C>
+void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                 int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer, const WorkItem& item, float sm_scale,
-                T* out) {
+                Q* out) {
   const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
   const int64_t tile_tokens = std::min<int64_t>(kTokensPerTile, q_len - item.first_token);
   const int64_t rows = tile_tokens * group;
@@ -265,7 +266,7 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
   acc.assign(rows * D, 0.0f);
   m.assign(rows, -1e30f);
   l.assign(rows, 0.0f);
-  if (!std::is_same_v<T, float>) {  // bf16 blocks are converted to floats here
+  if (!std::is_same_v<C, float>) {  // bf16 blocks are converted to floats here
     kbuf.resize(BS * D);
     vbuf.resize(BS * D);
   }
@@ -273,8 +274,8 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
   for (int64_t t = 0; t < tile_tokens; ++t) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t row = t * group + g;
-      const T* src = q + ((q_begin + item.first_token + t) * s.num_q_heads + item.kv_head * group + g) * D;
-      LoadRow<T>(src, &qf[row * D], D);
+      const Q* src = q + ((q_begin + item.first_token + t) * s.num_q_heads + item.kv_head * group + g) * D;
+      LoadRow<Q>(src, &qf[row * D], D);
       for (int64_t d = 0; d < D; ++d) qf[row * D + d] *= sm_scale;
     }
   }
@@ -287,8 +288,8 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
     if (b + 1 < num_blocks_seen) {
       const int64_t next = (head_base + block_table[b + 1]) * BS * D;
       const int64_t next_keys = std::min<int64_t>(BS, last_pos + 1 - block_start - BS);
-      PrefetchBlock(k_cache + next, next_keys * D * sizeof(T));
-      PrefetchBlock(v_cache + next, next_keys * D * sizeof(T));
+      PrefetchBlock(k_cache + next, next_keys * D * sizeof(C));
+      PrefetchBlock(v_cache + next, next_keys * D * sizeof(C));
     }
     const int64_t offset = (head_base + block_table[b]) * BS * D;
     const float* kb = BlockAsFloat(k_cache + offset, kbuf.data(), keys * D);
@@ -306,17 +307,17 @@ void AttendTile(const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
       const int64_t row = t * group + g;
       const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
       for (int64_t d = 0; d < D; ++d) normed[d] = acc[row * D + d] * inv;
-      T* dst = out + ((q_begin + item.first_token + t) * s.num_q_heads + item.kv_head * group + g) * D;
-      StoreRow<T>(normed, dst, D);
+      Q* dst = out + ((q_begin + item.first_token + t) * s.num_q_heads + item.kv_head * group + g) * D;
+      StoreRow<Q>(normed, dst, D);
     }
   }
 }
 
-template <typename T>
-ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const T* q, const T* k_cache, const T* v_cache,
+template <typename Q, typename C>
+ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
                   const int32_t* kv_lens, const int32_t* block_tables, const int32_t* qsl, int32_t num_seqs,
-                  int32_t layer, float sm_scale, T* out) {
-  std::memset(out, 0, s.num_tokens * s.num_q_heads * s.head_dim * sizeof(T));
+                  int32_t layer, float sm_scale, Q* out) {
+  std::memset(out, 0, s.num_tokens * s.num_q_heads * s.head_dim * sizeof(Q));
   if (num_seqs < 0 || num_seqs > s.num_seqs_max)
     return ffi::Error::InvalidArgument("num_seqs=" + std::to_string(num_seqs) + " is outside [0, " +
                                        std::to_string(s.num_seqs_max) + "]");
@@ -345,7 +346,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const T* q, const T* k_
   const int64_t extra_threads = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   jaxcb::ParallelFor(pool, n, std::max<int64_t>(extra_threads, 0), [&](int64_t i) {
     const WorkItem& item = items[i];
-    AttendTile<T>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
+    AttendTile<Q, C>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
                   qsl[item.seq + 1] - qsl[item.seq], layer, item, sm_scale, out);
   });
   return ffi::Error::Success();
@@ -363,20 +364,23 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   if (s.block_size > kMaxBlockSize || s.head_dim > kMaxHeadDim || s.num_q_heads % s.num_kv_heads)
     return ffi::Error::InvalidArgument("block_size <= 64, head_dim <= 256 and num_q_heads % num_kv_heads == 0");
   const int32_t n = num_seqs.typed_data()[0], lyr = layer.typed_data()[0];
-  switch (q.element_type()) {
-    case ffi::F32:
-      return Attend<float>(pool, s, q.typed_data<float>(), k_cache.typed_data<float>(), v_cache.typed_data<float>(),
-                           kv_lens.typed_data(), block_tables.typed_data(), query_start_loc.typed_data(), n, lyr,
-                           sm_scale, out->typed_data<float>());
-    case ffi::BF16:
-      return Attend<uint16_t>(pool, s, reinterpret_cast<const uint16_t*>(q.untyped_data()),
-                              reinterpret_cast<const uint16_t*>(k_cache.untyped_data()),
-                              reinterpret_cast<const uint16_t*>(v_cache.untyped_data()), kv_lens.typed_data(),
-                              block_tables.typed_data(), query_start_loc.typed_data(), n, lyr, sm_scale,
-                              reinterpret_cast<uint16_t*>(out->untyped_data()));
-    default:
-      return ffi::Error::InvalidArgument("ragged paged attention on CPU takes float32 or bfloat16");
-  }
+  if (k_cache.element_type() != v_cache.element_type())
+    return ffi::Error::InvalidArgument("k_cache and v_cache must have the same dtype");
+  const bool q_f32 = q.element_type() == ffi::F32, cache_f32 = k_cache.element_type() == ffi::F32;
+  if ((!q_f32 && q.element_type() != ffi::BF16) || (!cache_f32 && k_cache.element_type() != ffi::BF16))
+    return ffi::Error::InvalidArgument("ragged paged attention on CPU takes float32 or bfloat16 (q and cache)");
+  auto run = [&](auto* q_data, auto* cache_type) {
+    using Q = std::remove_const_t<std::remove_pointer_t<decltype(q_data)>>;
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    return Attend<Q, C>(pool, s, q_data, reinterpret_cast<const C*>(k_cache.untyped_data()),
+                        reinterpret_cast<const C*>(v_cache.untyped_data()), kv_lens.typed_data(),
+                        block_tables.typed_data(), query_start_loc.typed_data(), n, lyr, sm_scale,
+                        reinterpret_cast<Q*>(out->untyped_data()));
+  };
+  const auto* q_float = reinterpret_cast<const float*>(q.untyped_data());
+  const auto* q_bf16 = reinterpret_cast<const uint16_t*>(q.untyped_data());
+  if (q_f32) return cache_f32 ? run(q_float, static_cast<float*>(nullptr)) : run(q_float, static_cast<uint16_t*>(nullptr));
+  return cache_f32 ? run(q_bf16, static_cast<float*>(nullptr)) : run(q_bf16, static_cast<uint16_t*>(nullptr));
 }
 
 }  // namespace

@@ -70,11 +70,15 @@ class AttentionBackend:
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
         sm_scale: float,
-    ) -> jax.Array:  # [T, num_q_heads, head_dim]
-        return self.fn(
-            q, cache.k, cache.v, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs, layer,
+    ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
+        """With a cache in another dtype than the model's (`cache.dtype`), the CPU kernel reads
+        the cache as f32 and computes in f32; the others compute in the cache's dtype."""
+        q_in = q if self.name == "cpu" else q.astype(cache.k.dtype)
+        out = self.fn(
+            q_in, cache.k, cache.v, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs, layer,
             sm_scale=sm_scale,
         )
+        return out.astype(q.dtype)
 
     def write_and_attend(
         self,

@@ -13,8 +13,11 @@ import jax.numpy as jnp
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 
 
-def check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer) -> None:
-    """Shape and dtype checks with messages that name the offending argument."""
+def check_attention_inputs(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, *, q_may_differ_from_cache=False
+) -> None:
+    """Shape and dtype checks with messages that name the offending argument. An implementation
+    that reads the cache in one dtype and computes in q's passes q_may_differ_from_cache."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
@@ -29,7 +32,9 @@ def check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_sta
         raise ValueError(f"num_q_heads={q.shape[1]} must be a multiple of num_kv_heads={num_kv_heads}")
     if block_size not in SUPPORTED_BLOCK_SIZES:
         raise ValueError(f"{block_size=} must be one of {SUPPORTED_BLOCK_SIZES}")
-    if q.dtype != k_cache.dtype:
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} must equal v_cache dtype {v_cache.dtype}")
+    if q.dtype != k_cache.dtype and not q_may_differ_from_cache:
         raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks_per_seq], got {block_tables.shape=}")

@@ -104,6 +104,21 @@ def test_cpu_kernel_handles_head_dims_off_its_8_wide_vectors(head_dim):
     assert_matches(run("cpu", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
 
 
+@pytest.mark.parametrize("q_dtype,cache_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)])
+def test_cpu_kernel_reads_a_cache_whose_dtype_differs_from_q(q_dtype, cache_dtype):
+    """An f32 model may keep a bf16 cache (`cache.dtype=bfloat16`): the kernel reads the cache's
+    values as f32 and answers in q's dtype, as the reference does with the same values in f32."""
+    batch = make_ragged_batch([(1, 37), (9, 9), (4, 70)], block_size=16, num_kv_heads=2, group=3, head_dim=64, seed=5)
+    q, k, v, *rest = batch.args(jnp)
+    q, k, v = q.astype(q_dtype), k.astype(cache_dtype), v.astype(cache_dtype)
+    out = ragged_paged_attention_cpu(q, k, v, *rest, sm_scale=SM_SCALE)
+    assert out.dtype == q_dtype
+    with jax.default_matmul_precision("highest"):
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        expected = np.asarray(ragged_paged_attention_reference(*f32, *rest, sm_scale=SM_SCALE))
+    assert_matches(np.asarray(out.astype(jnp.float32)), expected, batch, 1e-5 if q_dtype == jnp.float32 else 1e-2)
+
+
 def test_cpu_kernel_tiles_long_prefills_and_skips_empty_sequences():
     """Prefills longer than one 16-token tile, a chunk in the middle of a long context, and a
     sequence with no new tokens this step (it must neither attend nor write)."""
@@ -151,8 +166,11 @@ def test_validation_names_the_bad_argument():
             impl(q, k, v, kv_lens.astype(jnp.float32), tables, qsl, n, layer, sm_scale=1.0)
         with pytest.raises(ValueError, match=r"query_start_loc must be \[3\]"):
             impl(q, k, v, kv_lens, tables, qsl[:2], n, layer, sm_scale=1.0)
-        with pytest.raises(ValueError, match="q dtype bfloat16 must equal the cache dtype float32"):
-            impl(q.astype(jnp.bfloat16), k, v, kv_lens, tables, qsl, n, layer, sm_scale=1.0)
+        if impl is not ragged_paged_attention_cpu:  # the CPU kernel reads either cache dtype with either q
+            with pytest.raises(ValueError, match="q dtype bfloat16 must equal the cache dtype float32"):
+                impl(q.astype(jnp.bfloat16), k, v, kv_lens, tables, qsl, n, layer, sm_scale=1.0)
+        with pytest.raises(ValueError, match="k_cache dtype bfloat16 must equal v_cache dtype float32"):
+            impl(q, k.astype(jnp.bfloat16), v, kv_lens, tables, qsl, n, layer, sm_scale=1.0)
 
 
 def test_batch_value_checks_catch_what_jit_cannot():

@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engine_factory import generate_first_completions, make_engine
 from jaxcb.config import CacheConfig, ConfigError
 from jaxcb.kv_cache import KVCache, allocate_kv_cache, default_cache_dtype, kv_cache_shape, plan_kv_cache, write_kv
 from jaxcb.model.config import LlamaConfig
+from jaxcb.sampling_params import SamplingParams
 
 TINY = LlamaConfig(
     vocab_size=259, hidden_size=96, intermediate_size=200, num_layers=3, num_heads=6, num_kv_heads=2, head_dim=16,
@@ -116,3 +118,15 @@ def test_write_kv_never_copies_the_cache_whatever_the_number_of_tokens(num_token
     for layer in range(TINY.num_layers):
         np.testing.assert_array_equal(out.k[layer, :, 0, 3], np.full((2, 16), layer, np.float32))
     np.testing.assert_array_equal(out.v[1, :, 0, 3], -np.ones((2, 16), np.float32))
+
+
+@pytest.mark.parametrize("impl", ["cpu", "xla"])
+def test_an_f32_model_serves_from_a_bf16_cache(impl):
+    """`cache.dtype=bfloat16` under a float32 model: K/V are stored in bf16, attention takes
+    the f32 queries (the CPU kernel reads the cache as f32; the XLA path computes in bf16)."""
+    e = make_engine("cache.dtype=bfloat16", f"attention.impl={impl}")
+    assert e.runner.kv_cache.k.dtype == jnp.bfloat16
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [out] = generate_first_completions(e, [list(b"Once upon a time")], params)
+    assert len(out.token_ids) == 6
+
