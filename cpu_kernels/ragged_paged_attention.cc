@@ -65,7 +65,14 @@ inline void LoadRow<float>(const float* src, float* dst, int64_t n) {
 
 template <>
 inline void LoadRow<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) {  // a bf16 is the top half of its f32: widen and shift, 8 at a time
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
 }
 
 // A cache block's rows as floats: f32 blocks are read in place, bf16 ones converted into `buf`.
