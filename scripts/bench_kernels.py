@@ -7,6 +7,10 @@ attention: on the same random ragged batches, the C++ CPU kernel (`attention.imp
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
 interpreter.
 
+cache-dtype: the C++ attention kernel over `small`'s heads (12 query / 4 KV heads of 64, all
+12 layers of a stacked cache per call) with a float32 cache against a bfloat16 one
+(`cache.dtype=bfloat16` under a float32 model), the two timed alternately.
+
 matmul: the linear layers of the `small` preset (12 x q/k/v, o, gate/up, down, then the
 32000-row LM head; 498 MB of float32 weights) as one jitted chain, through the packed C++
 matmul (`model.linear_impl=cpu`) and through XLA's dot, for steps of 1 to 2048 tokens.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -84,14 +89,18 @@ def matmul_table(calls: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=30)
-    parser.add_argument("--kernels", default="attention,matmul", help="comma-separated: attention, matmul")
+    parser.add_argument("--kernels", default="attention,matmul",
+                        help="comma-separated: attention, cache-dtype, matmul")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls\n")
     kernels = set(args.kernels.split(","))
-    if kernels - {"attention", "matmul"}:
-        parser.error(f"--kernels {args.kernels}: each must be attention or matmul")
+    if kernels - {"attention", "cache-dtype", "matmul"}:
+        parser.error(f"--kernels {args.kernels}: each must be attention, cache-dtype or matmul")
     if "attention" in kernels:
         attention_table(args.calls)
+    if "cache-dtype" in kernels:
+        print()
+        cache_dtype_table(args.calls)
     if "matmul" in kernels:
         print()
         matmul_table(args.calls)
@@ -115,6 +124,41 @@ def attention_table(calls_per_impl: int) -> None:
         cells = " | ".join(f"{ms[i]:.2f}" for i in IMPLS)
         ratios = " | ".join(f"{ms[i] / ms['cpu']:.1f}x" for i in others)
         print(f"| {name} | {batch.num_real_tokens} | {cells} | {ratios} |")
+
+
+# `small`'s attention: 12 query heads over 4 KV heads of 64, a 12-layer cache, all layers per call.
+SMALL_HEADS = dict(num_kv_heads=4, group=3, head_dim=64, block_size=16, num_layers=12, layer=0, pad_tokens=0, pad_seqs=0)
+CACHE_DTYPE_WORKLOADS = {
+    "decode 64 seqs @ 100 ctx": [(1, 100)] * 64,
+    "decode 64 seqs @ 400 ctx": [(1, 400)] * 64,
+    "decode 8 seqs @ 1000 ctx": [(1, 1000)] * 8,
+    "prefill 1 x 512": [(512, 512)],
+}
+
+
+def cache_dtype_table(calls: int) -> None:
+    layers = SMALL_HEADS["num_layers"]
+
+    @jax.jit
+    def all_layers(q, k, v, kv_lens, tables, qsl, num_seqs, _):
+        return jnp.stack([ragged_paged_attention_cpu(q, k, v, kv_lens, tables, qsl, num_seqs, jnp.int32(i),
+                                                     sm_scale=SMALL_HEADS["head_dim"] ** -0.5) for i in range(layers)])
+
+    print("| workload (small's heads) | f32 cache (ms / layer) | bf16 cache (ms / layer) | f32 / bf16 |")
+    print("|---|---|---|---|")
+    for name, seqs in CACHE_DTYPE_WORKLOADS.items():
+        f32 = make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)
+        bf16 = (f32[0], f32[1].astype(jnp.bfloat16), f32[2].astype(jnp.bfloat16), *f32[3:])
+        times = {"f32": [], "bf16": []}
+        for inputs in (f32, bf16):
+            jax.block_until_ready(all_layers(*inputs))
+        for i in range(calls):  # alternately, so that both see the same spells of the machine
+            for key, inputs in (("f32", f32), ("bf16", bf16)) if i % 2 else (("bf16", bf16), ("f32", f32)):
+                start = time.perf_counter()
+                jax.block_until_ready(all_layers(*inputs))
+                times[key].append(time.perf_counter() - start)
+        a, b = (1e3 * float(np.median(times[k])) / layers for k in ("f32", "bf16"))
+        print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
 
 
 if __name__ == "__main__":
