@@ -109,6 +109,20 @@ class AttentionBackend:
         )(q, k, v, cache, layer, md)
 
 
+# The cache dtypes the C++ CPU kernel reads (with either of these for q).
+CPU_KERNEL_CACHE_DTYPES = ("float32", "bfloat16")
+
+
+def check_cache_dtype(backend: AttentionBackend, cache_dtype) -> None:
+    """A ConfigError at start-up for a cache dtype the chosen attention cannot read."""
+    name = jax.numpy.dtype(cache_dtype).name
+    if backend.name == "cpu" and name not in CPU_KERNEL_CACHE_DTYPES:
+        raise ConfigError(
+            f"cache.dtype={name} cannot be read by the C++ CPU attention kernel (attention.impl=cpu, the "
+            f"default on CPU): use cache.dtype=float32 or bfloat16, or attention.impl=xla"
+        )
+
+
 def resolve_attention_impl(impl: str, platform: str | None = None) -> str:
     """The implementation `impl` stands for on `platform`; building the CPU kernel if auto picks it."""
     platform = platform or jax.default_backend()

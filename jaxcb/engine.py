@@ -25,6 +25,7 @@ from typing import Optional, Sequence, Union
 import jax
 from tqdm import tqdm
 
+from jaxcb.attention import check_cache_dtype
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.detokenizer import IncrementalDetokenizer
@@ -86,6 +87,7 @@ class Engine:
             tensor_parallel_size=cfg.engine.tensor_parallel_size,
         )
         self.cache_plan = plan
+        check_cache_dtype(model.attention, plan.dtype)
         self.block_pool = BlockPool(plan.num_blocks)
         kv_cache = allocate_planned_kv_cache(model_cfg, plan, self.tp.kv_cache if self.tp is not None else None)
         host_pool = swap_space = None

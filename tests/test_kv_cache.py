@@ -130,3 +130,9 @@ def test_an_f32_model_serves_from_a_bf16_cache(impl):
     [out] = generate_first_completions(e, [list(b"Once upon a time")], params)
     assert len(out.token_ids) == 6
 
+
+def test_a_cache_dtype_the_cpu_kernel_cannot_read_is_a_config_error_at_start_up():
+    with pytest.raises(ConfigError, match="cache.dtype=float16 cannot be read by the C.. CPU attention kernel.*"
+                                          "use cache.dtype=float32 or bfloat16, or attention.impl=xla"):
+        make_engine("cache.dtype=float16", "attention.impl=cpu")
+
