@@ -78,7 +78,6 @@ class Buckets:
         return t, r, w
 
 
-
 def default_token_buckets(budget: int, platform: str) -> list[int]:
     """On an accelerator a small step costs what reading the weights costs, padded or not, so
     powers of two from 16 keep the compile count low. On CPU a step's time grows with its
