@@ -71,8 +71,12 @@ def _compiler() -> str:
     return cxx
 
 
-def build_library() -> Path:
-    """Path of the compiled library, building it if these sources/flags/CPU have not been built yet."""
+def build_library(source_dir: Path = HERE) -> Path:
+    """Path of the compiled library, building it if these sources/flags/CPU have not been built yet.
+    `source_dir` holds the same file names as this package (another revision's, for an A/B)."""
+    sources, headers = SOURCES, HEADERS
+    if source_dir != HERE:
+        sources, headers = (tuple(source_dir / f.name for f in files) for files in (SOURCES, HEADERS))
     cxx = _compiler()
     include = jax.ffi.include_dir()
     try:
@@ -80,7 +84,7 @@ def build_library() -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise CpuKernelUnavailable(f"C++ compiler {cxx} does not run: {e}") from e
     key = hashlib.sha256(
-        "\0".join([*(f.read_text() for f in (*SOURCES, *HEADERS)), " ".join(CXX_FLAGS), version, _cpu_signature(),
+        "\0".join([*(f.read_text() for f in (*sources, *headers)), " ".join(CXX_FLAGS), version, _cpu_signature(),
                    include, jax.__version__]).encode()
     ).hexdigest()[:16]
     out = cache_dir() / f"jaxcb_cpu_kernels-{key}.so"
@@ -90,7 +94,7 @@ def build_library() -> Path:
     # Build to a private name, then rename: concurrent builders never see a half-written library.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *CXX_FLAGS, "-I", str(HERE), "-isystem", include, *map(str, SOURCES), "-o", tmp]
+    cmd = [cxx, *CXX_FLAGS, "-I", str(source_dir), "-isystem", include, *map(str, sources), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:

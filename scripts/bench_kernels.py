@@ -11,6 +11,10 @@ cache-dtype: the C++ attention kernel over `small`'s heads (12 query / 4 KV head
 12 layers of a stacked cache per call) with a float32 cache against a bfloat16 one
 (`cache.dtype=bfloat16` under a float32 model), the two timed alternately.
 
+--against REV: the kernels of this checkout against those of git revision REV, built side by
+side from REV's `cpu_kernels/` sources and timed alternately in one process: small's matmul
+chain by step size, and attention over small's heads. The A/B behind a kernel change.
+
 matmul: the linear layers of the `small` preset (12 x q/k/v, o, gate/up, down, then the
 32000-row LM head; 498 MB of float32 weights) as one jitted chain, through the packed C++
 matmul (`model.linear_impl=cpu`) and through XLA's dot, for steps of 1 to 2048 tokens.
@@ -22,14 +26,19 @@ are what to quote; absolute times depend on the machine and its load.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import numpy as np
 
+import cpu_kernels
 from cpu_kernels import pack_columns, packed_matmul, ragged_paged_attention_cpu
 from jaxcb.timing import time_calls
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, ragged_paged_attention_xla
@@ -91,8 +100,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--kernels", default="attention,matmul",
                         help="comma-separated: attention, cache-dtype, matmul")
+    parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls\n")
+    if args.against:
+        against_table(args.against, args.calls)
+        return
     kernels = set(args.kernels.split(","))
     if kernels - {"attention", "cache-dtype", "matmul"}:
         parser.error(f"--kernels {args.kernels}: each must be attention, cache-dtype or matmul")
@@ -159,6 +172,81 @@ def cache_dtype_table(calls: int) -> None:
                 times[key].append(time.perf_counter() - start)
         a, b = (1e3 * float(np.median(times[k])) / layers for k in ("f32", "bf16"))
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+
+
+def register_kernels_at(rev: str) -> tuple[str, str]:
+    """Builds revision `rev`'s CPU kernels and registers them under their own names:
+    (attention target, matmul target)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
+            done = subprocess.run(["git", "show", f"{rev}:cpu_kernels/{f.name}"], capture_output=True, text=True,
+                                  cwd=cpu_kernels.HERE)
+            if done.returncode != 0:
+                raise SystemExit(f"--against {rev}: cannot read cpu_kernels/{f.name} there: {done.stderr.strip()}")
+            (Path(tmp) / f.name).write_text(done.stdout)
+        lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library(Path(tmp))))
+    targets = (f"{cpu_kernels.ATTENTION_TARGET}_{rev}", f"{cpu_kernels.MATMUL_TARGET}_{rev}")
+    jax.ffi.register_ffi_target(targets[0], jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(targets[1], jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
+    return targets
+
+
+def alternate(fns: dict, args: tuple, calls: int) -> dict[str, float]:
+    """Median seconds of each jitted fn on args, the fns called in turn (order flipped every round)."""
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))
+    times = {name: [] for name in fns}
+    for i in range(calls):
+        for name in (list(fns) if i % 2 else list(fns)[::-1]):
+            start = time.perf_counter()
+            jax.block_until_ready(fns[name](*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def against_table(rev: str, calls: int) -> None:
+    attention_target, matmul_target = register_kernels_at(rev)
+    cpu_kernels.load_cpu_kernels()
+
+    def matmul_at_rev(x, packed, n):
+        return jax.ffi.ffi_call(matmul_target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, packed)
+
+    def chain(matmul):
+        return jax.jit(lambda x, ws: jnp.stack([matmul(jnp.tile(x, (1, -(-k // x.shape[1])))[:, :k], w, n).sum()
+                                                for (k, n), w in zip(SMALL_LINEARS, ws)]))
+
+    rng = np.random.default_rng(0)
+    packed = [pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)) for shape in SMALL_LINEARS]
+    fns = {"this checkout": chain(packed_matmul), rev: chain(matmul_at_rev)}
+    print(f"| small's matmul chain, tokens | this checkout (ms) | {rev} (ms) | {rev} / this |")
+    print("|---|---|---|---|")
+    for m in MATMUL_TOKENS:
+        x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
+        ms = alternate(fns, (x, packed), calls if m <= 64 else max(3, calls // 5))
+        print(f"| {m} | {1e3 * ms['this checkout']:.1f} | {1e3 * ms[rev]:.1f} | {ms[rev] / ms['this checkout']:.2f}x |")
+
+    layers = SMALL_HEADS["num_layers"]
+
+    def all_layers(attention):
+        return jax.jit(lambda q, k, v, kv_lens, tables, qsl, n, _: jnp.stack([
+            attention(q, k, v, kv_lens, tables, qsl, n, jnp.int32(i)) for i in range(layers)]))
+
+    def attention_at_rev(q, k, v, kv_lens, tables, qsl, n, layer):
+        call = jax.ffi.ffi_call(attention_target, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        return call(q, k, v, kv_lens, tables, qsl, jnp.reshape(n, ()), jnp.reshape(layer, ()),
+                    sm_scale=np.float32(SMALL_HEADS["head_dim"] ** -0.5))
+
+    fns = {"this checkout": all_layers(functools.partial(ragged_paged_attention_cpu,
+                                                         sm_scale=SMALL_HEADS["head_dim"] ** -0.5)),
+           rev: all_layers(attention_at_rev)}
+    print(f"\n| attention, small's heads | this checkout (ms / layer) | {rev} (ms / layer) | {rev} / this |")
+    print("|---|---|---|---|")
+    for name, seqs in {**CACHE_DTYPE_WORKLOADS, "mixed 32 decodes @ 256 + 224-token chunk": WORKLOADS[
+            "mixed 32 decodes @ 256 + 224-token chunk"]}.items():
+        inputs = make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)
+        ms = alternate(fns, inputs, calls)
+        print(f"| {name} | {1e3 * ms['this checkout'] / layers:.2f} | {1e3 * ms[rev] / layers:.2f} | "
+              f"{ms[rev] / ms['this checkout']:.2f}x |")
 
 
 if __name__ == "__main__":

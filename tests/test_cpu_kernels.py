@@ -59,3 +59,16 @@ def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypat
         with monkeypatch.context() as m:
             m.setattr(cpu_kernels, "SOURCES", tuple(sources))
             assert cpu_kernels.build_library() != first
+
+
+def test_sources_from_another_directory_build_their_own_library(monkeypatch, tmp_path):
+    """`build_library(source_dir)` builds another revision's kernels (the A/B of
+    `scripts/bench_kernels.py --against`): keyed by their content, like this package's."""
+    monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path / "cache"))
+    here = cpu_kernels.build_library()
+    for name, suffix in (("same", ""), ("changed", "\n// changed\n")):
+        (tmp_path / name).mkdir()
+        for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
+            (tmp_path / name / f.name).write_text(f.read_text() + (suffix if f.suffix == ".cc" else ""))
+    assert cpu_kernels.build_library(tmp_path / "same") == here
+    assert cpu_kernels.build_library(tmp_path / "changed") != here
