@@ -38,6 +38,7 @@ HEADERS = (HERE / "parallel_for.h",)
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
+ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of the cache, each (ragged_paged_attention.cc)
 CXX_FLAGS = (
     "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
     # Lets GCC vectorise the dot-product reductions; no -ffinite-math-only (masks rely on it not).
@@ -134,7 +135,7 @@ def ragged_paged_attention_cpu(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, q_may_differ_from_cache=True
     )
     for name, dtype in (("q", q.dtype), ("the KV cache", k_cache.dtype)):
-        if dtype not in (jnp.float32, jnp.bfloat16):
+        if jnp.dtype(dtype).name not in ATTENTION_DTYPES:
             raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {dtype} for {name}; "
                              f"use cache.dtype=float32 or bfloat16, or attention.impl=xla")
     load_cpu_kernels()

@@ -108,17 +108,21 @@ struct WorkItem {
   int32_t first_token;  // offset of the tile's first query token within the sequence's new tokens
 };
 
+inline float Dot(const float* q, const float* k, int64_t D) {
+  float dot = 0.0f;
+  for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
+  return dot;
+}
+
 // One query row (already scaled) against the first `visible` keys of a block: the online
 // softmax update of its running max m, sum l and output acc. k and v hold the block's rows
-// (block_rows of them, D floats each); sc is scratch for kMaxBlockSize scores.
+// (D floats each); sc is scratch for kMaxBlockSize scores.
 inline void AttendRowScalar(const float* q, const float* k, const float* v, int64_t visible, int64_t D, float& m,
                             float& l, float* acc, float* sc) {
   float block_max = -1e30f;
   for (int64_t j = 0; j < visible; ++j) {
-    float dot = 0.0f;
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[j * D + d];
-    sc[j] = dot;
-    block_max = std::max(block_max, dot);
+    sc[j] = Dot(q, k + j * D, D);
+    block_max = std::max(block_max, sc[j]);
   }
   const float m_new = std::max(m, block_max);
   const float correction = std::exp(m - m_new);
@@ -216,11 +220,7 @@ inline void AttendRow(const float* q, const float* k, const float* v, int64_t bl
   if (D % 8) return AttendRowScalar(q, k, v, visible, D, m, l, acc, sc);
   int64_t j = 0;
   for (; j < visible && j + 8 <= block_rows; j += 8) _mm256_storeu_ps(sc + j, Dot8(q, k + j * D, D));
-  for (; j < visible; ++j) {
-    float dot = 0.0f;
-    for (int64_t d = 0; d < D; ++d) dot += q[d] * k[j * D + d];
-    sc[j] = dot;
-  }
+  for (; j < visible; ++j) sc[j] = Dot(q, k + j * D, D);
   const int64_t padded = (visible + 7) / 8 * 8;  // <= kMaxBlockSize: block sizes are multiples of 8 or scored above
   for (int64_t t = visible; t < padded; ++t) sc[t] = -INFINITY;
   __m256 mx = _mm256_set1_ps(-INFINITY);

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from cpu_kernels import ATTENTION_DTYPES as CPU_ATTENTION_DTYPES
 from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, ragged_paged_attention_cpu
 from jaxcb.config import AttentionConfig, ConfigError
 from jaxcb.kv_cache import KVCache, write_kv
@@ -109,14 +110,10 @@ class AttentionBackend:
         )(q, k, v, cache, layer, md)
 
 
-# The cache dtypes the C++ CPU kernel reads (with either of these for q).
-CPU_KERNEL_CACHE_DTYPES = ("float32", "bfloat16")
-
-
 def check_cache_dtype(backend: AttentionBackend, cache_dtype) -> None:
     """A ConfigError at start-up for a cache dtype the chosen attention cannot read."""
     name = jax.numpy.dtype(cache_dtype).name
-    if backend.name == "cpu" and name not in CPU_KERNEL_CACHE_DTYPES:
+    if backend.name == "cpu" and name not in CPU_ATTENTION_DTYPES:
         raise ConfigError(
             f"cache.dtype={name} cannot be read by the C++ CPU attention kernel (attention.impl=cpu, the "
             f"default on CPU): use cache.dtype=float32 or bfloat16, or attention.impl=xla"

@@ -67,22 +67,23 @@ SMALL_LINEARS = [(768, 1280), (768, 768), (768, 4096), (2048, 768)] * 12 + [(768
 MATMUL_TOKENS = (1, 4, 16, 64, 256, 2048)
 
 
+def small_matmul_chain(matmul):  # jitted (x, weights) -> the sum of every linear's output
+    def run(x, ws):  # each matmul's input is the step's x cut or tiled to its width
+        total = jnp.float32(0)
+        for (k, n), w in zip(SMALL_LINEARS, ws):
+            total += matmul(jnp.tile(x, (1, -(-k // x.shape[1])))[:, :k], w, n).sum()
+        return total
+
+    return jax.jit(run)
+
+
 def matmul_table(calls: int) -> None:
     rng = np.random.default_rng(0)
     weights = [jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02) for shape in SMALL_LINEARS]
     packed = [jax.block_until_ready(pack_columns(w)) for w in weights]
     flops_per_token = 2 * sum(k * n for k, n in SMALL_LINEARS)
 
-    def chain(matmul):
-        def run(x, ws):  # each matmul's input is the step's x cut or tiled to its width
-            total = jnp.float32(0)
-            for (k, n), w in zip(SMALL_LINEARS, ws):
-                total += matmul(jnp.tile(x, (1, -(-k // x.shape[1])))[:, :k], w, n).sum()
-            return total
-
-        return jax.jit(run)
-
-    packed_chain, xla_chain = chain(packed_matmul), chain(lambda x, w, n: x @ w)
+    packed_chain, xla_chain = small_matmul_chain(packed_matmul), small_matmul_chain(lambda x, w, n: x @ w)
     print("| tokens in the step | packed C++ (ms) | XLA dot (ms) | XLA / packed | packed GFLOP/s | packed weight GB/s |")
     print("|---|---|---|---|---|---|")
     for m in MATMUL_TOKENS:
@@ -149,28 +150,26 @@ CACHE_DTYPE_WORKLOADS = {
 }
 
 
+def small_attention_all_layers(attention):  # jitted batch args -> attention at every layer of the cache
+    def run(q, k, v, kv_lens, tables, qsl, num_seqs, _):
+        return jnp.stack([attention(q, k, v, kv_lens, tables, qsl, num_seqs, jnp.int32(i),
+                                    sm_scale=SMALL_HEADS["head_dim"] ** -0.5)
+                          for i in range(SMALL_HEADS["num_layers"])])
+
+    return jax.jit(run)
+
+
 def cache_dtype_table(calls: int) -> None:
     layers = SMALL_HEADS["num_layers"]
-
-    @jax.jit
-    def all_layers(q, k, v, kv_lens, tables, qsl, num_seqs, _):
-        return jnp.stack([ragged_paged_attention_cpu(q, k, v, kv_lens, tables, qsl, num_seqs, jnp.int32(i),
-                                                     sm_scale=SMALL_HEADS["head_dim"] ** -0.5) for i in range(layers)])
+    all_layers = small_attention_all_layers(ragged_paged_attention_cpu)
 
     print("| workload (small's heads) | f32 cache (ms / layer) | bf16 cache (ms / layer) | f32 / bf16 |")
     print("|---|---|---|---|")
     for name, seqs in CACHE_DTYPE_WORKLOADS.items():
         f32 = make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)
         bf16 = (f32[0], f32[1].astype(jnp.bfloat16), f32[2].astype(jnp.bfloat16), *f32[3:])
-        times = {"f32": [], "bf16": []}
-        for inputs in (f32, bf16):
-            jax.block_until_ready(all_layers(*inputs))
-        for i in range(calls):  # alternately, so that both see the same spells of the machine
-            for key, inputs in (("f32", f32), ("bf16", bf16)) if i % 2 else (("bf16", bf16), ("f32", f32)):
-                start = time.perf_counter()
-                jax.block_until_ready(all_layers(*inputs))
-                times[key].append(time.perf_counter() - start)
-        a, b = (1e3 * float(np.median(times[k])) / layers for k in ("f32", "bf16"))
+        seconds = alternate({"f32": (all_layers, f32), "bf16": (all_layers, bf16)}, calls)
+        a, b = (1e3 * seconds[k] / layers for k in ("f32", "bf16"))
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
 
 
@@ -191,15 +190,17 @@ def register_kernels_at(rev: str) -> tuple[str, str]:
     return targets
 
 
-def alternate(fns: dict, args: tuple, calls: int) -> dict[str, float]:
-    """Median seconds of each jitted fn on args, the fns called in turn (order flipped every round)."""
-    for fn in fns.values():
+def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:
+    """Median seconds of each run (a jitted fn, its args), the runs called in turn with the order
+    flipped every round, so that all of them see the same spells of the machine."""
+    for fn, args in runs.values():
         jax.block_until_ready(fn(*args))
-    times = {name: [] for name in fns}
+    times = {name: [] for name in runs}
     for i in range(calls):
-        for name in (list(fns) if i % 2 else list(fns)[::-1]):
+        for name in (list(runs) if i % 2 else list(runs)[::-1]):
+            fn, args = runs[name]
             start = time.perf_counter()
-            jax.block_until_ready(fns[name](*args))
+            jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - start)
     return {name: float(np.median(t)) for name, t in times.items()}
 
@@ -211,40 +212,31 @@ def against_table(rev: str, calls: int) -> None:
     def matmul_at_rev(x, packed, n):
         return jax.ffi.ffi_call(matmul_target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, packed)
 
-    def chain(matmul):
-        return jax.jit(lambda x, ws: jnp.stack([matmul(jnp.tile(x, (1, -(-k // x.shape[1])))[:, :k], w, n).sum()
-                                                for (k, n), w in zip(SMALL_LINEARS, ws)]))
-
     rng = np.random.default_rng(0)
     packed = [pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)) for shape in SMALL_LINEARS]
-    fns = {"this checkout": chain(packed_matmul), rev: chain(matmul_at_rev)}
+    fns = {"this checkout": small_matmul_chain(packed_matmul), rev: small_matmul_chain(matmul_at_rev)}
     print(f"| small's matmul chain, tokens | this checkout (ms) | {rev} (ms) | {rev} / this |")
     print("|---|---|---|---|")
     for m in MATMUL_TOKENS:
         x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
-        ms = alternate(fns, (x, packed), calls if m <= 64 else max(3, calls // 5))
+        ms = alternate({k: (fn, (x, packed)) for k, fn in fns.items()}, calls if m <= 64 else max(3, calls // 5))
         print(f"| {m} | {1e3 * ms['this checkout']:.1f} | {1e3 * ms[rev]:.1f} | {ms[rev] / ms['this checkout']:.2f}x |")
 
     layers = SMALL_HEADS["num_layers"]
 
-    def all_layers(attention):
-        return jax.jit(lambda q, k, v, kv_lens, tables, qsl, n, _: jnp.stack([
-            attention(q, k, v, kv_lens, tables, qsl, n, jnp.int32(i)) for i in range(layers)]))
-
-    def attention_at_rev(q, k, v, kv_lens, tables, qsl, n, layer):
+    def attention_at_rev(q, k, v, kv_lens, tables, qsl, n, layer, *, sm_scale):
         call = jax.ffi.ffi_call(attention_target, jax.ShapeDtypeStruct(q.shape, q.dtype))
         return call(q, k, v, kv_lens, tables, qsl, jnp.reshape(n, ()), jnp.reshape(layer, ()),
-                    sm_scale=np.float32(SMALL_HEADS["head_dim"] ** -0.5))
+                    sm_scale=np.float32(sm_scale))
 
-    fns = {"this checkout": all_layers(functools.partial(ragged_paged_attention_cpu,
-                                                         sm_scale=SMALL_HEADS["head_dim"] ** -0.5)),
-           rev: all_layers(attention_at_rev)}
+    fns = {"this checkout": small_attention_all_layers(ragged_paged_attention_cpu),
+           rev: small_attention_all_layers(attention_at_rev)}
     print(f"\n| attention, small's heads | this checkout (ms / layer) | {rev} (ms / layer) | {rev} / this |")
     print("|---|---|---|---|")
     for name, seqs in {**CACHE_DTYPE_WORKLOADS, "mixed 32 decodes @ 256 + 224-token chunk": WORKLOADS[
             "mixed 32 decodes @ 256 + 224-token chunk"]}.items():
         inputs = make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)
-        ms = alternate(fns, inputs, calls)
+        ms = alternate({k: (fn, inputs) for k, fn in fns.items()}, calls)
         print(f"| {name} | {1e3 * ms['this checkout'] / layers:.2f} | {1e3 * ms[rev] / layers:.2f} | "
               f"{ms[rev] / ms['this checkout']:.2f}x |")
 
