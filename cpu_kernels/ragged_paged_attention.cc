@@ -292,16 +292,27 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
   for (int64_t b = 0; b < num_blocks_seen; ++b) {
     const int64_t block_start = b * BS;
     const int64_t keys = std::min<int64_t>(BS, last_pos + 1 - block_start);  // <= kv_len - block_start
+    // The next block's lines, fetched a share per row so that no one burst fills the miss queue.
+    const char *next_k = nullptr, *next_v = nullptr;
+    int64_t next_bytes = 0;
     if (b + 1 < num_blocks_seen) {
       const int64_t next = (head_base + block_table[b + 1]) * BS * D;
-      const int64_t next_keys = std::min<int64_t>(BS, last_pos + 1 - block_start - BS);
-      PrefetchBlock(k_cache + next, next_keys * D * sizeof(C));
-      PrefetchBlock(v_cache + next, next_keys * D * sizeof(C));
+      next_bytes = std::min<int64_t>(BS, last_pos + 1 - block_start - BS) * D * sizeof(C);
+      next_k = reinterpret_cast<const char*>(k_cache + next);
+      next_v = reinterpret_cast<const char*>(v_cache + next);
     }
+    // Over the first half of the rows: the last lines must still land before the next block starts.
+    const int64_t spread_rows = rows <= 4 ? rows : (rows + 1) / 2;
+    const int64_t share = (next_bytes / 64 + spread_rows - 1) / spread_rows * 64;
     const int64_t offset = (head_base + block_table[b]) * BS * D;
     const float* kb = BlockAsFloat(k_cache + offset, kbuf.data(), keys * D);
     const float* vb = BlockAsFloat(v_cache + offset, vbuf.data(), keys * D);
     for (int64_t row = 0; row < rows; ++row) {
+      if (next_bytes > 0) {
+        const int64_t lo = std::min(next_bytes, row * share), n = std::min(next_bytes, lo + share) - lo;
+        PrefetchBlock(next_k + lo, n);
+        PrefetchBlock(next_v + lo, n);
+      }
       const int64_t visible = std::min<int64_t>(keys, pos0 + row / group + 1 - block_start);
       if (visible <= 0) continue;
       AttendRow(&qf[row * D], kb, vb, BS, visible, D, m[row], l[row], &acc[row * D], sc);
