@@ -224,7 +224,7 @@ class ModelRunner:
             sampling=SamplingArrays(
                 f32(r), i32(r), f32(r), f32(r), f32(r), f32(r), f32(r),
                 jax.ShapeDtypeStruct((r,), jnp.uint32), i32(r), i32(r, self.max_banned),
-                *(jax.ShapeDtypeStruct((), jnp.bool_) for _ in range(4)),
+                *(jax.ShapeDtypeStruct((), jnp.bool_) for _ in range(5)),
             ),
             history=i32(r, self.max_model_len),
             num_prompt=i32(r),
@@ -343,6 +343,7 @@ class ModelRunner:
             any_filter=np.asarray(any_filter),
             any_random=np.asarray(bool(np.any(temperature > 0))),
             any_logprobs=np.asarray(any(s.sampling_params.logprobs for s in seqs)),
+            any_token_logprob=np.asarray(any(s.sampling_params.logprobs is not None for s in seqs)),
         )
         inputs = StepInputs(
             token_ids=token_ids,

@@ -35,6 +35,9 @@ class SamplingArrays:
     # On a small model these two cost as much as the layers: skip them when no row needs them.
     any_random: jax.Array = True  # bool[]: skip drawing noise when every row is greedy
     any_logprobs: jax.Array = True  # bool[]: skip the top-n logprobs when no row asks for them
+    # bool[]: skip the log-softmax normaliser (a max and a sum of exps over [R, V]) when no row
+    # wants even its chosen token's logprob (every row's `logprobs` is None); those rows' are 0.
+    any_token_logprob: jax.Array = True
 
 
 jax.tree_util.register_dataclass(
@@ -96,16 +99,6 @@ def sample(
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n])."""
     num_rows, vocab = logits.shape
-    # log_softmax's own steps, kept apart so that only the rows' chosen entries (and the top-n,
-    # when asked for) are ever formed: neither the shifted logits nor the logprobs are ever a
-    # full [R, V] array (the shift fuses into the sum of exps), and each entry is still
-    # (logit - max) - log_norm, the very arithmetic of log_softmax.
-    row_max = logits.max(axis=-1, keepdims=True)
-    log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
-
-    def logprobs_at(ids: jax.Array) -> jax.Array:  # i32[R, n] -> f32[R, n]
-        return (jnp.take_along_axis(logits, ids, axis=-1) - row_max) - log_norm
-
     greedy = s.temperature == 0
 
     def draw(x):  # temperature, top-k / top-p / min-p, then Gumbel-argmax; greedy rows ignore it
@@ -138,15 +131,27 @@ def sample(
     # unchanged) would copy them, ~1 ms at 64 rows of a 32k vocab on CPU, on every step.
     any_banned = jnp.any(s.banned_token_ids < vocab)  # ids past the vocab pad
     token = jax.lax.cond(s.any_penalty | any_banned, adjust_then_choose, choose, logits)
-    token_logprob = logprobs_at(token[:, None])[:, 0]
 
-    def top_logprobs():
-        _, ids = jax.lax.top_k(logits, num_logprobs)  # the same order as the logprobs'
-        return logprobs_at(ids), ids
+    def with_logprobs():
+        # log_softmax's own steps, kept apart so that only the rows' chosen entries (and the
+        # top-n, when asked for) are ever formed: neither the shifted logits nor the logprobs
+        # are ever a full [R, V] array (the shift fuses into the sum of exps), and each entry is
+        # still (logit - max) - log_norm, the very arithmetic of log_softmax.
+        row_max = logits.max(axis=-1, keepdims=True)
+        log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
 
-    top_lp, top_ids = jax.lax.cond(
-        s.any_logprobs,
-        top_logprobs,
-        lambda: (jnp.zeros((num_rows, num_logprobs), jnp.float32), jnp.zeros((num_rows, num_logprobs), jnp.int32)),
+        def logprobs_at(ids: jax.Array) -> jax.Array:  # i32[R, n] -> f32[R, n]
+            return (jnp.take_along_axis(logits, ids, axis=-1) - row_max) - log_norm
+
+        def top_logprobs():
+            _, ids = jax.lax.top_k(logits, num_logprobs)  # the same order as the logprobs'
+            return logprobs_at(ids), ids
+
+        top_lp, top_ids = jax.lax.cond(s.any_logprobs, top_logprobs, lambda: no_top)
+        return logprobs_at(token[:, None])[:, 0], top_lp, top_ids
+
+    no_top = (jnp.zeros((num_rows, num_logprobs), jnp.float32), jnp.zeros((num_rows, num_logprobs), jnp.int32))
+    token_logprob, top_lp, top_ids = jax.lax.cond(
+        s.any_token_logprob | s.any_logprobs, with_logprobs, lambda: (jnp.zeros((num_rows,), jnp.float32), *no_top)
     )
     return token, token_logprob, top_ids.astype(jnp.int32), top_lp

@@ -160,6 +160,30 @@ def test_logprobs_are_returned_for_each_token():
         assert all(v <= 0 for v in entry.values())
 
 
+def test_a_request_with_logprobs_0_gets_its_tokens_logprob_next_to_ones_that_ask_for_none():
+    """logprobs=0 asks for the chosen token's logprob only; the step skips the log-softmax only
+    when no row asks at all, so the row that asks gets the same logprobs as when it runs alone."""
+    engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
+    asks = SamplingParams(temperature=0, max_tokens=4, logprobs=0, ignore_eos=True)
+
+    def run(requests):
+        for rid, prompt, params in requests:
+            engine.add_request(prompt, params, request_id=rid)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        return done
+
+    alone = run([("alone", [5, 6, 7], asks)])["alone"]
+    quiet = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    mixed = run([("asks", [5, 6, 7], asks), ("quiet", [8, 9], quiet)])
+    assert mixed["quiet"].logprobs is None
+    assert mixed["asks"].token_ids == alone.token_ids
+    assert [list(e) for e in mixed["asks"].logprobs] == [[t] for t in alone.token_ids]
+    for got, want in zip(mixed["asks"].logprobs, alone.logprobs):
+        assert list(got.values())[0] == pytest.approx(list(want.values())[0], abs=1e-5) and list(got.values())[0] < 0
+
+
 def test_bad_requests_are_refused_before_they_cost_anything():
     engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
     free = engine.block_pool.num_free_blocks
