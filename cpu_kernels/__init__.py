@@ -6,6 +6,8 @@
   cache, read as f32.
 - `packed_matmul`: float32 x @ w with w packed once by `pack_columns`; the model's linear
   layers under `model.linear_impl=cpu`.
+- `row_argmax`: jnp.argmax(x, axis=-1) for float32 [R, V], the same indices (first of equals,
+  first NaN); greedy sampling on CPU.
 
 The sources (`*.cc`, `*.h` here) are compiled into one library on first use with the system
 C++ compiler for this machine's CPU (`-march=native`) and cached, keyed by the sources, the
@@ -33,10 +35,11 @@ import numpy as np
 from pallas_kernels.inputs import check_attention_inputs
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc")
+SOURCES = (HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc")
 HEADERS = (HERE / "parallel_for.h",)
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
+ARGMAX_TARGET = "jaxcb_row_argmax"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
 ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of the cache, each (ragged_paged_attention.cc)
 CXX_FLAGS = (
@@ -74,10 +77,11 @@ def _compiler() -> str:
 
 def build_library(source_dir: Path = HERE) -> Path:
     """Path of the compiled library, building it if these sources/flags/CPU have not been built yet.
-    `source_dir` holds the same file names as this package (another revision's, for an A/B)."""
+    `source_dir` holds this package's file names, or some of them (another revision's, for an A/B)."""
     sources, headers = SOURCES, HEADERS
-    if source_dir != HERE:
-        sources, headers = (tuple(source_dir / f.name for f in files) for files in (SOURCES, HEADERS))
+    if source_dir != HERE:  # an older revision may lack a kernel added since: build what it has
+        sources, headers = (tuple(source_dir / f.name for f in files if (source_dir / f.name).exists())
+                            for files in (SOURCES, HEADERS))
     cxx = _compiler()
     include = jax.ffi.include_dir()
     try:
@@ -117,6 +121,7 @@ def load_cpu_kernels() -> None:
         raise CpuKernelUnavailable(f"cannot load {path}: {e}") from e
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
 
 
 def ragged_paged_attention_cpu(
@@ -164,3 +169,14 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:  # [...
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, packed)
     return y.reshape(*x.shape[:-1], n)
+
+
+def row_argmax(x: jax.Array) -> jax.Array:  # f32[R, V] -> i32[R]
+    """jnp.argmax(x, axis=-1) for float32: the first index of each row's largest value, or of its
+    first NaN, as int32."""
+    if x.ndim != 2 or x.dtype != jnp.float32:
+        raise ValueError(f"row_argmax takes float32 [R, V], got {x.dtype} {x.shape}")
+    if x.shape[1] == 0:
+        raise ValueError("row_argmax of rows with no entries")
+    load_cpu_kernels()
+    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))(x)

@@ -40,7 +40,7 @@ from jaxcb.attention import AttentionMetadata
 from jaxcb.config import EngineConfig, SchedulerConfig
 from jaxcb.kv_cache import SWAP_CHUNK, HostSwapSpace, KVCache, gather_blocks, scatter_blocks
 from jaxcb.model.llama import Llama
-from jaxcb.sampling import SamplingArrays, sample
+from jaxcb.sampling import SamplingArrays, resolve_argmax, sample
 from jaxcb.scheduler import PLACEHOLDER, RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
 from pallas_kernels.ragged_paged_attention_xla import GATHER_MAX_WIDTH
@@ -180,6 +180,7 @@ class ModelRunner:
         self.recorded: Optional[list] = None  # benchmarks: (bucket, inputs) of every step, for replay
         self.swap_space = swap_space
         graphdef, logprobs = self.graphdef, max_logprobs
+        argmax = resolve_argmax(one_device=tp is None)
 
         max_rows = self.max_rows = max(r for _, r, _ in buckets.all())
 
@@ -194,7 +195,9 @@ class ModelRunner:
             )
             hidden, kv_cache = model(token_ids, x.positions, kv_cache, x.md)
             logits = model.compute_logits(hidden[x.logits_indices])
-            token, token_lp, top_ids, top_lp = sample(logits, x.sampling, history, x.num_prompt, x.num_known, logprobs)
+            token, token_lp, top_ids, top_lp = sample(
+                logits, x.sampling, history, x.num_prompt, x.num_known, logprobs, argmax
+            )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
             next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)

@@ -3,6 +3,9 @@ and a clear fallback or error where they cannot be built."""
 
 import logging
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import cpu_kernels
@@ -72,3 +75,35 @@ def test_sources_from_another_directory_build_their_own_library(monkeypatch, tmp
             (tmp_path / name / f.name).write_text(f.read_text() + (suffix if f.suffix == ".cc" else ""))
     assert cpu_kernels.build_library(tmp_path / "same") == here
     assert cpu_kernels.build_library(tmp_path / "changed") != here
+
+
+def test_row_argmax_gives_jnp_argmax_indices_for_ties_infinities_nans_and_ragged_widths():
+    """The greedy token on CPU comes from the C++ row argmax: it must pick exactly what
+    jnp.argmax picks -- the first of equal maxima, the first NaN of a row that has one --
+    for widths below, at and off its 8-wide vectors."""
+    rng = np.random.default_rng(0)
+    for rows, width in ((1, 1), (3, 7), (2, 8), (4, 9), (5, 33), (64, 32000)):
+        x = rng.standard_normal((rows, width)).astype(np.float32)
+        np.testing.assert_array_equal(cpu_kernels.row_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+    x = np.zeros((7, 40), np.float32)
+    x[1, [5, 30]] = 2.0  # a tie: the first
+    x[2, :] = -np.inf  # all -inf: index 0
+    x[3, [3, 17]] = 5.0, np.nan  # a NaN beats any number
+    x[4, [2, 39]] = np.nan  # the first NaN
+    x[5, [9, 33]] = np.inf
+    x[6, 37] = 1.0  # in the tail past the last full vector
+    got = np.asarray(jax.jit(cpu_kernels.row_argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got, [0, 5, 0, 17, 2, 9, 37])
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernels.row_argmax(jnp.zeros((2, 3), jnp.bfloat16))
+
+
+def test_greedy_steps_on_cpu_take_their_tokens_from_the_cpu_argmax():
+    from jaxcb.sampling import resolve_argmax, xla_argmax
+    from engine_factory import shared_engine
+
+    assert resolve_argmax(one_device=False, platform="cpu") is xla_argmax
+    assert resolve_argmax(one_device=True, platform="gpu") is xla_argmax
+    for executable in shared_engine().runner.compiled.values():
+        assert "jaxcb_row_argmax" in executable.as_text()
