@@ -4,17 +4,22 @@
 // Why C++: XLA:CPU's dot streams the weights at a few GB/s when M is a decode step's handful
 // of tokens (it re-packs the weight operand on every call), several times under what the
 // memory allows. Here the weights are packed once, at load, into panels [P, K, 16]: panel p
-// holds columns [16p, 16p + 16) row after row, so a 6x16 register tile reads its B rows as one
-// contiguous stream. Per call only x is packed (6-row chunks, k-major), which is cheap next to
-// the weights. Work items are (block of rows, group of panels), spread over XLA's intra-op
-// thread pool. Within an item each panel is read from memory once and then from L2 by every
-// row chunk; each tile runs over all of K, so its outputs stay in registers and are stored
-// once, and the next panel is prefetched a few lines per tile, spread over the row chunks.
+// holds columns [16p, 16p + 16) row after row, so a register tile reads its B rows as
+// contiguous streams. The tile is 12 rows x 2 panels where the CPU has AVX-512 (twice the
+// FMA width of AVX2: an AVX2-only kernel ran at half of XLA's dot there) and 6 rows x 1 panel
+// with AVX2; the packed layout is the same for both. Per call only x is packed (chunks of the
+// tile's rows, k-major), which is cheap next to the weights. Work items are (block of rows,
+// group of panel strips), spread over XLA's intra-op thread pool. Within an item each strip
+// is read from memory once and then from L2 by every row chunk; each tile runs over all of K,
+// so its outputs stay in registers and are stored once, and the next strip is prefetched a
+// few lines per tile, spread over the row chunks.
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "parallel_for.h"
@@ -28,43 +33,91 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 16;     // columns per packed panel (two AVX2 registers)
-constexpr int64_t kTileRows = 6;   // rows of the register tile: 12 accumulators + 2 B + 1 A
+constexpr int64_t kPanel = 16;     // columns per packed panel (one AVX-512 / two AVX2 registers)
+// The register tile: kTileRows rows of x by kTilePanels panels of w, its accumulators plus the
+// panels' k-th rows and one broadcast of x held in registers (24 + 2 + 1 of AVX-512's 32;
+// 12 + 2 + 1 of AVX2's 16).
+#if defined(__AVX512F__)
+constexpr int64_t kTileRows = 12, kTilePanels = 2;
+#else
+constexpr int64_t kTileRows = 6, kTilePanels = 1;
+#endif
 constexpr int64_t kRowBlock = 96;  // rows per work item: their packed x (96 x 768 f32: 288 KiB) stays in L2
 
-// c[r][:nv] = sum_k a[k * kTileRows + r] * b[k * kPanel + :] for r < R, k < K.
-// a: one packed chunk of x; b: one panel (K rows of 16); c: the output tile (row stride ldc).
-// prefetch[0, lines): 64-byte lines of the panel a later tile reads, fetched into L1 evenly
-// over this tile's k loop. Spread over all the row chunks of a panel, they overlap the next
-// panel's weight reads with this one's multiplies without a burst of misses in any one tile.
+// c[r][:nv] = sum_k a[k * kTileRows + r] * b[k * kPanel + :] for r < R, k < K, over NP panels
+// of w side by side (panel j at b + j * K * kPanel; nv counts the tile's valid columns).
+// a: one packed chunk of x; b: the first panel; c: the output tile (row stride ldc).
+// prefetch[0, lines): 64-byte lines of the panels a later tile reads, fetched into L1 evenly
+// over this tile's k loop. Spread over all the row chunks of a strip of panels, they overlap
+// the next strip's weight reads with this one's multiplies without a burst of misses in any one tile.
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256i FirstLanes(int64_t n) {  // mask of lanes [0, n), n in [0, 8]
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-
-template <int R>
-void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char* prefetch,
-          int64_t lines) {
-  __m256 lo[R], hi[R];
-#pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  // k runs in segments of `step`, one prefetch per segment: no division in the inner loop.
+// body(k) for k in [0, K), with prefetch[0, lines) fetched into L1 evenly along the way: k runs
+// in segments, one prefetch per segment, so the inner loop has no division.
+template <typename Body>
+inline __attribute__((always_inline)) void ForEachK(int64_t K, const char* prefetch, int64_t lines, Body&& body) {
   const int64_t step = lines > 0 ? std::max<int64_t>(K / lines, 1) : K;
   int64_t fetched = 0;
   for (int64_t k0 = 0; k0 < K; k0 += step) {
     if (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T0);
     const int64_t k1 = std::min(K, k0 + step);
-    for (int64_t k = k0; k < k1; ++k) {
-      const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
-#pragma GCC unroll 6
-      for (int r = 0; r < R; ++r) {
-        const __m256 av = _mm256_broadcast_ss(a + k * kTileRows + r);
-        lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
-        hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
-      }
-    }
+    for (int64_t k = k0; k < k1; ++k) body(k);
   }
   while (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T0);
+}
+#endif
+
+#if defined(__AVX512F__)
+template <int R, int NP>
+void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char* prefetch,
+          int64_t lines) {
+  __m512 acc[R][NP];
+#pragma GCC unroll 12
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  ForEachK(K, prefetch, lines, [&](int64_t k) {
+    __m512 bk[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) bk[j] = _mm512_loadu_ps(b + j * K * kPanel + k * kPanel);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(a[k * kTileRows + r]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(av, bk[j], acc[r][j]);
+    }
+  });
+#pragma GCC unroll 2
+  for (int j = 0; j < NP; ++j) {
+    const int64_t cols = std::clamp<int64_t>(nv - j * kPanel, 0, kPanel);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) {
+      if (cols == kPanel) _mm512_storeu_ps(c + r * ldc + j * kPanel, acc[r][j]);
+      else _mm512_mask_storeu_ps(c + r * ldc + j * kPanel, mask, acc[r][j]);
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256i FirstLanes(int64_t n) {  // mask of lanes [0, n), n in [0, 8]
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <int R, int NP>
+void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char* prefetch,
+          int64_t lines) {
+  static_assert(NP == 1, "AVX2 tiles are one panel wide");
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  ForEachK(K, prefetch, lines, [&](int64_t k) {
+    const __m256 b0 = _mm256_loadu_ps(b + k * kPanel), b1 = _mm256_loadu_ps(b + k * kPanel + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(a + k * kTileRows + r);
+      lo[r] = _mm256_fmadd_ps(av, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(av, b1, hi[r]);
+    }
+  });
   if (nv == kPanel) {  // every panel but a matrix's last: plain stores
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -81,19 +134,29 @@ void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int6
   }
 }
 #else  // portable: the compiler vectorises what this CPU has
-template <int R>
+template <int R, int NP>
 void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char*, int64_t) {
-  float acc[R][kPanel] = {};
+  float acc[R][NP * kPanel] = {};
   for (int64_t k = 0; k < K; ++k)
     for (int r = 0; r < R; ++r)
-      for (int64_t j = 0; j < kPanel; ++j) acc[r][j] += a[k * kTileRows + r] * b[k * kPanel + j];
+      for (int64_t j = 0; j < NP * kPanel; ++j) acc[r][j] += a[k * kTileRows + r] * b[(j / kPanel) * K * kPanel + k * kPanel + j % kPanel];
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < nv; ++j) c[r * ldc + j] = acc[r][j];
 }
 #endif
 
 using TileFn = void (*)(const float*, const float*, int64_t, float*, int64_t, int64_t, const char*, int64_t);
-constexpr TileFn kTiles[kTileRows + 1] = {nullptr, Tile<1>, Tile<2>, Tile<3>, Tile<4>, Tile<5>, Tile<6>};
+
+template <int NP, int... R>
+constexpr std::array<TileFn, kTileRows + 1> TilesOfWidth(std::integer_sequence<int, R...>) {
+  return {nullptr, Tile<R + 1, NP>...};
+}
+template <int... NP>
+constexpr std::array<std::array<TileFn, kTileRows + 1>, kTilePanels + 1> AllTiles(std::integer_sequence<int, NP...>) {
+  return {std::array<TileFn, kTileRows + 1>{}, TilesOfWidth<NP + 1>(std::make_integer_sequence<int, kTileRows>())...};
+}
+// kTiles[panels][rows]: the tile for a chunk of that many rows by that many panels.
+constexpr auto kTiles = AllTiles(std::make_integer_sequence<int, kTilePanels>());
 
 // x [M, K] -> chunks of kTileRows rows, each k-major ([k][row]); rows past M stay unread.
 void PackRows(const float* x, int64_t M, int64_t K, float* out) {
@@ -133,23 +196,27 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  const int64_t strips = (P + kTilePanels - 1) / kTilePanels;  // of kTilePanels panels, the last maybe fewer
   // About four items per thread, so that the claim-as-you-go loop evens out uneven finishes.
-  const int64_t group = std::clamp<int64_t>(P * row_blocks / (4 * threads), 1, 16);
-  const int64_t groups = (P + group - 1) / group;
+  const int64_t group = std::clamp<int64_t>(strips * row_blocks / (4 * threads), 1, 16 / kTilePanels);
+  const int64_t groups = (strips + group - 1) / group;
   const int64_t items = row_blocks * groups;
   jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, threads - 1), [&](int64_t item) {
     const int64_t m0 = (item / groups) * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
-    const int64_t p0 = (item % groups) * group, p1 = std::min(P, p0 + group);
+    const int64_t s0 = (item % groups) * group, s1 = std::min(strips, s0 + group);
     const int64_t row_chunks = (m1 - m0 + kTileRows - 1) / kTileRows;
-    const int64_t lines_per_chunk = (K + row_chunks - 1) / row_chunks;  // of the next panel: one line per k
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
       const float* bp = b + p * K * kPanel;
-      const char* next = p + 1 < P ? reinterpret_cast<const char*>(bp + K * kPanel) : nullptr;
-      const int64_t nv = std::min(kPanel, N - p * kPanel);
+      // The next strip is contiguous with this one: one 64-byte line per k per panel.
+      const int64_t next_lines = std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K;
+      const char* next = reinterpret_cast<const char*>(bp + panels * K * kPanel);
+      const int64_t lines_per_chunk = (next_lines + row_chunks - 1) / row_chunks;
+      const int64_t nv = std::min(panels * kPanel, N - p * kPanel);
       for (int64_t m = m0, i = 0; m < m1; m += kTileRows, ++i) {
-        const int64_t l0 = std::min(K, i * lines_per_chunk), l1 = std::min(K, l0 + lines_per_chunk);
-        kTiles[std::min(kTileRows, m1 - m)](a + m * K, bp, K, c + m * N + p * kPanel, N, nv,
-                                            next ? next + 64 * l0 : nullptr, next ? l1 - l0 : 0);
+        const int64_t l0 = std::min(next_lines, i * lines_per_chunk), l1 = std::min(next_lines, l0 + lines_per_chunk);
+        kTiles[panels][std::min(kTileRows, m1 - m)](a + m * K, bp, K, c + m * N + p * kPanel, N, nv,
+                                                    next + 64 * l0, l1 - l0);
       }
     }
   });
