@@ -213,11 +213,101 @@ constexpr AccumulateFn kAccumulate[9] = {nullptr,
                                          AccumulateValues<7>,
                                          AccumulateValues<8>};
 
+#if defined(__AVX512F__)
+// Exp8's polynomial on 16 lanes.
+inline __m512 Exp16(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n)));
+}
+
+// Sums within each 4-lane group of a and of b, interleaved: [a0+a2, b0+b2, a1+a3, b1+b3] per group.
+inline __m512 PairSum(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
+
+// q . k[j] for the 16 keys j < 16 (rows of D floats, D % 16 == 0), as one vector.
+inline __m512 Dot16(const float* q, const float* k, int64_t D) {
+  __m512 a[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k + j * D + d), a[j]);
+  }
+  // 16 vectors -> 4, each 4-lane group g of u[i] holding group g's sums of keys 4i..4i+3.
+  __m512 u[4];
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512 t0 = PairSum(a[4 * i], a[4 * i + 1]), t1 = PairSum(a[4 * i + 2], a[4 * i + 3]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+  }
+  // Then the four groups summed, key j landing in lane j.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
+}
+
+// AccumulateValues with 16 lanes: acc[0, 16C) = acc * correction + sum_{j < visible} p[j] v[j][0, 16C).
+template <int C>
+inline void AccumulateValues16(const float* p, const float* v, int64_t visible, int64_t D, float correction,
+                               float* acc) {
+  __m512 o[C];
+  const __m512 corr = _mm512_set1_ps(correction);
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), corr);
+  for (int64_t j = 0; j < visible; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * D + 16 * c), o[c]);
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, o[c]);
+}
+
+using Accumulate16Fn = void (*)(const float*, const float*, int64_t, int64_t, float, float*);
+constexpr Accumulate16Fn kAccumulate16[5] = {nullptr, AccumulateValues16<1>, AccumulateValues16<2>,
+                                             AccumulateValues16<3>, AccumulateValues16<4>};
+
+// AttendRow for blocks of 16 rows and D % 16 == 0: the block's keys scored as one vector.
+// Scores past `visible` (NaN or not) are masked to -inf before use.
+inline void AttendRow16(const float* q, const float* k, const float* v, int64_t visible, int64_t D, float& m,
+                        float& l, float* acc, float* sc) {
+  const __mmask16 seen = static_cast<__mmask16>((1u << visible) - 1);
+  const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, Dot16(q, k, D));
+  const float m_new = std::max(m, _mm512_reduce_max_ps(scores));
+  const float correction = std::exp(m - m_new);
+  const __m512 p = Exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
+  _mm512_storeu_ps(sc, p);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t chunk = std::min<int64_t>(64, D - d0);
+    kAccumulate16[chunk / 16](sc, v + d0, visible, D, correction, acc + d0);
+  }
+  l = l * correction + _mm512_reduce_add_ps(p);
+  m = m_new;
+}
+#endif
+
 // AttendRowScalar for D % 8 == 0. Keys are scored 8 at a time while 8 rows of the block remain
 // (a group may run past `visible`: those scores, NaN or not, are replaced by -inf before use).
 inline void AttendRow(const float* q, const float* k, const float* v, int64_t block_rows, int64_t visible, int64_t D,
                       float& m, float& l, float* acc, float* sc) {
   if (D % 8) return AttendRowScalar(q, k, v, visible, D, m, l, acc, sc);
+#if defined(__AVX512F__)
+  if (block_rows == 16 && D % 16 == 0) return AttendRow16(q, k, v, visible, D, m, l, acc, sc);
+#endif
   int64_t j = 0;
   for (; j < visible && j + 8 <= block_rows; j += 8) _mm256_storeu_ps(sc + j, Dot8(q, k + j * D, D));
   for (; j < visible; ++j) sc[j] = Dot(q, k + j * D, D);
