@@ -6,6 +6,8 @@
   cache, read as f32.
 - `packed_matmul`: float32 x @ w with w packed once by `pack_columns`; the model's linear
   layers under `model.linear_impl=cpu`.
+- `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
+  and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
 - `row_argmax`: jnp.argmax(x, axis=-1) for float32 [R, V], the same indices (first of equals,
   first NaN); greedy sampling on CPU.
 
@@ -36,9 +38,10 @@ from pallas_kernels.inputs import check_attention_inputs
 
 HERE = Path(__file__).parent
 SOURCES = (HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc")
-HEADERS = (HERE / "parallel_for.h",)
+HEADERS = (HERE / "parallel_for.h", HERE / "vector_exp.h")
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
+MLP_TARGET = "jaxcb_packed_mlp"
 ARGMAX_TARGET = "jaxcb_row_argmax"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
 ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of the cache, each (ragged_paged_attention.cc)
@@ -121,6 +124,7 @@ def load_cpu_kernels() -> None:
         raise CpuKernelUnavailable(f"cannot load {path}: {e}") from e
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(MLP_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMlp), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
 
 
@@ -168,6 +172,31 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:  # [...
     load_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, packed)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> [2 ceil(F / 16), K, 16]
+    """The layout `packed_mlp` reads: gate's and up's panels (`pack_columns`) in pairs, gate's first,
+    so that one tile sees the same 16 columns of both."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {gate.shape} and up {up.shape} must have the same shape")
+    pairs = jnp.stack([pack_columns(gate), pack_columns(up)], axis=1)  # [Q, 2, K, 16]
+    return pairs.reshape(-1, *pairs.shape[2:])
+
+
+def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int) -> jax.Array:  # [..., K] -> [..., n]
+    """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
+    `down = pack_columns(down_weight)` and n = down_weight.shape[1]."""
+    if x.dtype != jnp.float32 or gate_up.dtype != jnp.float32 or down.dtype != jnp.float32:
+        raise ValueError(f"the CPU MLP takes float32, got x {x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; "
+                         "use model.linear_impl=xla")
+    f = down.shape[1]
+    if (gate_up.ndim != 3 or gate_up.shape[0] != 2 * -(-f // PANEL) or gate_up.shape[1:] != (x.shape[-1], PANEL)
+            or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):
+        raise ValueError(f"packed gate/up {gate_up.shape} and down {down.shape} do not match x {x.shape} and n={n}")
+    load_cpu_kernels()
+    rows = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, gate_up, down)
     return y.reshape(*x.shape[:-1], n)
 
 

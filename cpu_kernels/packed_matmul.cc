@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "vector_exp.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -172,6 +174,95 @@ void PackChunk(const float* x, int64_t K, int64_t rows, float* dst) {
   }
 }
 
+// How a multiply is split into work items: (block of rows, group of strips), about four items
+// per thread so that the claim-as-you-go loop evens out uneven finishes.
+struct Split {
+  int64_t strips, group, groups, items;
+  Split(int64_t M, int64_t strips_, int64_t threads) : strips(strips_) {
+    const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
+    group = std::clamp<int64_t>(strips * row_blocks / (4 * threads), 1, 16 / kTilePanels);
+    groups = (strips + group - 1) / group;
+    items = row_blocks * groups;
+  }
+  int64_t first_row(int64_t item) const { return (item / groups) * kRowBlock; }
+  int64_t first_strip(int64_t item) const { return (item % groups) * group; }
+};
+
+// Calls tile(m, rows, i, next, l0, l1) for each row chunk i of rows [m0, m1): the strip's
+// `next_lines` lines after it (at `next`) are prefetched a share [l0, l1) per chunk.
+template <typename TileCall>
+inline void ForEachRowChunk(int64_t m0, int64_t m1, int64_t next_lines, TileCall&& tile) {
+  const int64_t row_chunks = (m1 - m0 + kTileRows - 1) / kTileRows;
+  const int64_t lines_per_chunk = (next_lines + row_chunks - 1) / row_chunks;
+  for (int64_t m = m0, i = 0; m < m1; m += kTileRows, ++i) {
+    const int64_t l0 = std::min(next_lines, i * lines_per_chunk), l1 = std::min(next_lines, l0 + lines_per_chunk);
+    tile(m, std::min(kTileRows, m1 - m), l0, l1 - l0);
+  }
+}
+
+// One work item of c[M, N] = x @ w: rows [m0, m1) x strips [s0, s1) of w's P panels, x packed in a.
+void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t N, int64_t m0, int64_t m1,
+                  int64_t s0, int64_t s1, float* c) {
+  for (int64_t s = s0; s < s1; ++s) {
+    const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
+    const float* bp = b + p * K * kPanel;
+    // The next strip is contiguous with this one: one 64-byte line per k per panel.
+    const char* next = reinterpret_cast<const char*>(bp + panels * K * kPanel);
+    const int64_t nv = std::min(panels * kPanel, N - p * kPanel);
+    ForEachRowChunk(m0, m1, std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K,
+                    [&](int64_t m, int64_t rows, int64_t l0, int64_t lines) {
+                      kTiles[panels][rows](a + m * K, bp, K, c + m * N + p * kPanel, N, nv, next + 64 * l0, lines);
+                    });
+  }
+}
+
+// out[j] = silu(g[j]) * u[j] for j < n <= kPanel. The sigmoid goes through exp(-|g|) <= 1, the
+// domain of the vector exp: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below.
+inline void SiluTimes(const float* g, const float* u, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  const __m512 gv = _mm512_maskz_loadu_ps(mask, g), uv = _mm512_maskz_loadu_ps(mask, u);
+  const __m512 e = jaxcb::Exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
+  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
+  const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
+  _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_mul_ps(gv, uv), sig));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const __m256i mask = FirstLanes(std::min<int64_t>(n - j0, 8));
+    const __m256 gv = _mm256_maskload_ps(g + j0, mask), uv = _mm256_maskload_ps(u + j0, mask);
+    const __m256 e = jaxcb::Exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_andnot_ps(_mm256_set1_ps(-0.0f), gv)));
+    const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+    const __m256 sig = _mm256_blendv_ps(inv, _mm256_mul_ps(inv, e), _mm256_cmp_ps(gv, _mm256_setzero_ps(), _CMP_LT_OQ));
+    _mm256_maskstore_ps(out + j0, mask, _mm256_mul_ps(_mm256_mul_ps(gv, uv), sig));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = std::exp(-std::fabs(g[j])), inv = 1.0f / (1.0f + e);
+    out[j] = g[j] * u[j] * (g[j] < 0.0f ? e * inv : inv);
+  }
+#endif
+}
+
+// x [M, K] -> its chunks, packed into a by items [0, chunks) of a ParallelFor.
+struct PackedRows {
+  const float* x;
+  int64_t M, K, chunks;
+  float* a;
+  PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer) : x(x_), M(M_), K(K_) {
+    chunks = (M + kTileRows - 1) / kTileRows;
+    // One buffer per calling thread, grown once: no page faults from a fresh allocation per call.
+    if (buffer.size() < static_cast<size_t>(chunks * kTileRows * K)) buffer.resize(chunks * kTileRows * K);
+    a = buffer.data();
+  }
+  void Pack(int64_t chunk) const {
+    PackChunk(x + chunk * kTileRows * K, K, std::min(kTileRows, M - chunk * kTileRows), a + chunk * kTileRows * K);
+  }
+};
+
+inline void WaitFor(const std::atomic<int64_t>& count, int64_t target) {
+  while (count.load(std::memory_order_acquire) < target) std::this_thread::yield();
+}
+
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                             ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -188,51 +279,102 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     std::memset(c, 0, M * N * sizeof(float));
     return ffi::Error::Success();
   }
-  // One buffer per calling thread, grown once: no page faults from a fresh allocation per call.
-  thread_local std::vector<float> packed_x;
-  const int64_t chunks = (M + kTileRows - 1) / kTileRows;
-  if (packed_x.size() < static_cast<size_t>(chunks * kTileRows * K)) packed_x.resize(chunks * kTileRows * K);
-  float* a = packed_x.data();
-  const float* xs = x.typed_data();
-  const float* b = w.typed_data();
-
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
-  const int64_t strips = (P + kTilePanels - 1) / kTilePanels;  // of kTilePanels panels, the last maybe fewer
-  // About four items per thread, so that the claim-as-you-go loop evens out uneven finishes.
-  const int64_t group = std::clamp<int64_t>(strips * row_blocks / (4 * threads), 1, 16 / kTilePanels);
-  const int64_t groups = (strips + group - 1) / group;
+  thread_local std::vector<float> buffer;
+  const PackedRows rows(x.typed_data(), M, K, buffer);
+  const Split split(M, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
   // Items [0, chunks) pack x, one chunk each; the multiply items after them wait until every
   // chunk is packed. Items are claimed in order, so each chunk a multiply waits for is already
   // being packed by a running thread: the packing is shared by the threads, with no second
   // round of pool wake-ups.
-  const int64_t items = chunks + row_blocks * groups;
+  const int64_t items = rows.chunks + split.items;
   std::atomic<int64_t> packed{0};
-  jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, threads - 1), [&](int64_t item) {
-    if (item < chunks) {
-      PackChunk(xs + item * kTileRows * K, K, std::min(kTileRows, M - item * kTileRows), a + item * kTileRows * K);
+  jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, pool.num_threads() - 1), [&](int64_t item) {
+    if (item < rows.chunks) {
+      rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
       return;
     }
-    while (packed.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
-    item -= chunks;
-    const int64_t m0 = (item / groups) * kRowBlock, m1 = std::min(M, m0 + kRowBlock);
-    const int64_t s0 = (item % groups) * group, s1 = std::min(strips, s0 + group);
-    const int64_t row_chunks = (m1 - m0 + kTileRows - 1) / kTileRows;
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
-      const float* bp = b + p * K * kPanel;
-      // The next strip is contiguous with this one: one 64-byte line per k per panel.
-      const int64_t next_lines = std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K;
-      const char* next = reinterpret_cast<const char*>(bp + panels * K * kPanel);
-      const int64_t lines_per_chunk = (next_lines + row_chunks - 1) / row_chunks;
-      const int64_t nv = std::min(panels * kPanel, N - p * kPanel);
-      for (int64_t m = m0, i = 0; m < m1; m += kTileRows, ++i) {
-        const int64_t l0 = std::min(next_lines, i * lines_per_chunk), l1 = std::min(next_lines, l0 + lines_per_chunk);
-        kTiles[panels][std::min(kTileRows, m1 - m)](a + m * K, bp, K, c + m * N + p * kPanel, N, nv,
-                                                    next + 64 * l0, l1 - l0);
-      }
+    WaitFor(packed, rows.chunks);
+    item -= rows.chunks;
+    const int64_t m0 = split.first_row(item), s0 = split.first_strip(item);
+    MultiplyItem(rows.a, w.typed_data(), K, P, N, m0, std::min(M, m0 + kRowBlock), s0,
+                 std::min(split.strips, s0 + split.group), c);
+  });
+  return ffi::Error::Success();
+}
+
+// y [M, N] = (silu(x @ gate) * (x @ up)) @ down in one call: the SwiGLU MLP. gate_up holds
+// gate's and up's panels in pairs [2Q, K, 16] (gate's panel q at 2q, up's at 2q + 1), down
+// is packed [P, F, 16]. Three rounds of items in one ParallelFor, each waiting for the one
+// before: x's chunks are packed; each pair of panels is multiplied and its 16 columns of
+// silu(gate) * up are written straight into the packed layout of down's input h; then h @ down.
+// Against two matmuls and XLA's SwiGLU in between, this saves packing h (K = F, the largest
+// x of the layer), writing and reading the [M, 2F] gate/up product, and one pool wake-up.
+ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gate_up,
+                         ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || gd.size() != 3 || dd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "packed mlp expects x [M, K], packed gate/up pairs [2Q, K, 16], packed down [P, F, 16] and y [M, N]");
+  const int64_t M = xd[0], K = xd[1], Q = gd[0] / 2, F = dd[1], P = dd[0], N = yd[1];
+  if (gd[0] % 2 || gd[1] != K || gd[2] != kPanel || (F + kPanel - 1) / kPanel != Q || dd[2] != kPanel ||
+      yd[0] != M || (N + kPanel - 1) / kPanel != P)
+    return ffi::Error::InvalidArgument("packed mlp: x [" + std::to_string(M) + ", " + std::to_string(K) +
+                                       "], gate/up [" + std::to_string(gd[0]) + ", " + std::to_string(gd[1]) +
+                                       ", " + std::to_string(gd[2]) + "], down [" + std::to_string(P) + ", " +
+                                       std::to_string(F) + ", " + std::to_string(dd[2]) + "] and N=" +
+                                       std::to_string(N) + " do not agree");
+  float* c = y->typed_data();
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0 || F == 0) {  // silu(0) * 0 = 0
+    std::memset(c, 0, M * N * sizeof(float));
+    return ffi::Error::Success();
+  }
+  thread_local std::vector<float> x_buffer, h_buffer;
+  const PackedRows rows(x.typed_data(), M, K, x_buffer);
+  if (h_buffer.size() < static_cast<size_t>(rows.chunks * kTileRows * F)) h_buffer.resize(rows.chunks * kTileRows * F);
+  float* h = h_buffer.data();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // A gate/up strip is one pair of panels, whatever the tile's width.
+  const Split pairs(M, Q, threads), out(M, (P + kTilePanels - 1) / kTilePanels, threads);
+  const int64_t items = rows.chunks + pairs.items + out.items;
+  std::atomic<int64_t> packed{0}, paired{0};
+  const float* gu = gate_up.typed_data();
+  jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, threads - 1), [&](int64_t item) {
+    if (item < rows.chunks) {
+      rows.Pack(item);
+      packed.fetch_add(1, std::memory_order_release);
+      return;
     }
+    item -= rows.chunks;
+    if (item < pairs.items) {
+      WaitFor(packed, rows.chunks);
+      const int64_t m0 = pairs.first_row(item), m1 = std::min(M, m0 + kRowBlock), q0 = pairs.first_strip(item);
+      for (int64_t q = q0; q < std::min(Q, q0 + pairs.group); ++q) {
+        const float* bq = gu + 2 * q * K * kPanel;
+        const int64_t cols = std::min(kPanel, F - q * kPanel);
+        ForEachRowChunk(m0, m1, q + 1 < Q ? 2 * K : 0, [&](int64_t m, int64_t r, int64_t l0, int64_t lines) {
+          alignas(64) float both[kTileRows][2 * kPanel];  // gate's 16 columns, then up's
+          for (int64_t j = 0; j < 2; j += kTilePanels)  // the pair in one tile, or two
+            kTiles[kTilePanels][r](rows.a + m * K, bq + j * K * kPanel, K, &both[0][j * kPanel], 2 * kPanel,
+                                   kTilePanels * kPanel, reinterpret_cast<const char*>(bq + 2 * K * kPanel) + 64 * l0,
+                                   j == 0 ? lines : 0);
+          float* hc = h + m * F + q * kPanel * kTileRows;  // chunk m / kTileRows of h, k-major
+          for (int64_t i = 0; i < r; ++i) {
+            alignas(64) float act[kPanel];
+            SiluTimes(both[i], both[i] + kPanel, cols, act);
+            for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + i] = act[j];
+          }
+        });
+      }
+      paired.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    WaitFor(paired, pairs.items);
+    item -= pairs.items;
+    const int64_t m0 = out.first_row(item), s0 = out.first_strip(item);
+    MultiplyItem(h, down.typed_data(), F, P, N, m0, std::min(M, m0 + kRowBlock), s0, std::min(out.strips, s0 + out.group),
+                 c);
   });
   return ffi::Error::Success();
 }
@@ -242,6 +384,14 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "parallel_for.h"
+#include "vector_exp.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -138,25 +139,6 @@ inline void AttendRowScalar(const float* q, const float* k, const float* v, int6
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-// exp(x) for the softmax's shifted scores (x <= 0): x = n ln2 + r, a degree-7 polynomial for
-// exp(r) (Cephes' expf coefficients, ~1 ulp), times 2^n. Below -87.3 (and -inf) it is 0.
-inline __m256 Exp8(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
-}
-
 inline float HorizontalSum(__m256 x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -214,24 +196,6 @@ constexpr AccumulateFn kAccumulate[9] = {nullptr,
                                          AccumulateValues<8>};
 
 #if defined(__AVX512F__)
-// Exp8's polynomial on 16 lanes.
-inline __m512 Exp16(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(keep, _mm512_mul_ps(y, _mm512_castsi512_ps(pow2n)));
-}
 
 // Sums within each 4-lane group of a and of b, interleaved: [a0+a2, b0+b2, a1+a3, b1+b3] per group.
 inline __m512 PairSum(__m512 a, __m512 b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); }
@@ -289,7 +253,7 @@ inline void AttendRow16(const float* q, const float* k, const float* v, int64_t 
   const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, Dot16(q, k, D));
   const float m_new = std::max(m, _mm512_reduce_max_ps(scores));
   const float correction = std::exp(m - m_new);
-  const __m512 p = Exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
+  const __m512 p = jaxcb::Exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
   _mm512_storeu_ps(sc, p);
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t chunk = std::min<int64_t>(64, D - d0);
@@ -320,7 +284,7 @@ inline void AttendRow(const float* q, const float* k, const float* v, int64_t bl
   __m256 sum = _mm256_setzero_ps();
   const __m256 shift = _mm256_set1_ps(m_new);
   for (int64_t t = 0; t < padded; t += 8) {
-    const __m256 p = Exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), shift));
+    const __m256 p = jaxcb::Exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), shift));
     sum = _mm256_add_ps(sum, p);
     _mm256_storeu_ps(sc + t, p);
   }

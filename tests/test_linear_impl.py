@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import cpu_kernels
 import jaxcb.model.llama as llama
-from cpu_kernels import pack_columns, packed_matmul
+from cpu_kernels import pack_columns, pack_gate_up, packed_matmul, packed_mlp
 from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
 from jaxcb.config import ConfigError, compose_config
 from jaxcb.model.llama import PackedLayerWeights, resolve_linear_impl
@@ -21,6 +21,7 @@ from jaxcb.sampling_params import SamplingParams
 
 PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
 matmul = jax.jit(packed_matmul, static_argnums=2)
+mlp = jax.jit(packed_mlp, static_argnums=3)
 
 
 def reference(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -44,6 +45,59 @@ def test_packed_matmul_equals_x_at_w_for_any_shape(m, k, n, seed):
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
     np.testing.assert_allclose(np.asarray(matmul(jnp.asarray(x), pack_columns(jnp.asarray(w)), n)), reference(x, w),
                                rtol=1e-4, atol=1e-4 * np.sqrt(k))
+
+
+def mlp_reference(x: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> np.ndarray:
+    g, u = x.astype(np.float64) @ gate, x.astype(np.float64) @ up
+    with np.errstate(over="ignore"):
+        h = g / (1.0 + np.exp(-g)) * u
+    return (h @ down).astype(np.float32)
+
+
+def check_mlp(m: int, k: int, f: int, n: int, seed: int, scale: float = 1.0) -> None:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k), np.float32) * scale
+    gate, up = rng.standard_normal((k, f), np.float32), rng.standard_normal((k, f), np.float32)
+    down = rng.standard_normal((f, n), np.float32)
+    y = mlp(jnp.asarray(x), pack_gate_up(jnp.asarray(gate), jnp.asarray(up)), pack_columns(jnp.asarray(down)), n)
+    expected = mlp_reference(x, gate, up, down)
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-4 * np.sqrt(k * f) * max(scale, 1.0) ** 2)
+
+
+# The fused SwiGLU MLP: F off the 16-column panels (a last pair of part-filled panels), rows past
+# a tile and a 96-row block, N off the panels; large |gate| exercises both sides of the sigmoid.
+@pytest.mark.parametrize("m,k,f,n,scale", [(1, 8, 16, 16, 1.0), (5, 7, 5, 3, 1.0), (13, 64, 40, 33, 1.0),
+                                           (97, 96, 24, 47, 1.0), (64, 768, 2048, 768, 0.05), (7, 16, 33, 20, 30.0)])
+def test_packed_mlp_equals_silu_gate_times_up_then_down(m, k, f, n, scale):
+    check_mlp(m, k, f, n, seed=m + k + f + n, scale=scale)
+
+
+@settings(deadline=None, max_examples=25)
+@given(m=st.integers(1, 30), k=st.integers(1, 80), f=st.integers(1, 70), n=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_packed_mlp_equals_silu_gate_times_up_then_down_for_any_shape(m, k, f, n, seed):
+    check_mlp(m, k, f, n, seed)
+
+
+def test_pack_gate_up_pairs_each_gate_panel_with_the_same_columns_of_up():
+    gate = jnp.arange(3 * 20, dtype=jnp.float32).reshape(3, 20)
+    up = -gate
+    pairs = np.asarray(pack_gate_up(gate, up))
+    assert pairs.shape == (4, 3, 16)
+    np.testing.assert_array_equal(pairs[0::2], np.asarray(pack_columns(gate)))
+    np.testing.assert_array_equal(pairs[1::2], np.asarray(pack_columns(up)))
+
+
+def test_packed_mlp_rejects_what_it_cannot_multiply():
+    x = jnp.ones((2, 8), jnp.float32)
+    gate_up, down = pack_gate_up(jnp.ones((8, 20)), jnp.ones((8, 20))), pack_columns(jnp.ones((20, 5)))
+    with pytest.raises(ValueError, match="float32"):
+        packed_mlp(x.astype(jnp.bfloat16), gate_up, down, 5)
+    with pytest.raises(ValueError, match="do not match"):
+        packed_mlp(jnp.ones((2, 9), jnp.float32), gate_up, down, 5)
+    with pytest.raises(ValueError, match="do not match"):
+        packed_mlp(x, gate_up, pack_columns(jnp.ones((16, 5))), 5)
+    with pytest.raises(ValueError, match="same shape"):
+        pack_gate_up(jnp.ones((8, 20)), jnp.ones((8, 21)))
 
 
 def test_packed_matmul_keeps_leading_axes_and_writes_every_output_row():
@@ -95,13 +149,13 @@ def test_packed_step_takes_packed_panels_and_runs_no_xla_dot():
         assert set(layer.keys()) == set(PackedLayerWeights._fields)
         assert layer["qkv_proj"][...].shape == (panels((Hq + 2 * Hkv) * K), D, 16)
         assert layer["o_proj"][...].shape == (panels(D), Hq * K, 16)
-        assert layer["gate_up_proj"][...].shape == (panels(2 * F), D, 16)
+        assert layer["gate_up_proj"][...].shape == (2 * panels(F), D, 16)  # gate and up panels in pairs
         assert layer["down_proj"][...].shape == (panels(D), F, 16)
     assert e.runner.state["packed_lm_head"][...].shape == (panels(V), D, 16)
     assert "lm_head" not in e.runner.state  # untied head: only the packed copy is kept
     for executable in e.runner.compiled.values():
         text = executable.as_text()
-        assert " dot(" not in text and "jaxcb_packed_matmul" in text
+        assert " dot(" not in text and "jaxcb_packed_matmul" in text and "jaxcb_packed_mlp" in text
 
 
 def test_xla_step_keeps_the_plain_weights():

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, pack_columns, packed_matmul
+from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, pack_columns, pack_gate_up, packed_matmul, packed_mlp
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxcb.config import ConfigError
 from jaxcb.kv_cache import KVCache
@@ -126,7 +126,7 @@ class PackedLayerWeights(NamedTuple):
     qkv_proj: jax.Array  # panels of [D, (Hq + 2 Hkv) K]: q, k and v side by side
     o_proj: jax.Array  # panels of [Hq K, D]
     mlp_norm: jax.Array  # [D]
-    gate_up_proj: jax.Array  # panels of [D, 2F]: gate, then up
+    gate_up_proj: jax.Array  # panels of [D, F] each for gate and up, in pairs (`pack_gate_up`)
     down_proj: jax.Array  # panels of [F, D]
 
     @staticmethod
@@ -138,7 +138,7 @@ class PackedLayerWeights(NamedTuple):
             pack_columns(qkv),
             pack_columns(w.o_proj.reshape(-1, w.o_proj.shape[-1])),
             w.mlp_norm,
-            pack_columns(jnp.concatenate([w.gate_proj, w.up_proj], axis=1)),
+            pack_gate_up(w.gate_proj, w.up_proj),
             pack_columns(w.down_proj),
         )
 
@@ -155,9 +155,7 @@ class PackedLayerWeights(NamedTuple):
         return packed_matmul(attn.reshape(attn.shape[0], -1), self.o_proj, cfg.hidden_size)
 
     def mlp(self, x: jax.Array, cfg: LlamaConfig) -> jax.Array:
-        f = cfg.intermediate_size
-        gate_up = packed_matmul(x, self.gate_up_proj, 2 * f)
-        return packed_matmul(jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], self.down_proj, cfg.hidden_size)
+        return packed_mlp(x, self.gate_up_proj, self.down_proj, cfg.hidden_size)
 
 
 class _LayerParams(nnx.Module):
