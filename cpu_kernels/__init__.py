@@ -5,7 +5,8 @@
   and the cache may differ in dtype (float32 / bfloat16 each): an f32 model can keep a bf16
   cache, read as f32.
 - `packed_matmul`: float32 x @ w with w packed once by `pack_columns`; the model's linear
-  layers under `model.linear_impl=cpu`.
+  layers under `model.linear_impl=cpu`. It can RMS-normalise x on the way in and add a
+  residual on the way out.
 - `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
   and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
 - `row_argmax`: jnp.argmax(x, axis=-1) for float32 [R, V], the same indices (first of equals,
@@ -163,15 +164,31 @@ def pack_columns(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / 16), K, 16],
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
 
 
-def packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
-    """x @ w for float32, with `packed = pack_columns(w)` and n = w.shape[1]."""
+def _optional_inputs(x: jax.Array, n: int, norm: jax.Array | None, residual: jax.Array | None) -> tuple:
+    """The kernels' optional rms-norm weight [K] and residual [rows, n], empty when not given."""
+    k = x.shape[-1]
+    if norm is not None and (norm.shape != (k,) or norm.dtype != jnp.float32):
+        raise ValueError(f"the rms-norm weight must be float32 [{k}], got {norm.dtype} {norm.shape}")
+    if residual is not None and (residual.shape != (*x.shape[:-1], n) or residual.dtype != jnp.float32):
+        raise ValueError(f"the residual must be float32 {(*x.shape[:-1], n)}, got {residual.dtype} {residual.shape}")
+    return (jnp.zeros((0,), jnp.float32) if norm is None else norm,
+            jnp.zeros((0, n), jnp.float32) if residual is None else residual.reshape(-1, n))
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, norm: jax.Array | None = None, eps: float = 0.0,
+                  residual: jax.Array | None = None) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
+    """x @ w for float32, with `packed = pack_columns(w)` and n = w.shape[1]. With `norm` ([K]) x
+    is RMS-normalised first (`rms_norm(x, norm, eps)`, fused into the kernel's packing of x); with
+    `residual` ([..., n]) the result is residual + x @ w."""
     if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
         raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
     if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or packed.shape[0] != -(-n // PANEL):
         raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} and n={n}")
+    norm, residual = _optional_inputs(x, n, norm, residual)
     load_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
-    y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, packed)
+    y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
+        rows, packed, norm, residual, eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -184,9 +201,11 @@ def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> 
     return pairs.reshape(-1, *pairs.shape[2:])
 
 
-def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int) -> jax.Array:  # [..., K] -> [..., n]
+def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
+               eps: float = 0.0, residual: jax.Array | None = None) -> jax.Array:  # [..., K] -> [..., n]
     """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
-    `down = pack_columns(down_weight)` and n = down_weight.shape[1]."""
+    `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
+    `residual` as in `packed_matmul`."""
     if x.dtype != jnp.float32 or gate_up.dtype != jnp.float32 or down.dtype != jnp.float32:
         raise ValueError(f"the CPU MLP takes float32, got x {x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; "
                          "use model.linear_impl=xla")
@@ -194,9 +213,11 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int) -> jax
     if (gate_up.ndim != 3 or gate_up.shape[0] != 2 * -(-f // PANEL) or gate_up.shape[1:] != (x.shape[-1], PANEL)
             or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):
         raise ValueError(f"packed gate/up {gate_up.shape} and down {down.shape} do not match x {x.shape} and n={n}")
+    norm, residual = _optional_inputs(x, n, norm, residual)
     load_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
-    y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(rows, gate_up, down)
+    y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
+        rows, gate_up, down, norm, residual, eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
 
 

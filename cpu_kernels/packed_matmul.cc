@@ -165,12 +165,25 @@ constexpr auto kTiles = AllTiles(std::make_integer_sequence<int, kTilePanels>())
 // Rows [m0, m0 + rows) of x [M, K] (rows <= kTileRows) -> one chunk, k-major ([k][row]);
 // rows past `rows` stay unread. K is walked in blocks, all rows per block: row by row over
 // the whole of K, the strided stores (kTileRows floats apart) ran ~3x slower at K = 2048.
-void PackChunk(const float* x, int64_t K, int64_t rows, float* dst) {
+// With `norm` ([K], or null) each row is RMS-normalised on the way, as the model's rms_norm
+// does: norm[k] * (x[k] * (1 / sqrt(mean(x * x) + eps))), in f32.
+void PackChunk(const float* x, int64_t K, int64_t rows, float* dst, const float* norm, float eps) {
   constexpr int64_t kBlock = 64;
+  float scale[kTileRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.0f;
+    if (norm)
+      for (int64_t k = 0; k < K; ++k) sum += x[r * K + k] * x[r * K + k];
+    scale[r] = norm ? 1.0f / std::sqrt(sum / static_cast<float>(K) + eps) : 1.0f;
+  }
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
     const int64_t k1 = std::min(K, k0 + kBlock);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t k = k0; k < k1; ++k) dst[k * kTileRows + r] = x[r * K + k];
+    for (int64_t r = 0; r < rows; ++r) {
+      if (norm)
+        for (int64_t k = k0; k < k1; ++k) dst[k * kTileRows + r] = norm[k] * (x[r * K + k] * scale[r]);
+      else
+        for (int64_t k = k0; k < k1; ++k) dst[k * kTileRows + r] = x[r * K + k];
+    }
   }
 }
 
@@ -201,8 +214,9 @@ inline void ForEachRowChunk(int64_t m0, int64_t m1, int64_t next_lines, TileCall
 }
 
 // One work item of c[M, N] = x @ w: rows [m0, m1) x strips [s0, s1) of w's P panels, x packed in a.
+// With `residual` ([M, N], or null) the item adds it to its outputs, tile by tile while they are in L1.
 void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t N, int64_t m0, int64_t m1,
-                  int64_t s0, int64_t s1, float* c) {
+                  int64_t s0, int64_t s1, float* c, const float* residual) {
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
     const float* bp = b + p * K * kPanel;
@@ -211,7 +225,11 @@ void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t 
     const int64_t nv = std::min(panels * kPanel, N - p * kPanel);
     ForEachRowChunk(m0, m1, std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K,
                     [&](int64_t m, int64_t rows, int64_t l0, int64_t lines) {
-                      kTiles[panels][rows](a + m * K, bp, K, c + m * N + p * kPanel, N, nv, next + 64 * l0, lines);
+                      float* tile = c + m * N + p * kPanel;
+                      kTiles[panels][rows](a + m * K, bp, K, tile, N, nv, next + 64 * l0, lines);
+                      if (residual)
+                        for (int64_t r = 0; r < rows; ++r)
+                          for (int64_t j = 0; j < nv; ++j) tile[r * N + j] += residual[(m + r) * N + p * kPanel + j];
                     });
   }
 }
@@ -248,22 +266,49 @@ struct PackedRows {
   const float* x;
   int64_t M, K, chunks;
   float* a;
-  PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer) : x(x_), M(M_), K(K_) {
+  const float* norm;  // RMS-normalise the rows with this weight on the way (null: as they are)
+  float eps;
+  PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_)
+      : x(x_), M(M_), K(K_), norm(norm_), eps(eps_) {
     chunks = (M + kTileRows - 1) / kTileRows;
     // One buffer per calling thread, grown once: no page faults from a fresh allocation per call.
     if (buffer.size() < static_cast<size_t>(chunks * kTileRows * K)) buffer.resize(chunks * kTileRows * K);
     a = buffer.data();
   }
   void Pack(int64_t chunk) const {
-    PackChunk(x + chunk * kTileRows * K, K, std::min(kTileRows, M - chunk * kTileRows), a + chunk * kTileRows * K);
+    PackChunk(x + chunk * kTileRows * K, K, std::min(kTileRows, M - chunk * kTileRows), a + chunk * kTileRows * K, norm,
+              eps);
   }
 };
+
+// The optional inputs: an rms-norm weight [K] and a residual [M, N], each empty when not used.
+ffi::Error OptionalInputs(const ffi::Buffer<ffi::F32>& norm, const ffi::Buffer<ffi::F32>& residual, int64_t M,
+                          int64_t K, int64_t N, const float** norm_data, const float** residual_data) {
+  const auto nd = norm.dimensions(), rd = residual.dimensions();
+  const bool has_norm = norm.element_count() > 0, has_residual = residual.element_count() > 0;
+  if (has_norm && (nd.size() != 1 || nd[0] != K))
+    return ffi::Error::InvalidArgument("the rms-norm weight must be [K=" + std::to_string(K) + "] or empty");
+  if (has_residual && (rd.size() != 2 || rd[0] != M || rd[1] != N))
+    return ffi::Error::InvalidArgument("the residual must be [M=" + std::to_string(M) + ", N=" + std::to_string(N) +
+                                       "] or empty");
+  *norm_data = has_norm ? norm.typed_data() : nullptr;
+  *residual_data = has_residual ? residual.typed_data() : nullptr;
+  return ffi::Error::Success();
+}
+
+// y = residual + x @ w with x all 0 (K = 0, or M rows of nothing).
+void ResidualOnly(const float* residual, int64_t M, int64_t N, float* c) {
+  if (residual) std::memcpy(c, residual, M * N * sizeof(float));
+  else std::memset(c, 0, M * N * sizeof(float));
+}
 
 inline void WaitFor(const std::atomic<int64_t>& count, int64_t target) {
   while (count.load(std::memory_order_acquire) < target) std::this_thread::yield();
 }
 
+// y [M, N] = residual + rms_norm(x) @ w, the norm and the residual each optional (empty).
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                            ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual, float eps,
                             ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
@@ -273,14 +318,16 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error::InvalidArgument("packed matmul: x [" + std::to_string(M) + ", " + std::to_string(K) +
                                        "], w [" + std::to_string(P) + ", " + std::to_string(wd[1]) + ", " +
                                        std::to_string(wd[2]) + "] and N=" + std::to_string(N) + " do not agree");
+  const float *norm = nullptr, *res = nullptr;
+  if (auto error = OptionalInputs(norm_weight, residual, M, K, N, &norm, &res); error.failure()) return error;
   float* c = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0) {
-    std::memset(c, 0, M * N * sizeof(float));
+    ResidualOnly(res, M, N, c);
     return ffi::Error::Success();
   }
   thread_local std::vector<float> buffer;
-  const PackedRows rows(x.typed_data(), M, K, buffer);
+  const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps);
   const Split split(M, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
   // Items [0, chunks) pack x, one chunk each; the multiply items after them wait until every
   // chunk is packed. Items are claimed in order, so each chunk a multiply waits for is already
@@ -298,7 +345,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     item -= rows.chunks;
     const int64_t m0 = split.first_row(item), s0 = split.first_strip(item);
     MultiplyItem(rows.a, w.typed_data(), K, P, N, m0, std::min(M, m0 + kRowBlock), s0,
-                 std::min(split.strips, s0 + split.group), c);
+                 std::min(split.strips, s0 + split.group), c, res);
   });
   return ffi::Error::Success();
 }
@@ -310,8 +357,10 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
 // silu(gate) * up are written straight into the packed layout of down's input h; then h @ down.
 // Against two matmuls and XLA's SwiGLU in between, this saves packing h (K = F, the largest
 // x of the layer), writing and reading the [M, 2F] gate/up product, and one pool wake-up.
+// With the optional rms-norm weight and residual of PackedMatmulImpl: y = residual + mlp(rms_norm(x)).
 ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gate_up,
-                         ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> y) {
+                         ffi::Buffer<ffi::F32> down, ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
+                         float eps, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || gd.size() != 3 || dd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument(
@@ -324,14 +373,16 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
                                        ", " + std::to_string(gd[2]) + "], down [" + std::to_string(P) + ", " +
                                        std::to_string(F) + ", " + std::to_string(dd[2]) + "] and N=" +
                                        std::to_string(N) + " do not agree");
+  const float *norm = nullptr, *res = nullptr;
+  if (auto error = OptionalInputs(norm_weight, residual, M, K, N, &norm, &res); error.failure()) return error;
   float* c = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0 || F == 0) {  // silu(0) * 0 = 0
-    std::memset(c, 0, M * N * sizeof(float));
+    ResidualOnly(res, M, N, c);
     return ffi::Error::Success();
   }
   thread_local std::vector<float> x_buffer, h_buffer;
-  const PackedRows rows(x.typed_data(), M, K, x_buffer);
+  const PackedRows rows(x.typed_data(), M, K, x_buffer, norm, eps);
   if (h_buffer.size() < static_cast<size_t>(rows.chunks * kTileRows * F)) h_buffer.resize(rows.chunks * kTileRows * F);
   float* h = h_buffer.data();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
@@ -374,7 +425,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     item -= pairs.items;
     const int64_t m0 = out.first_row(item), s0 = out.first_strip(item);
     MultiplyItem(h, down.typed_data(), F, P, N, m0, std::min(M, m0 + kRowBlock), s0, std::min(out.strips, s0 + out.group),
-                 c);
+                 c, res);
   });
   return ffi::Error::Success();
 }
@@ -386,6 +437,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmul, PackedMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
@@ -394,4 +448,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());

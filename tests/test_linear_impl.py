@@ -78,6 +78,51 @@ def test_packed_mlp_equals_silu_gate_times_up_then_down_for_any_shape(m, k, f, n
     check_mlp(m, k, f, n, seed)
 
 
+def rms_norm_reference(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps) * weight
+
+
+# Rows in more than one chunk and one 96-row block; K off the pack's 64-wide blocks.
+@pytest.mark.parametrize("m,k,n", [(1, 8, 16), (13, 70, 33), (100, 129, 20)])
+def test_packed_matmul_normalises_x_and_adds_the_residual_when_asked(m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    x, w = rng.standard_normal((m, k), np.float32) * 3, rng.standard_normal((k, n), np.float32)
+    norm, residual = rng.standard_normal(k, np.float32), rng.standard_normal((m, n), np.float32)
+    args = jnp.asarray(x), pack_columns(jnp.asarray(w)), n
+    tol = dict(rtol=1e-4, atol=1e-4 * np.sqrt(k))
+    normed = rms_norm_reference(x, norm, 1e-5)
+    np.testing.assert_allclose(np.asarray(packed_matmul(*args, norm=jnp.asarray(norm), eps=1e-5)), normed @ w, **tol)
+    np.testing.assert_allclose(np.asarray(packed_matmul(*args, residual=jnp.asarray(residual))), x @ w + residual,
+                               **tol)
+    both = packed_matmul(*args, norm=jnp.asarray(norm), eps=1e-5, residual=jnp.asarray(residual))
+    np.testing.assert_allclose(np.asarray(both), normed @ w + residual, **tol)
+    # The model's own rms_norm, to the float32 rounding of both.
+    ours = packed_matmul(*args, norm=jnp.asarray(norm), eps=1e-5)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(llama.rms_norm(jnp.asarray(x), jnp.asarray(norm), 1e-5) @ w),
+                               **tol)
+
+
+def test_packed_mlp_normalises_x_and_adds_the_residual_when_asked():
+    rng = np.random.default_rng(7)
+    m, k, f, n = 13, 40, 36, 40
+    x = rng.standard_normal((m, k), np.float32)
+    gate, up = rng.standard_normal((k, f), np.float32), rng.standard_normal((k, f), np.float32)
+    down, norm = rng.standard_normal((f, n), np.float32), rng.standard_normal(k, np.float32)
+    y = packed_mlp(jnp.asarray(x), pack_gate_up(jnp.asarray(gate), jnp.asarray(up)), pack_columns(jnp.asarray(down)), n,
+                   norm=jnp.asarray(norm), eps=1e-6, residual=jnp.asarray(x))
+    expected = x + mlp_reference(rms_norm_reference(x, norm, 1e-6).astype(np.float32), gate, up, down)
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-3 * np.sqrt(k * f))
+
+
+def test_the_optional_inputs_must_fit():
+    x, packed = jnp.ones((3, 8), jnp.float32), pack_columns(jnp.ones((8, 5), jnp.float32))
+    with pytest.raises(ValueError, match="rms-norm weight must be float32 \\[8\\]"):
+        packed_matmul(x, packed, 5, norm=jnp.ones(7, jnp.float32))
+    with pytest.raises(ValueError, match="residual must be float32"):
+        packed_matmul(x, packed, 5, residual=jnp.ones((3, 4), jnp.float32))
+
+
 def test_pack_gate_up_pairs_each_gate_panel_with_the_same_columns_of_up():
     gate = jnp.arange(3 * 20, dtype=jnp.float32).reshape(3, 20)
     up = -gate

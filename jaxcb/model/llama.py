@@ -107,16 +107,20 @@ class LayerWeights(NamedTuple):
     up_proj: jax.Array  # [D, F]
     down_proj: jax.Array  # [F, D]
 
-    def project_qkv(self, x: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # A layer's three steps on the residual stream h [T, D]; the packed weights below fuse the
+    # norms and residual adds into their kernels.
+    def norm_and_project_qkv(self, h: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+        x = rms_norm(h, self.attn_norm, cfg.rms_norm_eps)
         return tuple(jnp.einsum("td,dhk->thk", x, w) for w in (self.q_proj, self.k_proj, self.v_proj))
 
-    def project_out(self, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:  # [T, Hq, K] -> [T, D]
-        return jnp.einsum("thk,hkd->td", attn, self.o_proj)
+    def add_attention_output(self, h: jax.Array, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:  # attn [T, Hq, K]
+        return h + jnp.einsum("thk,hkd->td", attn, self.o_proj)
 
-    def mlp(self, x: jax.Array, cfg: LlamaConfig) -> jax.Array:  # [T, D] -> [T, D]
+    def add_mlp(self, h: jax.Array, cfg: LlamaConfig) -> jax.Array:
+        x = rms_norm(h, self.mlp_norm, cfg.rms_norm_eps)
         gate = jnp.einsum("td,df->tf", x, self.gate_proj)
         up = jnp.einsum("td,df->tf", x, self.up_proj)
-        return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, self.down_proj)
+        return h + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, self.down_proj)
 
 
 class PackedLayerWeights(NamedTuple):
@@ -142,20 +146,21 @@ class PackedLayerWeights(NamedTuple):
             pack_columns(w.down_proj),
         )
 
-    def project_qkv(self, x: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def norm_and_project_qkv(self, h: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        qkv = packed_matmul(x, self.qkv_proj, q + 2 * kv)
+        qkv = packed_matmul(h, self.qkv_proj, q + 2 * kv, norm=self.attn_norm, eps=cfg.rms_norm_eps)
         return (
             qkv[:, :q].reshape(-1, cfg.num_heads, cfg.head_dim),
             qkv[:, q : q + kv].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
             qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
         )
 
-    def project_out(self, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:
-        return packed_matmul(attn.reshape(attn.shape[0], -1), self.o_proj, cfg.hidden_size)
+    def add_attention_output(self, h: jax.Array, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:
+        return packed_matmul(attn.reshape(attn.shape[0], -1), self.o_proj, cfg.hidden_size, residual=h)
 
-    def mlp(self, x: jax.Array, cfg: LlamaConfig) -> jax.Array:
-        return packed_mlp(x, self.gate_up_proj, self.down_proj, cfg.hidden_size)
+    def add_mlp(self, h: jax.Array, cfg: LlamaConfig) -> jax.Array:
+        return packed_mlp(h, self.gate_up_proj, self.down_proj, cfg.hidden_size, norm=self.mlp_norm,
+                          eps=cfg.rms_norm_eps, residual=h)
 
 
 class _LayerParams(nnx.Module):
@@ -217,12 +222,11 @@ def decoder_layer(
     md: AttentionMetadata,
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden], cache with this layer's new K/V)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-    x = rms_norm(h, w.attn_norm, cfg.rms_norm_eps)
-    q, k, v = w.project_qkv(x, cfg)
+    q, k, v = w.norm_and_project_qkv(h, cfg)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     attn, cache = attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
-    h = h + w.project_out(attn.astype(h.dtype), cfg)
-    return h + w.mlp(rms_norm(h, w.mlp_norm, cfg.rms_norm_eps), cfg), cache
+    h = w.add_attention_output(h, attn.astype(h.dtype), cfg)
+    return w.add_mlp(h, cfg), cache
 
 
 class Llama(nnx.Module):
