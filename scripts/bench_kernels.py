@@ -173,9 +173,9 @@ def cache_dtype_table(calls: int) -> None:
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
 
 
-def register_kernels_at(rev: str) -> tuple[str, str]:
+def register_kernels_at(rev: str) -> tuple[str, str, bool]:
     """Builds revision `rev`'s CPU kernels and registers them under their own names:
-    (attention target, matmul target)."""
+    (attention target, matmul target, whether that matmul takes the optional norm and residual)."""
     with tempfile.TemporaryDirectory() as tmp:
         needed = {"ragged_paged_attention.cc", "packed_matmul.cc", "parallel_for.h"}  # in every revision
         for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
@@ -186,10 +186,11 @@ def register_kernels_at(rev: str) -> tuple[str, str]:
             if done.returncode == 0:  # a kernel or header added since `rev` is left out of its build
                 (Path(tmp) / f.name).write_text(done.stdout)
         lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library(Path(tmp))))
+        fused = '.Attr<float>("eps")' in (Path(tmp) / "packed_matmul.cc").read_text()
     targets = (f"{cpu_kernels.ATTENTION_TARGET}_{rev}", f"{cpu_kernels.MATMUL_TARGET}_{rev}")
     jax.ffi.register_ffi_target(targets[0], jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(targets[1], jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
-    return targets
+    return (*targets, fused)
 
 
 def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:
@@ -208,11 +209,14 @@ def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:
 
 
 def against_table(rev: str, calls: int) -> None:
-    attention_target, matmul_target = register_kernels_at(rev)
+    attention_target, matmul_target, fused = register_kernels_at(rev)
     cpu_kernels.load_cpu_kernels()
 
     def matmul_at_rev(x, packed, n):
-        return jax.ffi.ffi_call(matmul_target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))(x, packed)
+        call = jax.ffi.ffi_call(matmul_target, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+        if fused:  # no norm, no residual
+            return call(x, packed, jnp.zeros((0,), jnp.float32), jnp.zeros((0, n), jnp.float32), eps=np.float32(0))
+        return call(x, packed)
 
     rng = np.random.default_rng(0)
     packed = [pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)) for shape in SMALL_LINEARS]
