@@ -13,11 +13,15 @@
 // is read from memory once and then from L2 by every row chunk; each tile runs over all of K,
 // so its outputs stay in registers and are stored once, and the next strip is prefetched a
 // few lines per tile, spread over the row chunks.
+//
+// Two calls: the matmul (JaxcbPackedMatmul) and the SwiGLU MLP (JaxcbPackedMlp). Both can
+// RMS-normalise x while packing it and add a residual to their outputs, so that a decoder
+// layer's norms and residual adds need no XLA ops of their own.
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
