@@ -1,6 +1,7 @@
 """The C++ CPU kernels: built once per machine and source, chosen by attention.impl=auto on CPU,
 and a clear fallback or error where they cannot be built."""
 
+import ctypes
 import logging
 
 import jax
@@ -107,3 +108,62 @@ def test_greedy_steps_on_cpu_take_their_tokens_from_the_cpu_argmax():
     assert resolve_argmax(one_device=True, platform="gpu") is xla_argmax
     for executable in shared_engine().runner.compiled.values():
         assert "jaxcb_row_argmax" in executable.as_text()
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="needs an x86-64 CPU with AVX2 and FMA")
+def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
+    """The kernels pick their SIMD width at build time (`-march=native`): on a CPU with AVX-512
+    the native build never runs the AVX2 tiles and attention rows. A second build for AVX2 only
+    (x86-64-v3) runs them here and must agree with the native one, so both paths are checked
+    on any machine with AVX2 (on an AVX2-only machine the two builds run the same code)."""
+    from pallas_kernels.testing import make_ragged_batch
+
+    flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels.CXX_FLAGS)
+    monkeypatch.setattr(cpu_kernels, "CXX_FLAGS", flags)
+    lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library()))
+    monkeypatch.undo()
+    names = {"JaxcbPackedMatmul": "matmul", "JaxcbPackedMlp": "mlp", "JaxcbRaggedPagedAttention": "attention",
+             "JaxcbRowArgmax": "argmax"}
+    for symbol, target in names.items():
+        jax.ffi.register_ffi_target(f"jaxcb_test_avx2_{target}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+    def avx2(target, shape, dtype, *args, **attrs):
+        return jax.ffi.ffi_call(f"jaxcb_test_avx2_{target}", jax.ShapeDtypeStruct(shape, dtype))(*args, **attrs)
+
+    rng = np.random.default_rng(0)
+    m, k, f, n = 29, 70, 36, 33  # rows past two 12-row tiles, F and N off the 16-column panels
+    x, w = jnp.asarray(rng.standard_normal((m, k), np.float32)), jnp.asarray(rng.standard_normal((k, n), np.float32))
+    norm, residual = jnp.asarray(rng.standard_normal(k, np.float32)), jnp.asarray(rng.standard_normal((m, n), np.float32))
+    packed = cpu_kernels.pack_columns(w)
+    native = cpu_kernels.packed_matmul(x, packed, n, norm=norm, eps=1e-5, residual=residual)
+    ours = avx2("matmul", (m, n), jnp.float32, x, packed, norm, residual, eps=np.float32(1e-5))
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-4)
+
+    gate_up = cpu_kernels.pack_gate_up(*(jnp.asarray(rng.standard_normal((k, f), np.float32)) for _ in range(2)))
+    down = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((f, n), np.float32)))
+    x3 = x * 3  # gates of both signs and beyond the sigmoid's flat ends
+    native = cpu_kernels.packed_mlp(x3, gate_up, down, n, norm=norm, eps=1e-5, residual=residual)
+    ours = avx2("mlp", (m, n), jnp.float32, x3, gate_up, down, norm, residual, eps=np.float32(1e-5))
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-3)
+
+    # Blocks of 16 and head_dim 64: the AVX-512 build scores a whole block per pass here.
+    batch = make_ragged_batch([(1, 37), (5, 80), (1, 16), (17, 17)], block_size=16, num_kv_heads=2, group=3,
+                              head_dim=64, seed=1)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args = batch.args(jnp, dtype)
+        native = cpu_kernels.ragged_paged_attention_cpu(*args, sm_scale=0.125)
+        q, kc, vc, kv_lens, tables, qsl, num_seqs, layer = args
+        ours = avx2("attention", q.shape, q.dtype, q, kc, vc, kv_lens, tables, qsl, jnp.reshape(num_seqs, ()),
+                    jnp.reshape(layer, ()), sm_scale=np.float32(0.125))
+        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(native, np.float32), rtol=1e-2, atol=1e-2)
+
+    logits = jnp.asarray(rng.standard_normal((5, 1000), np.float32))
+    np.testing.assert_array_equal(np.asarray(avx2("argmax", (5,), jnp.int32, logits)), np.asarray(jnp.argmax(logits, -1)))
