@@ -339,7 +339,7 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   // round of pool wake-ups.
   const int64_t items = rows.chunks + split.items;
   std::atomic<int64_t> packed{0};
-  jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, pool.num_threads() - 1), [&](int64_t item) {
+  jaxcb::ParallelFor(pool, items, [&](int64_t item) {
     if (item < rows.chunks) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
@@ -395,7 +395,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t items = rows.chunks + pairs.items + out.items;
   std::atomic<int64_t> packed{0}, paired{0};
   const float* gu = gate_up.typed_data();
-  jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, threads - 1), [&](int64_t item) {
+  jaxcb::ParallelFor(pool, items, [&](int64_t item) {
     if (item < rows.chunks) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);

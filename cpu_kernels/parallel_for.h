@@ -2,6 +2,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -33,6 +34,14 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t extra_threads, F
   for (int64_t h = 0; h < extra_threads; ++h) pool.Schedule(decltype(worker)(worker));
   worker();
   while (state->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+// ParallelFor with as many pool threads as help: one fewer than the pool has (the caller is
+// the other) and than there are items, never fewer than none.
+template <typename F>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, F&& body) {
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  ParallelFor(pool, n, std::clamp<int64_t>(n - 1, 0, threads - 1), std::forward<F>(body));
 }
 
 }  // namespace jaxcb

@@ -415,8 +415,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
       for (int32_t h = 0; h < s.num_kv_heads; ++h) items.push_back(WorkItem{r, h, first});
   }
   const int64_t n = static_cast<int64_t>(items.size());
-  const int64_t extra_threads = std::min<int64_t>(pool.num_threads() - 1, n - 1);
-  jaxcb::ParallelFor(pool, n, std::max<int64_t>(extra_threads, 0), [&](int64_t i) {
+  jaxcb::ParallelFor(pool, n, [&](int64_t i) {
     const WorkItem& item = items[i];
     AttendTile<Q, C>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
                   qsl[item.seq + 1] - qsl[item.seq], layer, item, sm_scale, out);

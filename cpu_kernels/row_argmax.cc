@@ -87,7 +87,7 @@ ffi::Error RowArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Res
   // Rows in runs of a few: a 32,000-word row is 128 KiB, worth a thread for a handful of them.
   constexpr int64_t kRowsPerItem = 4;
   const int64_t items = (rows + kRowsPerItem - 1) / kRowsPerItem;
-  jaxcb::ParallelFor(pool, items, std::clamp<int64_t>(items - 1, 0, pool.num_threads() - 1), [&](int64_t item) {
+  jaxcb::ParallelFor(pool, items, [&](int64_t item) {
     for (int64_t r = item * kRowsPerItem; r < std::min(rows, (item + 1) * kRowsPerItem); ++r)
       result[r] = Argmax(data + r * n, n);
   });

@@ -1,4 +1,8 @@
 // exp(x) for x <= 0 on 8 (AVX2) or 16 (AVX-512) float lanes, shared by the CPU kernels.
+//
+// The two widths are the same arithmetic written twice in intrinsics on purpose: written once
+// with GCC's vector arithmetic, -fassociative-math (in the kernels' flags) was free to merge
+// the two-part ln 2 of the range reduction, and the lost precision failed a bf16 attention test.
 
 #pragma once
 

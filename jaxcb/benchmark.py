@@ -258,7 +258,7 @@ def model_flops(llm: LLM, items: list[WorkItem]) -> dict:
     attention = 4 * m.num_layers * q * contexts
     big_after = matmul_flops_per_s(budget, m.hidden_size, m.intermediate_size, m.dtype, repeats=CEILING_CALLS)
     ceiling_big = max(big_before, big_after)
-    ceiling_decode = matmul_flops_per_s(seqs, m.hidden_size, m.intermediate_size, m.dtype)
+    ceiling_decode = matmul_flops_per_s(seqs, m.hidden_size, m.intermediate_size, m.dtype, repeats=CEILING_CALLS)
     achieved = (linear + attention) / result.seconds
     return dict(
         seconds=result.seconds, output_tokens_per_s=result.output_tokens_per_s, num_steps=result.num_steps,
