@@ -9,6 +9,8 @@
   residual on the way out.
 - `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
   and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
+- `write_kv_rows`: one layer's new K/V rows into the paged cache, in place (XLA:CPU's scatter
+  converts a whole bfloat16 cache to f32 and back).
 - `row_argmax`: jnp.argmax(x, axis=-1) for float32 [R, V], the same indices (first of equals,
   first NaN); greedy sampling on CPU.
 
@@ -38,12 +40,15 @@ import numpy as np
 from pallas_kernels.inputs import check_attention_inputs
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc")
+SOURCES = (
+    HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc", HERE / "kv_cache_write.cc",
+)
 HEADERS = (HERE / "parallel_for.h", HERE / "vector_exp.h")
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
 MLP_TARGET = "jaxcb_packed_mlp"
 ARGMAX_TARGET = "jaxcb_row_argmax"
+KV_WRITE_TARGET = "jaxcb_kv_cache_write"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
 ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of the cache, each (ragged_paged_attention.cc)
 CXX_FLAGS = (
@@ -127,6 +132,7 @@ def load_cpu_kernels() -> None:
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(MLP_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMlp), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
+    jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")
 
 
 def ragged_paged_attention_cpu(
@@ -219,6 +225,27 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
     y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
         rows, gate_up, down, norm, residual, eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
+
+
+def write_kv_rows(
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: jax.Array,  # same
+    layer: jax.Array,  # i32[]
+    k: jax.Array,  # [T, num_kv_heads, head_dim]
+    v: jax.Array,  # [T, num_kv_heads, head_dim]
+    slots: jax.Array,  # i32[T]: block * block_size + offset; outside the cache -> dropped
+) -> tuple[jax.Array, jax.Array]:
+    """The caches with cache[layer, :, slot[t]] = k[t] (and v), converted to the cache's dtype;
+    in place when the caches are donated. Same result as kv_cache.write_kv's scatter."""
+    if k_cache.ndim != 5 or k.shape != v.shape or k.shape[1:] != (k_cache.shape[1], k_cache.shape[4]) \
+            or slots.shape != k.shape[:1] or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches {k_cache.shape}/{v_cache.shape}, rows {k.shape}/{v.shape} and slots {slots.shape} "
+                         "do not match")
+    load_cpu_kernels()
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),) * 2,
+                            input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype), slots.astype(jnp.int32),
+                jnp.reshape(layer, ()).astype(jnp.int32))
 
 
 def row_argmax(x: jax.Array) -> jax.Array:  # f32[R, V] -> i32[R]

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, write_kv_rows
 from jaxcb.block_pool import NULL_BLOCK  # noqa: F401  (re-exported: the cache owns the null block)
 from jaxcb.config import CacheConfig, ConfigError
 from jaxcb.model.config import LlamaConfig
@@ -191,7 +192,11 @@ def write_kv(
     v: jax.Array,  # [T, num_kv_heads, head_dim]
     slot_mapping: jax.Array,  # i32[T]; slot = block * block_size + offset
 ) -> KVCache:
-    """Scatter one layer's new K/V into their slots (in place when the cache is donated)."""
+    """Scatter one layer's new K/V into their slots (in place when the cache is donated): on
+    CPU with the C++ kernel, elsewhere with XLA's scatter."""
+    if _cpu_write_available():
+        k_cache, v_cache = write_kv_rows(cache.k, cache.v, layer, k, v, slot_mapping)
+        return KVCache(k=k_cache, v=v_cache)
     num_layers, num_kv_heads, num_blocks, block_size, head_dim = cache.k.shape
     flat = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
     if slot_mapping.shape[0] == 1:
@@ -204,6 +209,19 @@ def write_kv(
     k_flat = cache.k.reshape(flat).at[layer, :, slot_mapping].set(k.astype(cache.k.dtype), mode="drop")
     v_flat = cache.v.reshape(flat).at[layer, :, slot_mapping].set(v.astype(cache.v.dtype), mode="drop")
     return KVCache(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape))
+
+
+@functools.cache
+def _cpu_write_available() -> bool:
+    """On CPU the new rows are written by a C++ kernel (`cpu_kernels.write_kv_rows`): XLA:CPU's
+    scatter into a bfloat16 cache converts the whole cache to f32 and back, twice per layer."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        load_cpu_kernels()
+        return True
+    except CpuKernelUnavailable:
+        return False
 
 
 SWAP_CHUNK = 16  # blocks per device<->host copy call: one compiled shape, padded with the null block

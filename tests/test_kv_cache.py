@@ -120,6 +120,36 @@ def test_write_kv_never_copies_the_cache_whatever_the_number_of_tokens(num_token
     np.testing.assert_array_equal(out.v[1, :, 0, 3], -np.ones((2, 16), np.float32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_write_kv_into_a_16_bit_cache_neither_converts_nor_copies_the_cache(dtype):
+    # XLA:CPU scattered into a bf16 cache by converting all of it to f32 and back, for every
+    # layer's K and V: a bf16 cache made each step ~50x slower than an f32 one.
+    cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=dtype)
+
+    def every_layer(c, k, s):
+        for layer in range(TINY.num_layers):
+            c = write_kv(c, jnp.int32(layer), k * (layer + 1), -k, s)
+        return c
+
+    k = jnp.full((2, 2, 16), 1.5, jnp.float32)
+    slots = jnp.asarray([3, 17], jnp.int32)
+    step = jax.jit(every_layer, donate_argnums=0)
+    text = step.lower(cache, k, slots).compile().as_text()
+    whole_cache = [line for line in text.splitlines()
+                   if any(f"{t}[3,2,32,16]" in line or f"{t}[3,2,4,8,16]" in line for t in ("f32", "u16", "bf16", "f16"))
+                   and (" convert(" in line or " copy(" in line)]
+    assert whole_cache == []
+    out = step(cache, k, slots)
+    assert out.k.dtype == dtype and out.v.dtype == dtype
+    want_k, want_v = np.zeros(cache.k.shape, np.float32), np.zeros(cache.v.shape, np.float32)
+    for layer in range(TINY.num_layers):
+        for block, offset in ((0, 3), (2, 1)):  # slots 3 and 17, blocks of 8
+            want_k[layer, :, block, offset] = 1.5 * (layer + 1)
+            want_v[layer, :, block, offset] = -1.5
+    np.testing.assert_array_equal(np.asarray(out.k, np.float32), want_k)
+    np.testing.assert_array_equal(np.asarray(out.v, np.float32), want_v)
+
+
 @pytest.mark.parametrize("impl", ["cpu", "xla"])
 def test_an_f32_model_serves_from_a_bf16_cache(impl):
     """`cache.dtype=bfloat16` under a float32 model: K/V are stored in bf16, attention takes
@@ -136,3 +166,37 @@ def test_a_cache_dtype_the_cpu_kernel_cannot_read_is_a_config_error_at_start_up(
                                           "use cache.dtype=float32 or bfloat16, or attention.impl=xla"):
         make_engine("cache.dtype=float16", "attention.impl=cpu")
 
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 6])
+def test_the_cpu_kv_write_matches_xlas_scatter_and_drops_slots_outside_the_cache(cache_dtype, num_tokens):
+    from cpu_kernels import write_kv_rows
+
+    rng = np.random.default_rng(num_tokens)
+    shape = (3, 2, 5, 4, 16)  # 5 blocks of 4 slots: slots [0, 20)
+    k_cache = jnp.asarray(rng.standard_normal(shape), cache_dtype)
+    v_cache = jnp.asarray(rng.standard_normal(shape), cache_dtype)
+    k = jnp.asarray(rng.standard_normal((num_tokens, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((num_tokens, 2, 16)), jnp.float32)
+    slots = jnp.asarray([7, 20, -1, 0, 19, 12][:num_tokens], jnp.int32)  # 20 and -1 are outside: dropped
+    got_k, got_v = jax.jit(write_kv_rows)(k_cache, v_cache, jnp.int32(1), k, v, slots)
+    flat = (3, 2, 20, 16)
+    for got, cache, rows in ((got_k, k_cache, k), (got_v, v_cache, v)):
+        want = np.array(cache.astype(jnp.float32)).reshape(flat)
+        for t, s in enumerate(np.asarray(slots)):
+            if 0 <= s < 20:
+                want[1, :, s] = np.asarray(rows[t].astype(cache_dtype).astype(jnp.float32))
+        assert got.dtype == cache_dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)).reshape(flat), want)
+
+
+def test_the_cpu_kv_write_rejects_rows_that_do_not_fit_the_cache():
+    from cpu_kernels import write_kv_rows
+
+    cache = jnp.zeros((3, 2, 5, 4, 16), jnp.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        write_kv_rows(cache, cache, jnp.int32(0), jnp.zeros((2, 3, 16)), jnp.zeros((2, 3, 16)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(Exception, match="layer=3 is outside"):
+        jax.block_until_ready(write_kv_rows(cache, cache, jnp.int32(3), jnp.zeros((2, 2, 16)), jnp.zeros((2, 2, 16)),
+                                            jnp.zeros(2, jnp.int32)))
