@@ -50,7 +50,8 @@ constexpr int64_t kTileRows = 12, kTilePanels = 2;
 #else
 constexpr int64_t kTileRows = 6, kTilePanels = 1;
 #endif
-constexpr int64_t kRowBlock = 96;  // rows per work item: their packed x (96 x 768 f32: 288 KiB) stays in L2
+// Row chunks per work item: their packed x (96 rows x 768 f32: 288 KiB) stays in L2.
+constexpr int64_t kChunksPerItem = 96 / kTileRows;
 
 // c[r][:nv] = sum_k a[k * kTileRows + r] * b[k * kPanel + :] for r < R, k < K, over NP panels
 // of w side by side (panel j at b + j * K * kPanel; nv counts the tile's valid columns).
@@ -191,46 +192,62 @@ void PackChunk(const float* x, int64_t K, int64_t rows, float* dst, const float*
   }
 }
 
-// How a multiply is split into work items: (block of rows, group of strips), about four items
-// per thread so that the claim-as-you-go loop evens out uneven finishes.
+// x's M rows in chunks of at most kTileRows, as even as they go: 64 rows are chunks of 11, 11,
+// 11, 11, 10 and 10, not five of 12 and one of 4. A short chunk's tile loads as many weights as
+// a full one and has too few accumulators to hide the FMA latency: the 4-row tail cost as much
+// as 6 full rows (64 rows took longer than 66). Chunk i is packed at i * kTileRows * K whatever
+// its rows, so the packed layout is the same.
+struct RowChunks {
+  int64_t count, base, extra;  // `extra` chunks of base + 1 rows, then chunks of base rows
+  explicit RowChunks(int64_t M)
+      : count((M + kTileRows - 1) / kTileRows), base(count ? M / count : 0), extra(count ? M % count : 0) {}
+  int64_t first_row(int64_t i) const { return i * base + std::min(i, extra); }
+  int64_t rows(int64_t i) const { return base + (i < extra ? 1 : 0); }
+};
+
+// How a multiply is split into work items: (block of row chunks, group of strips), about four
+// items per thread so that the claim-as-you-go loop evens out uneven finishes.
 struct Split {
-  int64_t strips, group, groups, items;
-  Split(int64_t M, int64_t strips_, int64_t threads) : strips(strips_) {
-    const int64_t row_blocks = (M + kRowBlock - 1) / kRowBlock;
+  int64_t chunks, strips, group, groups, items;
+  Split(int64_t chunks_, int64_t strips_, int64_t threads) : chunks(chunks_), strips(strips_) {
+    const int64_t row_blocks = (chunks + kChunksPerItem - 1) / kChunksPerItem;
     group = std::clamp<int64_t>(strips * row_blocks / (4 * threads), 1, 16 / kTilePanels);
     groups = (strips + group - 1) / group;
     items = row_blocks * groups;
   }
-  int64_t first_row(int64_t item) const { return (item / groups) * kRowBlock; }
+  int64_t first_chunk(int64_t item) const { return (item / groups) * kChunksPerItem; }
+  int64_t end_chunk(int64_t item) const { return std::min(chunks, first_chunk(item) + kChunksPerItem); }
   int64_t first_strip(int64_t item) const { return (item % groups) * group; }
+  int64_t end_strip(int64_t item) const { return std::min(strips, first_strip(item) + group); }
 };
 
-// Calls tile(m, rows, i, next, l0, l1) for each row chunk i of rows [m0, m1): the strip's
-// `next_lines` lines after it (at `next`) are prefetched a share [l0, l1) per chunk.
+// Calls tile(i, l0, lines) for each row chunk i in [c0, c1): the `next_lines` lines of the strip
+// after this one are prefetched a share [l0, l0 + lines) per chunk.
 template <typename TileCall>
-inline void ForEachRowChunk(int64_t m0, int64_t m1, int64_t next_lines, TileCall&& tile) {
-  const int64_t row_chunks = (m1 - m0 + kTileRows - 1) / kTileRows;
-  const int64_t lines_per_chunk = (next_lines + row_chunks - 1) / row_chunks;
-  for (int64_t m = m0, i = 0; m < m1; m += kTileRows, ++i) {
-    const int64_t l0 = std::min(next_lines, i * lines_per_chunk), l1 = std::min(next_lines, l0 + lines_per_chunk);
-    tile(m, std::min(kTileRows, m1 - m), l0, l1 - l0);
+inline void ForEachRowChunk(int64_t c0, int64_t c1, int64_t next_lines, TileCall&& tile) {
+  const int64_t lines_per_chunk = (next_lines + (c1 - c0) - 1) / (c1 - c0);
+  for (int64_t i = c0; i < c1; ++i) {
+    const int64_t l0 = std::min(next_lines, (i - c0) * lines_per_chunk);
+    tile(i, l0, std::min(next_lines, l0 + lines_per_chunk) - l0);
   }
 }
 
-// One work item of c[M, N] = x @ w: rows [m0, m1) x strips [s0, s1) of w's P panels, x packed in a.
-// With `residual` ([M, N], or null) the item adds it to its outputs, tile by tile while they are in L1.
-void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t N, int64_t m0, int64_t m1,
-                  int64_t s0, int64_t s1, float* c, const float* residual) {
+// One work item of c[M, N] = x @ w: row chunks [c0, c1) x strips [s0, s1) of w's P panels, x
+// packed in a. With `residual` ([M, N], or null) the item adds it to its outputs, tile by tile
+// while they are in L1.
+void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t N, const RowChunks& chunks,
+                  int64_t c0, int64_t c1, int64_t s0, int64_t s1, float* c, const float* residual) {
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
     const float* bp = b + p * K * kPanel;
     // The next strip is contiguous with this one: one 64-byte line per k per panel.
     const char* next = reinterpret_cast<const char*>(bp + panels * K * kPanel);
     const int64_t nv = std::min(panels * kPanel, N - p * kPanel);
-    ForEachRowChunk(m0, m1, std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K,
-                    [&](int64_t m, int64_t rows, int64_t l0, int64_t lines) {
+    ForEachRowChunk(c0, c1, std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K,
+                    [&](int64_t i, int64_t l0, int64_t lines) {
+                      const int64_t m = chunks.first_row(i), rows = chunks.rows(i);
                       float* tile = c + m * N + p * kPanel;
-                      kTiles[panels][rows](a + m * K, bp, K, tile, N, nv, next + 64 * l0, lines);
+                      kTiles[panels][rows](a + i * kTileRows * K, bp, K, tile, N, nv, next + 64 * l0, lines);
                       if (residual)
                         for (int64_t r = 0; r < rows; ++r)
                           for (int64_t j = 0; j < nv; ++j) tile[r * N + j] += residual[(m + r) * N + p * kPanel + j];
@@ -268,20 +285,20 @@ inline void SiluTimes(const float* g, const float* u, int64_t n, float* out) {
 // x [M, K] -> its chunks, packed into a by items [0, chunks) of a ParallelFor.
 struct PackedRows {
   const float* x;
-  int64_t M, K, chunks;
+  int64_t M, K;
+  RowChunks chunks;
   float* a;
   const float* norm;  // RMS-normalise the rows with this weight on the way (null: as they are)
   float eps;
   PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_)
-      : x(x_), M(M_), K(K_), norm(norm_), eps(eps_) {
-    chunks = (M + kTileRows - 1) / kTileRows;
+      : x(x_), M(M_), K(K_), chunks(M_), norm(norm_), eps(eps_) {
     // One buffer per calling thread, grown once: no page faults from a fresh allocation per call.
-    if (buffer.size() < static_cast<size_t>(chunks * kTileRows * K)) buffer.resize(chunks * kTileRows * K);
+    const size_t size = chunks.count * kTileRows * K;
+    if (buffer.size() < size) buffer.resize(size);
     a = buffer.data();
   }
-  void Pack(int64_t chunk) const {
-    PackChunk(x + chunk * kTileRows * K, K, std::min(kTileRows, M - chunk * kTileRows), a + chunk * kTileRows * K, norm,
-              eps);
+  void Pack(int64_t i) const {
+    PackChunk(x + chunks.first_row(i) * K, K, chunks.rows(i), a + i * kTileRows * K, norm, eps);
   }
 };
 
@@ -332,24 +349,23 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   thread_local std::vector<float> buffer;
   const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps);
-  const Split split(M, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
+  const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
   // Items [0, chunks) pack x, one chunk each; the multiply items after them wait until every
   // chunk is packed. Items are claimed in order, so each chunk a multiply waits for is already
   // being packed by a running thread: the packing is shared by the threads, with no second
   // round of pool wake-ups.
-  const int64_t items = rows.chunks + split.items;
+  const int64_t items = rows.chunks.count + split.items;
   std::atomic<int64_t> packed{0};
   jaxcb::ParallelFor(pool, items, [&](int64_t item) {
-    if (item < rows.chunks) {
+    if (item < rows.chunks.count) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
       return;
     }
-    WaitFor(packed, rows.chunks);
-    item -= rows.chunks;
-    const int64_t m0 = split.first_row(item), s0 = split.first_strip(item);
-    MultiplyItem(rows.a, w.typed_data(), K, P, N, m0, std::min(M, m0 + kRowBlock), s0,
-                 std::min(split.strips, s0 + split.group), c, res);
+    WaitFor(packed, rows.chunks.count);
+    item -= rows.chunks.count;
+    MultiplyItem(rows.a, w.typed_data(), K, P, N, rows.chunks, split.first_chunk(item), split.end_chunk(item),
+                 split.first_strip(item), split.end_strip(item), c, res);
   });
   return ffi::Error::Success();
 }
@@ -387,38 +403,40 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   }
   thread_local std::vector<float> x_buffer, h_buffer;
   const PackedRows rows(x.typed_data(), M, K, x_buffer, norm, eps);
-  if (h_buffer.size() < static_cast<size_t>(rows.chunks * kTileRows * F)) h_buffer.resize(rows.chunks * kTileRows * F);
+  if (h_buffer.size() < static_cast<size_t>(rows.chunks.count * kTileRows * F))
+    h_buffer.resize(rows.chunks.count * kTileRows * F);
   float* h = h_buffer.data();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // A gate/up strip is one pair of panels, whatever the tile's width.
-  const Split pairs(M, Q, threads), out(M, (P + kTilePanels - 1) / kTilePanels, threads);
-  const int64_t items = rows.chunks + pairs.items + out.items;
+  const Split pairs(rows.chunks.count, Q, threads), out(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, threads);
+  const int64_t items = rows.chunks.count + pairs.items + out.items;
   std::atomic<int64_t> packed{0}, paired{0};
   const float* gu = gate_up.typed_data();
   jaxcb::ParallelFor(pool, items, [&](int64_t item) {
-    if (item < rows.chunks) {
+    if (item < rows.chunks.count) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
       return;
     }
-    item -= rows.chunks;
+    item -= rows.chunks.count;
     if (item < pairs.items) {
-      WaitFor(packed, rows.chunks);
-      const int64_t m0 = pairs.first_row(item), m1 = std::min(M, m0 + kRowBlock), q0 = pairs.first_strip(item);
-      for (int64_t q = q0; q < std::min(Q, q0 + pairs.group); ++q) {
+      WaitFor(packed, rows.chunks.count);
+      for (int64_t q = pairs.first_strip(item); q < pairs.end_strip(item); ++q) {
         const float* bq = gu + 2 * q * K * kPanel;
         const int64_t cols = std::min(kPanel, F - q * kPanel);
-        ForEachRowChunk(m0, m1, q + 1 < Q ? 2 * K : 0, [&](int64_t m, int64_t r, int64_t l0, int64_t lines) {
+        ForEachRowChunk(pairs.first_chunk(item), pairs.end_chunk(item), q + 1 < Q ? 2 * K : 0,
+                        [&](int64_t i, int64_t l0, int64_t lines) {
+          const int64_t r = rows.chunks.rows(i);
           alignas(64) float both[kTileRows][2 * kPanel];  // gate's 16 columns, then up's
           for (int64_t j = 0; j < 2; j += kTilePanels)  // the pair in one tile, or two
-            kTiles[kTilePanels][r](rows.a + m * K, bq + j * K * kPanel, K, &both[0][j * kPanel], 2 * kPanel,
+            kTiles[kTilePanels][r](rows.a + i * kTileRows * K, bq + j * K * kPanel, K, &both[0][j * kPanel], 2 * kPanel,
                                    kTilePanels * kPanel, reinterpret_cast<const char*>(bq + 2 * K * kPanel) + 64 * l0,
                                    j == 0 ? lines : 0);
-          float* hc = h + m * F + q * kPanel * kTileRows;  // chunk m / kTileRows of h, k-major
-          for (int64_t i = 0; i < r; ++i) {
+          float* hc = h + i * kTileRows * F + q * kPanel * kTileRows;  // chunk i of h, k-major
+          for (int64_t row = 0; row < r; ++row) {
             alignas(64) float act[kPanel];
-            SiluTimes(both[i], both[i] + kPanel, cols, act);
-            for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + i] = act[j];
+            SiluTimes(both[row], both[row] + kPanel, cols, act);
+            for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + row] = act[j];
           }
         });
       }
@@ -427,9 +445,8 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     }
     WaitFor(paired, pairs.items);
     item -= pairs.items;
-    const int64_t m0 = out.first_row(item), s0 = out.first_strip(item);
-    MultiplyItem(h, down.typed_data(), F, P, N, m0, std::min(M, m0 + kRowBlock), s0, std::min(out.strips, s0 + out.group),
-                 c, res);
+    MultiplyItem(h, down.typed_data(), F, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item),
+                 out.first_strip(item), out.end_strip(item), c, res);
   });
   return ffi::Error::Success();
 }

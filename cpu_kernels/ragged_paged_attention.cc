@@ -270,7 +270,11 @@ inline void AttendRow(const float* q, const float* k, const float* v, int64_t bl
                       float& m, float& l, float* acc, float* sc) {
   if (D % 8) return AttendRowScalar(q, k, v, visible, D, m, l, acc, sc);
 #if defined(__AVX512F__)
-  if (block_rows == 16 && D % 16 == 0) return AttendRow16(q, k, v, visible, D, m, l, acc, sc);
+  if (block_rows % 16 == 0 && D % 16 == 0) {  // larger blocks: one online-softmax update per 16 keys
+    for (int64_t j = 0; j < visible; j += 16)
+      AttendRow16(q, k + j * D, v + j * D, std::min<int64_t>(16, visible - j), D, m, l, acc, sc);
+    return;
+  }
 #endif
   int64_t j = 0;
   for (; j < visible && j + 8 <= block_rows; j += 8) _mm256_storeu_ps(sc + j, Dot8(q, k + j * D, D));
