@@ -236,6 +236,17 @@ def gather_blocks(cache: KVCache, block_ids: jax.Array) -> tuple[jax.Array, jax.
 @functools.partial(jax.jit, donate_argnums=0)
 def scatter_blocks(cache: KVCache, block_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
     """Write K and V into `block_ids` (in place: the cache is donated). Padding targets the null block."""
+    if _cpu_write_available():  # layer by layer, as rows: XLA:CPU's scatter would convert a bf16 cache whole
+        num_layers, num_kv_heads, _, block_size, head_dim = cache.k.shape
+        slots = (block_ids[:, None] * block_size + jnp.arange(block_size, dtype=block_ids.dtype)).reshape(-1)
+
+        def rows(x: jax.Array, layer: int) -> jax.Array:  # [L, Hkv, n, BS, D] -> [n * BS, Hkv, D]
+            return jnp.moveaxis(x[layer], 0, -2).reshape(-1, num_kv_heads, head_dim)
+
+        k_cache, v_cache = cache.k, cache.v
+        for layer in range(num_layers):
+            k_cache, v_cache = write_kv_rows(k_cache, v_cache, jnp.int32(layer), rows(k, layer), rows(v, layer), slots)
+        return KVCache(k=k_cache, v=v_cache)
     return KVCache(k=cache.k.at[:, :, block_ids].set(k), v=cache.v.at[:, :, block_ids].set(v))
 
 

@@ -200,3 +200,26 @@ def test_the_cpu_kv_write_rejects_rows_that_do_not_fit_the_cache():
     with pytest.raises(Exception, match="layer=3 is outside"):
         jax.block_until_ready(write_kv_rows(cache, cache, jnp.int32(3), jnp.zeros((2, 2, 16)), jnp.zeros((2, 2, 16)),
                                             jnp.zeros(2, jnp.int32)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swapping_blocks_in_writes_only_those_blocks_and_never_converts_the_cache(dtype):
+    # The swap-in path (`scatter_blocks`) had the bf16 scatter's whole-cache convert too.
+    from jaxcb.kv_cache import SWAP_CHUNK, gather_blocks, scatter_blocks
+
+    rng = np.random.default_rng(0)
+    shape = (3, 2, 40, 8, 16)
+    cache = KVCache(jnp.asarray(rng.standard_normal(shape), dtype), jnp.asarray(rng.standard_normal(shape), dtype))
+    before_k, before_v = np.asarray(cache.k, np.float32), np.asarray(cache.v, np.float32)
+    src = jnp.arange(1, SWAP_CHUNK + 1, dtype=jnp.int32)  # blocks 1..16 out, into 21..36 (the last one into the null block)
+    dst = jnp.concatenate([jnp.arange(21, 21 + SWAP_CHUNK - 1, dtype=jnp.int32), jnp.zeros(1, jnp.int32)])
+    k, v = gather_blocks(cache, src)
+    text = scatter_blocks.lower(cache, dst, k, v).compile().as_text()
+    whole = [line for line in text.splitlines() if "[3,2,40,8,16]" in line and (" convert(" in line or " copy(" in line)]
+    assert whole == []
+    out = scatter_blocks(cache, dst, k, v)
+    want_k, want_v = before_k.copy(), before_v.copy()
+    for s, d in zip(np.asarray(src), np.asarray(dst)):
+        want_k[:, :, d], want_v[:, :, d] = before_k[:, :, s], before_v[:, :, s]
+    np.testing.assert_array_equal(np.asarray(out.k, np.float32), want_k)
+    np.testing.assert_array_equal(np.asarray(out.v, np.float32), want_v)
