@@ -194,9 +194,23 @@ def write_kv(
 ) -> KVCache:
     """Scatter one layer's new K/V into their slots (in place when the cache is donated): on
     CPU with the C++ kernel, elsewhere with XLA's scatter."""
-    if _cpu_write_available():
-        k_cache, v_cache = write_kv_rows(cache.k, cache.v, layer, k, v, slot_mapping)
-        return KVCache(k=k_cache, v=v_cache)
+
+    def with_kernel(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
+        return KVCache(*write_kv_rows(cache.k, cache.v, layer, k, v, slot_mapping))
+
+    return _on_cpu_with_kernel(with_kernel, _scatter_kv, cache, layer, k, v, slot_mapping)
+
+
+def _on_cpu_with_kernel(with_kernel, elsewhere, *args):
+    """with_kernel(*args) where the step runs on CPU and the C++ kernels build, elsewhere(*args)
+    otherwise. Chosen when the step is lowered, for the platform it is lowered for: a step
+    lowered here for a GPU must not call a CPU kernel."""
+    if not _cpu_write_available():
+        return elsewhere(*args)
+    return jax.lax.platform_dependent(*args, cpu=with_kernel, default=elsewhere)
+
+
+def _scatter_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
     num_layers, num_kv_heads, num_blocks, block_size, head_dim = cache.k.shape
     flat = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
     if slot_mapping.shape[0] == 1:
@@ -213,8 +227,9 @@ def write_kv(
 
 @functools.cache
 def _cpu_write_available() -> bool:
-    """On CPU the new rows are written by a C++ kernel (`cpu_kernels.write_kv_rows`): XLA:CPU's
-    scatter into a bfloat16 cache converts the whole cache to f32 and back, twice per layer."""
+    """Whether this host runs on CPU with the C++ kernels built: there the new rows are written by
+    `cpu_kernels.write_kv_rows`, as XLA:CPU's scatter into a bfloat16 cache converts the whole
+    cache to f32 and back, twice per layer. (A GPU host does not build the kernels for this.)"""
     if jax.default_backend() != "cpu":
         return False
     try:
@@ -236,7 +251,8 @@ def gather_blocks(cache: KVCache, block_ids: jax.Array) -> tuple[jax.Array, jax.
 @functools.partial(jax.jit, donate_argnums=0)
 def scatter_blocks(cache: KVCache, block_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
     """Write K and V into `block_ids` (in place: the cache is donated). Padding targets the null block."""
-    if _cpu_write_available():  # layer by layer, as rows: XLA:CPU's scatter would convert a bf16 cache whole
+
+    def with_kernel(cache: KVCache, block_ids, k, v) -> KVCache:  # layer by layer, as rows of slots
         num_layers, num_kv_heads, _, block_size, head_dim = cache.k.shape
         slots = (block_ids[:, None] * block_size + jnp.arange(block_size, dtype=block_ids.dtype)).reshape(-1)
 
@@ -247,7 +263,11 @@ def scatter_blocks(cache: KVCache, block_ids: jax.Array, k: jax.Array, v: jax.Ar
         for layer in range(num_layers):
             k_cache, v_cache = write_kv_rows(k_cache, v_cache, jnp.int32(layer), rows(k, layer), rows(v, layer), slots)
         return KVCache(k=k_cache, v=v_cache)
-    return KVCache(k=cache.k.at[:, :, block_ids].set(k), v=cache.v.at[:, :, block_ids].set(v))
+
+    def with_scatter(cache: KVCache, block_ids, k, v) -> KVCache:
+        return KVCache(k=cache.k.at[:, :, block_ids].set(k), v=cache.v.at[:, :, block_ids].set(v))
+
+    return _on_cpu_with_kernel(with_kernel, with_scatter, cache, block_ids, k, v)
 
 
 class HostSwapSpace:

@@ -79,6 +79,7 @@ def test_full_llama8b_step_lowers_for_cuda_with_the_pallas_kernel():
     )
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "ragged_paged_attention" in text
+    assert "@jaxcb_" not in text  # none of the C++ CPU kernels (the KV write is one on a CPU host)
 
 
 def test_tensor_parallel_llama8b_step_lowers_for_cuda():
