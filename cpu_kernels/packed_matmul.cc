@@ -285,13 +285,13 @@ inline void SiluTimes(const float* g, const float* u, int64_t n, float* out) {
 // x [M, K] -> its chunks, packed into a by items [0, chunks) of a ParallelFor.
 struct PackedRows {
   const float* x;
-  int64_t M, K;
+  int64_t K;
   RowChunks chunks;
   float* a;
   const float* norm;  // RMS-normalise the rows with this weight on the way (null: as they are)
   float eps;
   PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_)
-      : x(x_), M(M_), K(K_), chunks(M_), norm(norm_), eps(eps_) {
+      : x(x_), K(K_), chunks(M_), norm(norm_), eps(eps_) {
     // One buffer per calling thread, grown once: no page faults from a fresh allocation per call.
     const size_t size = chunks.count * kTileRows * K;
     if (buffer.size() < size) buffer.resize(size);
