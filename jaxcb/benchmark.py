@@ -197,7 +197,7 @@ def host_overhead(llm: LLM, items: list[WorkItem]) -> dict:
     replay = 0.0
     for key, inputs in recorded:  # each step waited for, so that it can be timed on its own
         start = time.perf_counter()
-        ids, lps, _, cache = runner.compiled[key](runner.state, cache, inputs)
+        ids, lps, _, cache = runner.compiled[key](runner.state, cache, *inputs)
         jax.block_until_ready(ids)
         took = time.perf_counter() - start
         replay += took

@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +144,56 @@ jax.tree_util.register_dataclass(
 )
 
 
+class StepArgs(NamedTuple):
+    """A step's inputs as the executable takes them: the host-built arrays packed into one int32
+    and one float32 vector (each argument is a separate copy into the runtime, ~10 us apiece
+    on CPU, and a step has ~30 of them), then the two that may already be device arrays."""
+
+    ints: np.ndarray  # i32[N]: every int32, uint32 (bit for bit) and bool (0/1) field, flattened
+    floats: np.ndarray  # f32[M]: every float32 field, flattened
+    history: jax.Array
+    prev_tokens: jax.Array
+
+
+def _packed_fields(x: StepInputs) -> list:
+    """The fields that travel packed, in a fixed order (the pytree's, without the two apart)."""
+    return jax.tree_util.tree_leaves(dataclasses.replace(x, history=None, prev_tokens=None))
+
+
+def packed_sizes(x: StepInputs) -> tuple[int, int]:
+    """(ints, floats) lengths of StepArgs for inputs of x's shapes."""
+    sizes = [(a.dtype == np.float32, math.prod(a.shape)) for a in _packed_fields(x)]
+    return sum(n for f, n in sizes if not f), sum(n for f, n in sizes if f)
+
+
+def pack_step_inputs(x: StepInputs) -> StepArgs:
+    fields = _packed_fields(x)
+    ints = [a.reshape(-1).view(np.int32) if a.dtype == np.uint32 else a.reshape(-1).astype(np.int32, copy=False)
+            for a in fields if a.dtype != np.float32]
+    floats = [a.reshape(-1) for a in fields if a.dtype == np.float32]
+    return StepArgs(np.concatenate(ints), np.concatenate(floats), x.history, x.prev_tokens)
+
+
+def unpack_step_inputs(like: StepInputs, ints: jax.Array, floats: jax.Array, history, prev_tokens) -> StepInputs:
+    """Inside the step: StepInputs shaped as `like` (abstract), cut back out of the packed vectors."""
+    skeleton = dataclasses.replace(like, history=None, prev_tokens=None)
+    fields, treedef = jax.tree_util.tree_flatten(skeleton)
+    out, at_int, at_float = [], 0, 0
+    for a in fields:
+        n = math.prod(a.shape)
+        if a.dtype == jnp.float32:
+            v, at_float = floats[at_float : at_float + n], at_float + n
+        else:
+            v, at_int = ints[at_int : at_int + n], at_int + n
+            if a.dtype == jnp.uint32:
+                v = jax.lax.bitcast_convert_type(v, jnp.uint32)
+            elif a.dtype == jnp.bool_:
+                v = v != 0
+        out.append(v.reshape(a.shape))
+    x = jax.tree_util.tree_unflatten(treedef, out)
+    return dataclasses.replace(x, history=history, prev_tokens=prev_tokens)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -185,7 +236,8 @@ class ModelRunner:
 
         max_rows = self.max_rows = max(r for _, r, _ in buckets.all())
 
-        def step(state, kv_cache: KVCache, x: StepInputs):
+        def step(state, kv_cache: KVCache, key: tuple[int, int, int], ints, floats, history, prev_tokens):
+            x = unpack_step_inputs(self._abstract_inputs(*key), ints, floats, history, prev_tokens)
             model = nnx.merge(graphdef, state)
             from_prev = x.prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
             token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
@@ -205,11 +257,12 @@ class ModelRunner:
             return ids, lps, next_prev, kv_cache
 
         if tp is None:
-            self._step = jax.jit(step, donate_argnums=(1,))
+            self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(2,))
         else:
             replicated = tp.replicated
             self._step = jax.jit(
-                step, donate_argnums=(1,), out_shardings=(replicated, replicated, replicated, tp.kv_cache)
+                step, donate_argnums=(1,), static_argnums=(2,),
+                out_shardings=(replicated, replicated, replicated, tp.kv_cache),
             )
         self._inputs_sharding = tp.replicated if tp is not None else None
         self._prev_tokens = jnp.zeros((max_rows,), jnp.int32, device=self._inputs_sharding)
@@ -247,7 +300,12 @@ class ModelRunner:
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a))  # noqa: E731
         abstract_cache = jax.tree.map(abstract, self.kv_cache)
         abstract_state = jax.tree.map(abstract, self.state)
-        return self._step.lower(abstract_state, abstract_cache, self._abstract_inputs(*key)).compile()
+        x = self._abstract_inputs(*key)
+        num_ints, num_floats = packed_sizes(x)
+        shard = self.tp.replicated if self.tp is not None else None
+        ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32, sharding=shard)
+        floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32, sharding=shard)
+        return self._step.lower(abstract_state, abstract_cache, key, ints, floats, x.history, x.prev_tokens).compile()
 
     def compile_all(self, progress: bool = True) -> float:
         """Compile every bucket now; return the seconds it took."""
@@ -277,7 +335,7 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------------
 
-    def build_inputs(self, out: SchedulerOutput) -> tuple[tuple[int, int, int], StepInputs]:
+    def build_inputs(self, out: SchedulerOutput) -> tuple[tuple[int, int, int], StepArgs]:
         # Built with whole-array numpy operations over per-sequence columns gathered in one pass:
         # with async scheduling this host work shares the CPU with the step it overlaps, so every
         # Python operation per sequence and step costs device time (a loop of ~25 numpy element
@@ -379,9 +437,10 @@ class ModelRunner:
             prev_rows=prev_rows,
             history_fix=history_fix,
         )
+        args = pack_step_inputs(inputs)
         if self._inputs_sharding is not None:  # arrays already there (prev_tokens) are not copied
-            inputs = jax.device_put(inputs, self._inputs_sharding)
-        return key, inputs
+            args = jax.device_put(args, self._inputs_sharding)
+        return key, args
 
     def _zero_history(self, r: int) -> jax.Array:
         cache = self.__dict__.setdefault("_zero_histories", {})
@@ -400,7 +459,7 @@ class ModelRunner:
         key, inputs = self.build_inputs(out)
         if self.recorded is not None:
             self.recorded.append((key, inputs))
-        ids, lps, self._prev_tokens, self.kv_cache = self._executable(key)(self.state, self.kv_cache, inputs)
+        ids, lps, self._prev_tokens, self.kv_cache = self._executable(key)(self.state, self.kv_cache, *inputs)
         num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
         self.last_step = StepStats(out.num_scheduled_tokens, key[0], num_prefill, out.num_scheduled_tokens - num_prefill)
         self._prev_row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
