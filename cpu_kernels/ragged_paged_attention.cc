@@ -67,8 +67,14 @@ inline void LoadRow<float>(const float* src, float* dst, int64_t n) {
 template <>
 inline void LoadRow<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {  // a bf16 is the top half of its f32: widen and shift, 16 at a time
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
-  for (; i + 8 <= n; i += 8) {  // a bf16 is the top half of its f32: widen and shift, 8 at a time
+  for (; i + 8 <= n; i += 8) {  // the same, 8 at a time
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
   }
