@@ -46,6 +46,7 @@ SOURCES = (
 HEADERS = (HERE / "parallel_for.h", HERE / "vector_exp.h")
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
+MATMUL_ARGMAX_TARGET = "jaxcb_packed_matmul_argmax"
 MLP_TARGET = "jaxcb_packed_mlp"
 ARGMAX_TARGET = "jaxcb_row_argmax"
 KV_WRITE_TARGET = "jaxcb_kv_cache_write"
@@ -130,6 +131,7 @@ def load_cpu_kernels() -> None:
         raise CpuKernelUnavailable(f"cannot load {path}: {e}") from e
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmulArgmax), platform="cpu")
     jax.ffi.register_ffi_target(MLP_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMlp), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")
@@ -196,6 +198,23 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, norm: jax.Array | 
     y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
         rows, packed, norm, residual, eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
+
+
+def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x @ w, its row argmax) for x [M, K] float32, with `packed = pack_columns(w)`: the argmax
+    (i32[M], jnp.argmax's indices: the first of the largest, or the first NaN) is taken inside the
+    multiply. Where `want_y` (a bool or int scalar, traced) is false the product is never
+    written: only the argmax is defined, and no [M, n] array is written or read back."""
+    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
+    if x.ndim != 2 or packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[1] \
+            or packed.shape[0] != -(-n // PANEL):
+        raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (rows) and n={n}")
+    if n == 0 and x.shape[0] > 0:
+        raise ValueError("the row argmax of rows with no columns is undefined (n=0)")
+    load_cpu_kernels()
+    out = (jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return jax.ffi.ffi_call(MATMUL_ARGMAX_TARGET, out)(x, packed, jnp.asarray(want_y, jnp.int32).reshape(()))
 
 
 def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> [2 ceil(F / 16), K, 16]

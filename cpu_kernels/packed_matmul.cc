@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -235,8 +236,91 @@ inline void ForEachRowChunk(int64_t c0, int64_t c1, int64_t next_lines, TileCall
 // One work item of c[M, N] = x @ w: row chunks [c0, c1) x strips [s0, s1) of w's P panels, x
 // packed in a. With `residual` ([M, N], or null) the item adds it to its outputs, tile by tile
 // while they are in L1.
+// A row's argmax so far, over the columns of one strip group in increasing order: the largest
+// value, its first column, and the first column holding a NaN (-1: none).
+struct RowBest {
+  float value;
+  int32_t index, nan_index;
+};
+
+// The running argmax of one output row, lane by lane: lane l keeps the largest value among the
+// row's columns = l (mod 16) seen so far and its first such column. A tile row updates it with
+// compares and blends, no reduction; `Result` reduces the lanes once, at the item's end.
+struct alignas(64) RowArgmaxLanes {
+  float value[16];
+  int32_t index[16];
+  int32_t nan_index;
+
+  void Reset() {
+    std::fill(value, value + 16, -INFINITY);
+    std::fill(index, index + 16, INT32_MAX);  // no value above -inf seen in this lane
+    nan_index = -1;
+  }
+
+  // Columns [col, col + n) of the row, in v.
+  void Fold(const float* v, int64_t n, int64_t col) {
+    if (nan_index >= 0) return;
+    for (int64_t c0 = 0; c0 < n; c0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, n - c0);
+#if defined(__AVX512F__)
+      const __mmask16 mask = static_cast<__mmask16>((1u << cnt) - 1);
+      const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mask, v + c0);
+      if (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)) return FirstNan(v + c0, cnt, col + c0);
+      const __m512 best = _mm512_load_ps(value);
+      const __mmask16 gt = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
+      const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(col + c0)),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      _mm512_store_ps(value, _mm512_mask_mov_ps(best, gt, x));
+      _mm512_store_si512(index, _mm512_mask_mov_epi32(_mm512_load_si512(index), gt, at));
+#else
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float x = v[c0 + j];
+        if (std::isnan(x)) return FirstNan(v + c0, cnt, col + c0);
+        const int64_t lane = (col + c0 + j) % 16;
+        if (x > value[lane]) {
+          value[lane] = x;
+          index[lane] = static_cast<int32_t>(col + c0 + j);
+        }
+      }
+#endif
+    }
+  }
+
+  // The group's result; `first_column` is its first column, the answer when every value is -inf.
+  RowBest Result(int32_t first_column) const {
+    RowBest best{-INFINITY, INT32_MAX, nan_index};
+    for (int l = 0; l < 16; ++l)
+      if (value[l] > best.value || (value[l] == best.value && index[l] < best.index)) {
+        best.value = value[l];
+        best.index = index[l];
+      }
+    if (best.index == INT32_MAX) best.index = first_column;
+    return best;
+  }
+
+ private:
+  void FirstNan(const float* v, int64_t n, int64_t col) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(v[j])) {
+        nan_index = static_cast<int32_t>(col + j);
+        return;
+      }
+  }
+};
+
+// Where a multiply item's tiles go and what runs on each: the output (c, row stride N) or, for
+// a row argmax that needs no output, a scratch tile; an optional residual add; and optionally
+// the row argmax, folded into argmax[row - first row of the item].
+struct TileSink {
+  float* c;
+  const float* residual = nullptr;
+  RowArgmaxLanes* argmax = nullptr;
+  bool write_output = true;
+};
+
 void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t N, const RowChunks& chunks,
-                  int64_t c0, int64_t c1, int64_t s0, int64_t s1, float* c, const float* residual) {
+                  int64_t c0, int64_t c1, int64_t s0, int64_t s1, const TileSink& sink) {
+  alignas(64) float scratch[kTileRows * kTilePanels * kPanel];
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
     const float* bp = b + p * K * kPanel;
@@ -246,11 +330,15 @@ void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t 
     ForEachRowChunk(c0, c1, std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K,
                     [&](int64_t i, int64_t l0, int64_t lines) {
                       const int64_t m = chunks.first_row(i), rows = chunks.rows(i);
-                      float* tile = c + m * N + p * kPanel;
-                      kTiles[panels][rows](a + i * kTileRows * K, bp, K, tile, N, nv, next + 64 * l0, lines);
-                      if (residual)
+                      float* tile = sink.write_output ? sink.c + m * N + p * kPanel : scratch;
+                      const int64_t ld = sink.write_output ? N : kTilePanels * kPanel;
+                      kTiles[panels][rows](a + i * kTileRows * K, bp, K, tile, ld, nv, next + 64 * l0, lines);
+                      if (sink.residual)
                         for (int64_t r = 0; r < rows; ++r)
-                          for (int64_t j = 0; j < nv; ++j) tile[r * N + j] += residual[(m + r) * N + p * kPanel + j];
+                          for (int64_t j = 0; j < nv; ++j) tile[r * ld + j] += sink.residual[(m + r) * N + p * kPanel + j];
+                      if (sink.argmax)
+                        for (int64_t r = 0; r < rows; ++r)
+                          sink.argmax[m + r - chunks.first_row(c0)].Fold(tile + r * ld, nv, p * kPanel);
                     });
   }
 }
@@ -327,6 +415,25 @@ inline void WaitFor(const std::atomic<int64_t>& count, int64_t target) {
   while (count.load(std::memory_order_acquire) < target) std::this_thread::yield();
 }
 
+// One ParallelFor of x's packing, then `multiply(i)` for i in [0, multiply_items): items
+// [0, chunks) pack x, one chunk each; the multiply items after them wait until every chunk is
+// packed. Items are claimed in order, so each chunk a multiply waits for is already being
+// packed by a running thread: the packing is shared by the threads, with no second round of
+// pool wake-ups.
+template <typename Multiply>
+void PackThenMultiply(ffi::ThreadPool& pool, const PackedRows& rows, int64_t multiply_items, Multiply&& multiply) {
+  std::atomic<int64_t> packed{0};
+  jaxcb::ParallelFor(pool, rows.chunks.count + multiply_items, [&](int64_t item) {
+    if (item < rows.chunks.count) {
+      rows.Pack(item);
+      packed.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    WaitFor(packed, rows.chunks.count);
+    multiply(item - rows.chunks.count);
+  });
+}
+
 // y [M, N] = residual + rms_norm(x) @ w, the norm and the residual each optional (empty).
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                             ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual, float eps,
@@ -350,22 +457,9 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   thread_local std::vector<float> buffer;
   const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps);
   const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
-  // Items [0, chunks) pack x, one chunk each; the multiply items after them wait until every
-  // chunk is packed. Items are claimed in order, so each chunk a multiply waits for is already
-  // being packed by a running thread: the packing is shared by the threads, with no second
-  // round of pool wake-ups.
-  const int64_t items = rows.chunks.count + split.items;
-  std::atomic<int64_t> packed{0};
-  jaxcb::ParallelFor(pool, items, [&](int64_t item) {
-    if (item < rows.chunks.count) {
-      rows.Pack(item);
-      packed.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    WaitFor(packed, rows.chunks.count);
-    item -= rows.chunks.count;
+  PackThenMultiply(pool, rows, split.items, [&](int64_t item) {
     MultiplyItem(rows.a, w.typed_data(), K, P, N, rows.chunks, split.first_chunk(item), split.end_chunk(item),
-                 split.first_strip(item), split.end_strip(item), c, res);
+                 split.first_strip(item), split.end_strip(item), TileSink{c, res});
   });
   return ffi::Error::Success();
 }
@@ -446,12 +540,80 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     WaitFor(paired, pairs.items);
     item -= pairs.items;
     MultiplyItem(h, down.typed_data(), F, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item),
-                 out.first_strip(item), out.end_strip(item), c, res);
+                 out.first_strip(item), out.end_strip(item), TileSink{c, res});
   });
   return ffi::Error::Success();
 }
 
+// y [M, N] = x @ w and argmax [M], each row's jnp.argmax over y (the first index of the
+// largest value, or of the first NaN), taken from the tiles while they are in registers' reach:
+// the LM head of a step whose every row is greedy needs only the argmax. With want_y == 0, y is
+// not written at all (its contents are undefined): no 8 MB of logits (64 rows of a 32,000-word
+// vocabulary) written out, and no second pass to read them back.
+ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                                  ffi::Buffer<ffi::S32> want_y, ffi::ResultBuffer<ffi::F32> y,
+                                  ffi::ResultBuffer<ffi::S32> argmax) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions(), ad = argmax->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || ad.size() != 1)
+    return ffi::Error::InvalidArgument(
+        "packed matmul argmax expects x [M, K], packed w [P, K, 16], y [M, N] and argmax [M]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
+  if (wd[1] != K || wd[2] != kPanel || yd[0] != M || ad[0] != M || (N + kPanel - 1) / kPanel != P)
+    return ffi::Error::InvalidArgument("packed matmul argmax: x [" + std::to_string(M) + ", " + std::to_string(K) +
+                                       "], w [" + std::to_string(P) + ", " + std::to_string(wd[1]) + ", " +
+                                       std::to_string(wd[2]) + "] and N=" + std::to_string(N) + " do not agree");
+  if (N == 0 && M > 0) return ffi::Error::InvalidArgument("packed matmul argmax of rows with no columns");
+  const bool write_y = want_y.typed_data()[0] != 0;
+  float* c = y->typed_data();
+  int32_t* result = argmax->typed_data();
+  if (M == 0) return ffi::Error::Success();
+  if (K == 0) {  // every column is 0: the first wins
+    if (write_y) std::memset(c, 0, M * N * sizeof(float));
+    std::fill(result, result + M, 0);
+    return ffi::Error::Success();
+  }
+  thread_local std::vector<float> buffer;
+  const PackedRows rows(x.typed_data(), M, K, buffer, nullptr, 0.0f);
+  const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
+  // One RowBest per (strip group, row): each is written by the one item of that group and row
+  // block, then the groups are folded in column order.
+  std::vector<RowBest> best(split.groups * M);
+  PackThenMultiply(pool, rows, split.items, [&](int64_t item) {
+    const int64_t c0 = split.first_chunk(item), c1 = split.end_chunk(item);
+    const int64_t m0 = rows.chunks.first_row(c0), m1 = rows.chunks.first_row(c1 - 1) + rows.chunks.rows(c1 - 1);
+    RowArgmaxLanes lanes[kChunksPerItem * kTileRows];
+    for (int64_t r = m0; r < m1; ++r) lanes[r - m0].Reset();
+    TileSink sink{c};
+    sink.argmax = lanes;
+    sink.write_output = write_y;
+    MultiplyItem(rows.a, w.typed_data(), K, P, N, rows.chunks, c0, c1, split.first_strip(item), split.end_strip(item),
+                 sink);
+    const int64_t g = item % split.groups;
+    const auto first_column = static_cast<int32_t>(split.first_strip(item) * kTilePanels * kPanel);
+    for (int64_t r = m0; r < m1; ++r) best[g * M + r] = lanes[r - m0].Result(first_column);
+  });
+  for (int64_t r = 0; r < M; ++r) {
+    RowBest row = best[r];
+    for (int64_t g = 1; g < split.groups && row.nan_index < 0; ++g) {
+      const RowBest& next = best[g * M + r];
+      if (next.nan_index >= 0) row.nan_index = next.nan_index;
+      else if (next.value > row.value) row = next;
+    }
+    result[r] = row.nan_index >= 0 ? row.nan_index : row.index;
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmulArgmax, PackedMatmulArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()

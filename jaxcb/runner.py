@@ -42,7 +42,7 @@ from jaxcb.attention import AttentionMetadata
 from jaxcb.config import EngineConfig, SchedulerConfig
 from jaxcb.kv_cache import SWAP_CHUNK, HostSwapSpace, KVCache, gather_blocks, scatter_blocks
 from jaxcb.model.llama import Llama
-from jaxcb.sampling import SamplingArrays, resolve_argmax, sample
+from jaxcb.sampling import SamplingArrays, needs_logits, resolve_argmax, sample
 from jaxcb.scheduler import PLACEHOLDER, RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
 from pallas_kernels.ragged_paged_attention_xla import GATHER_MAX_WIDTH
@@ -247,9 +247,10 @@ class ModelRunner:
                 x.prev_tokens[jnp.clip(fix_row, 0, max_rows - 1)], mode="drop"
             )
             hidden, kv_cache = model(token_ids, x.positions, kv_cache, x.md)
-            logits = model.compute_logits(hidden[x.logits_indices])
+            want_logits = needs_logits(x.sampling, model.cfg.vocab_size)
+            logits, logits_argmax = model.logits_and_argmax(hidden[x.logits_indices], want_logits)
             token, token_lp, top_ids, top_lp = sample(
-                logits, x.sampling, history, x.num_prompt, x.num_known, logprobs, argmax
+                logits, x.sampling, history, x.num_prompt, x.num_known, logprobs, argmax, logits_argmax
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]

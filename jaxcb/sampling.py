@@ -115,6 +115,16 @@ def _filter_top_k_top_p(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
+def any_banned(s: SamplingArrays, vocab: int) -> jax.Array:
+    return jnp.any(s.banned_token_ids < vocab)  # ids past the vocab pad
+
+
+def needs_logits(s: SamplingArrays, vocab: int) -> jax.Array:
+    """bool[]: whether `sample` reads the logits themselves; where not, every row takes the plain
+    argmax of its logits (greedy, no penalty, no banned id, no logprobs)."""
+    return s.any_random | s.any_penalty | any_banned(s, vocab) | s.any_logprobs | s.any_token_logprob
+
+
 def sample(
     logits: jax.Array,  # f32[R, V]
     s: SamplingArrays,
@@ -123,9 +133,12 @@ def sample(
     num_known: jax.Array,  # i32[R]
     num_logprobs: int,
     argmax: Argmax = xla_argmax,
+    logits_argmax: jax.Array | None = None,  # i32[R]: the logits' row argmax, computed on the way
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n]); the logprobs
-    are 0 when no row asks for them."""
+    are 0 when no row asks for them. With `logits_argmax`, a step that does not need the logits
+    (`needs_logits` false) takes it as its tokens and never reads `logits`, which may then be
+    undefined."""
     num_rows, vocab = logits.shape
     greedy = s.temperature == 0
 
@@ -157,8 +170,13 @@ def sample(
 
     # The branches return only the [R] tokens: a branch that returned the [R, V] logits (even
     # unchanged) would copy them, ~1 ms at 64 rows of a 32k vocab on CPU, on every step.
-    any_banned = jnp.any(s.banned_token_ids < vocab)  # ids past the vocab pad
-    token = jax.lax.cond(s.any_penalty | any_banned, adjust_then_choose, choose, logits)
+    def from_logits(x):
+        return jax.lax.cond(s.any_penalty | any_banned(s, vocab), adjust_then_choose, choose, x)
+
+    if logits_argmax is None:
+        token = from_logits(logits)
+    else:
+        token = jax.lax.cond(needs_logits(s, vocab), from_logits, lambda x: logits_argmax.astype(jnp.int32), logits)
 
     def with_logprobs():
         # log_softmax's own steps, kept apart so that only the rows' chosen entries (and the

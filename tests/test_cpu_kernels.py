@@ -100,6 +100,39 @@ def test_row_argmax_gives_jnp_argmax_indices_for_ties_infinities_nans_and_ragged
         cpu_kernels.row_argmax(jnp.zeros((2, 3), jnp.bfloat16))
 
 
+def test_matmul_argmax_gives_the_product_and_jnp_argmax_of_it_with_or_without_writing_it():
+    """The LM head of an all-greedy step takes its argmax inside the matmul and writes no logits:
+    the indices must be jnp.argmax's over the product (ties, -inf rows, NaNs, ragged widths and
+    row counts that span several work items), with the product written or not."""
+    rng = np.random.default_rng(0)
+    for m, k, n in ((1, 16, 17), (5, 33, 1000), (3, 8, 16), (130, 64, 300), (64, 768, 32000)):
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+        packed = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((k, n), np.float32)))
+        product = cpu_kernels.packed_matmul(x, packed, n)
+        for want in (True, False):
+            y, idx = jax.jit(lambda x, want: cpu_kernels.packed_matmul_argmax(x, packed, n, want))(x, want)
+            np.testing.assert_array_equal(np.asarray(idx), np.asarray(jnp.argmax(product, axis=-1)))
+            if want:
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(product))
+    # One row at a time, as 1 x row (K = 1): a product that is the row itself, infinities and NaNs kept.
+    w = np.zeros((6, 1000), np.float32)
+    w[0, [300, 700]] = 1.0  # a tie, in different work items: the first
+    w[1, :] = -np.inf  # all -inf: index 0
+    w[2, [20, 900, 950]] = 5.0, np.nan, np.nan  # the first NaN beats any number
+    w[3, [999, 517]] = np.inf  # +inf twice
+    w[4, 999] = 1.0  # the last column
+    w[5, :] = -1.0
+    w[5, 640] = -0.5
+    got = [
+        int(cpu_kernels.packed_matmul_argmax(jnp.ones((1, 1)), cpu_kernels.pack_columns(jnp.asarray(row[None])), 1000,
+                                             want)[1][0])
+        for want in (True, False) for row in w
+    ]
+    assert got == [300, 0, 900, 517, 999, 640] * 2
+    with pytest.raises(ValueError, match="n=0"):
+        cpu_kernels.packed_matmul_argmax(jnp.ones((2, 16)), jnp.zeros((0, 16, 16)), 0, True)
+
+
 def test_greedy_steps_on_cpu_take_their_tokens_from_the_cpu_argmax():
     from jaxcb.sampling import resolve_argmax, xla_argmax
     from engine_factory import shared_engine
@@ -107,7 +140,9 @@ def test_greedy_steps_on_cpu_take_their_tokens_from_the_cpu_argmax():
     assert resolve_argmax(one_device=False, platform="cpu") is xla_argmax
     assert resolve_argmax(one_device=True, platform="gpu") is xla_argmax
     for executable in shared_engine().runner.compiled.values():
-        assert "jaxcb_row_argmax" in executable.as_text()
+        text = executable.as_text()
+        assert "jaxcb_row_argmax" in text  # where a step reads its logits (penalties, bans, logprobs)
+        assert "jaxcb_packed_matmul_argmax" in text  # the LM head, with the argmax of an all-greedy step
 
 
 def cpu_flags() -> set[str]:
@@ -131,7 +166,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library()))
     monkeypatch.undo()
     names = {"JaxcbPackedMatmul": "matmul", "JaxcbPackedMlp": "mlp", "JaxcbRaggedPagedAttention": "attention",
-             "JaxcbRowArgmax": "argmax"}
+             "JaxcbRowArgmax": "argmax", "JaxcbPackedMatmulArgmax": "matmul_argmax"}
     for symbol, target in names.items():
         jax.ffi.register_ffi_target(f"jaxcb_test_avx2_{target}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
@@ -167,3 +202,11 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
 
     logits = jnp.asarray(rng.standard_normal((5, 1000), np.float32))
     np.testing.assert_array_equal(np.asarray(avx2("argmax", (5,), jnp.int32, logits)), np.asarray(jnp.argmax(logits, -1)))
+
+    head = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((k, 1000), np.float32)))
+    for want in (0, 1):
+        call = jax.ffi.ffi_call("jaxcb_test_avx2_matmul_argmax",
+                                (jax.ShapeDtypeStruct((m, 1000), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.int32)))
+        _, ours = call(x, head, jnp.int32(want))
+        _, native = cpu_kernels.packed_matmul_argmax(x, head, 1000, want)
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(native))

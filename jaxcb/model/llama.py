@@ -36,7 +36,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, pack_columns, pack_gate_up, packed_matmul, packed_mlp
+from cpu_kernels import (
+    CpuKernelUnavailable, load_cpu_kernels, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp,
+)
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxcb.config import ConfigError
 from jaxcb.kv_cache import KVCache
@@ -330,6 +332,15 @@ class Llama(nnx.Module):
         else:
             logits = jnp.einsum("td,dv->tv", hidden, self.lm_head[...])
         return logits.astype(jnp.float32)
+
+    def logits_and_argmax(self, hidden: jax.Array, want_logits: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """(logits, their row argmax, or None where it is not computed on the way). With the packed
+        LM head the argmax comes out of the matmul, and where `want_logits` (a traced bool) is false
+        the logits are never written (their contents are then undefined): a step whose every row
+        is greedy needs only the argmax."""
+        if getattr(self, "packed_lm_head", None) is not None:
+            return packed_matmul_argmax(hidden, self.packed_lm_head[...], self.cfg.vocab_size, want_logits)
+        return self.compute_logits(hidden), None
 
 
 def resolve_layer_loop(layer_loop: str, platform: str | None = None) -> str:
