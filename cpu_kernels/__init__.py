@@ -7,6 +7,8 @@
 - `packed_matmul`: float32 x @ w with w packed once by `pack_columns`; the model's linear
   layers under `model.linear_impl=cpu`. It can RMS-normalise x on the way in and add a
   residual on the way out.
+- `packed_matmul_argmax`: the same product and its row argmax, taken inside the multiply; the
+  LM head, which writes its logits only when the step reads them (not when every row is greedy).
 - `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
   and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
 - `write_kv_rows`: one layer's new K/V rows into the paged cache, in place (XLA:CPU's scatter

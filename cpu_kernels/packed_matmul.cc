@@ -14,9 +14,10 @@
 // so its outputs stay in registers and are stored once, and the next strip is prefetched a
 // few lines per tile, spread over the row chunks.
 //
-// Two calls: the matmul (JaxcbPackedMatmul) and the SwiGLU MLP (JaxcbPackedMlp). Both can
-// RMS-normalise x while packing it and add a residual to their outputs, so that a decoder
-// layer's norms and residual adds need no XLA ops of their own.
+// Three calls: the matmul (JaxcbPackedMatmul) and the SwiGLU MLP (JaxcbPackedMlp), which can
+// both RMS-normalise x while packing it and add a residual to their outputs, so that a decoder
+// layer's norms and residual adds need no XLA ops of their own; and the matmul with its row
+// argmax (JaxcbPackedMatmulArgmax), the LM head, which writes its product only when asked.
 
 #include <algorithm>
 #include <array>
