@@ -239,9 +239,14 @@ def against_table(rev: str, calls: int) -> None:
            rev: small_attention_all_layers(attention_at_rev)}
     print(f"\n| attention, small's heads | this checkout (ms / layer) | {rev} (ms / layer) | {rev} / this |")
     print("|---|---|---|---|")
+    cases = []
     for name, seqs in {**CACHE_DTYPE_WORKLOADS, "mixed 32 decodes @ 256 + 224-token chunk": WORKLOADS[
             "mixed 32 decodes @ 256 + 224-token chunk"]}.items():
-        inputs = make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)
+        cases.append((name, make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)))
+    for name, seqs in CACHE_DTYPE_WORKLOADS.items():  # a float32 model over a bf16 cache
+        f32 = make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)
+        cases.append((f"{name}, bf16 cache", (f32[0], f32[1].astype(jnp.bfloat16), f32[2].astype(jnp.bfloat16), *f32[3:])))
+    for name, inputs in cases:
         ms = alternate({k: (fn, inputs) for k, fn in fns.items()}, calls)
         print(f"| {name} | {1e3 * ms['this checkout'] / layers:.2f} | {1e3 * ms[rev] / layers:.2f} | "
               f"{ms[rev] / ms['this checkout']:.2f}x |")
