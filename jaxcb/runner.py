@@ -10,7 +10,9 @@ counted and logged as an error (tests fail on it).
 
 The step (one `jax.jit`, KV cache donated): the model over all T tokens, logits of each
 sequence's last token, sampling with per-row parameters; it returns the sampled tokens
-with their logprobs, packed into two arrays for the host copy.
+with their logprobs, packed into two arrays for the host copy. Its host-built inputs come
+packed the same way, into one int32 and one float32 vector (`StepArgs`), and are cut back
+into `StepInputs` inside the step.
 
 With `unroll_layers` (`model.layer_loop=unrolled`) the runner first splits the model's stacked
 decoder weights into one array per layer, in place, so that the step takes each layer's
@@ -378,9 +380,8 @@ class ModelRunner:
         prev_rows = np.full(t, -1, np.int32)
         waiting = flat[ends - 1] == PLACEHOLDER
         if waiting.any():
-            row_of = self._prev_row_of
-            prev = np.fromiter((row_of.get(s.request_id, -1) for s in seqs), np.int32, n)
-            prev_rows[(ends - 1)[waiting]] = prev[waiting]
+            row_of = self._prev_row_of  # a placeholder always comes from the step before
+            prev_rows[(ends - 1)[waiting]] = [row_of[seqs[i].request_id] for i in np.flatnonzero(waiting)]
 
         params = [s.sampling_params for s in seqs]
         floats = np.ones((r, 6), np.float32)
@@ -410,10 +411,10 @@ class ModelRunner:
                 if s.history[-1] == PLACEHOLDER:
                     history_fix[i] = (len(s.history) - 1, self._prev_row_of[s.request_id])
         any_filter = bool(np.any(top_k > 0) or np.any(top_p < 1))
-        # Host arrays go to the executable as they are: its C++ call path copies them in, where a
-        # jnp.asarray or device_put per array (tens a step) cost ~4 ms of Python a step on CPU.
-        # Under TP one device_put replicates them on every device (on several hosts, each
-        # process supplies its own identical copy).
+        # Host arrays go to the executable as they are (packed into two, `StepArgs`): its C++ call
+        # path copies them in, where a jnp.asarray or device_put per array (tens a step) cost ~4 ms
+        # of Python a step on CPU. Under TP one device_put replicates them on every device (on
+        # several hosts, each process supplies its own identical copy).
         sampling = SamplingArrays(
             temperature, top_k, top_p, min_p, rep, presence, frequency, seeds, counters, banned,
             any_penalty=np.asarray(history is not None),
