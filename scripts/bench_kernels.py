@@ -1,7 +1,7 @@
 """Micro-benchmark of the CPU kernels on this machine (CPU by default).
 
     python scripts/bench_kernels.py                    # both markdown tables; see docs/benchmarks.md
-    python scripts/bench_kernels.py --kernels matmul   # one of attention, matmul
+    python scripts/bench_kernels.py --kernels matmul   # one of attention, cache-dtype, matmul, lm-head
 
 attention: on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
@@ -14,6 +14,11 @@ cache-dtype: the C++ attention kernel over `small`'s heads (12 query / 4 KV head
 --against REV: the kernels of this checkout against those of git revision REV, built side by
 side from REV's `cpu_kernels/` sources and timed alternately in one process: small's matmul
 chain by step size, and attention over small's heads. The A/B behind a kernel change.
+
+lm-head: small's LM head (768 -> 32,000) at 64 rows and the greedy tokens of a step: the packed
+matmul followed by the row argmax (the logits written, then read back), against the matmul with
+the argmax taken inside it (`packed_matmul_argmax`), with the logits written or not (a step
+whose every row is greedy writes none), the three timed alternately.
 
 matmul: the linear layers of the `small` preset (12 x q/k/v, o, gate/up, down, then the
 32000-row LM head; 498 MB of float32 weights) as one jitted chain, through the packed C++
@@ -100,7 +105,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--kernels", default="attention,matmul",
-                        help="comma-separated: attention, cache-dtype, matmul")
+                        help="comma-separated: attention, cache-dtype, matmul, lm-head")
     parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls\n")
@@ -108,8 +113,8 @@ def main() -> None:
         against_table(args.against, args.calls)
         return
     kernels = set(args.kernels.split(","))
-    if kernels - {"attention", "cache-dtype", "matmul"}:
-        parser.error(f"--kernels {args.kernels}: each must be attention, cache-dtype or matmul")
+    if kernels - {"attention", "cache-dtype", "matmul", "lm-head"}:
+        parser.error(f"--kernels {args.kernels}: each must be attention, cache-dtype, matmul or lm-head")
     if "attention" in kernels:
         attention_table(args.calls)
     if "cache-dtype" in kernels:
@@ -118,6 +123,28 @@ def main() -> None:
     if "matmul" in kernels:
         print()
         matmul_table(args.calls)
+    if "lm-head" in kernels:
+        print()
+        lm_head_table(args.calls)
+
+
+def lm_head_table(calls: int, rows: int = 64, hidden: int = 768, vocab: int = 32000) -> None:
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32))
+    packed = pack_columns(jnp.asarray(rng.standard_normal((hidden, vocab), np.float32) * 0.02))
+    runs = {
+        "matmul, then row_argmax": (jax.jit(lambda x: cpu_kernels.row_argmax(packed_matmul(x, packed, vocab))), (x,)),
+        "argmax inside, logits written": (
+            jax.jit(lambda x: cpu_kernels.packed_matmul_argmax(x, packed, vocab, True)[1]), (x,)),
+        "argmax inside, no logits": (
+            jax.jit(lambda x: cpu_kernels.packed_matmul_argmax(x, packed, vocab, False)[1]), (x,)),
+    }
+    seconds = alternate(runs, calls)
+    base = seconds["matmul, then row_argmax"]
+    print(f"| small's LM head, {rows} rows, greedy tokens | ms | matmul, then row_argmax / this |")
+    print("|---|---|---|")
+    for name, t in seconds.items():
+        print(f"| {name} | {1e3 * t:.2f} | {base / t:.2f}x |")
 
 
 def attention_table(calls_per_impl: int) -> None:

@@ -210,3 +210,17 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
         _, ours = call(x, head, jnp.int32(want))
         _, native = cpu_kernels.packed_matmul_argmax(x, head, 1000, want)
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(native))
+
+
+def test_bench_kernels_lm_head_table_times_the_three_ways_to_a_greedy_token(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels_for_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.lm_head_table(2, rows=4, hidden=16, vocab=100)
+    table = capsys.readouterr().out
+    for row in ("| matmul, then row_argmax |", "| argmax inside, logits written |", "| argmax inside, no logits |"):
+        assert row in table
