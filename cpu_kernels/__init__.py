@@ -185,15 +185,19 @@ def _optional_inputs(x: jax.Array, n: int, norm: jax.Array | None, residual: jax
             jnp.zeros((0, n), jnp.float32) if residual is None else residual.reshape(-1, n))
 
 
+def _check_packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> None:
+    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
+    if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or packed.shape[0] != -(-n // PANEL):
+        raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} and n={n}")
+
+
 def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, norm: jax.Array | None = None, eps: float = 0.0,
                   residual: jax.Array | None = None) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
     """x @ w for float32, with `packed = pack_columns(w)` and n = w.shape[1]. With `norm` ([K]) x
     is RMS-normalised first (`rms_norm(x, norm, eps)`, fused into the kernel's packing of x); with
     `residual` ([..., n]) the result is residual + x @ w."""
-    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
-        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
-    if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or packed.shape[0] != -(-n // PANEL):
-        raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} and n={n}")
+    _check_packed_matmul(x, packed, n)
     norm, residual = _optional_inputs(x, n, norm, residual)
     load_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
@@ -207,11 +211,9 @@ def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Ar
     (i32[M], jnp.argmax's indices: the first of the largest, or the first NaN) is taken inside the
     multiply. Where `want_y` (a bool or int scalar, traced) is false the product is never
     written: only the argmax is defined, and no [M, n] array is written or read back."""
-    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
-        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
-    if x.ndim != 2 or packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[1] \
-            or packed.shape[0] != -(-n // PANEL):
-        raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} (rows) and n={n}")
+    if x.ndim != 2:
+        raise ValueError(f"the matmul with a row argmax takes x as rows [M, K], got {x.shape}")
+    _check_packed_matmul(x, packed, n)
     if n == 0 and x.shape[0] > 0:
         raise ValueError("the row argmax of rows with no columns is undefined (n=0)")
     load_cpu_kernels()

@@ -384,17 +384,18 @@ class ModelRunner:
             prev_rows[(ends - 1)[waiting]] = [row_of[seqs[i].request_id] for i in np.flatnonzero(waiting)]
 
         params = [s.sampling_params for s in seqs]
-        floats = np.ones((r, 6), np.float32)
-        floats[:, 0] = floats[:, 2] = floats[:, 4] = floats[:, 5] = 0.0
-        floats[:n] = [
+        # Padding rows: temperature 0, top_p 1, min_p 0, repetition 1, presence 0, frequency 0.
+        row_floats = np.array([[0.0, 1.0, 0.0, 1.0, 0.0, 0.0]] * r, np.float32)
+        row_floats[:n] = [
             (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             for p in params
         ]
-        temperature, top_p, min_p, rep, presence, frequency = (np.ascontiguousarray(floats[:, j]) for j in range(6))
-        ints = np.zeros((r, 4), np.int64)
-        ints[:n] = [(p.top_k, s.seed & 0xFFFFFFFF, s.num_output_tokens, s.num_prompt_tokens) for p, s in zip(params, seqs)]
-        top_k, counters, num_prompt = (ints[:, j].astype(np.int32) for j in (0, 2, 3))
-        seeds = ints[:, 1].astype(np.uint32)
+        temperature, top_p, min_p, rep, presence, frequency = (np.ascontiguousarray(row_floats[:, j]) for j in range(6))
+        row_ints = np.zeros((r, 4), np.int64)
+        row_ints[:n] = [(p.top_k, s.seed & 0xFFFFFFFF, s.num_output_tokens, s.num_prompt_tokens)
+                        for p, s in zip(params, seqs)]
+        top_k, counters, num_prompt = (row_ints[:, j].astype(np.int32) for j in (0, 2, 3))
+        seeds = row_ints[:, 1].astype(np.uint32)
         banned = np.full((r, self.max_banned), self.vocab_size, np.int32)
         num_known = np.zeros(r, np.int32)
         history_fix = np.full((r, 2), -1, np.int32)
