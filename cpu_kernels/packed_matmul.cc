@@ -53,6 +53,9 @@ constexpr int64_t kTileRows = 6, kTilePanels = 1;
 #endif
 // Row chunks per work item: their packed x (96 rows x 768 f32: 288 KiB) stays in L2.
 constexpr int64_t kChunksPerItem = 96 / kTileRows;
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr auto kWeightHint = _MM_HINT_T0;  // where the next strip's weights are fetched to
+#endif
 
 // c[r][:nv] = sum_k a[k * kTileRows + r] * b[k * kPanel + :] for r < R, k < K, over NP panels
 // of w side by side (panel j at b + j * K * kPanel; nv counts the tile's valid columns).
@@ -61,18 +64,22 @@ constexpr int64_t kChunksPerItem = 96 / kTileRows;
 // over this tile's k loop. Spread over all the row chunks of a strip of panels, they overlap
 // the next strip's weight reads with this one's multiplies without a burst of misses in any one tile.
 #if defined(__AVX2__) && defined(__FMA__)
-// body(k) for k in [0, K), with prefetch[0, lines) fetched into L1 evenly along the way: k runs
-// in segments, one prefetch per segment, so the inner loop has no division.
+// body(k) for k in [0, K), with prefetch[0, lines) fetched evenly along the way: line l goes out
+// in the turn of four k that reaches l * K / lines. Four k a turn with one compare for the
+// fetches lets the compiler unroll the body whole; a loop cut into segments of K / lines
+// (3 k for a 768-deep tile) cost ~7% in loop overhead with the weights in L2.
 template <typename Body>
 inline __attribute__((always_inline)) void ForEachK(int64_t K, const char* prefetch, int64_t lines, Body&& body) {
-  const int64_t step = lines > 0 ? std::max<int64_t>(K / lines, 1) : K;
-  int64_t fetched = 0;
-  for (int64_t k0 = 0; k0 < K; k0 += step) {
-    if (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T0);
-    const int64_t k1 = std::min(K, k0 + step);
-    for (int64_t k = k0; k < k1; ++k) body(k);
+  int64_t fetched = 0, k = 0;
+  for (; k + 4 <= K; k += 4) {
+    while (fetched < lines && fetched * K < (k + 4) * lines) _mm_prefetch(prefetch + 64 * fetched++, kWeightHint);
+    body(k);
+    body(k + 1);
+    body(k + 2);
+    body(k + 3);
   }
-  while (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T0);
+  for (; k < K; ++k) body(k);
+  while (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, kWeightHint);
 }
 #endif
 
@@ -206,6 +213,18 @@ struct RowChunks {
   int64_t rows(int64_t i) const { return base + (i < extra ? 1 : 0); }
 };
 
+// Weights to fetch ahead: `lines` 64-byte lines from `at` (none when lines is 0).
+struct Ahead {
+  const char* at = nullptr;
+  int64_t lines = 0;
+};
+
+// The first strip of panels [p, P) of w [P, K, 16]: what an item starting at panel p reads first.
+inline Ahead FirstStrip(const float* w, int64_t K, int64_t P, int64_t p) {
+  if (p >= P) return {};
+  return {reinterpret_cast<const char*>(w + p * K * kPanel), std::min(kTilePanels, P - p) * K};
+}
+
 // How a multiply is split into work items: (block of row chunks, group of strips), about four
 // items per thread so that the claim-as-you-go loop evens out uneven finishes.
 struct Split {
@@ -220,6 +239,10 @@ struct Split {
   int64_t end_chunk(int64_t item) const { return std::min(chunks, first_chunk(item) + kChunksPerItem); }
   int64_t first_strip(int64_t item) const { return (item % groups) * group; }
   int64_t end_strip(int64_t item) const { return std::min(strips, first_strip(item) + group); }
+  // The weights item reads first (none for item -1), of w [P, K, 16] split into strips of kTilePanels.
+  Ahead FirstWeights(const float* w, int64_t K, int64_t P, int64_t item) const {
+    return item < 0 ? Ahead{} : FirstStrip(w, K, P, first_strip(item) * kTilePanels);
+  }
 };
 
 // Calls tile(i, l0, lines) for each row chunk i in [c0, c1): the `next_lines` lines of the strip
@@ -318,28 +341,30 @@ struct TileSink {
   bool write_output = true;
 };
 
+// `after_last()` says what the item's last strip fetches ahead: the weights its thread reads next
+// (the first strip of its next item, claimed then). Within the item each strip fetches the next,
+// which lies right after it. A strip group ends where another thread's begins, so without this
+// the first strip of every item came cold from memory: a third of the strips for o and down.
+template <typename AfterLast>
 void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t N, const RowChunks& chunks,
-                  int64_t c0, int64_t c1, int64_t s0, int64_t s1, const TileSink& sink) {
+                  int64_t c0, int64_t c1, int64_t s0, int64_t s1, const TileSink& sink, AfterLast&& after_last) {
   alignas(64) float scratch[kTileRows * kTilePanels * kPanel];
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
     const float* bp = b + p * K * kPanel;
-    // The next strip is contiguous with this one: one 64-byte line per k per panel.
-    const char* next = reinterpret_cast<const char*>(bp + panels * K * kPanel);
+    const Ahead next = s + 1 < s1 ? FirstStrip(b, K, P, p + panels) : after_last();
     const int64_t nv = std::min(panels * kPanel, N - p * kPanel);
-    ForEachRowChunk(c0, c1, std::min(kTilePanels, std::max<int64_t>(P - p - panels, 0)) * K,
-                    [&](int64_t i, int64_t l0, int64_t lines) {
-                      const int64_t m = chunks.first_row(i), rows = chunks.rows(i);
-                      float* tile = sink.write_output ? sink.c + m * N + p * kPanel : scratch;
-                      const int64_t ld = sink.write_output ? N : kTilePanels * kPanel;
-                      kTiles[panels][rows](a + i * kTileRows * K, bp, K, tile, ld, nv, next + 64 * l0, lines);
-                      if (sink.residual)
-                        for (int64_t r = 0; r < rows; ++r)
-                          for (int64_t j = 0; j < nv; ++j) tile[r * ld + j] += sink.residual[(m + r) * N + p * kPanel + j];
-                      if (sink.argmax)
-                        for (int64_t r = 0; r < rows; ++r)
-                          sink.argmax[m + r - chunks.first_row(c0)].Fold(tile + r * ld, nv, p * kPanel);
-                    });
+    ForEachRowChunk(c0, c1, next.lines, [&](int64_t i, int64_t l0, int64_t lines) {
+      const int64_t m = chunks.first_row(i), rows = chunks.rows(i);
+      float* tile = sink.write_output ? sink.c + m * N + p * kPanel : scratch;
+      const int64_t ld = sink.write_output ? N : kTilePanels * kPanel;
+      kTiles[panels][rows](a + i * kTileRows * K, bp, K, tile, ld, nv, next.at + 64 * l0, lines);
+      if (sink.residual)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < nv; ++j) tile[r * ld + j] += sink.residual[(m + r) * N + p * kPanel + j];
+      if (sink.argmax)
+        for (int64_t r = 0; r < rows; ++r) sink.argmax[m + r - chunks.first_row(c0)].Fold(tile + r * ld, nv, p * kPanel);
+    });
   }
 }
 
@@ -423,14 +448,19 @@ inline void WaitFor(const std::atomic<int64_t>& count, int64_t target) {
 template <typename Multiply>
 void PackThenMultiply(ffi::ThreadPool& pool, const PackedRows& rows, int64_t multiply_items, Multiply&& multiply) {
   std::atomic<int64_t> packed{0};
-  jaxcb::ParallelFor(pool, rows.chunks.count + multiply_items, [&](int64_t item) {
+  jaxcb::ParallelFor(pool, rows.chunks.count + multiply_items, [&](int64_t item, jaxcb::NextItem& next) {
     if (item < rows.chunks.count) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
       return;
     }
     WaitFor(packed, rows.chunks.count);
-    multiply(item - rows.chunks.count);
+    // The multiply item this thread runs next, once claimed (-1: none).
+    auto next_multiply = [&]() -> int64_t {
+      const int64_t j = next.Claim() - rows.chunks.count;
+      return j >= 0 && j < multiply_items ? j : -1;
+    };
+    multiply(item - rows.chunks.count, next_multiply);
   });
 }
 
@@ -457,9 +487,11 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   thread_local std::vector<float> buffer;
   const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps);
   const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
-  PackThenMultiply(pool, rows, split.items, [&](int64_t item) {
-    MultiplyItem(rows.a, w.typed_data(), K, P, N, rows.chunks, split.first_chunk(item), split.end_chunk(item),
-                 split.first_strip(item), split.end_strip(item), TileSink{c, res});
+  const float* wp = w.typed_data();
+  PackThenMultiply(pool, rows, split.items, [&](int64_t item, auto&& next_item) {
+    MultiplyItem(rows.a, wp, K, P, N, rows.chunks, split.first_chunk(item), split.end_chunk(item),
+                 split.first_strip(item), split.end_strip(item), TileSink{c, res},
+                 [&] { return split.FirstWeights(wp, K, P, next_item()); });
   });
   return ffi::Error::Success();
 }
@@ -506,7 +538,16 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   const int64_t items = rows.chunks.count + pairs.items + out.items;
   std::atomic<int64_t> packed{0}, paired{0};
   const float* gu = gate_up.typed_data();
-  jaxcb::ParallelFor(pool, items, [&](int64_t item) {
+  const float* dw = down.typed_data();
+  // What item j (of all three rounds) reads first: a pair of gate/up panels, or a strip of down.
+  auto first_weights = [&](int64_t j) -> Ahead {
+    j -= rows.chunks.count;
+    if (j < 0) return {};
+    if (j < pairs.items) return {reinterpret_cast<const char*>(gu + 2 * pairs.first_strip(j) * K * kPanel), 2 * K};
+    j -= pairs.items;
+    return j < out.items ? out.FirstWeights(dw, F, P, j) : Ahead{};
+  };
+  jaxcb::ParallelFor(pool, items, [&](int64_t item, jaxcb::NextItem& next_item) {
     if (item < rows.chunks.count) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
@@ -518,14 +559,17 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       for (int64_t q = pairs.first_strip(item); q < pairs.end_strip(item); ++q) {
         const float* bq = gu + 2 * q * K * kPanel;
         const int64_t cols = std::min(kPanel, F - q * kPanel);
-        ForEachRowChunk(pairs.first_chunk(item), pairs.end_chunk(item), q + 1 < Q ? 2 * K : 0,
+        // The next pair, right after this one, or the first weights of this thread's next item.
+        const Ahead ahead = q + 1 < pairs.end_strip(item)
+                                ? Ahead{reinterpret_cast<const char*>(bq + 2 * K * kPanel), 2 * K}
+                                : first_weights(next_item.Claim());
+        ForEachRowChunk(pairs.first_chunk(item), pairs.end_chunk(item), ahead.lines,
                         [&](int64_t i, int64_t l0, int64_t lines) {
           const int64_t r = rows.chunks.rows(i);
           alignas(64) float both[kTileRows][2 * kPanel];  // gate's 16 columns, then up's
           for (int64_t j = 0; j < 2; j += kTilePanels)  // the pair in one tile, or two
             kTiles[kTilePanels][r](rows.a + i * kTileRows * K, bq + j * K * kPanel, K, &both[0][j * kPanel], 2 * kPanel,
-                                   kTilePanels * kPanel, reinterpret_cast<const char*>(bq + 2 * K * kPanel) + 64 * l0,
-                                   j == 0 ? lines : 0);
+                                   kTilePanels * kPanel, ahead.at + 64 * l0, j == 0 ? lines : 0);
           float* hc = h + i * kTileRows * F + q * kPanel * kTileRows;  // chunk i of h, k-major
           for (int64_t row = 0; row < r; ++row) {
             alignas(64) float act[kPanel];
@@ -539,8 +583,8 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     }
     WaitFor(paired, pairs.items);
     item -= pairs.items;
-    MultiplyItem(h, down.typed_data(), F, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item),
-                 out.first_strip(item), out.end_strip(item), TileSink{c, res});
+    MultiplyItem(h, dw, F, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item), out.first_strip(item),
+                 out.end_strip(item), TileSink{c, res}, [&] { return first_weights(next_item.Claim()); });
   });
   return ffi::Error::Success();
 }
@@ -578,7 +622,8 @@ ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // One RowBest per (strip group, row): each is written by the one item of that group and row
   // block, then the groups are folded in column order.
   std::vector<RowBest> best(split.groups * M);
-  PackThenMultiply(pool, rows, split.items, [&](int64_t item) {
+  const float* wp = w.typed_data();
+  PackThenMultiply(pool, rows, split.items, [&](int64_t item, auto&& next_item) {
     const int64_t c0 = split.first_chunk(item), c1 = split.end_chunk(item);
     const int64_t m0 = rows.chunks.first_row(c0), m1 = rows.chunks.first_row(c1 - 1) + rows.chunks.rows(c1 - 1);
     RowArgmaxLanes lanes[kChunksPerItem * kTileRows];
@@ -586,8 +631,8 @@ ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     TileSink sink{c};
     sink.argmax = lanes;
     sink.write_output = write_y;
-    MultiplyItem(rows.a, w.typed_data(), K, P, N, rows.chunks, c0, c1, split.first_strip(item), split.end_strip(item),
-                 sink);
+    MultiplyItem(rows.a, wp, K, P, N, rows.chunks, c0, c1, split.first_strip(item), split.end_strip(item), sink,
+                 [&] { return split.FirstWeights(wp, K, P, next_item()); });
     const int64_t g = item % split.groups;
     const auto first_column = static_cast<int32_t>(split.first_strip(item) * kTilePanels * kPanel);
     for (int64_t r = m0; r < m1; ++r) best[g * M + r] = lanes[r - m0].Result(first_column);

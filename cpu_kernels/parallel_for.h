@@ -7,15 +7,35 @@
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxcb {
 
+// The item a ParallelFor thread runs after the current one, claimed from the loop's counter on
+// the first Claim() (>= n: there is none).
+class NextItem {
+ public:
+  explicit NextItem(std::atomic<int64_t>& counter) : counter_(counter) {}
+  int64_t Claim() {
+    if (claimed_ < 0) claimed_ = counter_.fetch_add(1);
+    return claimed_;
+  }
+
+ private:
+  std::atomic<int64_t>& counter_;
+  int64_t claimed_ = -1;
+};
+
 // Runs items [0, n) on the calling thread and on up to `extra_threads` pool threads. Items are
 // claimed from a shared counter, so a pool task that starts late (or never) costs nothing:
 // the caller only waits for items someone has claimed.
+//
+// `body(i)`, or `body(i, next)` with a NextItem: an item may call next.Claim() to learn, before
+// it ends, which item its thread runs next, so that it can fetch that item's data while it
+// finishes its own. Claiming late in an item keeps the load balance of claim-as-you-go.
 template <typename F>
 void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t extra_threads, F&& body) {
   struct State {
@@ -29,7 +49,12 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t extra_threads, F
   // moves its cache line between the cores on every item (thousands a step in attention).
   auto worker = [state, n, &body]() {
     int64_t mine = 0;
-    for (int64_t i = state->next.fetch_add(1); i < n; i = state->next.fetch_add(1), ++mine) body(i);
+    for (int64_t i = state->next.fetch_add(1); i < n; ++mine) {
+      NextItem next(state->next);
+      if constexpr (std::is_invocable_v<F&, int64_t, NextItem&>) body(i, next);
+      else body(i);
+      i = next.Claim();
+    }
     if (mine > 0) state->done.fetch_add(mine, std::memory_order_release);
   };
   for (int64_t h = 0; h < extra_threads; ++h) pool.Schedule(decltype(worker)(worker));
