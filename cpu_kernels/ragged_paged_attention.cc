@@ -318,18 +318,33 @@ inline void PrefetchBlock(const void* block, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
+// The lines of one cache block's keys and values to fetch ahead (none when bytes is 0).
+struct BlockFetch {
+  const char* k = nullptr;
+  const char* v = nullptr;
+  int64_t bytes = 0;
+};
+
+// The keys a work item's tile sees in its sequence: up to its last query token's position.
+inline int64_t KeysSeen(int32_t kv_len, int32_t q_len, int32_t first_token) {
+  const int64_t tile_tokens = std::min<int64_t>(kTokensPerTile, q_len - first_token);
+  return static_cast<int64_t>(kv_len) - q_len + first_token + tile_tokens;
+}
+
 // One (sequence, KV head, query tile): rows are (token, head-in-group) pairs.
 // Q: the element type of q and out; C: the cache's (float, or uint16_t holding bf16).
-template <typename Q, typename C>
+// first_block_of_next() says what the last block fetches ahead: the first block of the item
+// this thread runs next (claimed then), so that no item starts on a block still in memory.
+template <typename Q, typename C, typename NextFetch>
 void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                 int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer, const WorkItem& item, float sm_scale,
-                Q* out) {
+                Q* out, NextFetch&& first_block_of_next) {
   const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
   const int64_t tile_tokens = std::min<int64_t>(kTokensPerTile, q_len - item.first_token);
   const int64_t rows = tile_tokens * group;
   // Token i of the q_len new tokens sits at position kv_len - q_len + i.
   const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + item.first_token;
-  const int64_t last_pos = pos0 + tile_tokens - 1;
+  const int64_t last_pos = KeysSeen(kv_len, q_len, item.first_token) - 1;
 
   // Per-thread scratch, grown once: no allocation per work item.
   thread_local std::vector<float> qf, acc, m, l, kbuf, vbuf;
@@ -357,14 +372,17 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
     const int64_t block_start = b * BS;
     const int64_t keys = std::min<int64_t>(BS, last_pos + 1 - block_start);  // <= kv_len - block_start
     // The next block's lines, fetched a share per row so that no one burst fills the miss queue.
-    const char *next_k = nullptr, *next_v = nullptr;
-    int64_t next_bytes = 0;
+    // After the last block: the first block of the item this thread runs next.
+    BlockFetch ahead;
     if (b + 1 < num_blocks_seen) {
       const int64_t next = (head_base + block_table[b + 1]) * BS * D;
-      next_bytes = std::min<int64_t>(BS, last_pos + 1 - block_start - BS) * D * sizeof(C);
-      next_k = reinterpret_cast<const char*>(k_cache + next);
-      next_v = reinterpret_cast<const char*>(v_cache + next);
+      ahead = {reinterpret_cast<const char*>(k_cache + next), reinterpret_cast<const char*>(v_cache + next),
+               std::min<int64_t>(BS, last_pos + 1 - block_start - BS) * D * static_cast<int64_t>(sizeof(C))};
+    } else if (b + 1 == num_blocks_seen) {
+      ahead = first_block_of_next();
     }
+    const char *next_k = ahead.k, *next_v = ahead.v;
+    const int64_t next_bytes = ahead.bytes;
     // Over the first half of the rows: the last lines must still land before the next block starts.
     const int64_t spread_rows = rows <= 4 ? rows : (rows + 1) / 2;
     const int64_t share = (next_bytes / 64 + spread_rows - 1) / spread_rows * 64;
@@ -425,10 +443,21 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
       for (int32_t h = 0; h < s.num_kv_heads; ++h) items.push_back(WorkItem{r, h, first});
   }
   const int64_t n = static_cast<int64_t>(items.size());
-  jaxcb::ParallelFor(pool, n, [&](int64_t i) {
+  jaxcb::ParallelFor(pool, n, [&](int64_t i, jaxcb::NextItem& next) {
     const WorkItem& item = items[i];
+    auto first_block_of_next = [&]() -> BlockFetch {
+      const int64_t j = next.Claim();
+      if (j >= n) return {};
+      const WorkItem& other = items[j];
+      const int32_t q_len = qsl[other.seq + 1] - qsl[other.seq];
+      const int64_t keys = std::min<int64_t>(s.block_size, KeysSeen(kv_lens[other.seq], q_len, other.first_token));
+      const int64_t at = ((static_cast<int64_t>(layer) * s.num_kv_heads + other.kv_head) * s.num_blocks +
+                          block_tables[other.seq * s.width]) * s.block_size * s.head_dim;
+      return {reinterpret_cast<const char*>(k_cache + at), reinterpret_cast<const char*>(v_cache + at),
+              keys * s.head_dim * static_cast<int64_t>(sizeof(C))};
+    };
     AttendTile<Q, C>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
-                  qsl[item.seq + 1] - qsl[item.seq], layer, item, sm_scale, out);
+                     qsl[item.seq + 1] - qsl[item.seq], layer, item, sm_scale, out, first_block_of_next);
   });
   return ffi::Error::Success();
 }
