@@ -13,7 +13,10 @@ cache-dtype: the C++ attention kernel over `small`'s heads (12 query / 4 KV head
 
 --against REV: the kernels of this checkout against those of git revision REV, built side by
 side from REV's `cpu_kernels/` sources and timed alternately in one process: small's matmul
-chain by step size, and attention over small's heads. The A/B behind a kernel change.
+chain by step size, and attention over small's heads. The A/B behind a kernel change. With
+--steps ROUNDS, also the engine's own compiled steps: the full-batch run of docs/benchmarks.md
+(64 requests, 40 prompt + 100 output tokens each, on `small`) recorded once and replayed whole
+with each revision's kernels in turn (REV's kernels must take this checkout's arguments).
 
 lm-head: small's LM head (768 -> 32,000) at 64 rows and the greedy tokens of a step: the packed
 matmul followed by the row argmax (the logits written, then read back), against the matmul with
@@ -107,10 +110,12 @@ def main() -> None:
     parser.add_argument("--kernels", default="attention,matmul",
                         help="comma-separated: attention, cache-dtype, matmul, lm-head")
     parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
+    parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
+                        help="with --against: also replay the engine's whole full-batch run with each, ROUNDS times")
     args = parser.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls\n")
     if args.against:
-        against_table(args.against, args.calls)
+        against_table(args.against, args.calls, args.steps)
         return
     kernels = set(args.kernels.split(","))
     if kernels - {"attention", "cache-dtype", "matmul", "lm-head"}:
@@ -200,9 +205,18 @@ def cache_dtype_table(calls: int) -> None:
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
 
 
-def register_kernels_at(rev: str) -> tuple[str, str, bool]:
-    """Builds revision `rev`'s CPU kernels and registers them under their own names:
-    (attention target, matmul target, whether that matmul takes the optional norm and residual)."""
+# Every kernel of the library: the module constant naming its FFI target, and its symbol.
+KERNEL_SYMBOLS = {
+    "ATTENTION_TARGET": "JaxcbRaggedPagedAttention", "MATMUL_TARGET": "JaxcbPackedMatmul",
+    "MATMUL_ARGMAX_TARGET": "JaxcbPackedMatmulArgmax", "MLP_TARGET": "JaxcbPackedMlp",
+    "ARGMAX_TARGET": "JaxcbRowArgmax", "KV_WRITE_TARGET": "JaxcbKvCacheWrite",
+}
+
+
+def register_kernels_at(rev: str) -> tuple[str, str, bool, dict[str, str]]:
+    """Builds revision `rev`'s CPU kernels and registers them under their own names: (attention
+    target, matmul target, whether that matmul takes the optional norm and residual, and every
+    kernel `rev` has: module constant -> its target name there)."""
     with tempfile.TemporaryDirectory() as tmp:
         needed = {"ragged_paged_attention.cc", "packed_matmul.cc", "parallel_for.h"}  # in every revision
         for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
@@ -214,10 +228,12 @@ def register_kernels_at(rev: str) -> tuple[str, str, bool]:
                 (Path(tmp) / f.name).write_text(done.stdout)
         lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library(Path(tmp))))
         fused = '.Attr<float>("eps")' in (Path(tmp) / "packed_matmul.cc").read_text()
-    targets = (f"{cpu_kernels.ATTENTION_TARGET}_{rev}", f"{cpu_kernels.MATMUL_TARGET}_{rev}")
-    jax.ffi.register_ffi_target(targets[0], jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
-    jax.ffi.register_ffi_target(targets[1], jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
-    return (*targets, fused)
+    targets = {}
+    for const, symbol in KERNEL_SYMBOLS.items():
+        if hasattr(lib, symbol):
+            targets[const] = f"{getattr(cpu_kernels, const)}_{rev}"
+            jax.ffi.register_ffi_target(targets[const], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return targets["ATTENTION_TARGET"], targets["MATMUL_TARGET"], fused, targets
 
 
 def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:
@@ -235,8 +251,8 @@ def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def against_table(rev: str, calls: int) -> None:
-    attention_target, matmul_target, fused = register_kernels_at(rev)
+def against_table(rev: str, calls: int, step_rounds: int) -> None:
+    attention_target, matmul_target, fused, targets = register_kernels_at(rev)
     cpu_kernels.load_cpu_kernels()
 
     def matmul_at_rev(x, packed, n):
@@ -277,6 +293,74 @@ def against_table(rev: str, calls: int) -> None:
         ms = alternate({k: (fn, inputs) for k, fn in fns.items()}, calls)
         print(f"| {name} | {1e3 * ms['this checkout'] / layers:.2f} | {1e3 * ms[rev] / layers:.2f} | "
               f"{ms[rev] / ms['this checkout']:.2f}x |")
+    if step_rounds > 0:
+        print()
+        steps_against(rev, targets, step_rounds)
+
+
+# The full-batch workload of docs/benchmarks.md: 64 requests of 40 prompt and 100 output tokens,
+# all decode steps at 64 rows, on the `small` preset (random weights: the same work).
+FULL_BATCH = ["model=small", "model.dtype=float32", "bench.workload=random", "bench.num_requests=64",
+              "bench.input_mean=160", "bench.output_mean=400", "bench.scale=0.25", "engine.max_model_len=1024",
+              "scheduler.max_num_seqs=64", "scheduler.max_num_batched_tokens=2048"]
+
+
+def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: list[str] = FULL_BATCH) -> dict[str, float]:
+    """The engine's compiled steps with this checkout's kernels against the same steps with `rev`'s:
+    the full-batch run is recorded once, each of its step shapes compiled both ways (this checkout's
+    model code calling `rev`'s FFI targets, so their arguments must not have changed since), then
+    the whole recorded run is replayed with each, in turn, `rounds` times."""
+    from jaxcb.benchmark import make_workload, run_offline
+    from jaxcb.config import compose_config
+    from jaxcb.engine import LLM
+
+    if missing := set(KERNEL_SYMBOLS) - set(targets):
+        raise SystemExit(f"--against {rev} --steps: {rev} lacks kernels this checkout's step calls: {sorted(missing)}")
+    cfg = compose_config(overrides)
+    llm = LLM(cfg)
+    runner = llm.engine.runner
+    runner.recorded = []
+    run_offline(llm, make_workload(cfg.bench, llm.engine.model_config.vocab_size, cfg.engine.max_model_len),
+                cfg.scheduler.policy)
+    recorded, runner.recorded = runner.recorded, None
+    keys = sorted({key for key, _ in recorded})
+    ours = {key: runner.compiled[key] for key in keys}
+    # Traced again, through a new function (no trace cached from ours), with the targets renamed.
+    traced, names = runner._step, {const: getattr(cpu_kernels, const) for const in KERNEL_SYMBOLS}
+    inner = traced.__wrapped__
+    runner._step = jax.jit(lambda state, cache, key, *rest: inner(state, cache, key, *rest),
+                           donate_argnums=(1,), static_argnums=(2,))
+    try:
+        for const in KERNEL_SYMBOLS:
+            setattr(cpu_kernels, const, targets[const])
+        theirs = {key: runner._compile(key) for key in keys}
+    finally:
+        runner._step = traced
+        for const, name in names.items():
+            setattr(cpu_kernels, const, name)
+    for key, exe in theirs.items():  # a trace reused from ours would compare this checkout with itself
+        if not any(target in exe.as_text() for target in targets.values()):
+            raise RuntimeError(f"the step {key} compiled for {rev} calls none of {rev}'s kernels")
+    cache = runner.kv_cache
+
+    def replay(exes):
+        nonlocal cache
+        start = time.perf_counter()
+        for key, inputs in recorded:
+            ids, _, _, cache = exes[key](runner.state, cache, *inputs)
+        jax.block_until_ready(ids)
+        return time.perf_counter() - start
+
+    times = {"this checkout": [], rev: []}
+    for i in range(rounds):  # the order flipped every round
+        for name in (("this checkout", rev) if i % 2 else (rev, "this checkout")):
+            times[name].append(replay(ours if name == "this checkout" else theirs))
+    runner.kv_cache = cache
+    ms = {name: float(np.median(t)) for name, t in times.items()}
+    print(f"| the full-batch run's {len(recorded)} steps, replayed | this checkout (s) | {rev} (s) | {rev} / this |")
+    print("|---|---|---|---|")
+    print(f"| median of {rounds} | {ms['this checkout']:.3f} | {ms[rev]:.3f} | {ms[rev] / ms['this checkout']:.3f}x |")
+    return ms
 
 
 if __name__ == "__main__":

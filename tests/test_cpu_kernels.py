@@ -212,7 +212,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(native))
 
 
-def test_bench_kernels_lm_head_table_times_the_three_ways_to_a_greedy_token(capsys):
+def load_bench_kernels():
     import importlib.util
     from pathlib import Path
 
@@ -220,7 +220,24 @@ def test_bench_kernels_lm_head_table_times_the_three_ways_to_a_greedy_token(caps
     spec = importlib.util.spec_from_file_location("bench_kernels_for_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_kernels_lm_head_table_times_the_three_ways_to_a_greedy_token(capsys):
+    module = load_bench_kernels()
     module.lm_head_table(2, rows=4, hidden=16, vocab=100)
     table = capsys.readouterr().out
     for row in ("| matmul, then row_argmax |", "| argmax inside, logits written |", "| argmax inside, no logits |"):
         assert row in table
+
+
+def test_bench_kernels_steps_against_replays_the_recorded_run_with_each_revisions_kernels(capsys):
+    module = load_bench_kernels()
+    *_, targets = module.register_kernels_at("HEAD")
+    assert set(targets) == set(module.KERNEL_SYMBOLS)
+    overrides = ["model=tiny", "bench.workload=random", "bench.num_requests=3", "bench.input_mean=24",
+                 "bench.output_mean=8", "engine.max_model_len=64", "scheduler.max_num_seqs=4",
+                 "scheduler.max_num_batched_tokens=64"]
+    ms = module.steps_against("HEAD", targets, 2, overrides)
+    assert set(ms) == {"this checkout", "HEAD"} and min(ms.values()) > 0
+    assert "steps, replayed | this checkout (s) | HEAD (s) | HEAD / this |" in capsys.readouterr().out
