@@ -12,7 +12,8 @@
 // group of panel strips), spread over XLA's intra-op thread pool. Within an item each strip
 // is read from memory once and then from L2 by every row chunk; each tile runs over all of K,
 // so its outputs stay in registers and are stored once, and the next strip is prefetched a
-// few lines per tile, spread over the row chunks.
+// few lines per tile, spread over the row chunks; an item's last strip prefetches the first
+// strip of the item its thread claims next.
 //
 // Three calls: the matmul (JaxcbPackedMatmul) and the SwiGLU MLP (JaxcbPackedMlp), which can
 // both RMS-normalise x while packing it and add a residual to their outputs, so that a decoder
@@ -64,8 +65,8 @@ constexpr auto kWeightHint = _MM_HINT_T1;
 // c[r][:nv] = sum_k a[k * kTileRows + r] * b[k * kPanel + :] for r < R, k < K, over NP panels
 // of w side by side (panel j at b + j * K * kPanel; nv counts the tile's valid columns).
 // a: one packed chunk of x; b: the first panel; c: the output tile (row stride ldc).
-// prefetch[0, lines): 64-byte lines of the panels a later tile reads, fetched into L1 evenly
-// over this tile's k loop. Spread over all the row chunks of a strip of panels, they overlap
+// prefetch[0, lines): 64-byte lines of the panels a later tile reads, fetched (into L2, see
+// kWeightHint) evenly over this tile's k loop. Spread over all the row chunks of a strip of panels, they overlap
 // the next strip's weight reads with this one's multiplies without a burst of misses in any one tile.
 #if defined(__AVX2__) && defined(__FMA__)
 // body(k) for k in [0, K), with prefetch[0, lines) fetched evenly along the way: line l goes out
