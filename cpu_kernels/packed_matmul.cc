@@ -368,7 +368,8 @@ void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t 
         for (int64_t r = 0; r < rows; ++r)
           for (int64_t j = 0; j < nv; ++j) tile[r * ld + j] += sink.residual[(m + r) * N + p * kPanel + j];
       if (sink.argmax)
-        for (int64_t r = 0; r < rows; ++r) sink.argmax[m + r - chunks.first_row(c0)].Fold(tile + r * ld, nv, p * kPanel);
+        for (int64_t r = 0; r < rows; ++r)
+          sink.argmax[m + r - chunks.first_row(c0)].Fold(tile + r * ld, nv, p * kPanel);
     });
   }
 }
@@ -544,11 +545,15 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   std::atomic<int64_t> packed{0}, paired{0};
   const float* gu = gate_up.typed_data();
   const float* dw = down.typed_data();
+  // Gate's and up's panels of pair q, side by side.
+  auto pair_weights = [&](int64_t q) -> Ahead {
+    return {reinterpret_cast<const char*>(gu + 2 * q * K * kPanel), 2 * K};
+  };
   // What item j (of all three rounds) reads first: a pair of gate/up panels, or a strip of down.
   auto first_weights = [&](int64_t j) -> Ahead {
     j -= rows.chunks.count;
     if (j < 0) return {};
-    if (j < pairs.items) return {reinterpret_cast<const char*>(gu + 2 * pairs.first_strip(j) * K * kPanel), 2 * K};
+    if (j < pairs.items) return pair_weights(pairs.first_strip(j));
     j -= pairs.items;
     return j < out.items ? out.FirstWeights(dw, F, P, j) : Ahead{};
   };
@@ -565,9 +570,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
         const float* bq = gu + 2 * q * K * kPanel;
         const int64_t cols = std::min(kPanel, F - q * kPanel);
         // The next pair, right after this one, or the first weights of this thread's next item.
-        const Ahead ahead = q + 1 < pairs.end_strip(item)
-                                ? Ahead{reinterpret_cast<const char*>(bq + 2 * K * kPanel), 2 * K}
-                                : first_weights(next_item.Claim());
+        const Ahead ahead = q + 1 < pairs.end_strip(item) ? pair_weights(q + 1) : first_weights(next_item.Claim());
         ForEachRowChunk(pairs.first_chunk(item), pairs.end_chunk(item), ahead.lines,
                         [&](int64_t i, int64_t l0, int64_t lines) {
           const int64_t r = rows.chunks.rows(i);

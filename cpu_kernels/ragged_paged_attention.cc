@@ -378,7 +378,7 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
       const int64_t next = (head_base + block_table[b + 1]) * BS * D;
       ahead = {reinterpret_cast<const char*>(k_cache + next), reinterpret_cast<const char*>(v_cache + next),
                std::min<int64_t>(BS, last_pos + 1 - block_start - BS) * D * static_cast<int64_t>(sizeof(C))};
-    } else if (b + 1 == num_blocks_seen) {
+    } else {
       ahead = first_block_of_next();
     }
     const char *next_k = ahead.k, *next_v = ahead.v;
