@@ -219,6 +219,7 @@ class BenchConfig:
     output_sigma: float = 0.8
     scale: float = 0.25  # shrinks every length, for small machines
     seed: int = 0
+    repeats: int = 1  # task=flops: runs, each on fresh prompts of the same lengths between ceiling readings; median reported
 
 
 @dataclass
@@ -404,6 +405,7 @@ def validate_config(cfg: Config) -> None:
     _require(b.max_concurrency is None or b.max_concurrency >= 1, f"bench.max_concurrency={b.max_concurrency} must be >= 1")
     _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
     _require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
+    _require(b.repeats >= 1, f"bench.repeats={b.repeats} must be >= 1")
     _require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
 
 

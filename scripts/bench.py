@@ -5,6 +5,7 @@
     python scripts/bench.py bench.task=overhead               # engine vs a replay of its compiled steps
     python scripts/bench.py bench.task=async                  # engine.async_scheduling on vs off
     python scripts/bench.py bench.task=flops                  # model FLOP/s against a matmul measured here
+    python scripts/bench.py bench.task=flops bench.repeats=5  # ... over 5 runs, each between ceiling readings
     python scripts/bench.py bench.mode=serving bench.request_rate=20   # TTFT/TPOT/ITL/E2E, goodput
     python scripts/bench.py bench.mode=serving bench.backend=http      # the same, over HTTP to a real server
     python scripts/bench.py -m scheduler.max_num_seqs=16,32,64 # a sweep (one run per value)
@@ -27,6 +28,7 @@ from jaxcb.benchmark import (
     run_offline,
     run_serving,
     with_async,
+    with_fresh_prompts,
     with_policy,
 )
 from jaxcb.bench_http import run_serving_http, serve_in_thread
@@ -79,7 +81,13 @@ def main(cfg: Config) -> None:
             print(describe_serving(name, r))
         result["serving"] = runs
     elif b.task == "flops":
-        result["flops"] = f = model_flops(next(iter(engines.values())), items)
+        # Repeats get fresh prompts of the same lengths: no cached prefix skips their prefill.
+        workloads = [items] + [with_fresh_prompts(items, first.model_config.vocab_size, b.seed + i)
+                               for i in range(1, b.repeats)]
+        result["flops"] = f = model_flops(next(iter(engines.values())), workloads)
+        if b.repeats > 1:
+            print(f"model / ceiling of the {b.repeats} runs: "
+                  + ", ".join(f"{r['model_over_ceiling']:.2f}" for r in f["runs"]) + "; the median run:")
         ceilings = ", ".join(f"{shape}: {v / 1e9:.1f}" for shape, v in f["matmul_ceiling_flops_per_s"].items())
         print(f"{f['output_tokens_per_s']:,.0f} out tok/s; model {f['model_flops_per_s'] / 1e9:.1f} GFLOP/s "
               f"({f['attention_flops'] / (f['linear_flops'] + f['attention_flops']):.0%} of it attention); "

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from jaxcb.benchmark import WorkItem, ideal_static_ratio, make_workload
+from jaxcb.benchmark import WorkItem, ideal_static_ratio, make_workload, with_fresh_prompts
 from jaxcb.config import BenchConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +36,7 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench.py"), f"bench.task={task}", "bench.num_requests=12",
          "scheduler.max_num_batched_tokens=64", "scheduler.max_num_seqs=8", "engine.max_model_len=256",
-         "engine.token_buckets=[16]", f"hydra.run.dir={tmp_path}"],
+         "engine.token_buckets=[16]", f"hydra.run.dir={tmp_path}", *(["bench.repeats=3"] if task == "flops" else [])],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,11 +54,27 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
             f["model_flops_per_s"] / next(iter(f["matmul_ceiling_flops_per_s"].values()))
         )
         assert next(iter(f["matmul_ceiling_flops_per_s"].values())) == max(f["ceiling_before_and_after_flops_per_s"])
+        # Three runs, each between two ceiling readings (one run's after is the next one's before), the median
+        # run's figures on top; fresh prompts of the same lengths do the same work each time.
+        runs = f["runs"]
+        assert len(runs) == 3 and len({r["linear_flops"] for r in runs}) == 1
+        assert all(a["ceiling_before_and_after_flops_per_s"][1] == b["ceiling_before_and_after_flops_per_s"][0]
+                   for a, b in zip(runs, runs[1:]))
+        assert f["model_over_ceiling"] == sorted(r["model_over_ceiling"] for r in runs)[1]
+        assert "model / ceiling of the 3 runs:" in proc.stdout
         return
     assert set(result["runs"]) == runs
     assert all(r["num_recompiles"] == 0 for r in result["runs"].values())
     if task == "policies":
         assert result["ideal_ratio"] >= 1
+
+
+def test_fresh_prompts_keep_every_requests_lengths_and_share_no_first_block():
+    a = make_workload(BenchConfig(num_requests=50, scale=1.0), 259, 512)
+    other = with_fresh_prompts(a, 259, seed=1)
+    assert [(len(w.prompt_token_ids), w.output_len) for w in a] == [(len(w.prompt_token_ids), w.output_len) for w in other]
+    assert all(x.prompt_token_ids[:16] != y.prompt_token_ids[:16] for x, y in zip(a, other))
+    assert all(0 <= t < 259 for w in other for t in w.prompt_token_ids)
 
 
 def test_exp_output_workload_has_512_token_prompts_and_capped_outputs():
