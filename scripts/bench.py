@@ -87,13 +87,16 @@ def main(cfg: Config) -> None:
         result["flops"] = f = model_flops(next(iter(engines.values())), workloads)
         if b.repeats > 1:
             print(f"model / ceiling of the {b.repeats} runs: "
-                  + ", ".join(f"{r['model_over_ceiling']:.2f}" for r in f["runs"]) + "; the median run:")
+                  + ", ".join(f"{r['model_over_ceiling']:.2f}" for r in f["runs"]) + "; model / sustained matmul: "
+                  + ", ".join(f"{r['model_over_sustained_matmul']:.2f}" for r in f["runs"]) + "; the median run:")
         ceilings = ", ".join(f"{shape}: {v / 1e9:.1f}" for shape, v in f["matmul_ceiling_flops_per_s"].items())
         print(f"{f['output_tokens_per_s']:,.0f} out tok/s; model {f['model_flops_per_s'] / 1e9:.1f} GFLOP/s "
               f"({f['attention_flops'] / (f['linear_flops'] + f['attention_flops']):.0%} of it attention); "
               f"matmul ceiling GFLOP/s {ceilings} (the first: best of before/after the run, "
               f"{' / '.join(f'{v / 1e9:.1f}' for v in f['ceiling_before_and_after_flops_per_s'])}); "
-              f"model / ceiling {f['model_over_ceiling']:.2f}")
+              f"model / ceiling {f['model_over_ceiling']:.2f}; the matmul's mean rate over as long right after "
+              f"the run {f['sustained_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, model / that "
+              f"{f['model_over_sustained_matmul']:.2f}")
     elif b.task == "overhead":
         result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "

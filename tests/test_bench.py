@@ -61,6 +61,8 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
         assert all(a["ceiling_before_and_after_flops_per_s"][1] == b["ceiling_before_and_after_flops_per_s"][0]
                    for a, b in zip(runs, runs[1:]))
         assert f["model_over_ceiling"] == sorted(r["model_over_ceiling"] for r in runs)[1]
+        assert all(r["model_over_sustained_matmul"] == pytest.approx(r["model_flops_per_s"] / r["sustained_matmul_flops_per_s"])
+                   for r in runs)
         assert "model / ceiling of the 3 runs:" in proc.stdout
         return
     assert set(result["runs"]) == runs
