@@ -11,8 +11,6 @@
   LM head, which writes its logits only when the step reads them (not when every row is greedy).
 - `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
   and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
-- `packed_attn_out_mlp`: a decoder layer after its attention, h + attn @ o and then the MLP
-  with its norm and residual, in one call (one wake-up of the thread pool, not two).
 - `write_kv_rows`: one layer's new K/V rows into the paged cache, in place (XLA:CPU's scatter
   converts a whole bfloat16 cache to f32 and back).
 - `row_argmax`: jnp.argmax(x, axis=-1) for float32 [R, V], the same indices (first of equals,
@@ -52,7 +50,6 @@ ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
 MATMUL_ARGMAX_TARGET = "jaxcb_packed_matmul_argmax"
 MLP_TARGET = "jaxcb_packed_mlp"
-ATTN_OUT_MLP_TARGET = "jaxcb_packed_attn_out_mlp"
 ARGMAX_TARGET = "jaxcb_row_argmax"
 KV_WRITE_TARGET = "jaxcb_kv_cache_write"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
@@ -138,7 +135,6 @@ def load_cpu_kernels() -> None:
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmulArgmax), platform="cpu")
     jax.ffi.register_ffi_target(MLP_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMlp), platform="cpu")
-    jax.ffi.register_ffi_target(ATTN_OUT_MLP_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedAttnOutMlp), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")
 
@@ -234,7 +230,11 @@ def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> 
     return pairs.reshape(-1, *pairs.shape[2:])
 
 
-def _check_packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int) -> None:
+def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
+               eps: float = 0.0, residual: jax.Array | None = None) -> jax.Array:  # [..., K] -> [..., n]
+    """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
+    `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
+    `residual` as in `packed_matmul`."""
     if x.dtype != jnp.float32 or gate_up.dtype != jnp.float32 or down.dtype != jnp.float32:
         raise ValueError(f"the CPU MLP takes float32, got x {x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; "
                          "use model.linear_impl=xla")
@@ -242,38 +242,12 @@ def _check_packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int)
     if (gate_up.ndim != 3 or gate_up.shape[0] != 2 * -(-f // PANEL) or gate_up.shape[1:] != (x.shape[-1], PANEL)
             or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):
         raise ValueError(f"packed gate/up {gate_up.shape} and down {down.shape} do not match x {x.shape} and n={n}")
-
-
-def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
-               eps: float = 0.0, residual: jax.Array | None = None) -> jax.Array:  # [..., K] -> [..., n]
-    """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
-    `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
-    `residual` as in `packed_matmul`."""
-    _check_packed_mlp(x, gate_up, down, n)
     norm, residual = _optional_inputs(x, n, norm, residual)
     load_cpu_kernels()
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
         rows, gate_up, down, norm, residual, eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
-
-
-def packed_attn_out_mlp(attn: jax.Array, o: jax.Array, h: jax.Array, gate_up: jax.Array, down: jax.Array, *,
-                        norm: jax.Array | None = None, eps: float = 0.0) -> jax.Array:  # [T, D]
-    """x + packed_mlp(x, gate_up, down, D, norm=norm, eps=eps) with x = h + attn @ o_weight, in
-    one call: attn [T, Ka], `o = pack_columns(o_weight)` ([Ka, D]) and the residual stream h
-    [T, D], all float32. x never leaves the kernel."""
-    if attn.ndim != 2 or h.ndim != 2 or attn.shape[0] != h.shape[0]:
-        raise ValueError(f"attn [T, Ka] and h [T, D] must be rows of the same tokens, got {attn.shape} and {h.shape}")
-    if attn.dtype != jnp.float32 or h.dtype != jnp.float32:
-        raise ValueError(f"the CPU MLP takes float32, got attn {attn.dtype} and h {h.dtype}; use model.linear_impl=xla")
-    d = h.shape[1]
-    _check_packed_matmul(attn, o, d)
-    _check_packed_mlp(h, gate_up, down, d)
-    norm, _ = _optional_inputs(h, d, norm, None)
-    load_cpu_kernels()
-    return jax.ffi.ffi_call(ATTN_OUT_MLP_TARGET, jax.ShapeDtypeStruct(h.shape, jnp.float32))(
-        attn, o, h, gate_up, down, norm, eps=np.float32(eps))
 
 
 def write_kv_rows(

@@ -502,141 +502,29 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
-// The attention output projection that JaxcbPackedAttnOutMlp runs in the MLP's call, in front of
-// it: x = residual + attn @ o, with attn [M, Ka] and o packed [D / 16, Ka, 16].
-struct OutProjection {
-  const float* attn;
-  int64_t Ka;
-  const float* o;
-};
-
-// y [M, N] = residual + mlp(rms_norm(x)), the norm and the residual each optional (null), where
-// mlp(x) = (silu(x @ gate) * (x @ up)) @ down: the SwiGLU MLP in one ParallelFor. gate_up holds
-// gate's and up's panels in pairs [2Q, K, 16] (gate's panel q at 2q, up's at 2q + 1), down is
-// packed [P, F, 16]. Three rounds of items, each waiting for the one before: x's chunks are
-// packed; each pair of panels is multiplied and its 16 columns of silu(gate) * up are written
-// straight into the packed layout of down's input h; then h @ down. Against two matmuls and
-// XLA's SwiGLU in between, this saves packing h (K = F, the largest x of the layer), writing and
-// reading the [M, 2F] gate/up product, and one pool wake-up.
-// With `out_proj`, x is not an input: two rounds in front make it (attn's chunks packed, then
-// x = residual + attn @ o), and the MLP's residual is x: a decoder layer's second half, with
-// one pool wake-up where two calls had two (the projection's ~0.3 ms a layer on small lost a
-// fifth of a core to its pool thread's start).
-void RunMlp(ffi::ThreadPool& pool, const float* x_in, const OutProjection* out_proj, int64_t M, int64_t K,
-            const float* gu, int64_t Q, const float* dw, int64_t F, int64_t P, int64_t N, const float* norm, float eps,
-            const float* res, float* c) {
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  thread_local std::vector<float> attn_buffer, x_sum, x_buffer, h_buffer;
-  const RowChunks chunks(M);
-  // The output projection's rounds: attn packed, then x = res + attn @ o into x_sum.
-  // (The buffers are the calling thread's: items reach them through these locals, since a
-  // thread_local named inside an item would be the running thread's own.)
-  const bool projected = out_proj != nullptr;
-  const PackedRows attn_rows(projected ? out_proj->attn : nullptr, projected ? M : 0, projected ? out_proj->Ka : 0,
-                             attn_buffer, nullptr, 0.0f);
-  const int64_t Po = (K + kPanel - 1) / kPanel;  // o's panels: its output is x, K wide
-  const Split proj(projected ? chunks.count : 0, (Po + kTilePanels - 1) / kTilePanels, threads);
-  float* x_out = nullptr;
-  if (projected) {
-    if (x_sum.size() < static_cast<size_t>(M * K)) x_sum.resize(M * K);
-    x_in = x_out = x_sum.data();
-  }
-  const float* mlp_res = projected ? x_in : res;
-  const PackedRows rows(x_in, M, K, x_buffer, norm, eps);
-  if (h_buffer.size() < static_cast<size_t>(chunks.count * kTileRows * F)) h_buffer.resize(chunks.count * kTileRows * F);
-  float* h = h_buffer.data();
-  // A gate/up strip is one pair of panels, whatever the tile's width.
-  const Split pairs(chunks.count, Q, threads), out(chunks.count, (P + kTilePanels - 1) / kTilePanels, threads);
-  // Where each round's items start, in the order they are claimed.
-  const int64_t proj_at = attn_rows.chunks.count, pack_at = proj_at + proj.items, pairs_at = pack_at + chunks.count,
-                out_at = pairs_at + pairs.items, items = out_at + out.items;
-  std::atomic<int64_t> attn_packed{0}, projected_items{0}, packed{0}, paired{0};
-  // Gate's and up's panels of pair q, side by side.
-  auto pair_weights = [&](int64_t q) -> Ahead {
-    return {reinterpret_cast<const char*>(gu + 2 * q * K * kPanel), 2 * K};
-  };
-  // What item j reads first: a strip of o, a pair of gate/up panels, a strip of down, or nothing.
-  auto first_weights = [&](int64_t j) -> Ahead {
-    if (j >= proj_at && j < pack_at) return proj.FirstWeights(out_proj->o, out_proj->Ka, Po, j - proj_at);
-    if (j >= pairs_at && j < out_at) return pair_weights(pairs.first_strip(j - pairs_at));
-    if (j >= out_at && j < items) return out.FirstWeights(dw, F, P, j - out_at);
-    return {};
-  };
-  jaxcb::ParallelFor(pool, items, [&](int64_t item, jaxcb::NextItem& next_item) {
-    if (item < proj_at) {
-      attn_rows.Pack(item);
-      attn_packed.fetch_add(1, std::memory_order_release);
-    } else if (item < pack_at) {
-      WaitFor(attn_packed, attn_rows.chunks.count);
-      const int64_t i = item - proj_at;
-      MultiplyItem(attn_rows.a, out_proj->o, out_proj->Ka, Po, K, chunks, proj.first_chunk(i), proj.end_chunk(i),
-                   proj.first_strip(i), proj.end_strip(i), TileSink{x_out, res},
-                   [&] { return first_weights(next_item.Claim()); });
-      projected_items.fetch_add(1, std::memory_order_release);
-    } else if (item < pairs_at) {
-      WaitFor(projected_items, proj.items);  // a row's norm needs all of its columns
-      rows.Pack(item - pack_at);
-      packed.fetch_add(1, std::memory_order_release);
-    } else if (item < out_at) {
-      WaitFor(packed, chunks.count);
-      const int64_t i = item - pairs_at;
-      for (int64_t q = pairs.first_strip(i); q < pairs.end_strip(i); ++q) {
-        const float* bq = gu + 2 * q * K * kPanel;
-        const int64_t cols = std::min(kPanel, F - q * kPanel);
-        // The next pair, right after this one, or the first weights of this thread's next item.
-        const Ahead ahead = q + 1 < pairs.end_strip(i) ? pair_weights(q + 1) : first_weights(next_item.Claim());
-        ForEachRowChunk(pairs.first_chunk(i), pairs.end_chunk(i), ahead.lines, [&](int64_t ci, int64_t l0, int64_t lines) {
-          const int64_t r = chunks.rows(ci);
-          alignas(64) float both[kTileRows][2 * kPanel];  // gate's 16 columns, then up's
-          for (int64_t j = 0; j < 2; j += kTilePanels)  // the pair in one tile, or two
-            kTiles[kTilePanels][r](rows.a + ci * kTileRows * K, bq + j * K * kPanel, K, &both[0][j * kPanel],
-                                   2 * kPanel, kTilePanels * kPanel, ahead.at + 64 * l0, j == 0 ? lines : 0);
-          float* hc = h + ci * kTileRows * F + q * kPanel * kTileRows;  // chunk ci of h, k-major
-          for (int64_t row = 0; row < r; ++row) {
-            alignas(64) float act[kPanel];
-            SiluTimes(both[row], both[row] + kPanel, cols, act);
-            for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + row] = act[j];
-          }
-        });
-      }
-      paired.fetch_add(1, std::memory_order_release);
-    } else {
-      WaitFor(paired, pairs.items);
-      const int64_t i = item - out_at;
-      MultiplyItem(h, dw, F, P, N, chunks, out.first_chunk(i), out.end_chunk(i), out.first_strip(i), out.end_strip(i),
-                   TileSink{c, mlp_res}, [&] { return first_weights(next_item.Claim()); });
-    }
-  });
-}
-
-// Checks gate/up [2Q, K, 16], down [P, F, 16] and y [M, N] against x's K and M: (Q, F, P, N).
-ffi::Error MlpShapes(const char* op, int64_t M, int64_t K, const ffi::Buffer<ffi::F32>& gate_up,
-                     const ffi::Buffer<ffi::F32>& down, ffi::ResultBuffer<ffi::F32>& y, int64_t* Q, int64_t* F,
-                     int64_t* P, int64_t* N) {
-  const auto gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions();
-  if (gd.size() != 3 || dd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument(std::string(op) +
-                                       " expects packed gate/up pairs [2Q, K, 16], packed down [P, F, 16] and y [M, N]");
-  *Q = gd[0] / 2, *F = dd[1], *P = dd[0], *N = yd[1];
-  if (gd[0] % 2 || gd[1] != K || gd[2] != kPanel || (*F + kPanel - 1) / kPanel != *Q || dd[2] != kPanel ||
-      yd[0] != M || (*N + kPanel - 1) / kPanel != *P)
-    return ffi::Error::InvalidArgument(std::string(op) + ": x [" + std::to_string(M) + ", " + std::to_string(K) +
-                                       "], gate/up [" + std::to_string(gd[0]) + ", " + std::to_string(gd[1]) +
-                                       ", " + std::to_string(gd[2]) + "], down [" + std::to_string(dd[0]) + ", " +
-                                       std::to_string(*F) + ", " + std::to_string(dd[2]) + "] and N=" +
-                                       std::to_string(*N) + " do not agree");
-  return ffi::Error::Success();
-}
-
-// y [M, N] = residual + mlp(rms_norm(x)) (RunMlp), the norm and the residual each optional (empty).
+// y [M, N] = (silu(x @ gate) * (x @ up)) @ down in one call: the SwiGLU MLP. gate_up holds
+// gate's and up's panels in pairs [2Q, K, 16] (gate's panel q at 2q, up's at 2q + 1), down
+// is packed [P, F, 16]. Three rounds of items in one ParallelFor, each waiting for the one
+// before: x's chunks are packed; each pair of panels is multiplied and its 16 columns of
+// silu(gate) * up are written straight into the packed layout of down's input h; then h @ down.
+// Against two matmuls and XLA's SwiGLU in between, this saves packing h (K = F, the largest
+// x of the layer), writing and reading the [M, 2F] gate/up product, and one pool wake-up.
+// With the optional rms-norm weight and residual of PackedMatmulImpl: y = residual + mlp(rms_norm(x)).
 ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> gate_up,
                          ffi::Buffer<ffi::F32> down, ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
                          float eps, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("packed mlp expects x [M, K]");
-  const int64_t M = xd[0], K = xd[1];
-  int64_t Q, F, P, N;
-  if (auto error = MlpShapes("packed mlp", M, K, gate_up, down, y, &Q, &F, &P, &N); error.failure()) return error;
+  const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || gd.size() != 3 || dd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "packed mlp expects x [M, K], packed gate/up pairs [2Q, K, 16], packed down [P, F, 16] and y [M, N]");
+  const int64_t M = xd[0], K = xd[1], Q = gd[0] / 2, F = dd[1], P = dd[0], N = yd[1];
+  if (gd[0] % 2 || gd[1] != K || gd[2] != kPanel || (F + kPanel - 1) / kPanel != Q || dd[2] != kPanel ||
+      yd[0] != M || (N + kPanel - 1) / kPanel != P)
+    return ffi::Error::InvalidArgument("packed mlp: x [" + std::to_string(M) + ", " + std::to_string(K) +
+                                       "], gate/up [" + std::to_string(gd[0]) + ", " + std::to_string(gd[1]) +
+                                       ", " + std::to_string(gd[2]) + "], down [" + std::to_string(P) + ", " +
+                                       std::to_string(F) + ", " + std::to_string(dd[2]) + "] and N=" +
+                                       std::to_string(N) + " do not agree");
   const float *norm = nullptr, *res = nullptr;
   if (auto error = OptionalInputs(norm_weight, residual, M, K, N, &norm, &res); error.failure()) return error;
   float* c = y->typed_data();
@@ -645,44 +533,67 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     ResidualOnly(res, M, N, c);
     return ffi::Error::Success();
   }
-  RunMlp(pool, x.typed_data(), nullptr, M, K, gate_up.typed_data(), Q, down.typed_data(), F, P, N, norm, eps, res, c);
-  return ffi::Error::Success();
-}
-
-// y [M, D] = x + mlp(rms_norm(x)) with x = residual + attn @ o: a decoder layer after its
-// attention, in one call. attn [M, Ka], o packed [D / 16, Ka, 16], residual [M, D]; the norm
-// weight [D] optional (empty); gate/up and down as in PackedMlpImpl, with N = D.
-ffi::Error PackedAttnOutMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> attn, ffi::Buffer<ffi::F32> o,
-                                ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::F32> gate_up,
-                                ffi::Buffer<ffi::F32> down, ffi::Buffer<ffi::F32> norm_weight, float eps,
-                                ffi::ResultBuffer<ffi::F32> y) {
-  const auto ad = attn.dimensions(), od = o.dimensions(), rd = residual.dimensions();
-  if (ad.size() != 2 || od.size() != 3 || rd.size() != 2)
-    return ffi::Error::InvalidArgument(
-        "packed attention output + mlp expects attn [M, Ka], packed o [D / 16, Ka, 16] and residual [M, D]");
-  const int64_t M = ad[0], Ka = ad[1], K = rd[1];
-  if (od[1] != Ka || od[2] != kPanel || od[0] != (K + kPanel - 1) / kPanel || rd[0] != M)
-    return ffi::Error::InvalidArgument("packed attention output + mlp: attn [" + std::to_string(M) + ", " +
-                                       std::to_string(Ka) + "], o [" + std::to_string(od[0]) + ", " +
-                                       std::to_string(od[1]) + ", " + std::to_string(od[2]) + "] and residual [" +
-                                       std::to_string(rd[0]) + ", " + std::to_string(K) + "] do not agree");
-  int64_t Q, F, P, N;
-  if (auto error = MlpShapes("packed attention output + mlp", M, K, gate_up, down, y, &Q, &F, &P, &N);
-      error.failure())
-    return error;
-  if (N != K)
-    return ffi::Error::InvalidArgument("packed attention output + mlp: the MLP's output width N=" +
-                                       std::to_string(N) + " must be the residual's D=" + std::to_string(K));
-  const auto nd = norm_weight.dimensions();
-  const bool has_norm = norm_weight.element_count() > 0;
-  if (has_norm && (nd.size() != 1 || nd[0] != K))
-    return ffi::Error::InvalidArgument("the rms-norm weight must be [D=" + std::to_string(K) + "] or empty");
-  if (M == 0 || K == 0) return ffi::Error::Success();
-  // Ka = 0 (attn @ o is 0) and F = 0 (silu(0) * 0 = 0) need no case of their own: their tiles
-  // run over K = 0 and store zeros, to which the residual is added.
-  const OutProjection proj{attn.typed_data(), Ka, o.typed_data()};
-  RunMlp(pool, nullptr, &proj, M, K, gate_up.typed_data(), Q, down.typed_data(), F, P, N,
-         has_norm ? norm_weight.typed_data() : nullptr, eps, residual.typed_data(), y->typed_data());
+  thread_local std::vector<float> x_buffer, h_buffer;
+  const PackedRows rows(x.typed_data(), M, K, x_buffer, norm, eps);
+  if (h_buffer.size() < static_cast<size_t>(rows.chunks.count * kTileRows * F))
+    h_buffer.resize(rows.chunks.count * kTileRows * F);
+  float* h = h_buffer.data();
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // A gate/up strip is one pair of panels, whatever the tile's width.
+  const Split pairs(rows.chunks.count, Q, threads), out(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, threads);
+  const int64_t items = rows.chunks.count + pairs.items + out.items;
+  std::atomic<int64_t> packed{0}, paired{0};
+  const float* gu = gate_up.typed_data();
+  const float* dw = down.typed_data();
+  // Gate's and up's panels of pair q, side by side.
+  auto pair_weights = [&](int64_t q) -> Ahead {
+    return {reinterpret_cast<const char*>(gu + 2 * q * K * kPanel), 2 * K};
+  };
+  // What item j (of all three rounds) reads first: a pair of gate/up panels, or a strip of down.
+  auto first_weights = [&](int64_t j) -> Ahead {
+    j -= rows.chunks.count;
+    if (j < 0) return {};
+    if (j < pairs.items) return pair_weights(pairs.first_strip(j));
+    j -= pairs.items;
+    return j < out.items ? out.FirstWeights(dw, F, P, j) : Ahead{};
+  };
+  jaxcb::ParallelFor(pool, items, [&](int64_t item, jaxcb::NextItem& next_item) {
+    if (item < rows.chunks.count) {
+      rows.Pack(item);
+      packed.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    item -= rows.chunks.count;
+    if (item < pairs.items) {
+      WaitFor(packed, rows.chunks.count);
+      for (int64_t q = pairs.first_strip(item); q < pairs.end_strip(item); ++q) {
+        const float* bq = gu + 2 * q * K * kPanel;
+        const int64_t cols = std::min(kPanel, F - q * kPanel);
+        // The next pair, right after this one, or the first weights of this thread's next item.
+        const Ahead ahead = q + 1 < pairs.end_strip(item) ? pair_weights(q + 1) : first_weights(next_item.Claim());
+        ForEachRowChunk(pairs.first_chunk(item), pairs.end_chunk(item), ahead.lines,
+                        [&](int64_t i, int64_t l0, int64_t lines) {
+          const int64_t r = rows.chunks.rows(i);
+          alignas(64) float both[kTileRows][2 * kPanel];  // gate's 16 columns, then up's
+          for (int64_t j = 0; j < 2; j += kTilePanels)  // the pair in one tile, or two
+            kTiles[kTilePanels][r](rows.a + i * kTileRows * K, bq + j * K * kPanel, K, &both[0][j * kPanel], 2 * kPanel,
+                                   kTilePanels * kPanel, ahead.at + 64 * l0, j == 0 ? lines : 0);
+          float* hc = h + i * kTileRows * F + q * kPanel * kTileRows;  // chunk i of h, k-major
+          for (int64_t row = 0; row < r; ++row) {
+            alignas(64) float act[kPanel];
+            SiluTimes(both[row], both[row] + kPanel, cols, act);
+            for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + row] = act[j];
+          }
+        });
+      }
+      paired.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    WaitFor(paired, pairs.items);
+    item -= pairs.items;
+    MultiplyItem(h, dw, F, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item), out.first_strip(item),
+                 out.end_strip(item), TileSink{c, res}, [&] { return first_weights(next_item.Claim()); });
+  });
   return ffi::Error::Success();
 }
 
@@ -760,18 +671,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmulArgmax, PackedMatmulArgmaxImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmul, PackedMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("eps")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedAttnOutMlp, PackedAttnOutMlpImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -209,7 +209,6 @@ def cache_dtype_table(calls: int) -> None:
 KERNEL_SYMBOLS = {
     "ATTENTION_TARGET": "JaxcbRaggedPagedAttention", "MATMUL_TARGET": "JaxcbPackedMatmul",
     "MATMUL_ARGMAX_TARGET": "JaxcbPackedMatmulArgmax", "MLP_TARGET": "JaxcbPackedMlp",
-    "ATTN_OUT_MLP_TARGET": "JaxcbPackedAttnOutMlp",
     "ARGMAX_TARGET": "JaxcbRowArgmax", "KV_WRITE_TARGET": "JaxcbKvCacheWrite",
 }
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import cpu_kernels
 import jaxcb.model.llama as llama
-from cpu_kernels import pack_columns, pack_gate_up, packed_attn_out_mlp, packed_matmul, packed_mlp
+from cpu_kernels import pack_columns, pack_gate_up, packed_matmul, packed_mlp
 from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
 from jaxcb.config import ConfigError, compose_config
 from jaxcb.model.llama import PackedLayerWeights, resolve_linear_impl
@@ -115,41 +115,6 @@ def test_packed_mlp_normalises_x_and_adds_the_residual_when_asked():
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-3 * np.sqrt(k * f))
 
 
-# Rows past two 12-row tiles and one 96-row block; Ka, D and F off the 16-column panels.
-@pytest.mark.parametrize("m,ka,d,f", [(29, 40, 36, 20), (1, 16, 16, 16), (100, 64, 48, 70)])
-def test_packed_attn_out_mlp_is_the_output_projection_then_the_mlp_bit_for_bit(m, ka, d, f):
-    rng = np.random.default_rng(m + ka + d + f)
-    attn, h = rng.standard_normal((m, ka), np.float32), rng.standard_normal((m, d), np.float32)
-    o, norm = rng.standard_normal((ka, d), np.float32), rng.standard_normal(d, np.float32)
-    gate, up = rng.standard_normal((d, f), np.float32), rng.standard_normal((d, f), np.float32)
-    down = rng.standard_normal((f, d), np.float32)
-    o_p, gate_up, down_p = pack_columns(jnp.asarray(o)), pack_gate_up(jnp.asarray(gate), jnp.asarray(up)), \
-        pack_columns(jnp.asarray(down))
-    fused = jax.jit(lambda *a: packed_attn_out_mlp(*a[:5], norm=a[5], eps=1e-5))(attn, o_p, h, gate_up, down_p, norm)
-    x = matmul(jnp.asarray(attn), o_p, d, residual=jnp.asarray(h))
-    two_calls = packed_mlp(x, gate_up, down_p, d, norm=jnp.asarray(norm), eps=1e-5, residual=x)
-    np.testing.assert_array_equal(np.asarray(fused), np.asarray(two_calls))
-    x64 = h + reference(attn, o)
-    expected = x64 + mlp_reference(rms_norm_reference(x64, norm, 1e-5).astype(np.float32), gate, up, down)
-    np.testing.assert_allclose(np.asarray(fused), expected, rtol=1e-4, atol=1e-3 * np.sqrt(d * f))
-
-
-def test_packed_attn_out_mlp_rejects_what_it_cannot_multiply():
-    attn, h = jnp.ones((2, 8), jnp.float32), jnp.ones((2, 20), jnp.float32)
-    o, gate_up, down = pack_columns(jnp.ones((8, 20))), pack_gate_up(jnp.ones((20, 12)), jnp.ones((20, 12))), \
-        pack_columns(jnp.ones((12, 20)))
-    with pytest.raises(ValueError, match="float32"):
-        packed_attn_out_mlp(attn.astype(jnp.bfloat16), o, h, gate_up, down)
-    with pytest.raises(ValueError, match="same tokens"):
-        packed_attn_out_mlp(attn[:1], o, h, gate_up, down)
-    with pytest.raises(ValueError, match="does not match"):
-        packed_attn_out_mlp(jnp.ones((2, 9), jnp.float32), o, h, gate_up, down)
-    with pytest.raises(ValueError, match="do not match"):
-        packed_attn_out_mlp(attn, o, h, gate_up, pack_columns(jnp.ones((12, 40))))
-    with pytest.raises(ValueError, match="rms-norm weight must be float32 \\[20\\]"):
-        packed_attn_out_mlp(attn, o, h, gate_up, down, norm=jnp.ones(8, jnp.float32))
-
-
 def test_the_optional_inputs_must_fit():
     x, packed = jnp.ones((3, 8), jnp.float32), pack_columns(jnp.ones((8, 5), jnp.float32))
     with pytest.raises(ValueError, match="rms-norm weight must be float32 \\[8\\]"):
@@ -235,9 +200,7 @@ def test_packed_step_takes_packed_panels_and_runs_no_xla_dot():
     assert "lm_head" not in e.runner.state  # untied head: only the packed copy is kept
     for executable in e.runner.compiled.values():
         text = executable.as_text()
-        assert " dot(" not in text and "jaxcb_packed_matmul" in text
-        # The output projection and the MLP in one call a layer: no separate MLP call.
-        assert text.count("jaxcb_packed_attn_out_mlp") >= cfg.num_layers and "jaxcb_packed_mlp" not in text
+        assert " dot(" not in text and "jaxcb_packed_matmul" in text and "jaxcb_packed_mlp" in text
 
 
 def test_xla_step_keeps_the_plain_weights():

@@ -37,8 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cpu_kernels import (
-    CpuKernelUnavailable, load_cpu_kernels, pack_columns, pack_gate_up, packed_attn_out_mlp, packed_matmul,
-    packed_matmul_argmax, packed_mlp,
+    CpuKernelUnavailable, load_cpu_kernels, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp,
 )
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxcb.config import ConfigError
@@ -110,17 +109,14 @@ class LayerWeights(NamedTuple):
     up_proj: jax.Array  # [D, F]
     down_proj: jax.Array  # [F, D]
 
-    # A layer's steps on the residual stream h [T, D]; the packed weights below fuse the norms
-    # and residual adds into their kernels, and the output projection into the MLP's.
+    # A layer's three steps on the residual stream h [T, D]; the packed weights below fuse the
+    # norms and residual adds into their kernels.
     def norm_and_project_qkv(self, h: jax.Array, cfg: LlamaConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
         x = rms_norm(h, self.attn_norm, cfg.rms_norm_eps)
         return tuple(jnp.einsum("td,dhk->thk", x, w) for w in (self.q_proj, self.k_proj, self.v_proj))
 
     def add_attention_output(self, h: jax.Array, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:  # attn [T, Hq, K]
         return h + jnp.einsum("thk,hkd->td", attn, self.o_proj)
-
-    def add_attention_output_and_mlp(self, h: jax.Array, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:
-        return self.add_mlp(self.add_attention_output(h, attn, cfg), cfg)
 
     def add_mlp(self, h: jax.Array, cfg: LlamaConfig) -> jax.Array:
         x = rms_norm(h, self.mlp_norm, cfg.rms_norm_eps)
@@ -167,11 +163,6 @@ class PackedLayerWeights(NamedTuple):
     def add_mlp(self, h: jax.Array, cfg: LlamaConfig) -> jax.Array:
         return packed_mlp(h, self.gate_up_proj, self.down_proj, cfg.hidden_size, norm=self.mlp_norm,
                           eps=cfg.rms_norm_eps, residual=h)
-
-    def add_attention_output_and_mlp(self, h: jax.Array, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:
-        # One kernel call for both: the same result as the two above, bit for bit.
-        return packed_attn_out_mlp(attn.reshape(attn.shape[0], -1), self.o_proj, h, self.gate_up_proj,
-                                   self.down_proj, norm=self.mlp_norm, eps=cfg.rms_norm_eps)
 
 
 class _LayerParams(nnx.Module):
@@ -236,7 +227,8 @@ def decoder_layer(
     q, k, v = w.norm_and_project_qkv(h, cfg)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     attn, cache = attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
-    return w.add_attention_output_and_mlp(h, attn.astype(h.dtype), cfg), cache
+    h = w.add_attention_output(h, attn.astype(h.dtype), cfg)
+    return w.add_mlp(h, cfg), cache
 
 
 class Llama(nnx.Module):
