@@ -7,6 +7,8 @@
 - `packed_matmul`: float32 x @ w with w packed once by `pack_columns`; the model's linear
   layers under `model.linear_impl=cpu`. It can RMS-normalise x on the way in and add a
   residual on the way out.
+- `packed_qkv`: a decoder layer's q/k/v projection (normed x @ w), with rope over q and k and
+  the new K/V rows written into the paged cache, in one call: q comes back, the cache in place.
 - `packed_matmul_argmax`: the same product and its row argmax, taken inside the multiply; the
   LM head, which writes its logits only when the step reads them (not when every row is greedy).
 - `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
@@ -45,11 +47,12 @@ HERE = Path(__file__).parent
 SOURCES = (
     HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc", HERE / "kv_cache_write.cc",
 )
-HEADERS = (HERE / "parallel_for.h", HERE / "vector_exp.h")
+HEADERS = (HERE / "bf16.h", HERE / "parallel_for.h", HERE / "vector_exp.h")
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
 MATMUL_ARGMAX_TARGET = "jaxcb_packed_matmul_argmax"
 MLP_TARGET = "jaxcb_packed_mlp"
+QKV_TARGET = "jaxcb_packed_qkv"
 ARGMAX_TARGET = "jaxcb_row_argmax"
 KV_WRITE_TARGET = "jaxcb_kv_cache_write"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
@@ -135,6 +138,7 @@ def load_cpu_kernels() -> None:
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmulArgmax), platform="cpu")
     jax.ffi.register_ffi_target(MLP_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMlp), platform="cpu")
+    jax.ffi.register_ffi_target(QKV_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedQkv), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")
 
@@ -204,6 +208,45 @@ def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, norm: jax.Array | 
     y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
         rows, packed, norm, residual, eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
+
+
+def packed_qkv(
+    h: jax.Array,  # f32[T, K]: the residual stream
+    packed: jax.Array,  # pack_columns of [K, (Hq + 2 Hkv) D]: q, k and v side by side
+    norm: jax.Array | None,  # f32[K]: rms-norm weight of h (None: h as it is)
+    eps: float,
+    cos: jax.Array,  # f32[T, D // 2]: the tokens' rotary angles
+    sin: jax.Array,  # f32[T, D // 2]
+    k_cache: jax.Array,  # [L, Hkv, NB, BS, D], float32 or bfloat16
+    v_cache: jax.Array,  # same
+    layer: jax.Array,  # i32[]
+    slots: jax.Array,  # i32[T]: block * block_size + offset; outside the cache -> not written
+    num_q_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (q f32[T, Hq, D], k_cache, v_cache)
+    """q = rope(rms_norm(h) @ w_q), and rope(rms_norm(h) @ w_k) and rms_norm(h) @ w_v written at
+    `slots` of `layer` into the caches (in place when they are donated), in one call: what
+    `packed_matmul`, two `apply_rope`s and `write_kv_rows` give, one pool wake-up instead of two
+    and no XLA ops in between."""
+    if h.ndim != 2 or h.dtype != jnp.float32 or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
+        raise ValueError(f"the CPU q/k/v projection takes float32 h [T, K] and rotary angles, got h {h.dtype} "
+                         f"{h.shape}, cos {cos.dtype} and sin {sin.dtype}; use model.linear_impl=xla")
+    _, num_kv_heads, _, _, head_dim = k_cache.shape
+    _check_packed_matmul(h, packed, (num_q_heads + 2 * num_kv_heads) * head_dim)
+    t = h.shape[0]
+    if cos.shape != (t, head_dim // 2) or sin.shape != cos.shape or slots.shape != (t,) or head_dim % 2:
+        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must be [{t}, {head_dim // 2}] and slots {slots.shape} "
+                         f"[{t}] (head_dim {head_dim}, even)")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or k_cache.dtype.name not in ATTENTION_DTYPES:
+        raise ValueError(f"caches {k_cache.dtype} {k_cache.shape} / {v_cache.dtype} {v_cache.shape}: the CPU q/k/v "
+                         f"projection writes two caches of one shape, in one of {ATTENTION_DTYPES}")
+    norm, _ = _optional_inputs(h, 1, norm, None)
+    load_cpu_kernels()
+    call = jax.ffi.ffi_call(QKV_TARGET, (jax.ShapeDtypeStruct((t, num_q_heads, head_dim), jnp.float32),
+                                         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                                         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+                            input_output_aliases={5: 1, 6: 2})
+    return call(h, packed, norm, cos, sin, k_cache, v_cache, slots.astype(jnp.int32),
+                jnp.reshape(layer, ()).astype(jnp.int32), eps=np.float32(eps))
 
 
 def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -15,10 +15,12 @@
 // few lines per tile, spread over the row chunks; an item's last strip prefetches the first
 // strip of the item its thread claims next.
 //
-// Three calls: the matmul (JaxcbPackedMatmul) and the SwiGLU MLP (JaxcbPackedMlp), which can
+// Four calls: the matmul (JaxcbPackedMatmul) and the SwiGLU MLP (JaxcbPackedMlp), which can
 // both RMS-normalise x while packing it and add a residual to their outputs, so that a decoder
-// layer's norms and residual adds need no XLA ops of their own; and the matmul with its row
-// argmax (JaxcbPackedMatmulArgmax), the LM head, which writes its product only when asked.
+// layer's norms and residual adds need no XLA ops of their own; the q/k/v projection
+// (JaxcbPackedQkv), which also ropes q and k and writes the new K/V rows into the paged cache;
+// and the matmul with its row argmax (JaxcbPackedMatmulArgmax), the LM head, which writes its
+// product only when asked.
 
 #include <algorithm>
 #include <array>
@@ -28,9 +30,11 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "bf16.h"
 #include "parallel_for.h"
 #include "vector_exp.h"
 #include "xla/ffi/api/ffi.h"
@@ -42,6 +46,14 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// A float as the element type T it is stored in: itself, or bfloat16 (in a uint16_t).
+template <typename T>
+inline T Store(float x);
+template <>
+inline float Store<float>(float x) { return x; }
+template <>
+inline uint16_t Store<uint16_t>(float x) { return jaxcb::FloatToBf16(x); }
 
 constexpr int64_t kPanel = 16;     // columns per packed panel (one AVX-512 / two AVX2 registers)
 // The register tile: kTileRows rows of x by kTilePanels panels of w, its accumulators plus the
@@ -502,6 +514,137 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   return ffi::Error::Success();
 }
 
+// Rotary embedding of one head (HF layout: the two halves of the head are the pairs), from
+// src to dst: dst[d] = a cos - b sin, dst[d + D/2] = b cos + a sin, a = src[d], b = src[d + D/2].
+// Written as the model's x * cos + rotate_half(x) * sin, so that the roundings agree.
+template <typename T>
+inline void RopeHead(const float* src, const float* cos, const float* sin, int64_t half, T* dst) {
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = src[d], b = src[d + half];
+    dst[d] = Store<T>(a * cos[d] + (-b) * sin[d]);
+    dst[d + half] = Store<T>(b * cos[d] + a * sin[d]);
+  }
+}
+
+// The caches [L, Hkv, NB, BS, D] of one layer, in their element type (float, or uint16_t holding bf16).
+template <typename C>
+struct LayerCache {
+  C* k;
+  C* v;
+  int64_t num_kv_heads, num_slots, head_dim;  // num_slots = NB * BS
+  C* at(C* cache, int64_t h, int64_t slot) const { return cache + (h * num_slots + slot) * head_dim; }
+};
+
+// Rows [m0, m1) of the q/k/v product y [M, (Hq + 2 Hkv) D]: q's heads roped into q_out, k's
+// roped and v's copied into the caches at their rows' slots (a slot outside the cache is
+// padding: dropped, as kv_cache.write_kv drops it).
+template <typename C>
+void RopeAndWriteRows(const float* y, int64_t m0, int64_t m1, int64_t num_q_heads, const float* cos,
+                      const float* sin, const int32_t* slots, const LayerCache<C>& cache, float* q_out) {
+  const int64_t D = cache.head_dim, half = D / 2, H = cache.num_kv_heads, N = (num_q_heads + 2 * H) * D;
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* row = y + m * N;
+    const float *c = cos + m * half, *s = sin + m * half;
+    for (int64_t h = 0; h < num_q_heads; ++h) RopeHead(row + h * D, c, s, half, q_out + (m * num_q_heads + h) * D);
+    if (slots[m] < 0 || slots[m] >= cache.num_slots) continue;
+    for (int64_t h = 0; h < H; ++h) {
+      RopeHead(row + (num_q_heads + h) * D, c, s, half, cache.at(cache.k, h, slots[m]));
+      const float* v = row + (num_q_heads + H + h) * D;
+      C* dst = cache.at(cache.v, h, slots[m]);
+      for (int64_t d = 0; d < D; ++d) dst[d] = Store<C>(v[d]);
+    }
+  }
+}
+
+// q [M, Hq, D] and one layer's new K/V rows in the paged caches, from the residual stream x
+// [M, K]: y = rms_norm(x) @ w (w packed q, k and v side by side: [P, K, 16] for (Hq + 2 Hkv) D
+// columns), then rope over q's and k's heads (cos, sin [M, D / 2]), and k's and v's rows
+// written to the caches [L, Hkv, NB, BS, D] (f32 or bf16, converted as XLA converts) at
+// `slots` [M] of layer `layer`. The caches are aliased to the last two outputs. One call
+// where the model had a matmul, two rotary fusions and a cache write: the attention call
+// that follows comes right after this one, and finds the pool thread awake.
+ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                         ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                         ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots,
+                         ffi::Buffer<ffi::S32> layer, float eps, ffi::ResultBuffer<ffi::F32> q,
+                         ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), qd = q->dimensions(), cd = k_cache.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || qd.size() != 3 || cd.size() != 5)
+    return ffi::Error::InvalidArgument(
+        "packed qkv expects x [M, K], packed w [P, K, 16], q [M, Hq, D] and caches [L, Hkv, NB, BS, D]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], Hq = qd[1], D = qd[2];
+  const int64_t L = cd[0], H = cd[1], num_slots = cd[2] * cd[3], N = (Hq + 2 * H) * D;
+  if (wd[1] != K || wd[2] != kPanel || qd[0] != M || cd[4] != D || D % 2 || (N + kPanel - 1) / kPanel != P)
+    return ffi::Error::InvalidArgument("packed qkv: x [" + std::to_string(M) + ", " + std::to_string(K) + "], w [" +
+                                       std::to_string(P) + ", " + std::to_string(wd[1]) + ", " +
+                                       std::to_string(wd[2]) + "], q [" + std::to_string(qd[0]) + ", " +
+                                       std::to_string(Hq) + ", " + std::to_string(D) + "] and " +
+                                       std::to_string(H) + " KV heads of " + std::to_string(cd[4]) +
+                                       " do not agree (w must hold (Hq + 2 Hkv) D columns, D even)");
+  const auto vd = v_cache.dimensions(), cosd = cos.dimensions(), sind = sin.dimensions();
+  if (vd.size() != 5 || !std::equal(vd.begin(), vd.end(), cd.begin()) ||
+      v_cache.element_type() != k_cache.element_type())
+    return ffi::Error::InvalidArgument("packed qkv: the k and v caches must have the same shape and dtype");
+  if (cosd.size() != 2 || cosd[0] != M || cosd[1] != D / 2 || sind.size() != 2 || sind[0] != M || sind[1] != D / 2)
+    return ffi::Error::InvalidArgument("packed qkv: cos and sin must be [M, D / 2] each");
+  if (slots.element_count() != M || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("packed qkv: slots must be [M] and layer a scalar");
+  const bool f32_cache = k_cache.element_type() == ffi::F32;
+  if (!f32_cache && k_cache.element_type() != ffi::BF16)
+    return ffi::Error::InvalidArgument("packed qkv writes a float32 or bfloat16 cache");
+  const int64_t lyr = layer.typed_data()[0];
+  if (lyr < 0 || lyr >= L)
+    return ffi::Error::InvalidArgument("layer=" + std::to_string(lyr) + " is outside [0, " + std::to_string(L) + ")");
+  const float* norm = nullptr;
+  if (norm_weight.element_count() > 0) {
+    const auto nd = norm_weight.dimensions();
+    if (nd.size() != 1 || nd[0] != K)
+      return ffi::Error::InvalidArgument("the rms-norm weight must be [K=" + std::to_string(K) + "] or empty");
+    norm = norm_weight.typed_data();
+  }
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  thread_local std::vector<float> buffer, y_buffer;
+  if (y_buffer.size() < static_cast<size_t>(M * N)) y_buffer.resize(M * N);
+  float* y = y_buffer.data();  // items reach the caller's buffer through this local
+  if (K == 0) std::memset(y, 0, M * N * sizeof(float));
+  const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const Split split(K == 0 ? 0 : rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, threads);
+  // Pack x, multiply, then rope and write a chunk of rows per item once every column is there.
+  const int64_t multiply_at = K == 0 ? 0 : rows.chunks.count, rope_at = multiply_at + split.items;
+  std::atomic<int64_t> packed{0}, multiplied{0};
+  const float* wp = w.typed_data();
+  const int64_t layer_offset = lyr * H * num_slots * D;  // the layer's first row, in elements
+  auto rope_and_write = [&](int64_t i, auto* cache_type) {
+    using C = std::remove_pointer_t<decltype(cache_type)>;
+    const LayerCache<C> layer_cache{static_cast<C*>(k_out->untyped_data()) + layer_offset,
+                                    static_cast<C*>(v_out->untyped_data()) + layer_offset, H, num_slots, D};
+    const int64_t m0 = rows.chunks.first_row(i);
+    RopeAndWriteRows(y, m0, m0 + rows.chunks.rows(i), Hq, cos.typed_data(), sin.typed_data(), slots.typed_data(),
+                     layer_cache, q->typed_data());
+  };
+  jaxcb::ParallelFor(pool, rope_at + rows.chunks.count, [&](int64_t item, jaxcb::NextItem& next) {
+    if (item < multiply_at) {
+      rows.Pack(item);
+      packed.fetch_add(1, std::memory_order_release);
+    } else if (item < rope_at) {
+      WaitFor(packed, multiply_at);
+      const int64_t i = item - multiply_at;
+      MultiplyItem(rows.a, wp, K, P, N, rows.chunks, split.first_chunk(i), split.end_chunk(i), split.first_strip(i),
+                   split.end_strip(i), TileSink{y}, [&] {
+                     const int64_t j = next.Claim() - multiply_at;
+                     return split.FirstWeights(wp, K, P, j >= 0 && j < split.items ? j : -1);
+                   });
+      multiplied.fetch_add(1, std::memory_order_release);
+    } else {
+      WaitFor(multiplied, split.items);
+      if (f32_cache) rope_and_write(item - rope_at, static_cast<float*>(nullptr));
+      else rope_and_write(item - rope_at, static_cast<uint16_t*>(nullptr));
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // y [M, N] = (silu(x @ gate) * (x @ up)) @ down in one call: the SwiGLU MLP. gate_up holds
 // gate's and up's panels in pairs [2Q, K, 16] (gate's panel q at 2q, up's at 2q + 1), down
 // is packed [P, F, 16]. Three rounds of items in one ParallelFor, each waiting for the one
@@ -677,6 +820,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedQkv, PackedQkvImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
                               ffi::Ffi::Bind()

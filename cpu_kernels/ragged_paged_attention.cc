@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16.h"
 #include "parallel_for.h"
 #include "vector_exp.h"
 #include "xla/ffi/api/ffi.h"
@@ -41,20 +42,8 @@ constexpr int64_t kTokensPerTile = 16;  // query tokens of one sequence per work
 constexpr int64_t kMaxBlockSize = 64;
 constexpr int64_t kMaxHeadDim = 256;
 
-inline float Bf16ToFloat(uint16_t x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t FloatToBf16(float f) {  // round to nearest even, as XLA converts
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
+using jaxcb::Bf16ToFloat;
+using jaxcb::FloatToBf16;
 
 template <typename T>
 inline void LoadRow(const T* src, float* dst, int64_t n);

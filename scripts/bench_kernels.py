@@ -208,7 +208,7 @@ def cache_dtype_table(calls: int) -> None:
 # Every kernel of the library: the module constant naming its FFI target, and its symbol.
 KERNEL_SYMBOLS = {
     "ATTENTION_TARGET": "JaxcbRaggedPagedAttention", "MATMUL_TARGET": "JaxcbPackedMatmul",
-    "MATMUL_ARGMAX_TARGET": "JaxcbPackedMatmulArgmax", "MLP_TARGET": "JaxcbPackedMlp",
+    "MATMUL_ARGMAX_TARGET": "JaxcbPackedMatmulArgmax", "MLP_TARGET": "JaxcbPackedMlp", "QKV_TARGET": "JaxcbPackedQkv",
     "ARGMAX_TARGET": "JaxcbRowArgmax", "KV_WRITE_TARGET": "JaxcbKvCacheWrite",
 }
 

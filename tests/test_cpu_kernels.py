@@ -166,7 +166,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library()))
     monkeypatch.undo()
     names = {"JaxcbPackedMatmul": "matmul", "JaxcbPackedMlp": "mlp", "JaxcbRaggedPagedAttention": "attention",
-             "JaxcbRowArgmax": "argmax", "JaxcbPackedMatmulArgmax": "matmul_argmax"}
+             "JaxcbRowArgmax": "argmax", "JaxcbPackedMatmulArgmax": "matmul_argmax", "JaxcbPackedQkv": "qkv"}
     for symbol, target in names.items():
         jax.ffi.register_ffi_target(f"jaxcb_test_avx2_{target}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
@@ -188,6 +188,18 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     native = cpu_kernels.packed_mlp(x3, gate_up, down, n, norm=norm, eps=1e-5, residual=residual)
     ours = avx2("mlp", (m, n), jnp.float32, x3, gate_up, down, norm, residual, eps=np.float32(1e-5))
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-3)
+
+    cache = jnp.asarray(rng.standard_normal((2, 1, 6, 4, 16)), jnp.float32)  # 1 KV head of 16 for 2 q heads
+    qkv = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((k, 64), np.float32)))
+    angles = jnp.asarray(rng.standard_normal((m, 8)), jnp.float32)
+    slots = jnp.asarray(np.r_[np.arange(m - 1) % 24, -1], jnp.int32)
+    args = (x, qkv, norm, jnp.cos(angles), jnp.sin(angles), cache, cache + 1, slots, jnp.int32(1))
+    native = cpu_kernels.packed_qkv(*args[:2], norm, 1e-5, *args[3:7], jnp.int32(1), slots, 2)
+    call = jax.ffi.ffi_call("jaxcb_test_avx2_qkv", (jax.ShapeDtypeStruct((m, 2, 16), jnp.float32),
+                                                    *(jax.ShapeDtypeStruct(cache.shape, jnp.float32),) * 2),
+                            input_output_aliases={5: 1, 6: 2})
+    for ours_part, native_part in zip(call(*args, eps=np.float32(1e-5)), native):
+        np.testing.assert_allclose(np.asarray(ours_part), np.asarray(native_part), rtol=1e-5, atol=1e-4)
 
     # Blocks of 16 and head_dim 64: the AVX-512 build scores a whole block per pass here.
     batch = make_ragged_batch([(1, 37), (5, 80), (1, 16), (17, 17)], block_size=16, num_kv_heads=2, group=3,

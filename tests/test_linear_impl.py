@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import cpu_kernels
 import jaxcb.model.llama as llama
-from cpu_kernels import pack_columns, pack_gate_up, packed_matmul, packed_mlp
+from cpu_kernels import pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv, write_kv_rows
 from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
 from jaxcb.config import ConfigError, compose_config
 from jaxcb.model.llama import PackedLayerWeights, resolve_linear_impl
@@ -115,6 +115,56 @@ def test_packed_mlp_normalises_x_and_adds_the_residual_when_asked():
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-3 * np.sqrt(k * f))
 
 
+# small's heads; GQA groups of 3 with a head_dim off the 16-column panels; one KV head per q head.
+@pytest.mark.parametrize("t,k,hq,hkv,d", [(64, 768, 12, 4, 64), (13, 40, 6, 2, 10), (1, 16, 2, 2, 8)])
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq, hkv, d, cache_dtype):
+    rng = np.random.default_rng(t + k + d)
+    n = (hq + 2 * hkv) * d
+    h, w = jnp.asarray(rng.standard_normal((t, k), np.float32)), jnp.asarray(rng.standard_normal((k, n), np.float32))
+    norm = jnp.asarray(rng.standard_normal(k, np.float32))
+    angles = rng.standard_normal((t, d // 2)).astype(np.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    shape = (3, hkv, 40, 4, d)  # slots [0, 160)
+    k_cache = jnp.asarray(rng.standard_normal(shape), cache_dtype)
+    v_cache = jnp.asarray(rng.standard_normal(shape), cache_dtype)
+    slots = rng.permutation(160)[:t].astype(np.int32)
+    slots[0] = -1 if t > 1 else slots[0]  # padding: never written
+    slots[-1] = 160 if t > 2 else slots[-1]
+    slots, layer, packed = jnp.asarray(slots), jnp.int32(1), pack_columns(w)
+
+    def separately(h, k_cache, v_cache):
+        y = packed_matmul(h, packed, n, norm=norm, eps=1e-5)
+        q, kk, v = y[:, : hq * d], y[:, hq * d : (hq + hkv) * d], y[:, (hq + hkv) * d :]
+        q, kk = llama.apply_rope(q.reshape(t, hq, d), cos, sin), llama.apply_rope(kk.reshape(t, hkv, d), cos, sin)
+        return (q, *write_kv_rows(k_cache, v_cache, layer, kk, v.reshape(t, hkv, d), slots))
+
+    def in_one_call(h, k_cache, v_cache):
+        return packed_qkv(h, packed, norm, 1e-5, cos, sin, k_cache, v_cache, layer, slots, hq)
+
+    want = jax.jit(separately)(h, k_cache, v_cache)
+    got = jax.jit(in_one_call)(h, k_cache, v_cache)
+    assert got[0].shape == (t, hq, d) and got[1].dtype == got[2].dtype == cache_dtype
+    for g, e in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
+
+
+def test_packed_qkv_rejects_what_it_cannot_write():
+    h, cos = jnp.ones((2, 8), jnp.float32), jnp.ones((2, 4), jnp.float32)
+    cache, slots, packed = jnp.zeros((3, 1, 5, 4, 8)), jnp.zeros(2, jnp.int32), pack_columns(jnp.ones((8, 32)))
+    with pytest.raises(ValueError, match="float32"):
+        packed_qkv(h.astype(jnp.bfloat16), packed, None, 0.0, cos, cos, cache, cache, jnp.int32(0), slots, 2)
+    with pytest.raises(ValueError, match="does not match"):
+        packed_qkv(h, packed, None, 0.0, cos, cos, cache, cache, jnp.int32(0), slots, 3)  # w holds 2 + 2 heads, not 3 + 2
+    with pytest.raises(ValueError, match=r"must be \[2, 4\]"):
+        packed_qkv(h, packed, None, 0.0, cos[:, :3], cos[:, :3], cache, cache, jnp.int32(0), slots, 2)
+    with pytest.raises(ValueError, match="float32.*bfloat16"):
+        half = cache.astype(jnp.float16)
+        packed_qkv(h, packed, None, 0.0, cos, cos, half, half, jnp.int32(0), slots, 2)
+    with pytest.raises(Exception, match="layer=3 is outside"):
+        jax.block_until_ready(packed_qkv(h, packed, None, 0.0, cos, cos, cache, cache, jnp.int32(3), slots, 2))
+
+
 def test_the_optional_inputs_must_fit():
     x, packed = jnp.ones((3, 8), jnp.float32), pack_columns(jnp.ones((8, 5), jnp.float32))
     with pytest.raises(ValueError, match="rms-norm weight must be float32 \\[8\\]"):
@@ -201,6 +251,8 @@ def test_packed_step_takes_packed_panels_and_runs_no_xla_dot():
     for executable in e.runner.compiled.values():
         text = executable.as_text()
         assert " dot(" not in text and "jaxcb_packed_matmul" in text and "jaxcb_packed_mlp" in text
+        # q/k/v, rope and the cache write in one call a layer: no cache write of its own.
+        assert text.count("jaxcb_packed_qkv") >= cfg.num_layers and "jaxcb_kv_cache_write" not in text
 
 
 def test_xla_step_keeps_the_plain_weights():

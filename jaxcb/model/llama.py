@@ -37,7 +37,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from cpu_kernels import (
-    CpuKernelUnavailable, load_cpu_kernels, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp,
+    ATTENTION_DTYPES as CPU_CACHE_DTYPES, CpuKernelUnavailable, load_cpu_kernels, pack_columns, pack_gate_up,
+    packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
 )
 from jaxcb.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from jaxcb.config import ConfigError
@@ -157,6 +158,15 @@ class PackedLayerWeights(NamedTuple):
             qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
         )
 
+    def project_qkv_and_write(
+        self, h: jax.Array, cfg: LlamaConfig, rope: tuple[jax.Array, jax.Array], cache: KVCache, layer: jax.Array,
+        slot_mapping: jax.Array,
+    ) -> tuple[jax.Array, KVCache]:  # (q roped [T, Hq, K], the cache with this layer's new K/V)
+        """norm_and_project_qkv, apply_rope and write_kv in one kernel call, the same values bit for bit."""
+        q, k_cache, v_cache = packed_qkv(h, self.qkv_proj, self.attn_norm, cfg.rms_norm_eps, *rope, cache.k, cache.v,
+                                         layer, slot_mapping, cfg.num_heads)
+        return q, KVCache(k_cache, v_cache)
+
     def add_attention_output(self, h: jax.Array, attn: jax.Array, cfg: LlamaConfig) -> jax.Array:
         return packed_matmul(attn.reshape(attn.shape[0], -1), self.o_proj, cfg.hidden_size, residual=h)
 
@@ -224,9 +234,13 @@ def decoder_layer(
     md: AttentionMetadata,
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden], cache with this layer's new K/V)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
-    q, k, v = w.norm_and_project_qkv(h, cfg)
-    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    attn, cache = attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
+    if isinstance(w, PackedLayerWeights) and attention.mesh is None and cache.k.dtype.name in CPU_CACHE_DTYPES:
+        q, cache = w.project_qkv_and_write(h, cfg, rope, cache, layer, md.slot_mapping)
+        attn = attention.attend(q, cache, layer, md, sm_scale)
+    else:
+        q, k, v = w.norm_and_project_qkv(h, cfg)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attn, cache = attention.write_and_attend(q, k, v, cache, layer, md, sm_scale)
     h = w.add_attention_output(h, attn.astype(h.dtype), cfg)
     return w.add_mlp(h, cfg), cache
 
