@@ -1,7 +1,7 @@
 """Micro-benchmark of the CPU kernels on this machine (CPU by default).
 
     python scripts/bench_kernels.py                    # both markdown tables; see docs/benchmarks.md
-    python scripts/bench_kernels.py --kernels matmul   # one of attention, cache-dtype, matmul, lm-head
+    python scripts/bench_kernels.py --kernels matmul   # one of attention, cache-dtype, matmul, lm-head, qkv
 
 attention: on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
@@ -26,6 +26,11 @@ whose every row is greedy writes none), the three timed alternately.
 matmul: the linear layers of the `small` preset (12 x q/k/v, o, gate/up, down, then the
 32000-row LM head; 498 MB of float32 weights) as one jitted chain, through the packed C++
 matmul (`model.linear_impl=cpu`) and through XLA's dot, for steps of 1 to 2048 tokens.
+
+qkv: small's q/k/v projection and attention, 12 layers deep, at a decode step of 64 sequences
+with 100 tokens of context: `packed_qkv` (rope and the cache write inside the call) against the
+packed matmul, XLA's rope and `write_kv_rows`, each followed by the attention call, with an f32
+and a bf16 cache; the caches donated and carried from call to call, as in the engine's step.
 
 Everything is timed side by side in one run (median wall time per jitted call), so the ratios
 are what to quote; absolute times depend on the machine and its load.
@@ -108,7 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--kernels", default="attention,matmul",
-                        help="comma-separated: attention, cache-dtype, matmul, lm-head")
+                        help="comma-separated: attention, cache-dtype, matmul, lm-head, qkv")
     parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
     parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
                         help="with --against: also replay the engine's whole full-batch run with each, ROUNDS times")
@@ -118,8 +123,8 @@ def main() -> None:
         against_table(args.against, args.calls, args.steps)
         return
     kernels = set(args.kernels.split(","))
-    if kernels - {"attention", "cache-dtype", "matmul", "lm-head"}:
-        parser.error(f"--kernels {args.kernels}: each must be attention, cache-dtype, matmul or lm-head")
+    if kernels - {"attention", "cache-dtype", "matmul", "lm-head", "qkv"}:
+        parser.error(f"--kernels {args.kernels}: each must be attention, cache-dtype, matmul, lm-head or qkv")
     if "attention" in kernels:
         attention_table(args.calls)
     if "cache-dtype" in kernels:
@@ -131,6 +136,70 @@ def main() -> None:
     if "lm-head" in kernels:
         print()
         lm_head_table(args.calls)
+    if "qkv" in kernels:
+        print()
+        qkv_table(args.calls)
+
+
+def qkv_table(calls: int, tokens: int = 64, context: int = 100, layers: int = 12) -> None:
+    """small's q/k/v projection and attention, `layers` deep, at a decode step of `tokens` sequences:
+    `packed_qkv` (rope and the cache write in the call) against the matmul, XLA's rope and
+    `write_kv_rows`, each followed by the attention call, with both cache dtypes."""
+    from jaxcb.model.llama import apply_rope
+
+    hq, hkv, d, k = 12, 4, 64, 768
+    n, rng = (hq + 2 * hkv) * d, np.random.default_rng(0)
+    heads = dict(SMALL_HEADS, num_layers=layers)
+    _, k_cache, v_cache, kv_lens, tables, qsl, num_seqs, _ = make_ragged_batch([(1, context)] * tokens, seed=0,
+                                                                               **heads).args(jnp)
+    last = context - 1  # each sequence's new token: the last slot of its context
+    slots = jnp.asarray(np.asarray(tables)[np.arange(tokens), last // 16] * 16 + last % 16, jnp.int32)
+    h = jnp.asarray(rng.standard_normal((tokens, k), np.float32))
+    weights = [pack_columns(jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02)) for _ in range(layers)]
+    norm, angles = jnp.ones(k, jnp.float32), rng.standard_normal((tokens, d // 2)).astype(np.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+
+    def attend(h, q, kc, vc, i):
+        out = ragged_paged_attention_cpu(q, kc, vc, kv_lens, tables, qsl, num_seqs, jnp.int32(i), sm_scale=d**-0.5)
+        return h + out.reshape(tokens, -1)[:, :k]
+
+    def three_steps(h, kc, vc):
+        for i, w in enumerate(weights):
+            y = packed_matmul(h, w, n, norm=norm, eps=1e-5)
+            q, kk, v = (y[:, a * d : b * d].reshape(tokens, -1, d) for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+            kc, vc = cpu_kernels.write_kv_rows(kc, vc, jnp.int32(i), apply_rope(kk, cos, sin), v, slots)
+            h = attend(h, apply_rope(q, cos, sin), kc, vc, i)
+        return h, kc, vc
+
+    def one_call(h, kc, vc):
+        for i, w in enumerate(weights):
+            q, kc, vc = cpu_kernels.packed_qkv(h, w, norm, 1e-5, cos, sin, kc, vc, jnp.int32(i), slots, hq)
+            h = attend(h, q, kc, vc, i)
+        return h, kc, vc
+
+    print(f"| small's q/k/v + attention, {layers} layers, {tokens} seqs @ {context} ctx | three steps (ms) | "
+          "packed_qkv (ms) | three steps / packed_qkv |")
+    print("|---|---|---|---|")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        # The caches are donated and carried from call to call, as the engine's step does: no copy of them.
+        caches = [jnp.nan_to_num(k_cache).astype(dtype), jnp.nan_to_num(v_cache).astype(dtype)]
+        fns = {"three": jax.jit(three_steps, donate_argnums=(1, 2)), "one": jax.jit(one_call, donate_argnums=(1, 2))}
+
+        def timed(name):
+            start = time.perf_counter()
+            out = fns[name](h, *caches)
+            jax.block_until_ready(out)
+            caches[:] = out[1:]
+            return time.perf_counter() - start
+
+        for name in fns:
+            timed(name)
+        times = {name: [] for name in fns}
+        for i in range(calls):  # alternated, the order flipped every round
+            for name in (("three", "one") if i % 2 else ("one", "three")):
+                times[name].append(timed(name))
+        three, one = (1e3 * float(np.median(times[name])) for name in ("three", "one"))
+        print(f"| {jnp.dtype(dtype).name} cache | {three:.2f} | {one:.2f} | {three / one:.3f}x |")
 
 
 def lm_head_table(calls: int, rows: int = 64, hidden: int = 768, vocab: int = 32000) -> None:

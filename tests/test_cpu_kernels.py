@@ -243,6 +243,15 @@ def test_bench_kernels_lm_head_table_times_the_three_ways_to_a_greedy_token(caps
         assert row in table
 
 
+def test_bench_kernels_qkv_table_times_the_one_call_against_the_three_steps_for_both_cache_dtypes(capsys):
+    module = load_bench_kernels()
+    module.qkv_table(2, tokens=4, context=20, layers=2)
+    table = capsys.readouterr().out
+    assert "| three steps (ms) | packed_qkv (ms) |" in table
+    for row in ("| float32 cache |", "| bfloat16 cache |"):
+        assert row in table
+
+
 def test_bench_kernels_steps_against_replays_the_recorded_run_with_each_revisions_kernels(capsys):
     module = load_bench_kernels()
     *_, targets = module.register_kernels_at("HEAD")
