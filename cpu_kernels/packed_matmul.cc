@@ -537,7 +537,9 @@ struct LayerCache {
 
 // Rows [m0, m1) of the q/k/v product y [M, (Hq + 2 Hkv) D]: q's heads roped into q_out, k's
 // roped and v's copied into the caches at their rows' slots (a slot outside the cache is
-// padding: dropped, as kv_cache.write_kv drops it).
+// padding: dropped, as kv_cache.write_kv drops it). Real tokens never share a slot; the
+// engine's padding rows all aim at the null block, where rows of two chunks may land at once:
+// which one's values stay there does not matter, since attention never reads the null block.
 template <typename C>
 void RopeAndWriteRows(const float* y, int64_t m0, int64_t m1, int64_t num_q_heads, const float* cos,
                       const float* sin, const int32_t* slots, const LayerCache<C>& cache, float* q_out) {
