@@ -406,6 +406,8 @@ def validate_config(cfg: Config) -> None:
     _require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
     _require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
     _require(b.repeats >= 1, f"bench.repeats={b.repeats} must be >= 1")
+    _require(b.repeats == 1 or b.task == "flops",
+             f"bench.repeats={b.repeats} repeats bench.task=flops only; drop it for bench.task={b.task}")
     _require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
 
 

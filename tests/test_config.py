@@ -96,6 +96,8 @@ def test_unknown_preset_fails_at_composition():
         (["scheduler.policy=lifo"], r"scheduler\.policy=.lifo."),
         (["server.port=70000"], r"server\.port=70000"),
         (["model.dtype=float64"], r"model\.dtype='float64'"),
+        (["bench.repeats=0"], r"bench\.repeats=0 must be >= 1"),
+        (["bench.repeats=3"], r"bench\.repeats=3 repeats bench\.task=flops only; drop it for bench\.task=offline"),
         (["model.init=zeros"], r"model\.init='zeros'"),
         (["model.layer_loop=unroll"], r"model\.layer_loop='unroll' must be one of auto, scan, unrolled"),
         (["model.num_kv_heads=4"], r"model\.num_heads=6 must be a multiple of model\.num_kv_heads=4"),
