@@ -225,8 +225,9 @@ def packed_qkv(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (q f32[T, Hq, D], k_cache, v_cache)
     """q = rope(rms_norm(h) @ w_q), and rope(rms_norm(h) @ w_k) and rms_norm(h) @ w_v written at
     `slots` of `layer` into the caches (in place when they are donated), in one call: what
-    `packed_matmul`, two `apply_rope`s and `write_kv_rows` give, one pool wake-up instead of two
-    and no XLA ops in between."""
+    `packed_matmul`, two `apply_rope`s and `write_kv_rows` give, bit for bit, with no XLA op
+    left between the projection and the attention call after it (whose pool thread then finds
+    the pool awake)."""
     if h.ndim != 2 or h.dtype != jnp.float32 or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
         raise ValueError(f"the CPU q/k/v projection takes float32 h [T, K] and rotary angles, got h {h.dtype} "
                          f"{h.shape}, cos {cos.dtype} and sin {sin.dtype}; use model.linear_impl=xla")

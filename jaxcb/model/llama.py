@@ -234,6 +234,7 @@ def decoder_layer(
     md: AttentionMetadata,
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden], cache with this layer's new K/V)
     sm_scale = 1.0 / math.sqrt(cfg.head_dim)
+    # Packed weights on one device: q/k/v, rope and the cache write are one kernel call.
     if isinstance(w, PackedLayerWeights) and attention.mesh is None and cache.k.dtype.name in CPU_CACHE_DTYPES:
         q, cache = w.project_qkv_and_write(h, cfg, rope, cache, layer, md.slot_mapping)
         attn = attention.attend(q, cache, layer, md, sm_scale)
