@@ -220,7 +220,8 @@ def packed_qkv(
     k_cache: jax.Array,  # [L, Hkv, NB, BS, D], float32 or bfloat16
     v_cache: jax.Array,  # same
     layer: jax.Array,  # i32[]
-    slots: jax.Array,  # i32[T]: block * block_size + offset; outside the cache -> not written
+    slots: jax.Array,  # i32[T]: block * block_size + offset; outside the cache -> not written; rows
+    # sharing a slot (the engine's padding, in the null block): any one of them lands there, as with XLA's scatter
     num_q_heads: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (q f32[T, Hq, D], k_cache, v_cache)
     """q = rope(rms_norm(h) @ w_q), and rope(rms_norm(h) @ w_k) and rms_norm(h) @ w_v written at

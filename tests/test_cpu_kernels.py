@@ -189,10 +189,11 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     ours = avx2("mlp", (m, n), jnp.float32, x3, gate_up, down, norm, residual, eps=np.float32(1e-5))
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-3)
 
-    cache = jnp.asarray(rng.standard_normal((2, 1, 6, 4, 16)), jnp.float32)  # 1 KV head of 16 for 2 q heads
+    cache = jnp.asarray(rng.standard_normal((2, 1, 8, 4, 16)), jnp.float32)  # 1 KV head of 16 for 2 q heads
     qkv = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((k, 64), np.float32)))
     angles = jnp.asarray(rng.standard_normal((m, 8)), jnp.float32)
-    slots = jnp.asarray(np.r_[np.arange(m - 1) % 24, -1], jnp.int32)
+    # A slot each (two rows aiming at one slot, from two chunks, may land in either order), and one dropped.
+    slots = jnp.asarray(np.r_[rng.permutation(32)[: m - 1], -1], jnp.int32)
     args = (x, qkv, norm, jnp.cos(angles), jnp.sin(angles), cache, cache + 1, slots, jnp.int32(1))
     native = cpu_kernels.packed_qkv(*args[:2], norm, 1e-5, *args[3:7], jnp.int32(1), slots, 2)
     call = jax.ffi.ffi_call("jaxcb_test_avx2_qkv", (jax.ShapeDtypeStruct((m, 2, 16), jnp.float32),
