@@ -458,28 +458,42 @@ inline void WaitFor(const std::atomic<int64_t>& count, int64_t target) {
   while (count.load(std::memory_order_acquire) < target) std::this_thread::yield();
 }
 
-// One ParallelFor of x's packing, then `multiply(i)` for i in [0, multiply_items): items
-// [0, chunks) pack x, one chunk each; the multiply items after them wait until every chunk is
-// packed. Items are claimed in order, so each chunk a multiply waits for is already being
-// packed by a running thread: the packing is shared by the threads, with no second round of
+// One ParallelFor of x's packing, then `multiply(i)` for i in [0, multiply_items), then
+// `after(i)` for i in [0, after_items): items [0, chunks) pack x, one chunk each; the multiply
+// items after them wait until every chunk is packed, and the `after` items until every
+// multiply item is done. Items are claimed in order, so each item one waits for is already
+// being run by a running thread: the rounds are shared by the threads, with no second round of
 // pool wake-ups.
-template <typename Multiply>
-void PackThenMultiply(ffi::ThreadPool& pool, const PackedRows& rows, int64_t multiply_items, Multiply&& multiply) {
-  std::atomic<int64_t> packed{0};
-  jaxcb::ParallelFor(pool, rows.chunks.count + multiply_items, [&](int64_t item, jaxcb::NextItem& next) {
-    if (item < rows.chunks.count) {
+template <typename Multiply, typename After>
+void PackThenMultiply(ffi::ThreadPool& pool, const PackedRows& rows, int64_t multiply_items, Multiply&& multiply,
+                      int64_t after_items, After&& after) {
+  std::atomic<int64_t> packed{0}, multiplied{0};
+  const int64_t chunks = rows.chunks.count;
+  jaxcb::ParallelFor(pool, chunks + multiply_items + after_items, [&](int64_t item, jaxcb::NextItem& next) {
+    if (item < chunks) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
       return;
     }
-    WaitFor(packed, rows.chunks.count);
-    // The multiply item this thread runs next, once claimed (-1: none).
-    auto next_multiply = [&]() -> int64_t {
-      const int64_t j = next.Claim() - rows.chunks.count;
-      return j >= 0 && j < multiply_items ? j : -1;
-    };
-    multiply(item - rows.chunks.count, next_multiply);
+    if (item < chunks + multiply_items) {
+      WaitFor(packed, chunks);
+      // The multiply item this thread runs next, once claimed (-1: none).
+      auto next_multiply = [&]() -> int64_t {
+        const int64_t j = next.Claim() - chunks;
+        return j >= 0 && j < multiply_items ? j : -1;
+      };
+      multiply(item - chunks, next_multiply);
+      multiplied.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    WaitFor(multiplied, multiply_items);
+    after(item - chunks - multiply_items);
   });
+}
+
+template <typename Multiply>
+void PackThenMultiply(ffi::ThreadPool& pool, const PackedRows& rows, int64_t multiply_items, Multiply&& multiply) {
+  PackThenMultiply(pool, rows, multiply_items, std::forward<Multiply>(multiply), 0, [](int64_t) {});
 }
 
 // y [M, N] = residual + rms_norm(x) @ w, the norm and the residual each optional (empty).
@@ -608,15 +622,12 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
   thread_local std::vector<float> buffer, y_buffer;
   if (y_buffer.size() < static_cast<size_t>(M * N)) y_buffer.resize(M * N);
   float* y = y_buffer.data();  // items reach the caller's buffer through this local
-  if (K == 0) std::memset(y, 0, M * N * sizeof(float));
+  // (K = 0 needs no case of its own: the tiles run over no k and store zeros.)
   const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps);
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const Split split(K == 0 ? 0 : rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, threads);
-  // Pack x, multiply, then rope and write a chunk of rows per item once every column is there.
-  const int64_t multiply_at = K == 0 ? 0 : rows.chunks.count, rope_at = multiply_at + split.items;
-  std::atomic<int64_t> packed{0}, multiplied{0};
+  const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
   const float* wp = w.typed_data();
   const int64_t layer_offset = lyr * H * num_slots * D;  // the layer's first row, in elements
+  // Once every column is there: rope and write one chunk of rows per item.
   auto rope_and_write = [&](int64_t i, auto* cache_type) {
     using C = std::remove_pointer_t<decltype(cache_type)>;
     const LayerCache<C> layer_cache{static_cast<C*>(k_out->untyped_data()) + layer_offset,
@@ -625,25 +636,18 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
     RopeAndWriteRows(y, m0, m0 + rows.chunks.rows(i), Hq, cos.typed_data(), sin.typed_data(), slots.typed_data(),
                      layer_cache, q->typed_data());
   };
-  jaxcb::ParallelFor(pool, rope_at + rows.chunks.count, [&](int64_t item, jaxcb::NextItem& next) {
-    if (item < multiply_at) {
-      rows.Pack(item);
-      packed.fetch_add(1, std::memory_order_release);
-    } else if (item < rope_at) {
-      WaitFor(packed, multiply_at);
-      const int64_t i = item - multiply_at;
-      MultiplyItem(rows.a, wp, K, P, N, rows.chunks, split.first_chunk(i), split.end_chunk(i), split.first_strip(i),
-                   split.end_strip(i), TileSink{y}, [&] {
-                     const int64_t j = next.Claim() - multiply_at;
-                     return split.FirstWeights(wp, K, P, j >= 0 && j < split.items ? j : -1);
-                   });
-      multiplied.fetch_add(1, std::memory_order_release);
-    } else {
-      WaitFor(multiplied, split.items);
-      if (f32_cache) rope_and_write(item - rope_at, static_cast<float*>(nullptr));
-      else rope_and_write(item - rope_at, static_cast<uint16_t*>(nullptr));
-    }
-  });
+  PackThenMultiply(
+      pool, rows, split.items,
+      [&](int64_t item, auto&& next_item) {
+        MultiplyItem(rows.a, wp, K, P, N, rows.chunks, split.first_chunk(item), split.end_chunk(item),
+                     split.first_strip(item), split.end_strip(item), TileSink{y},
+                     [&] { return split.FirstWeights(wp, K, P, next_item()); });
+      },
+      rows.chunks.count,
+      [&](int64_t i) {
+        if (f32_cache) rope_and_write(i, static_cast<float*>(nullptr));
+        else rope_and_write(i, static_cast<uint16_t*>(nullptr));
+      });
   return ffi::Error::Success();
 }
 

@@ -219,7 +219,7 @@ class BenchConfig:
     output_sigma: float = 0.8
     scale: float = 0.25  # shrinks every length, for small machines
     seed: int = 0
-    repeats: int = 1  # task=flops: runs, each on fresh prompts of the same lengths between ceiling readings; median reported
+    repeats: int = 1  # task=flops: runs on fresh prompts of the same lengths, between ceiling readings; median reported
 
 
 @dataclass

@@ -166,7 +166,7 @@ def qkv_table(calls: int, tokens: int = 64, context: int = 100, layers: int = 12
     def three_steps(h, kc, vc):
         for i, w in enumerate(weights):
             y = packed_matmul(h, w, n, norm=norm, eps=1e-5)
-            q, kk, v = (y[:, a * d : b * d].reshape(tokens, -1, d) for a, b in ((0, hq), (hq, hq + hkv), (hq + hkv, hq + 2 * hkv)))
+            q, kk, v = (part.reshape(tokens, -1, d) for part in jnp.split(y, [hq * d, (hq + hkv) * d], axis=1))
             kc, vc = cpu_kernels.write_kv_rows(kc, vc, jnp.int32(i), apply_rope(kk, cos, sin), v, slots)
             h = attend(h, apply_rope(q, cos, sin), kc, vc, i)
         return h, kc, vc

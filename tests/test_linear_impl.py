@@ -155,7 +155,8 @@ def test_packed_qkv_rejects_what_it_cannot_write():
     with pytest.raises(ValueError, match="float32"):
         packed_qkv(h.astype(jnp.bfloat16), packed, None, 0.0, cos, cos, cache, cache, jnp.int32(0), slots, 2)
     with pytest.raises(ValueError, match="does not match"):
-        packed_qkv(h, packed, None, 0.0, cos, cos, cache, cache, jnp.int32(0), slots, 3)  # w holds 2 + 2 heads, not 3 + 2
+        # w holds 2 q heads + 2 KV heads' columns, not 3 + 2
+        packed_qkv(h, packed, None, 0.0, cos, cos, cache, cache, jnp.int32(0), slots, 3)
     with pytest.raises(ValueError, match=r"must be \[2, 4\]"):
         packed_qkv(h, packed, None, 0.0, cos[:, :3], cos[:, :3], cache, cache, jnp.int32(0), slots, 2)
     with pytest.raises(ValueError, match="float32.*bfloat16"):
