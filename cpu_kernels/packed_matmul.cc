@@ -197,6 +197,40 @@ constexpr auto kTiles = AllTiles(std::make_integer_sequence<int, kTilePanels>())
 // the whole of K, the strided stores (kTileRows floats apart) ran ~3x slower at K = 2048.
 // With `norm` ([K], or null) each row is RMS-normalised on the way, as the model's rms_norm
 // does: norm[k] * (x[k] * (1 / sqrt(mean(x * x) + eps))), in f32.
+#if defined(__AVX512F__)
+// Rows t[0, 16) of 16 floats -> t[j] holds column j (lane r: row r's j-th float): a 16 x 16
+// transpose in four rounds of shuffles. The packed layouts are k-major ([k][row]), so rows
+// read 16 k at a time leave here as 16 k-rows: kTileRows-lane stores instead of one store
+// per element.
+inline void Transpose16x16(__m512 t[16]) {
+  __m512 u[16], v[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // u[2i], u[2i + 1]: rows 2i and 2i + 1 interleaved, per 128-bit lane
+    u[2 * i] = _mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]);
+    u[2 * i + 1] = _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {  // v[4i + c], 128-bit lane L: rows 4i..4i+3 of column 4L + c
+    v[4 * i] = _mm512_shuffle_ps(u[4 * i], u[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    v[4 * i + 1] = _mm512_shuffle_ps(u[4 * i], u[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    v[4 * i + 2] = _mm512_shuffle_ps(u[4 * i + 1], u[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    v[4 * i + 3] = _mm512_shuffle_ps(u[4 * i + 1], u[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {  // then the 128-bit lanes: columns c, 4 + c, 8 + c and 12 + c
+    const __m512 w0 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0x88), w1 = _mm512_shuffle_f32x4(v[c], v[4 + c], 0xDD);
+    const __m512 w2 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0x88);
+    const __m512 w3 = _mm512_shuffle_f32x4(v[8 + c], v[12 + c], 0xDD);
+    t[c] = _mm512_shuffle_f32x4(w0, w2, 0x88);
+    t[8 + c] = _mm512_shuffle_f32x4(w0, w2, 0xDD);
+    t[4 + c] = _mm512_shuffle_f32x4(w1, w3, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(w1, w3, 0xDD);
+  }
+}
+
+constexpr __mmask16 kTileRowLanes = static_cast<__mmask16>((1u << kTileRows) - 1);
+#endif
+
 void PackChunk(const float* x, int64_t K, int64_t rows, float* dst, const float* norm, float eps) {
   constexpr int64_t kBlock = 64;
   float scale[kTileRows];
@@ -206,7 +240,28 @@ void PackChunk(const float* x, int64_t K, int64_t rows, float* dst, const float*
       for (int64_t k = 0; k < K; ++k) sum += x[r * K + k] * x[r * K + k];
     scale[r] = norm ? 1.0f / std::sqrt(sum / static_cast<float>(K) + eps) : 1.0f;
   }
-  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+  int64_t k0 = 0;
+#if defined(__AVX512F__)
+  // 16 k at a time through a transpose (rows past `rows` as zeros): 2.6x the element-wise
+  // stores' speed at 64 x 768, one thread.
+  for (; k0 + 16 <= K; k0 += 16) {
+    __m512 t[16];
+    const __m512 nv = norm ? _mm512_loadu_ps(norm + k0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      if (r >= rows) {
+        t[r] = _mm512_setzero_ps();
+        continue;
+      }
+      const __m512 v = _mm512_loadu_ps(x + r * K + k0);
+      t[r] = norm ? _mm512_mul_ps(nv, _mm512_mul_ps(v, _mm512_set1_ps(scale[r]))) : v;
+    }
+    Transpose16x16(t);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) _mm512_mask_storeu_ps(dst + (k0 + j) * kTileRows, kTileRowLanes, t[j]);
+  }
+#endif
+  for (; k0 < K; k0 += kBlock) {
     const int64_t k1 = std::min(K, k0 + kBlock);
     for (int64_t r = 0; r < rows; ++r) {
       if (norm)
@@ -403,17 +458,22 @@ void MultiplyItem(const float* a, const float* b, int64_t K, int64_t P, int64_t 
   }
 }
 
-// out[j] = silu(g[j]) * u[j] for j < n <= kPanel. The sigmoid goes through exp(-|g|) <= 1, the
-// domain of the vector exp: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below.
-inline void SiluTimes(const float* g, const float* u, int64_t n, float* out) {
+// silu(g[j]) * u[j] for j < n <= kPanel. The sigmoid goes through exp(-|g|) <= 1, the domain
+// of the vector exp: sigmoid(g) = 1 / (1 + e) for g >= 0, e / (1 + e) below.
 #if defined(__AVX512F__)
+// In one register, lanes past n 0: the MLP transposes 16 rows of them into h's packed layout.
+inline __m512 SiluTimes16(const float* g, const float* u, int64_t n) {
   const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
   const __m512 gv = _mm512_maskz_loadu_ps(mask, g), uv = _mm512_maskz_loadu_ps(mask, u);
   const __m512 e = jaxcb::Exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));
   const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f)));
   const __m512 sig = _mm512_mask_mul_ps(inv, _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ), inv, e);
-  _mm512_mask_storeu_ps(out, mask, _mm512_mul_ps(_mm512_mul_ps(gv, uv), sig));
-#elif defined(__AVX2__) && defined(__FMA__)
+  return _mm512_mul_ps(_mm512_mul_ps(gv, uv), sig);
+}
+#else
+// Into out[0, n).
+inline void SiluTimes(const float* g, const float* u, int64_t n, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
   for (int64_t j0 = 0; j0 < n; j0 += 8) {
     const __m256i mask = FirstLanes(std::min<int64_t>(n - j0, 8));
     const __m256 gv = _mm256_maskload_ps(g + j0, mask), uv = _mm256_maskload_ps(u + j0, mask);
@@ -429,6 +489,7 @@ inline void SiluTimes(const float* g, const float* u, int64_t n, float* out) {
   }
 #endif
 }
+#endif
 
 // x [M, K] -> its chunks, packed into a by items [0, chunks) of a ParallelFor.
 struct PackedRows {
@@ -745,11 +806,19 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
             kTiles[kTilePanels][r](rows.a + i * kTileRows * K, bq + j * K * kPanel, K, &both[0][j * kPanel], 2 * kPanel,
                                    kTilePanels * kPanel, ahead.at + 64 * l0, j == 0 ? lines : 0);
           float* hc = h + i * kTileRows * F + q * kPanel * kTileRows;  // chunk i of h, k-major
+#if defined(__AVX512F__)
+          __m512 act[16];
+          for (int64_t row = 0; row < 16; ++row)
+            act[row] = row < r ? SiluTimes16(both[row], both[row] + kPanel, cols) : _mm512_setzero_ps();
+          Transpose16x16(act);
+          for (int64_t j = 0; j < cols; ++j) _mm512_mask_storeu_ps(hc + j * kTileRows, kTileRowLanes, act[j]);
+#else
           for (int64_t row = 0; row < r; ++row) {
             alignas(64) float act[kPanel];
             SiluTimes(both[row], both[row] + kPanel, cols, act);
             for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + row] = act[j];
           }
+#endif
         });
       }
       paired.fetch_add(1, std::memory_order_release);
