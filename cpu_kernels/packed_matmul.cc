@@ -192,11 +192,6 @@ constexpr std::array<std::array<TileFn, kTileRows + 1>, kTilePanels + 1> AllTile
 // kTiles[panels][rows]: the tile for a chunk of that many rows by that many panels.
 constexpr auto kTiles = AllTiles(std::make_integer_sequence<int, kTilePanels>());
 
-// Rows [m0, m0 + rows) of x [M, K] (rows <= kTileRows) -> one chunk, k-major ([k][row]);
-// rows past `rows` stay unread. K is walked in blocks, all rows per block: row by row over
-// the whole of K, the strided stores (kTileRows floats apart) ran ~3x slower at K = 2048.
-// With `norm` ([K], or null) each row is RMS-normalised on the way, as the model's rms_norm
-// does: norm[k] * (x[k] * (1 / sqrt(mean(x * x) + eps))), in f32.
 #if defined(__AVX512F__)
 // Rows t[0, 16) of 16 floats -> t[j] holds column j (lane r: row r's j-th float): a 16 x 16
 // transpose in four rounds of shuffles. The packed layouts are k-major ([k][row]), so rows
@@ -231,6 +226,12 @@ inline void Transpose16x16(__m512 t[16]) {
 constexpr __mmask16 kTileRowLanes = static_cast<__mmask16>((1u << kTileRows) - 1);
 #endif
 
+// Rows [m0, m0 + rows) of x [M, K] (rows <= kTileRows) -> one chunk, k-major ([k][row]);
+// the tiles never read the rows past `rows` (left as they are, or zeros). With
+// AVX-512, 16 k of every row go through one transpose; elsewhere K is walked in blocks, all
+// rows per block: row by row over the whole of K, the strided stores (kTileRows floats apart)
+// ran ~3x slower at K = 2048. With `norm` ([K], or null) each row is RMS-normalised on the
+// way, as the model's rms_norm does: norm[k] * (x[k] * (1 / sqrt(mean(x * x) + eps))), in f32.
 void PackChunk(const float* x, int64_t K, int64_t rows, float* dst, const float* norm, float eps) {
   constexpr int64_t kBlock = 64;
   float scale[kTileRows];
@@ -242,8 +243,7 @@ void PackChunk(const float* x, int64_t K, int64_t rows, float* dst, const float*
   }
   int64_t k0 = 0;
 #if defined(__AVX512F__)
-  // 16 k at a time through a transpose (rows past `rows` as zeros): 2.6x the element-wise
-  // stores' speed at 64 x 768, one thread.
+  // 2.6x the element-wise stores' speed at 64 x 768, on one thread.
   for (; k0 + 16 <= K; k0 += 16) {
     __m512 t[16];
     const __m512 nv = norm ? _mm512_loadu_ps(norm + k0) : _mm512_setzero_ps();
@@ -302,8 +302,8 @@ inline Ahead FirstStrip(const float* w, int64_t K, int64_t P, int64_t p) {
 // rows (a decode step's few tokens) the groups shrink towards the end, to 1 strip at the last:
 // the threads then finish within about a strip of each other, where groups of equal size left
 // one thread waiting for up to a whole group at the call's end (and at the MLP's barrier before
-// down). Measured on the full-batch decode step: 1.03-1.11x, the most when the machine is busy
-// and one thread falls behind.
+// down). The full-batch decode step: 1.04-1.11x, the most when the machine is busy and one
+// thread falls behind.
 struct Split {
   int64_t chunks, strips, group, groups, items;
   std::vector<int64_t> starts;  // one block of rows: group g is strips [starts[g], starts[g + 1])
