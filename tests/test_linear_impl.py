@@ -115,8 +115,10 @@ def test_packed_mlp_normalises_x_and_adds_the_residual_when_asked():
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-4, atol=1e-3 * np.sqrt(k * f))
 
 
-# small's heads; GQA groups of 3 with a head_dim off the 16-column panels; one KV head per q head.
-@pytest.mark.parametrize("t,k,hq,hkv,d", [(64, 768, 12, 4, 64), (13, 40, 6, 2, 10), (1, 16, 2, 2, 8)])
+# small's heads; more rows than one block of items; heads of one 32-column strip; GQA groups of 3
+# with a head_dim off the 16-column panels; one KV head per q head.
+@pytest.mark.parametrize("t,k,hq,hkv,d", [(64, 768, 12, 4, 64), (100, 64, 4, 2, 32), (40, 48, 5, 1, 32),
+                                          (13, 40, 6, 2, 10), (1, 16, 2, 2, 8)])
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
 def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq, hkv, d, cache_dtype):
     rng = np.random.default_rng(t + k + d)
