@@ -244,15 +244,12 @@ class ModelRunner:
             from_prev = x.prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
             token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
             fix_pos, fix_row = x.history_fix[:, 0], x.history_fix[:, 1]
-            rows = jnp.arange(x.history.shape[0])
-            history = x.history.at[rows, jnp.where(fix_pos >= 0, fix_pos, x.history.shape[1])].set(
-                x.prev_tokens[jnp.clip(fix_row, 0, max_rows - 1)], mode="drop"
-            )
+            history_fix = (fix_pos, x.prev_tokens[jnp.clip(fix_row, 0, max_rows - 1)])  # -1: none
             hidden, kv_cache = model(token_ids, x.positions, kv_cache, x.md)
             want_logits = needs_logits(x.sampling, model.cfg.vocab_size)
             logits, logits_argmax = model.logits_and_argmax(hidden[x.logits_indices], want_logits)
             token, token_lp, top_ids, top_lp = sample(
-                logits, x.sampling, history, x.num_prompt, x.num_known, logprobs, argmax, logits_argmax
+                logits, x.sampling, x.history, x.num_prompt, x.num_known, logprobs, argmax, logits_argmax, history_fix
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
