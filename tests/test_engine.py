@@ -1,6 +1,7 @@
 """The continuous-batching engine on the tiny model: outputs do not depend on who else is in the batch."""
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -341,8 +342,6 @@ def test_a_step_copies_no_token_history_unless_a_row_has_a_penalty():
     """The history [R, max_model_len] is a step input (not donated): writing the previous step's
     token into it in place made XLA copy all of it on every step (~0.15 ms at 64 rows of 1,024 on
     CPU). The write is a select inside the penalties' branch; the straight-line code only reads it."""
-    import re
-
     engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
     length = engine.cfg.engine.max_model_len
     for (_, rows, _), executable in engine.runner.compiled.items():
