@@ -249,7 +249,8 @@ class ModelRunner:
             want_logits = needs_logits(x.sampling, model.cfg.vocab_size)
             logits, logits_argmax = model.logits_and_argmax(hidden[x.logits_indices], want_logits)
             token, token_lp, top_ids, top_lp = sample(
-                logits, x.sampling, x.history, x.num_prompt, x.num_known, logprobs, argmax, logits_argmax, history_fix
+                logits, x.sampling, x.history, x.num_prompt, x.num_known, logprobs, argmax, logits_argmax,
+                history_fix=history_fix,
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
