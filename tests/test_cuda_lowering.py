@@ -1,89 +1,121 @@
-"""Every kernel variant lowers for CUDA at the engine's llama8b shapes, on a machine without a GPU.
+"""Every kernel variant and the whole jitted step lower for an H200, on a machine without a GPU.
 
-This catches shape and primitive restrictions of the Triton backend (power-of-two tiles,
-unsupported ops); it does not compile PTX -- that needs a GPU (scripts/gpu_check.py).
+jax >= 0.11 reads the GPU's compute capability while lowering a Pallas Triton kernel; here it
+comes from an abstract H200 of an abstract mesh (pallas_kernels/triton_calls.py), which also
+stands in for the devices of a tensor-parallel step. Each test reads the Triton custom call
+XLA would launch -- its grid, warps, stages and operand shapes -- not only that one exists.
+Compiling the Triton IR to machine code is tests/test_triton_resources.py (and, on the GPU,
+scripts/gpu_check.py).
 """
 
-import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
+from cuda_variants import KERNEL_VARIANTS, LLAMA8B, KernelVariant, preset
+from jaxcb.attention import AttentionBackend, AttentionMetadata
+from jaxcb.kv_cache import KVCache, kv_cache_shape
+from jaxcb.model.llama import build_abstract_model
+from jaxcb.reference_generate import forward_step
+from jaxcb.sharding import TP_AXIS, TensorParallel
 from pallas_kernels import ragged_paged_attention
-
-# llama8b: bf16, 32 query heads, 8 KV heads, head dim 128, 32 layers; block size 16.
-NUM_LAYERS, NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 32, 8, 128
+from pallas_kernels.triton_calls import gpu_mesh, lower_for_gpu, triton_calls
 
 
-def lower_for_cuda(num_tokens, num_seqs, width, block_size=16, head_dim=HEAD_DIM, **kernel_kw):
-    num_blocks = num_seqs * width + 1
-    cache = jax.ShapeDtypeStruct((NUM_LAYERS, NUM_KV_HEADS, num_blocks, block_size, head_dim), jnp.bfloat16)
-    args = (
-        jax.ShapeDtypeStruct((num_tokens, NUM_Q_HEADS, head_dim), jnp.bfloat16),
-        cache,
-        cache,
-        jax.ShapeDtypeStruct((num_seqs,), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs, width), jnp.int32),
-        jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32),
-        jax.ShapeDtypeStruct((), jnp.int32),
-        jax.ShapeDtypeStruct((), jnp.int32),
-    )
-    fn = functools.partial(ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, **kernel_kw)
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+def lower_kernel(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
+    [call] = triton_calls(lower_for_gpu(variant.kernel(), *variant.args(num_tokens, num_seqs, width)))
+    return call
+
+
+def test_lowering_without_a_gpu_reads_the_abstract_h200():
+    """Without the abstract device jax >= 0.11 refuses to lower a Triton kernel on a CPU host."""
+    fn, args = LLAMA8B.kernel(), LLAMA8B.args(1, 1, 64)
+    with pytest.raises(Exception, match="abstract GPU"):
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lower_kernel(LLAMA8B, 1, 1, 64).name == "ragged_paged_attention"
 
 
 @pytest.mark.parametrize(
-    "num_tokens, num_seqs, width",
-    [(1, 1, 64), (128, 128, 64), (256, 256, 256), (512, 64, 128), (2048, 1, 128)],
-    ids=["decode-1", "decode-128", "decode-256-4k", "mixed-512", "prefill-2048"],
+    "num_tokens, num_seqs, width, grid",
+    [
+        # decode: one token per sequence; 4 tokens x group 4 fill a 16-row tile, but a tile holds one sequence.
+        (1, 1, 64, (1, 8, 1)),
+        (32, 32, 128, (32, 8, 1)),
+        (128, 128, 64, (128, 8, 1)),
+        (256, 256, 256, (256, 8, 1)),
+        # mixed and prefill: tiles of 4 tokens, plus at most one partial tile per sequence.
+        (512, 64, 128, (192, 8, 1)),
+        (2048, 1, 128, (513, 8, 1)),
+    ],
+    ids=["decode-1", "decode-32-2k", "decode-128", "decode-256-4k", "mixed-512", "prefill-2048"],
 )
-def test_kernel_lowers_for_cuda_at_llama8b_shapes(num_tokens, num_seqs, width):
-    text = lower_for_cuda(num_tokens, num_seqs, width)
-    assert "ragged_paged_attention" in text and "triton" in text.lower()
+def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width, grid):
+    call = lower_kernel(LLAMA8B, num_tokens, num_seqs, width)
+    assert call.grid == grid == LLAMA8B.expected_grid(num_tokens, num_seqs)
+    assert (call.num_warps, call.num_stages) == (4, 2)
+    # q as rows of (token, head in group) per KV head, plus one tile of slack; the cache flattened to blocks.
+    assert call.operand_types[3] == f"tensor<8x{num_tokens * 4 + 16}x128xbf16>"
+    assert call.operand_types[4] == f"tensor<{32 * 8 * (num_seqs * width + 1)}x16x128xbf16>"
 
 
-@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_lowers_for_cuda_for_every_block_size_and_head_dim(block_size, head_dim):
-    assert "triton" in lower_for_cuda(64, 16, 16, block_size=block_size, head_dim=head_dim).lower()
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: v.name)
+def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
+    num_tokens, num_seqs, width = 256, 32, 32
+    call = lower_kernel(variant, num_tokens, num_seqs, width)
+    assert call.grid == variant.expected_grid(num_tokens, num_seqs)
+    assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
+    block_m = max(variant.block_m, variant.group)
+    rows = num_tokens * variant.group + block_m
+    dtype = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[variant.dtype]
+    assert call.operand_types[3] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}x{dtype}>"
+    assert re.search(r"tt\.dot", call.ir_text())  # the two matmuls reach Triton as dots (tensor cores)
 
 
-@pytest.mark.parametrize("block_m, kv_tile", [(16, 16), (32, 64), (64, 128)])
-def test_kernel_lowers_for_cuda_for_every_tile_configuration(block_m, kv_tile):
-    assert "triton" in lower_for_cuda(256, 32, 32, block_m=block_m, kv_tile=kv_tile).lower()
-
-
-def test_full_llama8b_step_lowers_for_cuda_with_the_pallas_kernel():
-    """The whole jitted step (scan over 32 layers, K/V writes, kernel, logits) at 8B shapes, never allocated."""
-    from flax import nnx
-
-    from jaxcb.attention import AttentionBackend, AttentionMetadata
-    from jaxcb.model.config import LlamaConfig, RopeScaling
-    from jaxcb.model.llama import build_abstract_model
-    from jaxcb.kv_cache import KVCache, kv_cache_shape
-    from jaxcb.reference_generate import forward_step
-
-    cfg = LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        head_dim=128, rms_norm_eps=1e-5, rope_theta=5e5, max_position_embeddings=131072, tie_word_embeddings=False,
-        rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), dtype="bfloat16",
+def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):
+    """forward_step (layer scan, K/V writes, the kernel, logits) for `model` on an abstract mesh of H200s."""
+    cfg = preset(model)
+    mesh = gpu_mesh(tensor_parallel_size, TP_AXIS)
+    tp = TensorParallel(mesh) if tensor_parallel_size > 1 else None
+    backend = AttentionBackend("pallas", ragged_paged_attention, mesh if tp else None)
+    graphdef, state = nnx.split(build_abstract_model(cfg, backend))
+    replicated = tp.replicated if tp else None
+    if tp:
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, tp.params(state))
+    cache = jax.ShapeDtypeStruct(
+        kv_cache_shape(cfg, num_seqs * width + 1, 16), jnp.bfloat16, sharding=tp.kv_cache if tp else None
     )
-    graphdef, state = nnx.split(build_abstract_model(cfg, AttentionBackend("pallas", ragged_paged_attention)))
-    num_tokens, num_seqs, width = 256, 64, 64
-    cache_sds = jax.ShapeDtypeStruct(kv_cache_shape(cfg, num_seqs * width + 1, 16), jnp.bfloat16)
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
     md = AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, width), i32())
-    traced = forward_step.trace(
-        graphdef, state, KVCache(cache_sds, cache_sds), i32(num_tokens), i32(num_tokens), md, i32(num_seqs)
+    return lower_for_gpu(
+        forward_step, graphdef, state, KVCache(cache, cache), i32(num_tokens), i32(num_tokens), md, i32(num_seqs),
+        mesh=mesh,
     )
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "ragged_paged_attention" in text
+
+
+@pytest.mark.parametrize(
+    "model, tensor_parallel_size, kv_heads_per_device, group",
+    [("llama8b", 1, 8, 4), ("llama8b", 2, 4, 4), ("llama70b", 2, 4, 8), ("llama70b", 8, 1, 8)],
+    ids=["llama8b", "llama8b-tp2", "llama70b-tp2", "llama70b-tp8"],
+)
+def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
+    model, tensor_parallel_size, kv_heads_per_device, group
+):
+    num_tokens, num_seqs, width = 256, 64, 64
+    lowered = lower_step(model, tensor_parallel_size, num_tokens, num_seqs, width)
+    text = lowered.as_text()
+    assert f"mhlo.num_partitions = {tensor_parallel_size}" in text  # one SPMD program for every device
     assert "@jaxcb_" not in text  # none of the C++ CPU kernels (the KV write is one on a CPU host)
-
-
-def test_tensor_parallel_llama8b_step_lowers_for_cuda():
-    """TP=2 with the kernel per shard (tests/multi_device/tp_cuda_lowering_checks.py), on two fake CPU devices."""
-    from fake_devices import assert_all_passed, run_tests_on_fake_devices
-
-    assert_all_passed(run_tests_on_fake_devices("tests/multi_device/tp_cuda_lowering_checks.py", num_devices=2))
+    # The layers are scanned: one kernel in the loop body, launched once per layer.
+    [call] = triton_calls(lowered)
+    cfg = preset(model)
+    variant = KernelVariant(model, kv_heads_per_device * group, kv_heads_per_device, num_layers=cfg.num_layers)
+    assert call.grid == variant.expected_grid(num_tokens, num_seqs)
+    assert (call.num_warps, call.num_stages) == (4, 2)
+    # Each device sees its own share: query rows of its KV heads, and the cache blocks of its heads.
+    block_m = max(16, group)
+    assert call.operand_types[3] == f"tensor<{kv_heads_per_device}x{num_tokens * group + block_m}x128xbf16>"
+    blocks = cfg.num_layers * kv_heads_per_device * (num_seqs * width + 1)
+    assert call.operand_types[4] == f"tensor<{blocks}x16x128xbf16>"

@@ -1,0 +1,85 @@
+"""The Pallas kernel's variants and the model shapes the GPU lowering tests run, in one table.
+
+A variant is what changes the kernel's code: dtype, head dim, block size, query heads per KV
+head (group), tile sizes, warps and stages. Batch shapes change only the launch grid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxcb.config import compose_config
+from jaxcb.model.config import LlamaConfig, resolve_llama_config
+from pallas_kernels import ragged_paged_attention
+from pallas_kernels.query_tiles import max_query_tiles
+from pallas_kernels.ragged_paged_attention import kernel_tile_sizes
+
+
+@functools.cache
+def preset(name: str) -> LlamaConfig:
+    """The architecture of `model=name` (conf/model/NAME.yaml)."""
+    return resolve_llama_config(compose_config([f"model={name}", "model.init=random"]).model)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    name: str
+    num_q_heads: int  # per device
+    num_kv_heads: int  # per device
+    head_dim: int = 128
+    block_size: int = 16
+    dtype: str = "bfloat16"
+    num_layers: int = 32
+    block_m: int = 16
+    kv_tile: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    def kernel_kwargs(self) -> dict:
+        return dict(block_m=self.block_m, kv_tile=self.kv_tile, num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def expected_grid(self, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
+        """(query tiles, KV heads, 1): the tiles a batch of this many tokens and sequences can need."""
+        _, tokens_per_tile, _ = kernel_tile_sizes(self.group, self.block_size, self.block_m, self.kv_tile)
+        return max_query_tiles(num_tokens, num_seqs, tokens_per_tile), self.num_kv_heads, 1
+
+    def args(self, num_tokens: int, num_seqs: int, width: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """Abstract kernel arguments: a cache of one full table per sequence plus the null block."""
+        dtype = jnp.dtype(self.dtype)
+        cache = jax.ShapeDtypeStruct(
+            (self.num_layers, self.num_kv_heads, num_seqs * width + 1, self.block_size, self.head_dim), dtype
+        )
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        return (
+            jax.ShapeDtypeStruct((num_tokens, self.num_q_heads, self.head_dim), dtype),
+            cache, cache, i32(num_seqs), i32(num_seqs, width), i32(num_seqs + 1), i32(), i32(),
+        )
+
+    def kernel(self):
+        return functools.partial(ragged_paged_attention, sm_scale=self.head_dim**-0.5, **self.kernel_kwargs())
+
+
+# llama8b: 32 query / 8 KV heads; llama70b: 64 / 8, per device under TP=2: 32 / 4, TP=8: 8 / 1;
+# llama3_1b: 32 / 8 at head dim 64.
+LLAMA8B = KernelVariant("llama8b", 32, 8)
+KERNEL_VARIANTS = [
+    LLAMA8B,
+    KernelVariant("llama8b f16", 32, 8, dtype="float16"),
+    KernelVariant("llama8b f32 cache", 32, 8, dtype="float32"),
+    KernelVariant("llama70b tp2", 32, 4, num_layers=80),
+    KernelVariant("llama70b tp8", 8, 1, num_layers=80),
+    KernelVariant("llama3_1b", 32, 8, head_dim=64, num_layers=16),
+    *(KernelVariant(f"llama8b block {bs}", 32, 8, block_size=bs) for bs in (8, 32, 64)),
+    *(KernelVariant(f"head dim 64 block {bs}", 32, 8, head_dim=64, block_size=bs) for bs in (8, 16, 32, 64)),
+    KernelVariant("llama8b tile 16x16 1 stage", 32, 8, block_m=16, kv_tile=16, num_stages=1),
+    KernelVariant("llama8b tile 32x64 3 stages", 32, 8, block_m=32, kv_tile=64, num_stages=3),
+    KernelVariant("llama8b tile 64x128 8 warps", 32, 8, block_m=64, kv_tile=128, num_warps=8, num_stages=3),
+]
