@@ -146,6 +146,16 @@ def parse_ptxas_verbose(text: str) -> dict[str, int]:
     )
 
 
+def parse_ptxas_functions(text: str) -> dict[str, dict[str, int]]:
+    """`ptxas -v` output of a PTX file with several entry functions, by function name."""
+    out = {}
+    for chunk in re.split(r"(?=ptxas info\s*: Compiling entry function)", text):
+        m = re.search(r"Compiling entry function '([^']+)'", chunk)
+        if m:
+            out[m.group(1)] = parse_ptxas_verbose(chunk)
+    return out
+
+
 def ptxas_resources(call: TritonCall, arch: int = 90) -> PtxasResources:
     """Compile the call's Triton IR to PTX for sm_{arch}a with the `triton` package, then `ptxas -v`."""
     try:

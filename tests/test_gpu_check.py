@@ -1,22 +1,114 @@
-"""scripts/gpu_check.py runs end to end on the CPU (--dry-run), so the GPU script cannot rot."""
+"""The GPU check works the first time on the GPU image: tested on the CPU in a venv shaped like it.
+
+The bare venv holds only what the GPU image has that the check may use (its packages at the
+image's jax; jaxcb not installed), plus the wheels scripts/gpu_wheels.sh downloads; the check
+runs through scripts/gpu_check.sh --dry-run exactly as docs/gpu.md tells. Changing the jax pin
+in pyproject.toml changes GPU_IMAGE_PACKAGES here and docs/gpu.md in the same commit.
+"""
 
 import json
 import os
 import subprocess
 import sys
+import venv
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_CHECK = os.path.join(REPO, "scripts", "gpu_check.py")
+STAGES = ["preflight", "bandwidth", "smoke", "correctness", "decode", "step", "engine"]
+# What the GPU image (Python 3.12) holds of what jaxcb's check imports; jax at the image's version.
+GPU_IMAGE_PACKAGES = [
+    "jax==0.11.2", "jaxlib==0.11.2", "flax==0.12.12", "orbax-checkpoint==0.12.8", "numpy", "safetensors",
+    "tokenizers", "jinja2", "prometheus-client", "httpx", "tqdm", "pyyaml",
+]
 
 
-def test_gpu_check_dry_run_passes_every_section(tmp_path):
-    out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "--dry-run", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
-    )
+def run(cmd, env=None, timeout=900, cwd=REPO):
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def clean_env(**extra) -> dict:
+    """The environment without this venv's paths, so that nothing of the test venv leaks in."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in p)
+    env.update(JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bare")
+    venv.create(root / "venv", with_pip=True)
+    python = str(root / "venv" / "bin" / "python")
+    proc = run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *GPU_IMAGE_PACKAGES],
+               env=clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    wheels = root / "wheels"
+    proc = run([os.path.join(REPO, "scripts", "gpu_wheels.sh"), str(wheels)], env=clean_env(PYTHON=sys.executable))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return python, str(wheels)
+
+
+def test_gpu_check_sh_dry_run_passes_every_stage_in_a_bare_venv(bare_python, tmp_path):
+    python, wheels = bare_python
+    # Nothing of jaxcb, hydra or the server's stack is installed there.
+    probe = run([python, "-c", "import importlib.util as u; print([m for m in ('jaxcb', 'hydra', 'omegaconf', "
+                               "'fastapi', 'pydantic', 'uvicorn') if u.find_spec(m)])"], env=clean_env(), cwd=tmp_path)
+    assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+    out = tmp_path / "out"
+    proc = run([os.path.join(REPO, "scripts", "gpu_check.sh"), "--dry-run"],
+               env=clean_env(PYTHON=python, GPU_CHECK_WHEELS=wheels, GPU_CHECK_OUT=str(out)))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ALL CHECKS PASSED" in proc.stdout
-    results = json.loads(out.read_text())
+    results = json.loads((out / "gpu_check.json").read_text())
     assert results["failures"] == []
-    assert {r["impl"] for r in results["correctness"]} == {"pallas", "xla"}
-    assert len(results["decode_attention"]) == 8 and len(results["full_step"]) == 3
+    assert list(results["stages"]) == STAGES
+    assert all(results["stages"][s]["status"] == "ok" and results["stages"][s]["rows"] for s in STAGES)
+    impls = {r.get("impl") for r in results["stages"]["decode"]["rows"]}
+    assert impls == {"pallas", "xla", "jax_paged_attention"}
+    assert any("large cache" in r["row"] or "GiB (K + V)" in r["row"] for r in results["stages"]["correctness"]["rows"])
+    assert (out / "step_decode_hlo.txt").read_text().startswith("HloModule")
+    engine = {r["row"]: r for r in results["stages"]["engine"]["rows"]}
+    assert engine["engine fcfs"]["out_tok_s"] > 0 and engine["engine static"]["out_tok_s"] > 0
+    assert engine["continuous / static"]["ideal_step_ratio"] >= 1
+
+
+def test_watchdog_writes_the_results_and_exits_inside_a_stage(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = run([sys.executable, GPU_CHECK, "--dry-run", "--json", str(out), "--out-dir", str(tmp_path),
+                "--stages", "preflight,correctness,step", "--budget", "6"], env=clean_env(), timeout=300)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "WATCHDOG" in proc.stdout
+    stages = json.loads(out.read_text())["stages"]
+    assert stages["preflight"]["status"] == "ok"
+    assert stages["correctness"]["status"] == "timeout"
+    assert stages["step"]["status"] == "skipped"
+
+
+def test_rerunning_chosen_stages_keeps_the_others_results(tmp_path):
+    out = tmp_path / "gpu.json"
+    first = run([sys.executable, GPU_CHECK, "--dry-run", "--json", str(out), "--out-dir", str(tmp_path),
+                 "--stages", "preflight,bandwidth"], env=clean_env(), timeout=300)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    again = run([sys.executable, GPU_CHECK, "--dry-run", "--json", str(out), "--out-dir", str(tmp_path),
+                 "--stages", "smoke"], env=clean_env(), timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    stages = json.loads(out.read_text())["stages"]
+    assert [stages[s]["status"] for s in ("preflight", "bandwidth", "smoke")] == ["ok", "ok", "ok"]
+
+
+def test_without_a_gpu_the_check_stops_after_preflight(tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = run([sys.executable, GPU_CHECK, "--json", str(out), "--out-dir", str(tmp_path)], env=clean_env(),
+               timeout=300)
+    assert proc.returncode == 1
+    stages = json.loads(out.read_text())["stages"]
+    assert stages["preflight"]["status"] == "failed" and "no GPU" in " ".join(stages["preflight"]["errors"])
+    assert all(stages[s]["status"] == "skipped" for s in STAGES[1:])
+
+
+def test_unknown_stage_is_refused_by_name():
+    proc = run([sys.executable, GPU_CHECK, "--stages", "smoke,speed"], env=clean_env(), timeout=120)
+    assert proc.returncode == 2 and "unknown speed" in proc.stderr
