@@ -42,7 +42,7 @@ test: $(VENV)/.installed-test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The pure-Python wheels scripts/gpu_check.sh installs on a GPU machine with no network (.whl/).
-gpu-wheels: $(VENV_STAMP)
+gpu-wheels: $(VENV)/.installed
 	scripts/gpu_wheels.sh
 
 clean-venv:
