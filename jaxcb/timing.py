@@ -74,7 +74,8 @@ def time_calls(fn: Callable, *args, calls: int = 20, warmup: int = 2) -> Timing:
 
 
 def copy_bandwidth(num_bytes: int, *, iters: int = 20, repeats: int = 5) -> tuple[float, Timing]:
-    """Achievable memory bandwidth (bytes/s) of an elementwise read+write pass over `num_bytes`."""
-    x = jnp.zeros((num_bytes // 4,), jnp.float32)
-    timing = time_in_loop(lambda v: v + 1.0, x, iters=iters, repeats=repeats)
+    """Achievable memory bandwidth (bytes/s) of an elementwise read+write pass over `num_bytes`
+    of random floats (constant data could be compressed or short-cut on some devices)."""
+    x = jax.random.uniform(jax.random.key(0), (num_bytes // 4,), jnp.float32)
+    timing = time_in_loop(lambda v: v * 0.999 + 0.001, x, iters=iters, repeats=repeats)
     return 2 * x.nbytes / timing.median_s, timing

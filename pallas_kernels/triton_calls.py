@@ -164,7 +164,10 @@ def ptxas_resources(call: TritonCall, arch: int = 90) -> PtxasResources:
         from triton.backends.nvidia.compiler import get_ptxas
     except ImportError as e:
         raise TritonUnavailable(f"the triton package is not installed ({e})") from None
-    ptxas = get_ptxas(arch).path
+    try:  # the signature differs between Triton releases
+        ptxas = get_ptxas(arch).path
+    except TypeError:
+        ptxas = get_ptxas().path
     if not (ptxas and os.path.exists(ptxas)):
         ptxas = shutil.which("ptxas")
     if not ptxas:

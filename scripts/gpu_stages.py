@@ -87,22 +87,17 @@ def preflight(st) -> None:
 # bandwidth ---------------------------------------------------------------------------------------
 def bandwidth(st) -> None:
     """Read+write of a buffer of random floats: the bandwidth every roofline below is held against."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxcb.timing import time_in_loop
+    from jaxcb.timing import copy_bandwidth
 
     sizes = (4 << 20, 16 << 20) if st.dry_run else (1 * GIB, 4 * GIB)
     log("| buffer | time (ms) | GB/s (read + write) |\n|---|---|---|")
     best = 0.0
     for size in sizes:
         with st.row(f"copy {size / GIB:.3f} GiB") as r:
-            x = jax.random.uniform(jax.random.key(0), (size // 4,), jnp.float32)
-            t = time_in_loop(lambda v: v * 0.999 + 0.001, x, iters=3 if st.dry_run else 20, repeats=3 if st.dry_run else 5)
-            r["ms"], r["gbs"] = t.median_ms, 2 * size / t.median_s / 1e9
-            best = max(best, r["gbs"] * 1e9)
+            bw, t = copy_bandwidth(size, iters=3 if st.dry_run else 20, repeats=3 if st.dry_run else 5)
+            r["ms"], r["gbs"] = t.median_ms, bw / 1e9
+            best = max(best, bw)
             log(f"| {size / GIB:.3f} GiB | {t.median_ms:.3f} | {r['gbs']:.0f} |")
-            del x
     st.state["copy_bw"] = best
     st.note("copy_bw_gbs", best / 1e9)
 
