@@ -146,6 +146,18 @@ def parse_ptxas_verbose(text: str) -> dict[str, int]:
     )
 
 
+def find_ptxas() -> str | None:
+    """The CUDA toolkit's ptxas: on PATH, under $CUDA_HOME, /usr/local/cuda, or beside nvcc."""
+    candidates = [shutil.which("ptxas")]
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidates.append(os.path.join(root, "bin", "ptxas"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.join(os.path.dirname(os.path.realpath(nvcc)), "ptxas"))
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
 def parse_ptxas_functions(text: str) -> dict[str, dict[str, int]]:
     """`ptxas -v` output of a PTX file with several entry functions, by function name."""
     out = {}

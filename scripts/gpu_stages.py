@@ -14,7 +14,6 @@ import glob
 import importlib
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time
@@ -75,7 +74,9 @@ def preflight(st) -> None:
         with st.row(f"import {module}"):
             importlib.import_module(module)
     with st.row("ptxas") as r:
-        ptxas = shutil.which("ptxas")
+        from pallas_kernels.triton_calls import find_ptxas
+
+        ptxas = find_ptxas()
         r["path"] = ptxas
         r["version"] = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1] if ptxas else None
         log(f"ptxas: {r['version'] or 'not on PATH (register counts will be skipped)'}")
@@ -135,13 +136,13 @@ def smoke(st) -> None:
             r["skipped"] = "no PTX on the CPU"
             log("ptxas: skipped in a dry run (no PTX on the CPU)")
             return
-        from pallas_kernels.triton_calls import parse_ptxas_functions
+        from pallas_kernels.triton_calls import find_ptxas, parse_ptxas_functions
 
-        ptxas = shutil.which("ptxas")
+        ptxas = find_ptxas()
         ptx_files = sorted(glob.glob(os.path.join(dump, "*.ptx")))
         r["ptx_files"] = [os.path.basename(p) for p in ptx_files]
         assert ptx_files, f"XLA dumped no .ptx into {dump}"
-        assert ptxas, "no ptxas on PATH"
+        assert ptxas, "no ptxas (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, beside nvcc)"
         for ptx in ptx_files:
             out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", ptx, "-o", os.devnull],
                                  capture_output=True, text=True)
@@ -320,7 +321,7 @@ def step(st) -> None:
 
     from jaxcb.attention import AttentionBackend, AttentionMetadata
     from jaxcb.kv_cache import allocate_kv_cache
-    from jaxcb.model.llama import build_random_model, count_params
+    from jaxcb.model.llama import build_random_model
     from jaxcb.reference_generate import forward_step
     from jaxcb.timing import time_calls
     from pallas_kernels import ragged_paged_attention
@@ -338,6 +339,8 @@ def step(st) -> None:
         param_bytes = n_params * jnp.dtype(cfg.dtype).itemsize
         r.update(params=n_params, gib=param_bytes / GIB, init_s=time.perf_counter() - start)
         log(f"model: {n_params:,} parameters ({param_bytes / GIB:.1f} GiB {cfg.dtype}), init {r['init_s']:.1f} s")
+    if not r["ok"]:
+        return
     bs = 16
     blocks_per_seq = -(-ctx // bs)
     cache_dtype = jnp.dtype(cfg.dtype)
@@ -396,8 +399,6 @@ def step(st) -> None:
                      pct_of_roofline=100 * roof_s / t.median_s)
             log(f"| {name} | {tokens} | {r['compile_s']} | {t.median_ms:.2f} | {tokens / t.median_s:,.0f} | "
                 f"{r['dispatch_ms']:.2f} | {roof_s * 1e3:.2f} | {r['pct_of_roofline']:.0f}% |")
-    del holder, state
-    gc.collect()
 
 
 # engine ------------------------------------------------------------------------------------------
