@@ -119,3 +119,40 @@ def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
     assert call.operand_types[3] == f"tensor<{kv_heads_per_device}x{num_tokens * group + block_m}x128xbf16>"
     blocks = cfg.num_layers * kv_heads_per_device * (num_seqs * width + 1)
     assert call.operand_types[4] == f"tensor<{blocks}x16x128xbf16>"
+
+
+def test_the_engines_step_lowers_for_every_llama8b_bucket(monkeypatch):
+    """The runner's step as the engine compiles it (the model, then sampling), at each token bucket
+    of a 2,048-token budget and 256 sequences, on an abstract 8B model: one kernel, no CPU kernel."""
+    import functools
+
+    import jaxcb.runner
+    from jaxcb.config import compose_config
+    from jaxcb.runner import ModelRunner, make_buckets, packed_sizes
+    from jaxcb.sampling import resolve_argmax
+
+    # The runner picks its row argmax by the host's platform when it is built: here, as on a GPU host.
+    monkeypatch.setattr(jaxcb.runner, "resolve_argmax", functools.partial(resolve_argmax, platform="gpu"))
+
+    cfg = compose_config(["model=llama8b", "model.init=random", "scheduler.max_num_seqs=256",
+                          "scheduler.max_num_batched_tokens=2048", "engine.max_model_len=8192"])
+    model = build_abstract_model(preset("llama8b"), AttentionBackend("pallas", ragged_paged_attention))
+    width = 8192 // 16
+    cache = jax.ShapeDtypeStruct(kv_cache_shape(preset("llama8b"), 256 * width + 1, 16), jnp.bfloat16)
+    buckets = make_buckets(cfg.engine, cfg.scheduler, width, "pallas", platform="gpu")
+    runner = ModelRunner(model, KVCache(cache, cache), buckets, max_model_len=8192, max_logprobs=5,
+                         max_stop_token_ids=8)
+    assert [t for t, _, _ in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    for key in buckets.all():
+        num_tokens, num_seqs, _ = key
+        x = runner._abstract_inputs(*key)
+        num_ints, num_floats = packed_sizes(x)
+        ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32)
+        floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32)
+        lowered = lower_for_gpu(
+            lambda *a, key=key: runner._step(a[0], a[1], key, *a[2:]),
+            runner.state, runner.kv_cache, ints, floats, x.history, x.prev_tokens,
+        )
+        [call] = triton_calls(lowered)
+        assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs), key
+        assert "@jaxcb_" not in lowered.as_text()
