@@ -112,3 +112,18 @@ def test_without_a_gpu_the_check_stops_after_preflight(tmp_path):
 def test_unknown_stage_is_refused_by_name():
     proc = run([sys.executable, GPU_CHECK, "--stages", "smoke,speed"], env=clean_env(), timeout=120)
     assert proc.returncode == 2 and "unknown speed" in proc.stderr
+
+
+def test_the_bare_venv_and_the_gpu_docs_follow_the_jax_pin():
+    """A bump of jax in pyproject.toml must bump the bare venv above and docs/gpu.md with it."""
+    import re
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    pins = {re.split(r"[=<>]", d)[0]: d for d in deps if "==" in d}
+    for name in ("jax", "jaxlib", "flax", "orbax-checkpoint"):
+        assert pins[name] in GPU_IMAGE_PACKAGES, f"{pins[name]} (pyproject.toml) is not in GPU_IMAGE_PACKAGES"
+    jax_version = pins["jax"].split("==")[1]
+    with open(os.path.join(REPO, "docs", "gpu.md")) as f:
+        assert f"jax=={jax_version}" in f.read().replace("`", ""), "docs/gpu.md does not name the pinned jax"
