@@ -136,6 +136,7 @@ class Check:
     def run(self, names: list[str]) -> int:
         import gpu_stages
 
+        self.names = names
         self.start_watchdog()
         for name in names:
             self.current = name
@@ -185,9 +186,9 @@ class Check:
                     entry = self.report.data["stages"][self.current]
                     entry["status"] = "timeout"
                     entry["errors"].append("the --budget ran out during this stage (watchdog)")
-                for later in STAGES[STAGES.index(self.current) + 1:] if self.current else ():
-                    self.report.data["stages"].setdefault(later, {"status": "skipped", "reason": "budget", "rows": [],
-                                                                  "errors": []})
+                for later in self.names[self.names.index(self.current) + 1:] if self.current else ():
+                    self.report.data["stages"][later] = {"status": "skipped", "reason": "budget", "rows": [],
+                                                         "errors": []}
                 log(f"\nWATCHDOG: the budget is spent during stage {self.current}; results written, exiting")
                 self.finish()
             os._exit(EXIT_WATCHDOG)  # a compile in flight cannot be interrupted otherwise

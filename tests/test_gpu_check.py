@@ -85,6 +85,7 @@ def test_watchdog_writes_the_results_and_exits_inside_a_stage(tmp_path):
     assert stages["preflight"]["status"] == "ok"
     assert stages["correctness"]["status"] == "timeout"
     assert stages["step"]["status"] == "skipped"
+    assert "decode" not in stages and "engine" not in stages  # not asked for: not reported
 
 
 def test_rerunning_chosen_stages_keeps_the_others_results(tmp_path):
