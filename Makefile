@@ -4,9 +4,8 @@
 # Extra Hydra overrides go in ARGS, e.g. make serve ARGS="model=llama8b model.init=random".
 
 # The first Python 3.12 found: python3.12 on PATH, else pyenv's. Override with PYTHON=/path/to/python3.12.
-PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 \
-	/usr/bin/python3.12; do "$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' \
-	2>/dev/null && break; done)
+PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
+	"$$p" -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null && break; done)
 VENV := .venv
 PY := $(VENV)/bin/python
 # Marks a venv made by Python 3.12: one made by another Python (an older checkout's 3.11) is rebuilt.

@@ -149,10 +149,7 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket(monkeypatch):
         num_ints, num_floats = packed_sizes(x)
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32)
         floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32)
-        lowered = lower_for_gpu(
-            lambda *a, key=key: runner._step(a[0], a[1], key, *a[2:]),
-            runner.state, runner.kv_cache, ints, floats, x.history, x.prev_tokens,
-        )
+        lowered = lower_for_gpu(runner._step, runner.state, runner.kv_cache, key, ints, floats, x.history, x.prev_tokens)
         [call] = triton_calls(lowered)
         assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs), key
         assert "@jaxcb_" not in lowered.as_text()

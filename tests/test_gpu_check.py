@@ -126,5 +126,8 @@ def test_the_bare_venv_and_the_gpu_docs_follow_the_jax_pin():
     for name in ("jax", "jaxlib", "flax", "orbax-checkpoint"):
         assert pins[name] in GPU_IMAGE_PACKAGES, f"{pins[name]} (pyproject.toml) is not in GPU_IMAGE_PACKAGES"
     jax_version = pins["jax"].split("==")[1]
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        cuda = tomllib.load(f)["project"]["optional-dependencies"]["cuda"]
+    assert f"jax-cuda13-plugin=={jax_version}" in cuda, f"the cuda extra {cuda} is not jax {jax_version}'s CUDA 13 plugin"
     with open(os.path.join(REPO, "docs", "gpu.md")) as f:
         assert f"jax=={jax_version}" in f.read().replace("`", ""), "docs/gpu.md does not name the pinned jax"

@@ -3,7 +3,8 @@
 The Triton IR that jax lowers (tests/test_cuda_lowering.py) goes through the `triton`
 package's compiler to PTX and through `ptxas -v` (pallas_kernels/triton_calls.py): no spills,
 at most 255 registers a thread, at most 227 KiB of shared memory a block. Skipped where the
-`triton` package is not installed (it comes with the test extra's torch on Linux x86-64).
+`triton` package is not installed (it comes with the test extra's torch on Linux x86-64),
+except where JAXCB_REQUIRE_TRITON=1: CI sets it, so there the test cannot pass as skipped.
 
 The table in docs/gpu.md comes from this test:
 
@@ -17,7 +18,8 @@ import pytest
 from cuda_variants import KERNEL_VARIANTS
 from pallas_kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, lower_for_gpu, ptxas_resources, triton_calls
 
-pytest.importorskip("triton")
+if os.environ.get("JAXCB_REQUIRE_TRITON") != "1":
+    pytest.importorskip("triton")
 
 
 def resources_of(variant):

@@ -1,0 +1,43 @@
+"""`make` finds Python 3.12 and rebuilds a .venv that another Python made (read with `make -n`)."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+
+
+def copy_makefile(tmp_path):
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(os.path.join(REPO, name), tmp_path / name)
+
+
+def make_n(tmp_path, target="test"):
+    """The commands `make -n target` would run there."""
+    proc = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_a_venv_made_by_another_python_is_rebuilt_with_python_3_12(tmp_path):
+    copy_makefile(tmp_path)
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)  # an older checkout's venv: no 3.12 stamp
+    lines = make_n(tmp_path)
+    assert "rm -rf .venv" in lines
+    [make_venv] = [line for line in lines if line.endswith(" -m venv .venv")]
+    python = make_venv.split(" -m venv")[0]
+    version = subprocess.run([python, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True)
+    assert version.stdout.strip() == "(3, 12)"
+
+
+def test_a_3_12_venv_that_is_up_to_date_is_kept(tmp_path):
+    copy_makefile(tmp_path)
+    venv = tmp_path / ".venv"
+    venv.mkdir()
+    for stamp in (".python-3.12", ".installed", ".installed-test"):  # newer than pyproject.toml
+        (venv / stamp).touch()
+    assert make_n(tmp_path) == [".venv/bin/python -m pytest -n 2"]
