@@ -263,7 +263,7 @@ def decode(st) -> None:
     iters, repeats = (2, 2) if st.dry_run else (30, 5)
     dtype = jnp.float32 if st.dry_run else jnp.bfloat16
     copy_bw = st.state.get("copy_bw")
-    impls = dict(kernel_fns(st), jax_paged_attention=None)
+    impls = dict(kernel_fns(st), jax_paged_attention=functools.partial(jax_paged_attention, interpret=st.dry_run))
     log("| seqs | context | impl | time (us) | K/V read (MiB) | GB/s | % of copy bw |\n|---|---|---|---|---|---|---|")
     for ctx in contexts:
         for num_seqs in batches:
@@ -272,10 +272,7 @@ def decode(st) -> None:
             kv_bytes = 2 * num_seqs * ctx * hkv * d * jnp.dtype(dtype).itemsize
             for impl, fn in impls.items():
                 with st.row(f"decode x{num_seqs} @ {ctx} {impl}", seqs=num_seqs, context=ctx, impl=impl) as r:
-                    attend = jax_paged_attention(st, args) if fn is None else functools.partial(fn, sm_scale=d**-0.5)
-                    operand = args[0]
-                    rest = args[1:] if fn is not None else ()
-                    t = time_in_loop(attend, operand, *rest, iters=iters, repeats=repeats)
+                    t = time_in_loop(functools.partial(fn, sm_scale=d**-0.5), *args, iters=iters, repeats=repeats)
                     r["us"], r["gbs"] = t.median_s * 1e6, kv_bytes / t.median_s / 1e9
                     r["pct_of_copy_bw"] = 100 * kv_bytes / t.median_s / copy_bw if copy_bw else None
                     pct = f"{r['pct_of_copy_bw']:.0f}%" if copy_bw else "-"
@@ -283,19 +280,19 @@ def decode(st) -> None:
             del args
 
 
-def jax_paged_attention(st, args):
-    """JAX's Pallas paged_attention (jax.experimental.pallas.ops.gpu) over layer 0 of the same cache:
-    a function of q alone, so that it times like the others."""
+def jax_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, *, sm_scale,
+                        interpret=False):
+    """JAX's own Pallas paged_attention (jax.experimental.pallas.ops.gpu) with our kernels' arguments,
+    for a decode batch (one token per sequence) over a one-layer cache."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-    _, k_cache, v_cache, kv_lens, tables, *_ = args
-    pages_per_seq = tables.shape[1]
+    assert k_cache.shape[0] == 1, f"{k_cache.shape=}: one layer, so that dropping the axis copies nothing"
+    pages_per_seq = block_tables.shape[1]
     pages_per_block = min(8, pages_per_seq)
     k_splits = max(1, min(16, pages_per_seq // pages_per_block))
-    return functools.partial(
-        lambda q, k, v, t, n: paged_attention(q, k, v, t, n, pages_per_compute_block=pages_per_block,
-                                              k_splits=k_splits, interpret=st.dry_run),
-        k=k_cache[0], v=v_cache[0], t=tables, n=kv_lens,
+    return paged_attention(
+        q * sm_scale, k_cache.reshape(k_cache.shape[1:]), v_cache.reshape(v_cache.shape[1:]), block_tables, kv_lens,
+        pages_per_compute_block=pages_per_block, k_splits=k_splits, interpret=interpret,
     )
 
 
