@@ -18,14 +18,13 @@ Used by tests/test_cuda_lowering.py, tests/test_triton_resources.py and scripts/
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
@@ -47,13 +46,6 @@ def gpu_mesh(
     return AbstractMesh((num_devices,), (axis_name,), axis_types=(AxisType.Auto,), abstract_device=device)
 
 
-@contextlib.contextmanager
-def lowering_for(mesh: AbstractMesh) -> Iterator[AbstractMesh]:
-    """Trace and lower inside this block as if for the mesh's GPUs."""
-    with jax.sharding.use_abstract_mesh(mesh):
-        yield mesh
-
-
 def lower_for_gpu(fn: Callable, *args: Any, mesh: AbstractMesh | None = None) -> jax.stages.Lowered:
     """`jax.jit(fn)` lowered for CUDA at the shapes of `args` (ShapeDtypeStructs), on `mesh`.
 
@@ -61,7 +53,7 @@ def lower_for_gpu(fn: Callable, *args: Any, mesh: AbstractMesh | None = None) ->
     test suite's "highest" turns a float32 dot into several and changes the kernel).
     """
     mesh = mesh or gpu_mesh()
-    with lowering_for(mesh), jax.default_matmul_precision("default"):
+    with jax.sharding.use_abstract_mesh(mesh), jax.default_matmul_precision("default"):
         traced = fn.trace(*args) if hasattr(fn, "trace") else jax.jit(fn).trace(*args)
         return traced.lower(lowering_platforms=("cuda",))
 
