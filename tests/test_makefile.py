@@ -18,7 +18,10 @@ def copy_makefile(tmp_path):
 
 def make_n(tmp_path, target="test"):
     """The commands `make -n target` would run there."""
-    proc = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    # As from a shell: not as a sub-make of `make test`, whose flags and variables would pass down.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTEST_ARGS", "ARGS")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
