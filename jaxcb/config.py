@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 MODEL_PRESETS = ("tiny", "llama3_1b", "llama8b", "llama70b", "hf")
 DTYPES = ("float32", "bfloat16", "float16")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
-LINEAR_IMPLS = ("auto", "cpu", "xla")
+BACKENDS = ("auto", "cpu", "xla")
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 
 
@@ -59,10 +59,11 @@ class ModelConfig:
     # fast compiles) | unrolled (a loop over per-layer weight arrays; XLA:CPU copies every layer's
     # slice of a stacked weight, so this is faster there) | auto (unrolled on CPU, scan elsewhere).
     layer_loop: str = "auto"
-    # Who multiplies in the linear layers and the LM head: cpu (a C++ kernel over weights packed
-    # once at load; float32, unrolled layers, one device) | xla (XLA's dot) | auto (cpu where it
-    # applies, xla elsewhere).
-    linear_impl: str = "auto"
+    # The layer operations the model runs on (jaxcb/backends/): cpu (the packed C++ matmul over
+    # weights packed once at load; float32, unrolled layers, one device) | xla (XLA's dot) |
+    # auto (cpu where it applies, xla elsewhere).
+    backend: str = "auto"
+    linear_impl: Optional[str] = None  # renamed model.backend; refused when set
     vocab_size: Optional[int] = None
     hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
@@ -485,9 +486,13 @@ def validate_model_config(m: ModelConfig) -> None:
         f"(auto: unrolled on CPU, scan elsewhere)",
     )
     _require(
-        m.linear_impl in LINEAR_IMPLS,
-        f"model.linear_impl={m.linear_impl!r} must be one of {', '.join(LINEAR_IMPLS)} "
-        f"(auto: the C++ matmul on CPU for float32 weights, XLA's dot elsewhere)",
+        m.linear_impl is None,
+        f"model.linear_impl={m.linear_impl} was renamed: use model.backend={m.linear_impl} (auto, cpu or xla)",
+    )
+    _require(
+        m.backend in BACKENDS,
+        f"model.backend={m.backend!r} must be one of {', '.join(BACKENDS)} "
+        f"(auto: the packed C++ matmul on CPU for float32 weights, XLA's dot elsewhere)",
     )
     if m.init == "checkpoint":
         _require(
@@ -497,9 +502,9 @@ def validate_model_config(m: ModelConfig) -> None:
         )
     if m.checkpoint is not None:
         _require(
-            os.path.isdir(m.checkpoint),
-            f"model.checkpoint={m.checkpoint} is not a directory; give the path of a Hugging Face "
-            f"(config.json + *.safetensors) or Orbax checkpoint directory",
+            os.path.isdir(m.checkpoint) or (m.checkpoint.endswith(".gguf") and os.path.isfile(m.checkpoint)),
+            f"model.checkpoint={m.checkpoint} is not a directory or a .gguf file; give the path of a "
+            f"Hugging Face (config.json + *.safetensors) or Orbax checkpoint directory, or of a GGUF file",
         )
     if m.tokenizer is not None:
         _require(

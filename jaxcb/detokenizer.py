@@ -23,6 +23,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
+        self._num_checked = 0  # text before this offset holds no stop string
+        self._max_stop_len = max((len(x) for x in stop), default=0)
         self.stopped = False
 
     def add_token(self, token_id: int) -> Optional[str]:
@@ -48,7 +50,11 @@ class IncrementalDetokenizer:
     def _check_stop(self) -> Optional[str]:
         if self.stopped:
             return None
-        hits = [(self.text.find(s), s) for s in self.stop]
+        # Only the new text and the tail before it that a stop string could straddle: the search
+        # costs the same at every token, however long the text.
+        start = max(0, self._num_checked - self._max_stop_len + 1)
+        self._num_checked = len(self.text)
+        hits = [(self.text.find(s, start), s) for s in self.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return None
@@ -60,12 +66,17 @@ class IncrementalDetokenizer:
     @property
     def stream_text(self) -> str:
         """The text that can be shown now: minus any tail that may yet begin a stop string."""
+        return self.text[: self.stream_length]
+
+    @property
+    def stream_length(self) -> int:
+        """len(stream_text), without copying the text."""
         if self.stopped or not self.stop:
-            return self.text
+            return len(self.text)
         hold = 0
         for s in self.stop:
             for k in range(min(len(s) - 1, len(self.text)), 0, -1):
                 if self.text.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        return self.text[: len(self.text) - hold]
+        return len(self.text) - hold

@@ -1,13 +1,14 @@
 """The engine: requests in, one scheduled step at a time, outputs out; and `LLM` for offline use.
 
-Life of a request:
-  1. `add_request` validates it (prompt length, limits, sampling params) and queues one
-     sequence per completion (n > 1: the others share the first one's prompt blocks).
+Life of a request (docs/architecture.md has the whole picture):
+  1. `add_request` validates it (prompt length, limits, sampling params), registers its group
+     with the output processor and queues one sequence per completion (n > 1: the others share
+     the first one's prompt blocks).
   2. each `step()`: the scheduler picks tokens for running and newly admitted sequences, the
-     runner runs the compiled step and samples, the scheduler appends the tokens and frees
-     the blocks of sequences that stopped on a token.
-  3. the engine detokenizes the new tokens, ends sequences that hit a stop string, and
-     returns a `RequestOutput` for every request that changed.
+     runner runs the compiled step and samples, the scheduler appends the tokens.
+  3. the output processor (`output.py`) detokenizes them, decides every stop (tokens, length,
+     strings) and returns a `RequestOutput` for every request that changed; the scheduler frees
+     the blocks of the sequences that stopped.
   4. `abort` ends a request wherever it is and frees its blocks at once.
 """
 
@@ -19,24 +20,21 @@ import os
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import jax
 from tqdm import tqdm
 
-from jaxcb.attention import check_cache_dtype
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import Config
-from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import HostSwapSpace, allocate_planned_kv_cache, num_swap_blocks, plan_kv_cache
 from jaxcb.model.config import resolve_llama_config
-from jaxcb.model.llama import resolve_layer_loop, resolve_linear_impl
 from jaxcb.model_setup import load_model_and_tokenizer
-from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxcb.request import Request, RequestStatus
-from jaxcb.runner import ModelRunner, make_buckets
+from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
+from jaxcb.outputs import RequestOutput
+from jaxcb.request import Request
+from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.scheduler import Scheduler
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
@@ -54,23 +52,6 @@ def enable_compilation_cache(directory: Optional[str]) -> str:
     return directory
 
 
-@dataclass
-class _Group:
-    """The n sequences of one request, and their text."""
-
-    request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    seqs: list[Request]
-    detokenizers: list[IncrementalDetokenizer]
-    final_only: bool = False  # step() reports it only once it has finished
-    arrival_time: float = field(default_factory=time.monotonic)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
 class Engine:
     def __init__(self, cfg: Config, *, compile_buckets: bool = True, progress: bool = True):
         self.cfg = cfg
@@ -78,8 +59,8 @@ class Engine:
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
         # The mesh, checked against the architecture before any weight is read.
         self.tp = make_tensor_parallel(cfg.engine.tensor_parallel_size, resolve_llama_config(cfg.model))
-        model, model_cfg, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention, self.tp)
-        self.model_config = model_cfg
+        model, backend, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention, self.tp)
+        self.model_config = model_cfg = backend.cfg
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or ())
         self.max_model_len = cfg.engine.max_model_len or model_cfg.max_position_embeddings
         plan = plan_kv_cache(
@@ -87,14 +68,15 @@ class Engine:
             tensor_parallel_size=cfg.engine.tensor_parallel_size,
         )
         self.cache_plan = plan
-        check_cache_dtype(model.attention, plan.dtype)
+        backend.attention.check_cache_dtype(plan.dtype)
         self.block_pool = BlockPool(plan.num_blocks)
         kv_cache = allocate_planned_kv_cache(model_cfg, plan, self.tp.kv_cache if self.tp is not None else None)
         host_pool = swap_space = None
         if cfg.scheduler.preemption_mode == "swap":
             num_host = num_swap_blocks(cfg.cache, plan)
             if num_host >= 2:
-                host_pool, swap_space = BlockPool(num_host), HostSwapSpace(kv_cache, num_host)
+                host_pool = BlockPool(num_host)
+                swap_space = HostSwapSpace(kv_cache, num_host, backend.attention.write_blocks_fn)
                 log.info("swap space: %d host blocks (cache.swap_space_gib=%g)", num_host - 1, cfg.cache.swap_space_gib)
             else:
                 log.warning("cache.swap_space_gib=%g holds no block: preemption will recompute", cfg.cache.swap_space_gib)
@@ -108,10 +90,10 @@ class Engine:
             host_pool=host_pool,
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
-        buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, model.attention.name)
-        layer_loop = resolve_layer_loop(cfg.model.layer_loop)
+        buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, backend.attention.name)
         self.runner = ModelRunner(
             model,
+            backend,
             kv_cache,
             buckets,
             max_model_len=self.max_model_len,
@@ -119,15 +101,11 @@ class Engine:
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
             swap_space=swap_space,
             tp=self.tp,
-            unroll_layers=layer_loop == "unrolled",
-            pack_linear=resolve_linear_impl(
-                cfg.model.linear_impl, dtype=model_cfg.dtype, layer_loop=layer_loop,
-                tensor_parallel_size=cfg.engine.tensor_parallel_size,
-            ) == "cpu",
         )
+        del model  # the runner's backend took over its parameters
         if compile_buckets:
             self.runner.compile_all(progress=progress)
-        self._groups: dict[str, _Group] = {}
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._seed_rng = random.Random(cfg.engine.seed)
         self._next_id = 0
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens): throughput for hints
@@ -143,43 +121,42 @@ class Engine:
         request_id: Optional[str] = None,
         priority: int = 0,
         final_only: bool = False,
+        output_kind: Optional[OutputKind] = None,
     ) -> str:
         """Queue a request; raise InvalidRequestError (nothing queued) if it can never be served.
 
-        `final_only`: `step()` returns this request's output once, when it finishes, instead of
-        after every step (offline generation, where nobody reads partial outputs: building them
-        costs host time that grows with the output length)."""
+        `output_kind`: what `step()` returns for it (`jaxcb.output.OutputKind`): CUMULATIVE (the
+        default) after every step, DELTA only what is new (streams: the cost of a step does not grow
+        with the output), FINAL_ONLY once, when it finishes (`final_only=True` says the same)."""
         params = params or SamplingParams()
+        kind = output_kind or (OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
         if request_id is None:
             request_id = str(self._next_id)
             self._next_id += 1
-        if request_id in self._groups:
+        if request_id in self.output.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._validate(ids, params)
         self._admission_control(len(ids), params.n)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        seqs = []
+        group = RequestGroup(request_id, text, list(ids), params, kind)
         for i in range(params.n):
-            seqs.append(
+            group.seqs.append(
                 Request(
-                    request_id=f"{request_id}#{i}" if params.n > 1 else request_id,
+                    request_id=(request_id, i),  # a sequence's own id: never parsed, unique whatever the user's id
                     prompt_token_ids=list(ids),
                     sampling_params=params,
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
                     sample_index=i,
-                    parent_id=seqs[0].request_id if i else None,
+                    parent_id=group.seqs[0].request_id if i else None,
+                    group_id=request_id,
                 )
             )
-        group = _Group(
-            request_id, text, list(ids), seqs, [IncrementalDetokenizer(self.tokenizer, params.stop) for _ in seqs],
-            final_only=final_only,
-        )
-        self._groups[request_id] = group
-        for seq in seqs:
+        self.output.add(group)
+        for seq in group.seqs:
             self.scheduler.add_request(seq)
         return request_id
 
@@ -244,7 +221,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """End a request now and free its blocks; False if it is unknown or already finished."""
-        group = self._groups.pop(request_id, None)
+        group = self.output.remove(request_id)
         if group is None:
             return False
         for seq in group.seqs:
@@ -252,7 +229,7 @@ class Engine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups) or self._in_flight is not None
+        return bool(self.output.groups) or self._in_flight is not None
 
     # --- steps ---------------------------------------------------------------------------------
 
@@ -277,50 +254,16 @@ class Engine:
         previous, self._in_flight = self._in_flight, handle
         return self._process(previous) if previous is not None else []
 
-    def _process(self, handle: tuple) -> list[RequestOutput]:
-        """Collect a dispatched step's tokens and turn them into outputs."""
-        sched_out = handle[0]
+    def _process(self, handle: StepHandle) -> list[RequestOutput]:
+        """Collect a dispatched step's tokens: the scheduler takes them, the output processor turns
+        them into outputs and says which sequences stop, and those free their blocks now."""
+        sched_out = handle.scheduled
         runner_out = self.runner.collect(handle)
         self._recent_steps.append((time.monotonic(), sched_out.num_scheduled_tokens))
-        changed: dict[str, _Group] = {}
-        for seq, token in self.scheduler.update(sched_out, runner_out):
-            group_id = seq.request_id.split("#")[0] if seq.sampling_params.n > 1 else seq.request_id
-            group = self._groups.get(group_id)
-            if group is None:
-                continue
-            detok = group.detokenizers[seq.sample_index]
-            stop = detok.add_token(token)
-            if stop is not None and not seq.is_finished:
-                self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_STOPPED)
-            if seq.is_finished:
-                detok.finish()
-            changed[group_id] = group
-        outputs = []
-        for group_id, group in changed.items():
-            finished = group.finished
-            if finished or not group.final_only:
-                outputs.append(self._output(group))
-            if finished:
-                del self._groups[group_id]
+        outputs, stops = self.output.process(self.scheduler.update(sched_out, runner_out))
+        for seq, status in stops:
+            self.scheduler.finish(seq.request_id, status)
         return outputs
-
-    def _output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for seq, detok in zip(group.seqs, group.detokenizers):
-            want_logprobs = seq.sampling_params.logprobs is not None
-            completions.append(
-                CompletionOutput(
-                    index=seq.sample_index,
-                    # while running: without a tail that may still turn into a stop string
-                    text=detok.text if seq.is_finished else detok.stream_text,
-                    token_ids=list(seq.output_token_ids[: len(detok.token_ids)]),
-                    finish_reason=seq.status.value if seq.is_finished else None,
-                    logprobs=list(seq.output_logprobs) if want_logprobs else None,
-                )
-            )
-        first = group.seqs[0]
-        metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, first.finished_time)
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, group.finished, metrics)
 
     @property
     def num_recompiles(self) -> int:

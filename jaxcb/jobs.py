@@ -195,12 +195,10 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 continue
             try:
                 prompt, params = _request(llm, rec.data)
-                in_flight[engine.add_request(prompt, params)] = rec.id
+                in_flight[engine.add_request(prompt, params, final_only=True)] = rec.id
             except (InvalidRequestError, EngineOverloadedError) as e:
                 yield {"id": rec.id, "error": str(e)}
-        for out in engine.step():
-            if not out.finished:
-                continue
+        for out in engine.step():  # final outputs only
             c = out.outputs[0]
             yield {
                 "id": in_flight.pop(out.request_id), "text": c.text, "token_ids": c.token_ids,

@@ -1,50 +1,29 @@
-"""The paged KV cache's device buffers.
+"""The paged KV cache's size and device buffers, and the host swap space.
 
-K and V of all layers live in two preallocated arrays, `[num_layers, num_kv_heads,
-num_blocks, block_size, head_dim]` -- one block of one head is a contiguous
-[block_size, head_dim] tile, what the attention kernel reads -- allocated once and updated
-in place by the jitted step (which donates them). Block 0 is the null block: padding tokens write there and
-unused block-table entries point there, so it never holds data anyone reads. Under tensor
-parallelism both arrays are split on the KV-head axis: each device holds 1/tp of every block.
+The layout (`[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` for K and for V,
+block 0 the null block) and the writes into it belong to the attention forms
+(`jaxcb.kernels.attention`); this module decides how many blocks there are, allocates them
+once, and copies whole blocks to and from host memory for swap preemption.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
-from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, write_kv_rows
-from jaxcb.block_pool import NULL_BLOCK  # noqa: F401  (re-exported: the cache owns the null block)
 from jaxcb.config import CacheConfig, ConfigError
+from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, gather_blocks, scatter_blocks  # noqa: F401
 from jaxcb.model.config import LlamaConfig
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
-
-
-@dataclasses.dataclass
-class KVCache:
-    k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
-    v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
-
-    @property
-    def num_blocks(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def block_size(self) -> int:
-        return self.k.shape[3]
-
-
-jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=[])
 
 
 def kv_cache_shape(model: LlamaConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -185,100 +164,16 @@ def allocate_planned_kv_cache(model: LlamaConfig, plan: KVCachePlan, sharding: O
     return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding)
 
 
-def write_kv(
-    cache: KVCache,
-    layer: jax.Array,  # i32[]
-    k: jax.Array,  # [T, num_kv_heads, head_dim]
-    v: jax.Array,  # [T, num_kv_heads, head_dim]
-    slot_mapping: jax.Array,  # i32[T]; slot = block * block_size + offset
-) -> KVCache:
-    """Scatter one layer's new K/V into their slots (in place when the cache is donated): on
-    CPU with the C++ kernel, elsewhere with XLA's scatter."""
-
-    def with_kernel(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
-        return KVCache(*write_kv_rows(cache.k, cache.v, layer, k, v, slot_mapping))
-
-    return _on_cpu_with_kernel(with_kernel, _scatter_kv, cache, layer, k, v, slot_mapping)
-
-
-def _on_cpu_with_kernel(with_kernel, elsewhere, *args):
-    """with_kernel(*args) where the step runs on CPU and the C++ kernels build, elsewhere(*args)
-    otherwise. Chosen when the step is lowered, for the platform it is lowered for: a step
-    lowered here for a GPU must not call a CPU kernel."""
-    if not _cpu_write_available():
-        return elsewhere(*args)
-    return jax.lax.platform_dependent(*args, cpu=with_kernel, default=elsewhere)
-
-
-def _scatter_kv(cache: KVCache, layer, k, v, slot_mapping) -> KVCache:
-    num_layers, num_kv_heads, num_blocks, block_size, head_dim = cache.k.shape
-    flat = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-    if slot_mapping.shape[0] == 1:
-        # XLA rewrites a one-row scatter as a select around a dynamic-update-slice, which it
-        # does not do in place: every layer's write would copy the whole cache (hundreds of
-        # MB per step). A second row aimed past the end (dropped) keeps it a scatter.
-        k, v = (jnp.concatenate([a, jnp.zeros_like(a)]) for a in (k, v))
-        slot_mapping = jnp.concatenate([slot_mapping, jnp.full((1,), flat[2], slot_mapping.dtype)])
-    # Indexing [layer, :, slots] puts the token axis first: the update is [T, num_kv_heads, head_dim].
-    k_flat = cache.k.reshape(flat).at[layer, :, slot_mapping].set(k.astype(cache.k.dtype), mode="drop")
-    v_flat = cache.v.reshape(flat).at[layer, :, slot_mapping].set(v.astype(cache.v.dtype), mode="drop")
-    return KVCache(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape))
-
-
-@functools.cache
-def _cpu_write_available() -> bool:
-    """Whether this host runs on CPU with the C++ kernels built: there the new rows are written by
-    `cpu_kernels.write_kv_rows`, as XLA:CPU's scatter into a bfloat16 cache converts the whole
-    cache to f32 and back, twice per layer. (A GPU host does not build the kernels for this.)"""
-    if jax.default_backend() != "cpu":
-        return False
-    try:
-        load_cpu_kernels()
-        return True
-    except CpuKernelUnavailable:
-        return False
-
-
-SWAP_CHUNK = 16  # blocks per device<->host copy call: one compiled shape, padded with the null block
-
-
-@jax.jit
-def gather_blocks(cache: KVCache, block_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """K and V of `block_ids` (i32[SWAP_CHUNK]): [num_layers, num_kv_heads, SWAP_CHUNK, block_size, head_dim] each."""
-    return cache.k[:, :, block_ids], cache.v[:, :, block_ids]
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def scatter_blocks(cache: KVCache, block_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """Write K and V into `block_ids` (in place: the cache is donated). Padding targets the null block."""
-
-    def with_kernel(cache: KVCache, block_ids, k, v) -> KVCache:  # layer by layer, as rows of slots
-        num_layers, num_kv_heads, _, block_size, head_dim = cache.k.shape
-        slots = (block_ids[:, None] * block_size + jnp.arange(block_size, dtype=block_ids.dtype)).reshape(-1)
-
-        def rows(x: jax.Array, layer: int) -> jax.Array:  # [L, Hkv, n, BS, D] -> [n * BS, Hkv, D]
-            return jnp.moveaxis(x[layer], 0, -2).reshape(-1, num_kv_heads, head_dim)
-
-        k_cache, v_cache = cache.k, cache.v
-        for layer in range(num_layers):
-            k_cache, v_cache = write_kv_rows(k_cache, v_cache, jnp.int32(layer), rows(k, layer), rows(v, layer), slots)
-        return KVCache(k=k_cache, v=v_cache)
-
-    def with_scatter(cache: KVCache, block_ids, k, v) -> KVCache:
-        return KVCache(k=cache.k.at[:, :, block_ids].set(k), v=cache.v.at[:, :, block_ids].set(v))
-
-    return _on_cpu_with_kernel(with_kernel, with_scatter, cache, block_ids, k, v)
-
-
 class HostSwapSpace:
     """Preallocated host memory for swapped-out blocks, indexed by host block id (0 unused)."""
 
-    def __init__(self, cache: KVCache, num_blocks: int):
+    def __init__(self, cache: KVCache, num_blocks: int, write_blocks: Callable[..., KVCache] = scatter_blocks):
         num_layers, num_kv_heads, _, block_size, head_dim = cache.k.shape
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         self.k = np.zeros(shape, cache.k.dtype)
         self.v = np.zeros(shape, cache.v.dtype)
         self.num_blocks = num_blocks
+        self.write_blocks = write_blocks  # the attention form's: (cache, block_ids, k, v) -> cache, donated
 
     def swap_out(self, cache: KVCache, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to host blocks: pairs of (device block, host block)."""
@@ -299,7 +194,7 @@ class HostSwapSpace:
             dev[: len(chunk)] = [d for _, d in chunk]
             host = np.zeros(SWAP_CHUNK, np.int64)
             host[: len(chunk)] = [h for h, _ in chunk]
-            cache = scatter_blocks(cache, jnp.asarray(dev), jnp.asarray(self.k[:, :, host]), jnp.asarray(self.v[:, :, host]))
+            cache = self.write_blocks(cache, jnp.asarray(dev), jnp.asarray(self.k[:, :, host]), jnp.asarray(self.v[:, :, host]))
         return cache
 
 

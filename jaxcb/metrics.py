@@ -100,7 +100,7 @@ class EngineMetrics:
 
     def _observe_request(self, out: RequestOutput, now: float) -> None:
         rid = out.request_id
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        num_tokens = sum(c.num_generated for c in out.outputs)
         new = num_tokens - self._token_counts.get(rid, 0)
         if new > 0:
             self.generation_tokens.inc(new)

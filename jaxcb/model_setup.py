@@ -7,9 +7,8 @@ import logging
 import os
 from typing import Optional
 
-from jaxcb.attention import get_attention_backend
+from jaxcb.backends import Backend, select_backend
 from jaxcb.config import AttentionConfig, ModelConfig
-from jaxcb.model.config import LlamaConfig
 from jaxcb.model.llama import Llama
 from jaxcb.model.loader import load_model
 from jaxcb.sharding import TensorParallel
@@ -31,10 +30,11 @@ def checkpoint_eos_token_ids(directory: str) -> set[int]:
 
 def load_model_and_tokenizer(
     m: ModelConfig, attention: AttentionConfig, tp: Optional[TensorParallel] = None
-) -> tuple[Llama, LlamaConfig, Tokenizer]:
-    """The model (split over `tp`'s mesh if given) and its tokenizer with every end-of-sequence id."""
-    backend = get_attention_backend(attention, tp.mesh if tp is not None else None)
-    model, cfg = load_model(m, backend, tp)
+) -> tuple[Llama, Backend, Tokenizer]:
+    """The model (split over `tp`'s mesh if given), the backend that will run it, and its tokenizer
+    with every end-of-sequence id."""
+    model, cfg = load_model(m, tp)
+    backend = select_backend(m, cfg, attention, mesh=tp.mesh if tp is not None else None)
     tokenizer = load_tokenizer(m.tokenizer or m.checkpoint)
     # End-of-sequence ids: the tokenizer's, the preset's and the checkpoint's (config.json and
     # generation_config.json list the end-of-turn ids of chat models).
@@ -43,8 +43,8 @@ def load_model_and_tokenizer(
         eos |= checkpoint_eos_token_ids(m.checkpoint)
     tokenizer.eos_token_ids = sorted(eos)
     log.info(
-        "model=%s: %d layers, hidden %d, %d/%d heads, vocab %d, %s; tokenizer %s; attention %s",
+        "model=%s: %d layers, hidden %d, %d/%d heads, vocab %d, %s; tokenizer %s; %s; attention %s",
         m.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
-        cfg.dtype, type(tokenizer).__name__, backend.name,
+        cfg.dtype, type(tokenizer).__name__, backend.describe(), backend.attention.name,
     )
-    return model, cfg, tokenizer
+    return model, backend, tokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Hashable, Optional
 
 from jaxcb.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ FINISHED_STATES = frozenset(
 
 @dataclass
 class Request:
-    request_id: str
+    request_id: Hashable  # unique per sequence; the engine uses (the user's request id, sample index)
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
@@ -42,9 +42,9 @@ class Request:
     priority: int = 0
     seed: int = 0  # resolved sampling seed (the params' seed, or one the engine drew)
     sample_index: int = 0  # which of the n completions this sequence is
-    parent_id: Optional[str] = None  # the leader whose prompt blocks this sequence shares (n > 1)
+    parent_id: Optional[Hashable] = None  # the leader whose prompt blocks this sequence shares (n > 1)
+    group_id: Optional[str] = None  # the user's request this sequence belongs to (its output group)
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)

@@ -13,35 +13,16 @@ the raw model distribution (log-softmax of the logits before any of it).
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-
-log = logging.getLogger(__name__)
 
 Argmax = Callable[[jax.Array], jax.Array]  # f32[R, V] -> i32[R], jnp.argmax's indices
 
 
 def xla_argmax(x: jax.Array) -> jax.Array:
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
-
-
-def resolve_argmax(*, one_device: bool, platform: str | None = None) -> Argmax:
-    """The row argmax the step samples with: the C++ kernel on one CPU device (XLA:CPU's argmax
-    runs one element at a time, ~1.2 ms over 64 rows of a 32k vocab), XLA's elsewhere. Both give
-    the same indices, so this is no knob."""
-    if (platform or jax.default_backend()) != "cpu" or not one_device:
-        return xla_argmax
-    from cpu_kernels import CpuKernelUnavailable, load_cpu_kernels, row_argmax
-
-    try:
-        load_cpu_kernels()
-    except CpuKernelUnavailable as e:
-        log.info("the C++ row argmax is unavailable, sampling with XLA's (%s)", e)
-        return xla_argmax
-    return row_argmax
 
 
 @dataclasses.dataclass
@@ -64,6 +45,8 @@ class SamplingArrays:
     # bool[]: skip the log-softmax normaliser (a max and a sum of exps over [R, V]) when no row
     # wants even its chosen token's logprob (every row's `logprobs` is None); those rows' are 0.
     any_token_logprob: jax.Array = True
+
+    FLAGS = ("any_penalty", "any_filter", "any_random", "any_logprobs", "any_token_logprob")  # the bool[] fields
 
 
 jax.tree_util.register_dataclass(

@@ -16,9 +16,9 @@ decode token or the next prefill chunk. `schedule()`:
        only the rest -- always at least its last token, into a block of its own, so a
        cached block is never written.
 
-`update()` applies the runner's sampled tokens, registers blocks that became full in the
-prefix cache, decides which sequences finished on a token (EOS, stop token, max_tokens,
-max_model_len) and frees their blocks at once.
+`update()` applies the runner's sampled tokens and registers blocks that became full in the
+prefix cache. Whether a sequence stops is decided by the output processor (`jaxcb.output`),
+which sees tokens and text; `finish()` then frees its blocks at once.
 """
 
 from __future__ import annotations
@@ -140,10 +140,12 @@ class Scheduler:
         return True
 
     def finish(self, request_id: str, status: RequestStatus) -> None:
-        """Finish a running request for a reason found outside the scheduler (a stop string)."""
-        request = self.requests[request_id]
-        if request.is_finished:
+        """Finish a request that stopped (the output processor saw its stop token, length or string)."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
             return
+        while request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
+            request.output_token_ids.pop()  # a token drawn after the stop (async scheduling)
         if request in self.running:
             self.running.remove(request)
         else:
@@ -456,9 +458,11 @@ class Scheduler:
             if seq.samples:
                 request.output_token_ids.append(PLACEHOLDER)
 
-    def update(self, out: SchedulerOutput, runner_out: RunnerOutput) -> list[tuple[Request, int]]:
-        """Fill the step's placeholders with the sampled tokens, register blocks that became full,
-        finish sequences that stop on a token (freeing their blocks); return (request, new token)."""
+    def update(
+        self, out: SchedulerOutput, runner_out: RunnerOutput
+    ) -> list[tuple[Request, int, Optional[dict[int, float]]]]:
+        """Fill the step's placeholders with the sampled tokens and register blocks that became full;
+        return (request, new token, its logprobs with the top ones, or None) of each sampling sequence."""
         touched = []
         now = time.monotonic()
         for seq in out.scheduled:
@@ -470,29 +474,15 @@ class Scheduler:
                 index = seq.num_output_tokens  # the placeholder this step filled
                 assert request.output_token_ids[index] == PLACEHOLDER
                 request.output_token_ids[index] = sampled.token_id
+                top = None
                 if request.sampling_params.logprobs is not None:
                     top = dict(sampled.top_logprobs or {})
                     top[sampled.token_id] = sampled.logprob
-                    request.output_logprobs.append(top)
                 if request.first_token_time is None:
                     request.first_token_time = now
-                touched.append((request, sampled.token_id))
+                touched.append((request, sampled.token_id, top))
             if request.status is RequestStatus.RUNNING and PLACEHOLDER not in request.token_ids(
                 request.num_registered_blocks * self.block_size, request.num_computed_tokens
             ):
                 self._register_full_blocks(request)
-            if sampled is not None:
-                status = self._stop_status(request, sampled.token_id, index + 1)
-                if status is not None:
-                    del request.output_token_ids[index + 1 :]  # a token drawn ahead of the stop
-                    self.finish(request.request_id, status)
         return touched
-
-    def _stop_status(self, request: Request, token: int, num_output: int) -> Optional[RequestStatus]:
-        params = request.sampling_params
-        if num_output >= params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in request.eos_token_ids):
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or request.num_prompt_tokens + num_output >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None

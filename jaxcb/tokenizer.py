@@ -1,13 +1,17 @@
-"""Tokenizers: HF `tokenizers` for a checkpoint's tokenizer.json, bytes for the embedded tiny model.
+"""Tokenizers: HF `tokenizers` for a checkpoint's tokenizer.json or a GGUF's metadata, bytes for the tiny model.
 
 Both expose the same small interface (`encode`, `decode`, `apply_chat_template`, special
-ids). Chat templates are the checkpoint's own Jinja template from tokenizer_config.json,
-rendered in a sandbox as transformers does; the byte tokenizer has a plain built-in one.
+ids). Chat templates are the checkpoint's own Jinja template, found where transformers finds
+it (chat_template.jinja, else tokenizer_config.json's "chat_template"; a GGUF's
+tokenizer.chat_template) and rendered in a sandbox as transformers does; the byte tokenizer
+has a plain built-in one. A GGUF's byte-level BPE is rebuilt from its vocabulary, merges and
+token types, split before BPE the way llama.cpp splits for its `tokenizer.ggml.pre`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from datetime import datetime
 from typing import Any, Optional, Protocol
@@ -15,6 +19,9 @@ from typing import Any, Optional, Protocol
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+log = logging.getLogger(__name__)
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where current transformers saves a checkpoint's template
 PLAIN_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
@@ -72,33 +79,68 @@ def _token_text(value: Any) -> Optional[str]:
     return value
 
 
+def read_chat_template(directory: str, config: dict[str, Any]) -> Optional[str]:
+    """The directory's chat template where transformers looks: chat_template.jinja (written by
+    current transformers) before tokenizer_config.json's "chat_template" (older checkpoints)."""
+    path = os.path.join(directory, CHAT_TEMPLATE_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    return template
+
+
 class HFTokenizer:
-    """A checkpoint's tokenizer.json (+ tokenizer_config.json for specials and the chat template)."""
+    """A `tokenizers.Tokenizer` with tokenizer_config.json's specials and chat template.
 
-    def __init__(self, directory: str):
-        from tokenizers import Tokenizer as _Tokenizer
+    From a checkpoint directory (tokenizer.json + tokenizer_config.json + chat_template.jinja)
+    or from a GGUF file's metadata; `save` writes the directory form."""
 
-        path = os.path.join(directory, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{directory} has no tokenizer.json; set model.tokenizer=DIR to one that has")
-        self._tok = _Tokenizer.from_file(path)
-        config: dict[str, Any] = {}
-        config_path = os.path.join(directory, "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path) as f:
-                config = json.load(f)
+    def __init__(self, tok: Any, config: dict[str, Any], chat_template: Optional[str], source: str,
+                 extra_eos_token_ids: tuple[int, ...] = ()):
+        self._tok = tok
+        self._config = config
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
-        self.eos_token_ids = [eos_id] if eos_id is not None else []
-        template = config.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-        self.chat_template: Optional[str] = template
+        self.eos_token_ids = sorted(({eos_id} if eos_id is not None else set()) | set(extra_eos_token_ids))
+        self.chat_template: Optional[str] = chat_template
+        if chat_template is None:
+            log.warning("%s has no chat template; chat prompts use jaxcb's plain one, not the model's", source)
         # tokenizer.json's post-processor decides BOS; add it ourselves only where the config asks and it is absent.
         self._add_bos = bool(config.get("add_bos_token", False))
+
+    @classmethod
+    def from_directory(cls, directory: str) -> "HFTokenizer":
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{directory} has no tokenizer.json; set model.tokenizer=DIR to one that has")
+        config: dict[str, Any] = {}
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path) as f:
+                config = json.load(f)
+        return cls(_Tokenizer.from_file(path), config, read_chat_template(directory, config), directory)
+
+    @classmethod
+    def from_gguf(cls, path: str) -> "HFTokenizer":
+        tok, config, end_ids = gguf_tokenizer(path)
+        return cls(tok, config, config.get("chat_template"), path, tuple(end_ids))
+
+    def save(self, directory: str) -> None:
+        """Write tokenizer.json, and tokenizer_config.json with the chat template in it."""
+        self._tok.save(os.path.join(directory, "tokenizer.json"))
+        config = {k: v for k, v in self._config.items() if v is not None}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -120,10 +162,13 @@ class HFTokenizer:
         )
 
 
-def load_tokenizer(directory: Optional[str]) -> Tokenizer:
-    """The HF tokenizer in `directory`, or the byte-level one when there is none to load."""
-    if directory is not None and os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        return HFTokenizer(directory)
+def load_tokenizer(path: Optional[str]) -> Tokenizer:
+    """The tokenizer of a checkpoint directory (tokenizer.json) or GGUF file, or the byte-level one
+    when there is none to load."""
+    if path is not None and path.endswith(".gguf") and os.path.isfile(path):
+        return HFTokenizer.from_gguf(path)
+    if path is not None and os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return HFTokenizer.from_directory(path)
     return ByteTokenizer()
 
 
@@ -133,3 +178,99 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> lis
     HF chat templates write BOS themselves, so their text is encoded without adding it again."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=isinstance(tokenizer, ByteTokenizer))
+
+
+# GGUF tokenizers. tokenizer.ggml.pre -> how text is split before BPE, as llama.cpp splits it for that name.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+GGUF_PRE_TOKENIZERS = {
+    "gpt-2": ("gpt2",),
+    "smollm": ("digits", "gpt2"),
+    "llama-bpe": ("llama3",),
+    "llama3": ("llama3",),
+    "llama-v3": ("llama3",),
+    "smaug-bpe": ("llama3",),
+}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+
+def _pre_tokenizer(steps: tuple[str, ...]):
+    from tokenizers import Regex, pre_tokenizers
+
+    parts = {
+        "digits": lambda: pre_tokenizers.Digits(individual_digits=True),
+        "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        "llama3": lambda: pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]),
+    }
+    built = [parts[s]() for s in steps]
+    return built[0] if len(built) == 1 else pre_tokenizers.Sequence(built)
+
+
+def gguf_tokenizer_problems(path: str) -> list[str]:
+    """Why the GGUF's own tokenizer cannot be built (empty when it can); read from metadata only."""
+    from jaxcb.model.gguf import metadata, open_gguf
+
+    reader = open_gguf(path)
+    model, pre = metadata(reader, "tokenizer.ggml.model"), metadata(reader, "tokenizer.ggml.pre", "default")
+    hint = "; or set model.tokenizer=DIR to the model's Hugging Face tokenizer directory"
+    if model != "gpt2":
+        return [f"tokenizer.ggml.model={model!r}: jaxcb builds byte-level BPE ('gpt2') tokenizers from a GGUF only{hint}"]
+    if pre not in GGUF_PRE_TOKENIZERS:
+        return [f"tokenizer.ggml.pre={pre!r} is not a pre-tokenizer jaxcb knows ({', '.join(GGUF_PRE_TOKENIZERS)}){hint}"]
+    if metadata(reader, "tokenizer.ggml.merges") is None:
+        return [f"the GGUF has no tokenizer.ggml.merges{hint}"]
+    return []
+
+
+def gguf_tokenizer(path: str) -> tuple[Any, dict[str, Any], list[int]]:
+    """(tokenizers.Tokenizer, tokenizer_config.json-style dict, end-of-turn ids) from the GGUF's metadata."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+    from jaxcb.model.gguf import metadata, open_gguf
+    from jaxcb.model.loader import CheckpointError
+
+    problems = gguf_tokenizer_problems(path)
+    if problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems))
+    reader = open_gguf(path)
+    tokens: list[str] = metadata(reader, "tokenizer.ggml.tokens")
+    types: list[int] = metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges = [tuple(m.split(" ", 1)) for m in metadata(reader, "tokenizer.ggml.merges")]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tok.pre_tokenizer = _pre_tokenizer(GGUF_PRE_TOKENIZERS[metadata(reader, "tokenizer.ggml.pre", "default")])
+    tok.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) are matched whole and skipped when decoding; user-defined ones
+    # (<think>) are matched whole and kept, as llama.cpp treats them.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+
+    def token(kind: str) -> Optional[str]:
+        i = metadata(reader, f"tokenizer.ggml.{kind}_token_id")
+        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+    bos, eos = token("bos"), token("eos")
+    add_bos = bool(metadata(reader, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(metadata(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        single = " ".join(([f"{bos}:0"] if add_bos else []) + ["$A:0"] + ([f"{eos}:0"] if add_eos else []))
+        specials = [(t, tokens.index(t)) for t, on in ((bos, add_bos), (eos, add_eos)) if on]
+        tok.post_processor = processors.TemplateProcessing(single=single, special_tokens=specials)
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    config = {
+        "bos_token": bos,
+        "eos_token": eos,
+        "unk_token": token("unknown"),
+        "pad_token": token("padding"),
+        "add_bos_token": add_bos,
+        "add_eos_token": add_eos,
+        "chat_template": metadata(reader, "tokenizer.chat_template"),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    end_ids = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return tok, config, sorted({int(i) for i in end_ids if i is not None})

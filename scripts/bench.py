@@ -21,7 +21,6 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from jaxcb.benchmark import (
-    host_overhead,
     ideal_static_ratio,
     make_workload,
     model_flops,
@@ -36,6 +35,17 @@ from jaxcb.cli import entry_point
 from jaxcb.config import Config
 from jaxcb.engine import LLM
 from jaxcb.model.config import resolve_llama_config
+
+
+def host_overhead():
+    """`benchmarks.step_replay.host_overhead`: lab code that lives beside the package, in this repository."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.step_replay import host_overhead
+
+    return host_overhead
 
 log = logging.getLogger("jaxcb.bench")
 
@@ -98,7 +108,7 @@ def main(cfg: Config) -> None:
               f"the run {f['sustained_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, model / that "
               f"{f['model_over_sustained_matmul']:.2f}")
     elif b.task == "overhead":
-        result["overhead"] = o = host_overhead(next(iter(engines.values())), items)
+        result["overhead"] = o = host_overhead()(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "
               f"host overhead {100 * o['host_overhead_fraction']:.0f}% of engine time")
         print("replayed time by bucket (tokens x seqs x width): " + "; ".join(

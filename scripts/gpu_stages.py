@@ -33,7 +33,8 @@ def heads(st) -> tuple[int, int, int]:
 
 
 def kernel_fns(st) -> dict:
-    from pallas_kernels import ragged_paged_attention, ragged_paged_attention_xla
+    from jaxcb.kernels.attention.pallas import ragged_paged_attention
+    from jaxcb.kernels.attention.xla import ragged_paged_attention_xla
 
     return {"pallas": functools.partial(ragged_paged_attention, interpret=st.dry_run), "xla": ragged_paged_attention_xla}
 
@@ -70,11 +71,11 @@ def preflight(st) -> None:
         if r["backend"] != "gpu" and not st.dry_run:
             st.check.state["abort"] = f"no GPU (backend {r['backend']}); use --dry-run to exercise the script"
             raise RuntimeError(st.check.state["abort"])
-    for module in ("jaxcb.config", "jaxcb.engine", "jaxcb.benchmark", "pallas_kernels.triton_calls"):
+    for module in ("jaxcb.config", "jaxcb.engine", "jaxcb.benchmark", "jaxcb.kernels.triton_calls"):
         with st.row(f"import {module}"):
             importlib.import_module(module)
     with st.row("ptxas") as r:
-        from pallas_kernels.triton_calls import find_ptxas
+        from jaxcb.kernels.triton_calls import find_ptxas
 
         ptxas = find_ptxas()
         r["path"] = ptxas
@@ -88,7 +89,7 @@ def preflight(st) -> None:
 # bandwidth ---------------------------------------------------------------------------------------
 def bandwidth(st) -> None:
     """Read+write of a buffer of random floats: the bandwidth every roofline below is held against."""
-    from jaxcb.timing import copy_bandwidth
+    from benchmarks.timing import copy_bandwidth
 
     sizes = (4 << 20, 16 << 20) if st.dry_run else (1 * GIB, 4 * GIB)
     log("| buffer | time (ms) | GB/s (read + write) |\n|---|---|---|")
@@ -110,8 +111,9 @@ def smoke(st) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
-    from pallas_kernels.testing import make_ragged_batch
+    from jaxcb.kernels.attention.pallas import ragged_paged_attention
+    from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
+    from jaxcb.kernels.attention.testing import make_ragged_batch
 
     hq, hkv, d = heads(st)
     batch = make_ragged_batch([(1, 40), (7, 30), (1, 1)], block_size=16, num_kv_heads=hkv, group=hq // hkv,
@@ -136,7 +138,7 @@ def smoke(st) -> None:
             r["skipped"] = "no PTX on the CPU"
             log("ptxas: skipped in a dry run (no PTX on the CPU)")
             return
-        from pallas_kernels.triton_calls import find_ptxas, parse_ptxas_functions
+        from jaxcb.kernels.triton_calls import find_ptxas, parse_ptxas_functions
 
         ptxas = find_ptxas()
         ptx_files = sorted(glob.glob(os.path.join(dump, "*.ptx")))
@@ -153,7 +155,7 @@ def smoke(st) -> None:
                         f"{res['spill_load_bytes']} B, stack {res['stack_bytes']} B")
         assert r.get("functions"), "no kernel function found in the dumped PTX"
     with st.row("triton-package estimate (shared memory)") as r:
-        from pallas_kernels.triton_calls import TritonUnavailable, lower_for_gpu, ptxas_resources, triton_calls
+        from jaxcb.kernels.triton_calls import TritonUnavailable, lower_for_gpu, ptxas_resources, triton_calls
 
         try:
             [call] = triton_calls(lower_for_gpu(fn, *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]))
@@ -174,8 +176,8 @@ def correctness(st) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import ragged_paged_attention_reference
-    from pallas_kernels.testing import make_ragged_batch
+    from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
+    from jaxcb.kernels.attention.testing import make_ragged_batch
 
     hq, hkv, d = heads(st)
     rng = np.random.default_rng(0)
@@ -214,7 +216,7 @@ def large_cache(st) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import ragged_paged_attention_reference
+    from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
 
     hq, hkv, d = heads(st)
     bs, layers = 16, 2
@@ -255,8 +257,8 @@ def decode(st) -> None:
     import jax
     import jax.numpy as jnp
 
-    from jaxcb.timing import time_in_loop
-    from pallas_kernels.testing import random_decode_batch
+    from benchmarks.timing import time_in_loop
+    from jaxcb.kernels.attention.testing import random_decode_batch
 
     hq, hkv, d = heads(st)
     batches, contexts = ((1, 4), (64, 128)) if st.dry_run else ((1, 16, 32, 128, 256), (1024, 4096))
@@ -314,25 +316,24 @@ def step(st) -> None:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
 
-    from jaxcb.attention import AttentionBackend, AttentionMetadata
+    from benchmarks.reference_generate import forward_step
+    from benchmarks.timing import time_calls
+    from jaxcb.backends import Backend
+    from jaxcb.kernels.attention import AttentionMetadata, pallas_form
     from jaxcb.kv_cache import allocate_kv_cache
     from jaxcb.model.llama import build_random_model
-    from jaxcb.reference_generate import forward_step
-    from jaxcb.timing import time_calls
-    from pallas_kernels import ragged_paged_attention
 
     cfg = llama8b_or_tiny(st)
     if st.dry_run:
         cfg = dataclasses.replace(cfg, dtype="float32")
     batches, ctx, prefill, calls = ((1, 4), 64, 64, 2) if st.dry_run else ((16, 32, 64, 128, 256), 1024, 2048, 20)
-    backend = AttentionBackend("pallas", functools.partial(ragged_paged_attention, interpret=st.dry_run))
+    backend = Backend(cfg, pallas_form(interpret=st.dry_run))  # the xla backend, layers scanned, as the engine on GPU
     with st.row("random weights") as r:
         start = time.perf_counter()
-        graphdef, state = nnx.split(build_random_model(cfg, seed=0, attention=backend))
-        jax.block_until_ready(state)
-        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+        weights = backend.prepare(build_random_model(cfg, seed=0), max_len=max(ctx, prefill))
+        jax.block_until_ready(weights)
+        n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(weights._replace(rope_table=None)))
         param_bytes = n_params * jnp.dtype(cfg.dtype).itemsize
         r.update(params=n_params, gib=param_bytes / GIB, init_s=time.perf_counter() - start)
         log(f"model: {n_params:,} parameters ({param_bytes / GIB:.1f} GiB {cfg.dtype}), init {r['init_s']:.1f} s")
@@ -371,7 +372,7 @@ def step(st) -> None:
         with st.row(name) as r:
             ids, pos, md, logits_idx = inputs(num_seqs, q_len, kv_len)
             start = time.perf_counter()
-            compiled = forward_step.lower(graphdef, state, holder["cache"], ids, pos, md, logits_idx).compile()
+            compiled = forward_step.lower(backend, weights, holder["cache"], ids, pos, md, logits_idx).compile()
             r["compile_s"] = round(time.perf_counter() - start, 2)
             if i == 0 or q_len > 1:  # the optimised HLO of one decode and one prefill step
                 path = os.path.join(st.check.out_dir, f"step_{name.split()[0]}_hlo.txt")
@@ -380,8 +381,8 @@ def step(st) -> None:
                 r["hlo"] = path
 
             def run_step():
-                # graphdef is static: compiled in, not an argument of the compiled step
-                logits, holder["cache"] = compiled(state, holder["cache"], ids, pos, md, logits_idx)
+                # the backend is static: compiled in, not an argument of the compiled step
+                logits, holder["cache"] = compiled(weights, holder["cache"], ids, pos, md, logits_idx)
                 return logits
 
             jax.block_until_ready(run_step())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pallas_kernels.testing import RaggedBatch, make_ragged_batch  # noqa: F401  (re-exported for tests)
+from jaxcb.kernels.attention.testing import RaggedBatch, make_ragged_batch  # noqa: F401  (re-exported for tests)
 
 
 def dense_attention(batch: RaggedBatch, sm_scale: float) -> np.ndarray:

@@ -14,9 +14,8 @@ import jax.numpy as jnp
 
 from jaxcb.config import compose_config
 from jaxcb.model.config import LlamaConfig, resolve_llama_config
-from pallas_kernels import ragged_paged_attention
-from pallas_kernels.query_tiles import max_query_tiles
-from pallas_kernels.ragged_paged_attention import kernel_tile_sizes
+from jaxcb.kernels.attention.query_tiles import max_query_tiles
+from jaxcb.kernels.attention.pallas import kernel_tile_sizes, ragged_paged_attention
 
 
 @functools.cache

@@ -9,13 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from attention_batches import dense_attention, make_ragged_batch
-from cpu_kernels import ragged_paged_attention_cpu
-from pallas_kernels import (
-    check_batch_values,
-    ragged_paged_attention,
-    ragged_paged_attention_reference,
-    ragged_paged_attention_xla,
-)
+from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
+from jaxcb.kernels.attention.inputs import check_batch_values
+from jaxcb.kernels.attention.pallas import ragged_paged_attention
+from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
+from jaxcb.kernels.attention.xla import ragged_paged_attention_xla
 
 SM_SCALE = 0.3
 IMPLS = {

@@ -9,28 +9,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import cpu_kernels
-import jaxcb.attention as attention
-from jaxcb.attention import get_attention_backend, resolve_attention_impl
+import jaxcb.kernels.cpu as cpu_kernels
+from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
+from jaxcb.kernels.packed_matmul import pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv
+from jaxcb.kernels.row_argmax import row_argmax
 from jaxcb.config import AttentionConfig, ConfigError
+from jaxcb.kernels.attention import select_attention
 
 
 def test_auto_picks_the_cpu_kernel_on_cpu_and_pallas_on_gpu():
-    assert resolve_attention_impl("auto", "cpu") == "cpu"
-    assert resolve_attention_impl("auto", "gpu") == "pallas"
-    assert get_attention_backend(AttentionConfig(impl="auto")).name == "cpu"
+    assert select_attention(AttentionConfig(impl="auto"), platform="cpu").name == "cpu"
+    assert select_attention(AttentionConfig(impl="auto"), platform="gpu").name == "pallas"
 
 
-def test_auto_falls_back_to_xla_with_a_warning_when_the_kernel_cannot_be_built(monkeypatch, caplog):
+def test_auto_falls_back_to_xla_when_the_kernel_cannot_be_built(monkeypatch, caplog):
     def no_compiler():
         raise cpu_kernels.CpuKernelUnavailable("no C++ compiler found")
 
-    monkeypatch.setattr(attention, "load_cpu_kernels", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="jaxcb.attention"):
-        assert get_attention_backend(AttentionConfig(impl="auto")).name == "xla"
+    monkeypatch.setattr(cpu_kernels, "load_cpu_kernels", no_compiler)
+    with caplog.at_level(logging.INFO, logger="jaxcb.kernels.attention"):
+        assert select_attention(AttentionConfig(impl="auto")).name == "xla"
     assert "no C++ compiler found" in caplog.text
     with pytest.raises(ConfigError, match=r"(?s)attention.impl=cpu: no C\+\+ compiler found.*use attention.impl=xla"):
-        get_attention_backend(AttentionConfig(impl="cpu"))
+        select_attention(AttentionConfig(impl="cpu"))
 
 
 def test_a_missing_compiler_is_named_in_the_error(monkeypatch, tmp_path):
@@ -67,7 +68,7 @@ def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypat
 
 def test_sources_from_another_directory_build_their_own_library(monkeypatch, tmp_path):
     """`build_library(source_dir)` builds another revision's kernels (the A/B of
-    `scripts/bench_kernels.py --against`): keyed by their content, like this package's."""
+    `benchmarks/bench_kernels.py --against`): keyed by their content, like this package's."""
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path / "cache"))
     here = cpu_kernels.build_library()
     for name, suffix in (("same", ""), ("changed", "\n// changed\n")):
@@ -85,7 +86,7 @@ def test_row_argmax_gives_jnp_argmax_indices_for_ties_infinities_nans_and_ragged
     rng = np.random.default_rng(0)
     for rows, width in ((1, 1), (3, 7), (2, 8), (4, 9), (5, 33), (64, 32000)):
         x = rng.standard_normal((rows, width)).astype(np.float32)
-        np.testing.assert_array_equal(cpu_kernels.row_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
+        np.testing.assert_array_equal(row_argmax(jnp.asarray(x)), np.argmax(x, axis=-1))
     x = np.zeros((7, 40), np.float32)
     x[1, [5, 30]] = 2.0  # a tie: the first
     x[2, :] = -np.inf  # all -inf: index 0
@@ -93,11 +94,11 @@ def test_row_argmax_gives_jnp_argmax_indices_for_ties_infinities_nans_and_ragged
     x[4, [2, 39]] = np.nan  # the first NaN
     x[5, [9, 33]] = np.inf
     x[6, 37] = 1.0  # in the tail past the last full vector
-    got = np.asarray(jax.jit(cpu_kernels.row_argmax)(jnp.asarray(x)))
+    got = np.asarray(jax.jit(row_argmax)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     np.testing.assert_array_equal(got, [0, 5, 0, 17, 2, 9, 37])
     with pytest.raises(ValueError, match="float32"):
-        cpu_kernels.row_argmax(jnp.zeros((2, 3), jnp.bfloat16))
+        row_argmax(jnp.zeros((2, 3), jnp.bfloat16))
 
 
 def test_matmul_argmax_gives_the_product_and_jnp_argmax_of_it_with_or_without_writing_it():
@@ -107,10 +108,10 @@ def test_matmul_argmax_gives_the_product_and_jnp_argmax_of_it_with_or_without_wr
     rng = np.random.default_rng(0)
     for m, k, n in ((1, 16, 17), (5, 33, 1000), (3, 8, 16), (130, 64, 300), (64, 768, 32000)):
         x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-        packed = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((k, n), np.float32)))
-        product = cpu_kernels.packed_matmul(x, packed, n)
+        packed = pack_columns(jnp.asarray(rng.standard_normal((k, n), np.float32)))
+        product = packed_matmul(x, packed, n)
         for want in (True, False):
-            y, idx = jax.jit(lambda x, want: cpu_kernels.packed_matmul_argmax(x, packed, n, want))(x, want)
+            y, idx = jax.jit(lambda x, want: packed_matmul_argmax(x, packed, n, want))(x, want)
             np.testing.assert_array_equal(np.asarray(idx), np.asarray(jnp.argmax(product, axis=-1)))
             if want:
                 np.testing.assert_array_equal(np.asarray(y), np.asarray(product))
@@ -124,21 +125,23 @@ def test_matmul_argmax_gives_the_product_and_jnp_argmax_of_it_with_or_without_wr
     w[5, :] = -1.0
     w[5, 640] = -0.5
     got = [
-        int(cpu_kernels.packed_matmul_argmax(jnp.ones((1, 1)), cpu_kernels.pack_columns(jnp.asarray(row[None])), 1000,
+        int(packed_matmul_argmax(jnp.ones((1, 1)), pack_columns(jnp.asarray(row[None])), 1000,
                                              want)[1][0])
         for want in (True, False) for row in w
     ]
     assert got == [300, 0, 900, 517, 999, 640] * 2
     with pytest.raises(ValueError, match="n=0"):
-        cpu_kernels.packed_matmul_argmax(jnp.ones((2, 16)), jnp.zeros((0, 16, 16)), 0, True)
+        packed_matmul_argmax(jnp.ones((2, 16)), jnp.zeros((0, 16, 16)), 0, True)
 
 
 def test_greedy_steps_on_cpu_take_their_tokens_from_the_cpu_argmax():
-    from jaxcb.sampling import resolve_argmax, xla_argmax
+    from jaxcb.backends import _cpu_row_argmax
+    from jaxcb.sampling import xla_argmax
     from engine_factory import shared_engine
 
-    assert resolve_argmax(one_device=False, platform="cpu") is xla_argmax
-    assert resolve_argmax(one_device=True, platform="gpu") is xla_argmax
+    assert _cpu_row_argmax("cpu", one_device=False) is xla_argmax
+    assert _cpu_row_argmax("gpu", one_device=True) is xla_argmax
+    assert _cpu_row_argmax("cpu", one_device=True) is row_argmax
     for executable in shared_engine().runner.compiled.values():
         text = executable.as_text()
         assert "jaxcb_row_argmax" in text  # where a step reads its logits (penalties, bans, logprobs)
@@ -159,7 +162,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     the native build never runs the AVX2 tiles and attention rows. A second build for AVX2 only
     (x86-64-v3) runs them here and must agree with the native one, so both paths are checked
     on any machine with AVX2 (on an AVX2-only machine the two builds run the same code)."""
-    from pallas_kernels.testing import make_ragged_batch
+    from jaxcb.kernels.attention.testing import make_ragged_batch
 
     flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels.CXX_FLAGS)
     monkeypatch.setattr(cpu_kernels, "CXX_FLAGS", flags)
@@ -177,25 +180,25 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     m, k, f, n = 29, 70, 36, 33  # rows past two 12-row tiles, F and N off the 16-column panels
     x, w = jnp.asarray(rng.standard_normal((m, k), np.float32)), jnp.asarray(rng.standard_normal((k, n), np.float32))
     norm, residual = jnp.asarray(rng.standard_normal(k, np.float32)), jnp.asarray(rng.standard_normal((m, n), np.float32))
-    packed = cpu_kernels.pack_columns(w)
-    native = cpu_kernels.packed_matmul(x, packed, n, norm=norm, eps=1e-5, residual=residual)
+    packed = pack_columns(w)
+    native = packed_matmul(x, packed, n, norm=norm, eps=1e-5, residual=residual)
     ours = avx2("matmul", (m, n), jnp.float32, x, packed, norm, residual, eps=np.float32(1e-5))
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-4)
 
-    gate_up = cpu_kernels.pack_gate_up(*(jnp.asarray(rng.standard_normal((k, f), np.float32)) for _ in range(2)))
-    down = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((f, n), np.float32)))
+    gate_up = pack_gate_up(*(jnp.asarray(rng.standard_normal((k, f), np.float32)) for _ in range(2)))
+    down = pack_columns(jnp.asarray(rng.standard_normal((f, n), np.float32)))
     x3 = x * 3  # gates of both signs and beyond the sigmoid's flat ends
-    native = cpu_kernels.packed_mlp(x3, gate_up, down, n, norm=norm, eps=1e-5, residual=residual)
+    native = packed_mlp(x3, gate_up, down, n, norm=norm, eps=1e-5, residual=residual)
     ours = avx2("mlp", (m, n), jnp.float32, x3, gate_up, down, norm, residual, eps=np.float32(1e-5))
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-3)
 
     cache = jnp.asarray(rng.standard_normal((2, 1, 8, 4, 16)), jnp.float32)  # 1 KV head of 16 for 2 q heads
-    qkv = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((k, 64), np.float32)))
+    qkv = pack_columns(jnp.asarray(rng.standard_normal((k, 64), np.float32)))
     angles = jnp.asarray(rng.standard_normal((m, 8)), jnp.float32)
     # A slot each (two rows aiming at one slot, from two chunks, may land in either order), and one dropped.
     slots = jnp.asarray(np.r_[rng.permutation(32)[: m - 1], -1], jnp.int32)
     args = (x, qkv, norm, jnp.cos(angles), jnp.sin(angles), cache, cache + 1, slots, jnp.int32(1))
-    native = cpu_kernels.packed_qkv(*args[:2], norm, 1e-5, *args[3:7], jnp.int32(1), slots, 2)
+    native = packed_qkv(*args[:2], norm, 1e-5, *args[3:7], jnp.int32(1), slots, 2)
     call = jax.ffi.ffi_call("jaxcb_test_avx2_qkv", (jax.ShapeDtypeStruct((m, 2, 16), jnp.float32),
                                                     *(jax.ShapeDtypeStruct(cache.shape, jnp.float32),) * 2),
                             input_output_aliases={5: 1, 6: 2})
@@ -207,7 +210,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
                               head_dim=64, seed=1)
     for dtype in (jnp.float32, jnp.bfloat16):
         args = batch.args(jnp, dtype)
-        native = cpu_kernels.ragged_paged_attention_cpu(*args, sm_scale=0.125)
+        native = ragged_paged_attention_cpu(*args, sm_scale=0.125)
         q, kc, vc, kv_lens, tables, qsl, num_seqs, layer = args
         ours = avx2("attention", q.shape, q.dtype, q, kc, vc, kv_lens, tables, qsl, jnp.reshape(num_seqs, ()),
                     jnp.reshape(layer, ()), sm_scale=np.float32(0.125))
@@ -216,12 +219,12 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     logits = jnp.asarray(rng.standard_normal((5, 1000), np.float32))
     np.testing.assert_array_equal(np.asarray(avx2("argmax", (5,), jnp.int32, logits)), np.asarray(jnp.argmax(logits, -1)))
 
-    head = cpu_kernels.pack_columns(jnp.asarray(rng.standard_normal((k, 1000), np.float32)))
+    head = pack_columns(jnp.asarray(rng.standard_normal((k, 1000), np.float32)))
     for want in (0, 1):
         call = jax.ffi.ffi_call("jaxcb_test_avx2_matmul_argmax",
                                 (jax.ShapeDtypeStruct((m, 1000), jnp.float32), jax.ShapeDtypeStruct((m,), jnp.int32)))
         _, ours = call(x, head, jnp.int32(want))
-        _, native = cpu_kernels.packed_matmul_argmax(x, head, 1000, want)
+        _, native = packed_matmul_argmax(x, head, 1000, want)
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(native))
 
 
@@ -229,7 +232,7 @@ def load_bench_kernels():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_kernels.py"
     spec = importlib.util.spec_from_file_location("bench_kernels_for_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

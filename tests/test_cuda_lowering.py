@@ -1,7 +1,7 @@
 """Every kernel variant and the whole jitted step lower for an H200, on a machine without a GPU.
 
 jax >= 0.11 reads the GPU's compute capability while lowering a Pallas Triton kernel; here it
-comes from an abstract H200 of an abstract mesh (pallas_kernels/triton_calls.py), which also
+comes from an abstract H200 of an abstract mesh (jaxcb/kernels/triton_calls.py), which also
 stands in for the devices of a tensor-parallel step. Each test reads the Triton custom call
 XLA would launch -- its grid, warps, stages and operand shapes -- not only that one exists.
 Compiling the Triton IR to machine code is tests/test_triton_resources.py (and, on the GPU,
@@ -16,13 +16,13 @@ import pytest
 from flax import nnx
 
 from cuda_variants import KERNEL_VARIANTS, LLAMA8B, KernelVariant, preset
-from jaxcb.attention import AttentionBackend, AttentionMetadata
-from jaxcb.kv_cache import KVCache, kv_cache_shape
-from jaxcb.model.llama import build_abstract_model
-from jaxcb.reference_generate import forward_step
+from benchmarks.reference_generate import forward_step
+from jaxcb.backends import Backend
+from jaxcb.kernels.attention import AttentionMetadata, KVCache, pallas_form
+from jaxcb.kernels.triton_calls import gpu_mesh, lower_for_gpu, triton_calls
+from jaxcb.kv_cache import kv_cache_shape
+from jaxcb.model.llama import LayerWeights, StepWeights, build_abstract_model
 from jaxcb.sharding import TP_AXIS, TensorParallel
-from pallas_kernels import ragged_paged_attention
-from pallas_kernels.triton_calls import gpu_mesh, lower_for_gpu, triton_calls
 
 
 def lower_kernel(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
@@ -79,18 +79,22 @@ def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs:
     cfg = preset(model)
     mesh = gpu_mesh(tensor_parallel_size, TP_AXIS)
     tp = TensorParallel(mesh) if tensor_parallel_size > 1 else None
-    backend = AttentionBackend("pallas", ragged_paged_attention, mesh if tp else None)
-    graphdef, state = nnx.split(build_abstract_model(cfg, backend))
+    backend = Backend(cfg, pallas_form().with_mesh(mesh if tp else None))  # the xla backend, layers scanned
+    graphdef, state = nnx.split(build_abstract_model(cfg))
     replicated = tp.replicated if tp else None
     if tp:
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, tp.params(state))
+    params = nnx.to_pure_dict(state)
+    rope_table = jax.ShapeDtypeStruct((2, 8192, cfg.head_dim // 2), jnp.float32, sharding=replicated)
+    weights = StepWeights(params["embed"], LayerWeights(**params["layers"]), params["final_norm"],
+                          params.get("lm_head"), rope_table)
     cache = jax.ShapeDtypeStruct(
         kv_cache_shape(cfg, num_seqs * width + 1, 16), jnp.bfloat16, sharding=tp.kv_cache if tp else None
     )
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
     md = AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, width), i32())
     return lower_for_gpu(
-        forward_step, graphdef, state, KVCache(cache, cache), i32(num_tokens), i32(num_tokens), md, i32(num_seqs),
+        forward_step, backend, weights, KVCache(cache, cache), i32(num_tokens), i32(num_tokens), md, i32(num_seqs),
         mesh=mesh,
     )
 
@@ -121,35 +125,33 @@ def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
     assert call.operand_types[4] == f"tensor<{blocks}x16x128xbf16>"
 
 
-def test_the_engines_step_lowers_for_every_llama8b_bucket(monkeypatch):
+def test_the_engines_step_lowers_for_every_llama8b_bucket():
     """The runner's step as the engine compiles it (the model, then sampling), at each token bucket
     of a 2,048-token budget and 256 sequences, on an abstract 8B model: one kernel, no CPU kernel."""
-    import functools
-
-    import jaxcb.runner
+    from jaxcb.backends import select_backend
     from jaxcb.config import compose_config
-    from jaxcb.runner import ModelRunner, make_buckets, packed_sizes
-    from jaxcb.sampling import resolve_argmax
-
-    # The runner picks its row argmax by the host's platform when it is built: here, as on a GPU host.
-    monkeypatch.setattr(jaxcb.runner, "resolve_argmax", functools.partial(resolve_argmax, platform="gpu"))
+    from jaxcb.runner import ModelRunner, make_buckets
+    from jaxcb.runner.step_inputs import abstract_step_inputs, packed_sizes
 
     cfg = compose_config(["model=llama8b", "model.init=random", "scheduler.max_num_seqs=256",
                           "scheduler.max_num_batched_tokens=2048", "engine.max_model_len=8192"])
-    model = build_abstract_model(preset("llama8b"), AttentionBackend("pallas", ragged_paged_attention))
+    model = build_abstract_model(preset("llama8b"))
+    backend = select_backend(cfg.model, preset("llama8b"), cfg.attention, platform="gpu")  # as on a GPU host
+    assert (backend.name, backend.attention.name, backend.unroll_layers) == ("xla", "pallas", False)
     width = 8192 // 16
     cache = jax.ShapeDtypeStruct(kv_cache_shape(preset("llama8b"), 256 * width + 1, 16), jnp.bfloat16)
     buckets = make_buckets(cfg.engine, cfg.scheduler, width, "pallas", platform="gpu")
-    runner = ModelRunner(model, KVCache(cache, cache), buckets, max_model_len=8192, max_logprobs=5,
+    runner = ModelRunner(model, backend, KVCache(cache, cache), buckets, max_model_len=8192, max_logprobs=5,
                          max_stop_token_ids=8)
     assert [t for t, _, _ in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
     for key in buckets.all():
         num_tokens, num_seqs, _ = key
-        x = runner._abstract_inputs(*key)
+        x = abstract_step_inputs(*key, **runner._abstract)
         num_ints, num_floats = packed_sizes(x)
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32)
         floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32)
-        lowered = lower_for_gpu(runner._step, runner.state, runner.kv_cache, key, ints, floats, x.history, x.prev_tokens)
+        weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner.weights)
+        lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, key, ints, floats, x.history, x.prev_tokens)
         [call] = triton_calls(lowered)
         assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs), key
         assert "@jaxcb_" not in lowered.as_text()

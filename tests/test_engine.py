@@ -5,10 +5,9 @@ import re
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from engine_factory import shared_engine
-from jaxcb.reference_generate import greedy_generate
+from benchmarks.reference_generate import greedy_generate
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 
 SMALL_CACHE = "cache.num_blocks=24"  # 23 usable blocks x 16 tokens: far less than 40 requests need
@@ -46,8 +45,8 @@ def run_with_arrivals(engine, work, params_for, abort_at=None):
 
 
 def alone(engine, prompt, max_tokens):
-    model = nnx.merge(engine.runner.graphdef, engine.runner.state)
-    return greedy_generate(model, prompt, max_tokens, block_size=16)
+    runner = engine.runner
+    return greedy_generate(None, prompt, max_tokens, block_size=16, backend=runner.backend, weights=runner.weights)
 
 
 def assert_same_or_tied(batched_tokens, ref):
@@ -211,11 +210,11 @@ def test_abort_while_preempted_and_mid_prefill_leaks_no_block():
             break
         for req in list(engine.scheduler.requests.values()):
             if "preempted" not in aborted and req.status is RequestStatus.PREEMPTED:
-                aborted["preempted"] = req.request_id
-                assert engine.abort(req.request_id)
+                aborted["preempted"] = req.group_id
+                assert engine.abort(req.group_id)
             elif "prefill" not in aborted and req.status is RequestStatus.RUNNING and 0 < req.num_computed_tokens < req.num_prompt_tokens:
-                aborted["prefill"] = req.request_id
-                assert engine.abort(req.request_id)
+                aborted["prefill"] = req.group_id
+                assert engine.abort(req.group_id)
         engine.step()
     assert set(aborted) == {"preempted", "prefill"}
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1

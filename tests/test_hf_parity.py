@@ -6,12 +6,14 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hf_checkpoints import LLAMA3_ROPE_SCALING, make_hf_llama
-from jaxcb.attention import get_attention_backend
+from benchmarks.reference_generate import SingleSequence
+from jaxcb.backends import select_backend
 from jaxcb.config import AttentionConfig, ModelConfig
+from jaxcb.kernels.attention import select_attention
+from jaxcb.backends.base import Backend
 from jaxcb.model.loader import load_model
-from jaxcb.reference_generate import SingleSequence
 
-BACKENDS = {
+ATTENTION = {
     "xla": AttentionConfig(impl="xla"),
     "cpu": AttentionConfig(impl="cpu"),
     "reference": AttentionConfig(impl="reference"),
@@ -25,8 +27,9 @@ def hf_model_config(path) -> ModelConfig:
     return ModelConfig(name="hf", checkpoint=str(path), init="checkpoint", dtype="float32")
 
 
-def jax_logits(model, prompt, chunk=None, block_size=8):
-    seq = SingleSequence(model, num_blocks_needed=-(-len(prompt) // block_size), block_size=block_size, cache_dtype=np.float32)
+def jax_logits(model, prompt, chunk=None, block_size=8, backend=None):
+    seq = SingleSequence(model, num_blocks_needed=-(-len(prompt) // block_size), block_size=block_size,
+                         cache_dtype=np.float32, backend=backend)
     chunk = chunk or len(prompt)
     return np.concatenate([seq.extend(prompt[i : i + chunk], all_logits=True) for i in range(0, len(prompt), chunk)])
 
@@ -56,14 +59,29 @@ def test_logits_match_transformers_in_fp32(tmp_path, variant):
         assert diff <= 1e-4, f"max |logits diff| {diff} for prompt of {len(prompt)} tokens"
 
 
-@pytest.mark.parametrize("impl", list(BACKENDS))
-def test_every_attention_backend_matches_transformers(tmp_path, impl):
+@pytest.mark.parametrize("impl", list(ATTENTION))
+def test_every_attention_form_matches_transformers(tmp_path, impl):
     hf = make_hf_llama(str(tmp_path), rope_scaling=LLAMA3_ROPE_SCALING)
-    model, _ = load_model(hf_model_config(tmp_path), get_attention_backend(BACKENDS[impl]))
-    assert model.attention.name == impl
+    model, cfg = load_model(hf_model_config(tmp_path))
+    backend = Backend(cfg, select_attention(ATTENTION[impl]))
+    assert backend.attention.name == impl
     for prompt in PROMPTS[:2]:
-        diff = np.abs(jax_logits(model, prompt) - hf_logits(hf, prompt)).max()
+        diff = np.abs(jax_logits(model, prompt, backend=backend) - hf_logits(hf, prompt)).max()
         assert diff <= 1e-4, f"{impl}: max |logits diff| {diff}"
+
+
+@pytest.mark.parametrize("name", ["xla", "cpu"])
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_every_backend_matches_transformers(tmp_path, name, tied):
+    hf = make_hf_llama(str(tmp_path), tie_word_embeddings=tied)
+    m = hf_model_config(tmp_path)
+    model, cfg = load_model(m)
+    m.backend, m.layer_loop = name, "unrolled"
+    backend = select_backend(m, cfg, AttentionConfig())
+    assert backend.name == name
+    for prompt in PROMPTS[:2]:
+        diff = np.abs(jax_logits(model, prompt, backend=backend) - hf_logits(hf, prompt)).max()
+        assert diff <= 1e-4, f"{name}: max |logits diff| {diff}"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ import pytest
 
 from engine_factory import generate_first_completions, make_engine
 from jaxcb.config import CacheConfig, ConfigError
-from jaxcb.kv_cache import KVCache, allocate_kv_cache, default_cache_dtype, kv_cache_shape, plan_kv_cache, write_kv
+from jaxcb.kernels.attention import XLA, KVCache, cpu_form
+from jaxcb.kv_cache import allocate_kv_cache, default_cache_dtype, kv_cache_shape, plan_kv_cache
 from jaxcb.model.config import LlamaConfig
 from jaxcb.sampling_params import SamplingParams
 
@@ -68,12 +69,17 @@ def test_cache_that_cannot_hold_one_max_length_sequence_is_refused():
         plan_kv_cache(CacheConfig(num_blocks=10), TINY, max_model_len=2048, max_num_seqs=1)
 
 
+FORMS = {"xla": lambda: XLA, "cpu": cpu_form}
+
+
 def test_cache_layout_puts_one_block_of_one_head_contiguous():
     assert kv_cache_shape(TINY, 7, 16) == (3, 2, 7, 16, 16)
     assert default_cache_dtype("bfloat16") == jnp.bfloat16
 
 
-def test_write_kv_scatters_tokens_to_their_slots_and_drops_nothing_else():
+@pytest.mark.parametrize("form", ["xla", "cpu"])
+def test_write_kv_scatters_tokens_to_their_slots_and_drops_nothing_else(form):
+    write_kv = FORMS[form]().write
     cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=jnp.float32)
     k = jnp.arange(3 * 2 * 16, dtype=jnp.float32).reshape(3, 2, 16) + 1
     slots = jnp.asarray([8 + 5, 24 + 0, 0], jnp.int32)  # block 1 offset 5, block 3 offset 0, padding -> null
@@ -86,7 +92,9 @@ def test_write_kv_scatters_tokens_to_their_slots_and_drops_nothing_else():
     assert float(jnp.abs(out.k[2][:, ~touched]).sum()) == 0
 
 
-def test_write_kv_updates_a_donated_cache_in_place():
+@pytest.mark.parametrize("form", ["xla", "cpu"])
+def test_write_kv_updates_a_donated_cache_in_place(form):
+    write_kv = FORMS[form]().write
     cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=jnp.float32)
     step = jax.jit(lambda c, k, s: write_kv(c, jnp.int32(0), k, k, s), donate_argnums=0)
     k = jnp.ones((1, 2, 16))
@@ -96,8 +104,10 @@ def test_write_kv_updates_a_donated_cache_in_place():
     assert out.k.unsafe_buffer_pointer() == before
 
 
+@pytest.mark.parametrize("form", ["xla", "cpu"])
 @pytest.mark.parametrize("num_tokens", [1, 2, 5])
-def test_write_kv_never_copies_the_cache_whatever_the_number_of_tokens(num_tokens):
+def test_write_kv_never_copies_the_cache_whatever_the_number_of_tokens(num_tokens, form):
+    write_kv = FORMS[form]().write
     # A one-token step once copied the whole cache for every layer's write (XLA turned the
     # one-row scatter into a dynamic-update-slice that it did not do in place).
     cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=jnp.float32)
@@ -121,7 +131,8 @@ def test_write_kv_never_copies_the_cache_whatever_the_number_of_tokens(num_token
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_write_kv_into_a_16_bit_cache_neither_converts_nor_copies_the_cache(dtype):
+def test_cpu_write_into_a_16_bit_cache_neither_converts_nor_copies_the_cache(dtype):
+    write_kv = cpu_form().write
     # XLA:CPU scattered into a bf16 cache by converting all of it to f32 and back, for every
     # layer's K and V: a bf16 cache made each step ~14x slower than an f32 one.
     cache = allocate_kv_cache(TINY, num_blocks=4, block_size=8, dtype=dtype)
@@ -162,15 +173,15 @@ def test_an_f32_model_serves_from_a_bf16_cache(impl):
 
 
 def test_a_cache_dtype_the_cpu_kernel_cannot_read_is_a_config_error_at_start_up():
-    with pytest.raises(ConfigError, match="cache.dtype=float16 cannot be read by the C.. CPU attention kernel.*"
-                                          "use cache.dtype=float32 or bfloat16, or attention.impl=xla"):
+    with pytest.raises(ConfigError, match="cache.dtype=float16 cannot be read by attention.impl=cpu .it reads float32 or bfloat16.: "
+                                          "use cache.dtype=float32, or attention.impl=xla"):
         make_engine("cache.dtype=float16", "attention.impl=cpu")
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 6])
 def test_the_cpu_kv_write_matches_xlas_scatter_and_drops_slots_outside_the_cache(cache_dtype, num_tokens):
-    from cpu_kernels import write_kv_rows
+    from jaxcb.kernels.attention.cpu import write_kv_rows
 
     rng = np.random.default_rng(num_tokens)
     shape = (3, 2, 5, 4, 16)  # 5 blocks of 4 slots: slots [0, 20)
@@ -191,7 +202,7 @@ def test_the_cpu_kv_write_matches_xlas_scatter_and_drops_slots_outside_the_cache
 
 
 def test_the_cpu_kv_write_rejects_rows_that_do_not_fit_the_cache():
-    from cpu_kernels import write_kv_rows
+    from jaxcb.kernels.attention.cpu import write_kv_rows
 
     cache = jnp.zeros((3, 2, 5, 4, 16), jnp.float32)
     with pytest.raises(ValueError, match="do not match"):
@@ -203,8 +214,11 @@ def test_the_cpu_kv_write_rejects_rows_that_do_not_fit_the_cache():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_swapping_blocks_in_writes_only_those_blocks_and_never_converts_the_cache(dtype):
-    # The swap-in path (`scatter_blocks`) had the bf16 scatter's whole-cache convert too.
-    from jaxcb.kv_cache import SWAP_CHUNK, gather_blocks, scatter_blocks
+    # The swap-in path (`scatter_blocks`) had the bf16 scatter's whole-cache convert too: the cpu form's
+    # block write goes row by row through the C++ write.
+    from jaxcb.kernels.attention.cache import SWAP_CHUNK, gather_blocks
+
+    scatter_blocks = cpu_form().write_blocks_fn
 
     rng = np.random.default_rng(0)
     shape = (3, 2, 40, 8, 16)

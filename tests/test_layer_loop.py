@@ -7,13 +7,15 @@ import weakref
 
 import jax
 import numpy as np
-from flax import nnx
 
 from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
 from jaxcb.config import compose_config
 from jaxcb.model.config import resolve_llama_config
-from jaxcb.model.llama import LayerWeights, build_random_model, resolve_layer_loop
-from jaxcb.reference_generate import greedy_generate
+from benchmarks.reference_generate import greedy_generate
+from jaxcb.backends import resolve_layer_loop
+from jaxcb.kernels.attention import select_attention
+from jaxcb.backends.base import Backend
+from jaxcb.model.llama import LayerWeights, build_random_model
 from jaxcb.sampling_params import SamplingParams
 
 PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
@@ -23,7 +25,7 @@ LAYER_SLICE = re.compile(r"= f32\[1,([\d,]+)\]\{[\d,]*\} dynamic-slice\(")
 
 def engine(layer_loop: str):
     # XLA's dot in both, so that only the loop differs (the packed CPU matmul: test_linear_impl.py).
-    return shared_engine(f"model.layer_loop={layer_loop}", "model.linear_impl=xla")
+    return shared_engine(f"model.layer_loop={layer_loop}", "model.backend=xla")
 
 
 
@@ -50,17 +52,20 @@ def test_scanned_and_unrolled_layers_give_the_same_greedy_tokens_and_logprobs_th
     assert_same_tokens_and_logprobs(scanned, unrolled, tol=1e-6)
 
 
-def test_scanned_and_unrolled_parameters_give_the_same_logits():
-    models = [nnx.merge(engine(mode).runner.graphdef, engine(mode).runner.state) for mode in ("scan", "unrolled")]
-    scanned, unrolled = (greedy_generate(m, PROMPTS[1], 8, prefill_chunk=5) for m in models)
+def test_scanned_and_unrolled_weights_give_the_same_logits():
+    cfg = resolve_llama_config(compose_config(["model=tiny"]).model)
+    model, attention = build_random_model(cfg, seed=0), select_attention()
+    scanned, unrolled = (greedy_generate(model, PROMPTS[1], 8, prefill_chunk=5,
+                                         backend=Backend(cfg, attention, unroll_layers=unroll))
+                         for unroll in (False, True))
     assert scanned.token_ids == unrolled.token_ids
     np.testing.assert_allclose(np.stack(scanned.logits), np.stack(unrolled.logits), rtol=1e-6, atol=1e-6)
 
 
 def test_unrolled_step_takes_one_array_per_layer_and_slices_no_weight():
     e, cfg = engine("unrolled"), engine("unrolled").model_config
-    layers = e.runner.state["layers"]
-    assert len(layers) == cfg.num_layers
+    layers = e.runner.weights.layers
+    assert isinstance(layers, list) and len(layers) == cfg.num_layers
     shapes = [leaf.shape for leaf in jax.tree.leaves(layers)]
     assert len(shapes) == cfg.num_layers * len(LayerWeights._fields)
     assert set(shapes) == layer_weight_shapes(e)
@@ -72,22 +77,22 @@ def test_unrolled_step_takes_one_array_per_layer_and_slices_no_weight():
 def test_scanned_step_slices_each_layer_out_of_stacked_weights():
     """The other side of the test above: the pattern it looks for is there under scan."""
     e, cfg = engine("scan"), engine("scan").model_config
-    shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.state["layers"])}
+    shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.weights.layers)}
     assert shapes == {(cfg.num_layers, *s) for s in layer_weight_shapes(e)}
     for executable in e.runner.compiled.values():
         assert sliced_layer_shapes(executable) >= layer_weight_shapes(e) - {(cfg.hidden_size,)}
 
 
-def test_unstacking_frees_the_stacked_weights_and_keeps_every_value():
+def test_unrolling_frees_the_stacked_weights_and_keeps_every_value():
     cfg = resolve_llama_config(compose_config(["model=tiny"]).model)
     model = build_random_model(cfg, seed=0)
     stacked = model.layers.weights()
     expected = {name: np.array(w, copy=True) for name, w in stacked._asdict().items()}
     refs = [weakref.ref(w) for w in stacked]
     del stacked
-    model.unstack_layers()
+    weights = Backend(cfg, select_attention(), unroll_layers=True).prepare(model, max_len=64)
     gc.collect()
     assert all(ref() is None for ref in refs)
-    for i, layer in enumerate(model.layers):
-        for name, w in layer.weights()._asdict().items():
+    for i, layer in enumerate(weights.layers):
+        for name, w in layer._asdict().items():
             np.testing.assert_array_equal(np.asarray(w), expected[name][i])

@@ -6,6 +6,7 @@ import pytest
 
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import SchedulerConfig
+from jaxcb.output import token_stop_status
 from jaxcb.request import Request, RequestStatus
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.scheduler import RunnerOutput, SampledToken, Scheduler
@@ -29,11 +30,20 @@ def make_scheduler(num_blocks=64, max_model_len=256, enable_prefix_caching=False
     )
 
 
+def update_and_stop(sched, out, sampled: dict):
+    """What the engine does with a step's tokens: the scheduler takes them, and the sequences that stop on
+    one (the output processor's rule, `token_stop_status`) finish."""
+    for request, token, _ in sched.update(out, RunnerOutput(sampled)):
+        status = token_stop_status(request.sampling_params, token, request.num_output_tokens,
+                                   request.num_prompt_tokens, request.eos_token_ids, sched.max_model_len)
+        if status is not None:
+            sched.finish(request.request_id, status)
+
+
 def run_step(sched, token=7):
     out = sched.schedule()
     sched.commit(out)
-    sampled = {s.request_id: SampledToken(token) for s in out.scheduled if s.samples}
-    sched.update(out, RunnerOutput(sampled))
+    update_and_stop(sched, out, {s.request_id: SampledToken(token) for s in out.scheduled if s.samples})
     return out
 
 
@@ -175,7 +185,7 @@ def test_stop_conditions_eos_stop_token_min_tokens_and_length():
     assert banned[min_tok.request_id] == (99,) and banned[eos.request_id] == ()
     sampled = {eos.request_id: 99, stop_tok.request_id: 42, min_tok.request_id: 99, ignore.request_id: 99}
     sched.commit(out)
-    sched.update(out, RunnerOutput({k: SampledToken(v) for k, v in sampled.items()}))
+    update_and_stop(sched, out, {k: SampledToken(v) for k, v in sampled.items()})
     assert eos.status is RequestStatus.FINISHED_STOPPED
     assert stop_tok.status is RequestStatus.FINISHED_STOPPED
     assert min_tok.status is RequestStatus.RUNNING  # under min_tokens, EOS does not stop it
@@ -247,7 +257,7 @@ def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_them():
                 block = s.block_ids[pos // BLOCK]
                 assert sched.pool.ref_count(block) == 1 and not sched.pool.is_registered(block), "write into a cached block"
         sched.commit(out)
-        sched.update(out, RunnerOutput({s.request_id: SampledToken(7) for s in out.scheduled if s.samples}))
+        update_and_stop(sched, out, {s.request_id: SampledToken(7) for s in out.scheduled if s.samples})
         if not sched.num_unfinished:
             break
     assert sched.prefix_cache_hits == 4 * 12  # each later request found the 3 full system blocks

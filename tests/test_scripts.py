@@ -31,7 +31,7 @@ def test_generate_matches_one_sequence_greedy_decoding(tmp_path):
 
     from jaxcb.config import compose_config
     from jaxcb.model.loader import load_model
-    from jaxcb.reference_generate import greedy_generate
+    from benchmarks.reference_generate import greedy_generate
     from jaxcb.tokenizer import ByteTokenizer
 
     model, _ = load_model(compose_config().model)

@@ -1,7 +1,7 @@
 """Every kernel variant compiles to sm_90a machine code within the H200's registers and shared memory.
 
 The Triton IR that jax lowers (tests/test_cuda_lowering.py) goes through the `triton`
-package's compiler to PTX and through `ptxas -v` (pallas_kernels/triton_calls.py): no spills,
+package's compiler to PTX and through `ptxas -v` (jaxcb/kernels/triton_calls.py): no spills,
 at most 255 registers a thread, at most 227 KiB of shared memory a block. Skipped where the
 `triton` package is not installed (it comes with the test extra's torch on Linux x86-64),
 except where JAXCB_REQUIRE_TRITON=1: CI sets it, so there the test cannot pass as skipped.
@@ -16,7 +16,7 @@ import os
 import pytest
 
 from cuda_variants import KERNEL_VARIANTS
-from pallas_kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, lower_for_gpu, ptxas_resources, triton_calls
+from jaxcb.kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, lower_for_gpu, ptxas_resources, triton_calls
 
 if os.environ.get("JAXCB_REQUIRE_TRITON") != "1":
     pytest.importorskip("triton")

@@ -197,7 +197,7 @@ class _Cost:
         return self.prompt_tokens + self.max_output_tokens
 
     def remaining(self, out: RequestOutput) -> int:
-        return max(0, self.max_output_tokens - sum(len(c.token_ids) for c in out.outputs))
+        return max(0, self.max_output_tokens - sum(c.num_generated for c in out.outputs))
 
 
 class ReplicaRouter:

@@ -119,7 +119,7 @@ def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
     A preset that names a checkpoint must agree with it: serving `model=llama8b` from a 1B
     checkpoint fails here, listing every field that differs, instead of at weight loading.
     """
-    from_ckpt = read_hf_config(m.checkpoint) if m.checkpoint and _has_hf_config(m.checkpoint) else {}
+    from_ckpt = read_checkpoint_config(m.checkpoint) if m.checkpoint else {}
     values: dict[str, Any] = {}
     conflicts = []
     for name in _ARCH:
@@ -144,6 +144,15 @@ def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
     else:
         rope = _preset_rope(m.rope_scaling)
     return LlamaConfig(**values, rope_scaling=rope, dtype=m.dtype)
+
+
+def read_checkpoint_config(checkpoint: str) -> dict[str, Any]:
+    """config.json's fields, or a GGUF file's metadata under the same names; {} when there is neither."""
+    if checkpoint.endswith(".gguf") and os.path.isfile(checkpoint):
+        from jaxcb.model.gguf import read_gguf_config  # it needs the loader, which imports this module
+
+        return read_gguf_config(checkpoint)
+    return read_hf_config(checkpoint) if _has_hf_config(checkpoint) else {}
 
 
 def _has_hf_config(path: str) -> bool:

@@ -1,11 +1,13 @@
-"""Build a Llama from config: random init, a Hugging Face safetensors directory, or an Orbax one.
+"""Build a Llama from config: random init, a Hugging Face safetensors directory, a GGUF file, or Orbax.
 
 Every path goes through the abstract model (`nnx.eval_shape`): its parameter tree is the
 contract. A checkpoint must fill every parameter exactly once with a tensor of the right
 shape; otherwise loading fails with one `CheckpointError` listing every problem, before
 any weight is read. HF tensors are read from memory maps one parameter at a time, so the
-weights are never held twice. Under tensor parallelism each parameter goes straight to its
-shards (`jaxcb.sharding`): a model too big for one device is never whole on one.
+weights are never held twice; a GGUF's tensors come under their HF names from
+`jaxcb.model.gguf`, dequantized one at a time, and take the same path. Under tensor
+parallelism each parameter goes straight to its shards (`jaxcb.sharding`): a model too big
+for one device is never whole on one.
 """
 
 from __future__ import annotations
@@ -16,14 +18,13 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcb.attention import AttentionBackend
 from jaxcb.config import ModelConfig
 from jaxcb.model.config import LlamaConfig, resolve_llama_config
 from jaxcb.model.llama import Llama, build_abstract_model, build_random_model
@@ -150,20 +151,28 @@ def _expand_hf_names(cfg: LlamaConfig) -> dict[str, tuple[HFTensorRule, Optional
     return names
 
 
-def check_hf_checkpoint(cfg: LlamaConfig, tensors: dict[str, TensorInfo]) -> None:
-    """Raise CheckpointError listing every missing, unexpected or mis-shaped tensor."""
+def hf_checkpoint_problems(
+    cfg: LlamaConfig, tensors: Mapping[str, TensorInfo], display: Callable[[str], str] = lambda name: name
+) -> list[str]:
+    """Every missing, unexpected or mis-shaped tensor, named by `display` (a GGUF's own names)."""
     expected = _expand_hf_names(cfg)
     problems = []
     for name in sorted(expected):
         rule, _ = expected[name]
         if name not in tensors:
-            problems.append(f"missing tensor {name}")
+            problems.append(f"missing tensor {display(name)}")
         elif tensors[name].shape != rule.hf_shape(cfg):
-            problems.append(f"tensor {name} has shape {tensors[name].shape}, expected {rule.hf_shape(cfg)}")
+            problems.append(f"tensor {display(name)} has shape {tensors[name].shape}, expected {rule.hf_shape(cfg)}")
     for name in sorted(set(tensors) - set(expected)):
         if not IGNORED_HF_TENSORS.fullmatch(name):
             hint = " (the config has tie_word_embeddings=true)" if name == "lm_head.weight" else ""
-            problems.append(f"unexpected tensor {name}{hint}")
+            problems.append(f"unexpected tensor {display(name)}{hint}")
+    return problems
+
+
+def check_hf_checkpoint(cfg: LlamaConfig, tensors: dict[str, TensorInfo]) -> None:
+    """Raise CheckpointError listing every missing, unexpected or mis-shaped tensor."""
+    problems = hf_checkpoint_problems(cfg, tensors)
     if problems:
         raise CheckpointError(f"checkpoint does not match the model ({len(problems)} problems): " + "; ".join(problems))
 
@@ -174,6 +183,37 @@ def load_hf_params(
     """Pure-dict parameters filled from a HF safetensors directory (split over `tp`'s mesh if given)."""
     tensors = index_checkpoint(directory)
     check_hf_checkpoint(cfg, tensors)
+    return _fill_params(cfg, lambda name: read_tensor(tensors[name]), abstract_state, tp)
+
+
+def open_gguf_checkpoint(cfg: LlamaConfig, path: str, check_tokenizer: bool = True):
+    """The GGUF's tensors (a `GGUFCheckpoint`), checked before any is read as an HF directory's are,
+    and their types and (unless model.tokenizer replaces it) its tokenizer too: one CheckpointError
+    lists every problem."""
+    from jaxcb.model.gguf import GGUFCheckpoint, gguf_name
+    from jaxcb.tokenizer import gguf_tokenizer_problems
+
+    checkpoint = GGUFCheckpoint(path, cfg.num_heads, cfg.num_kv_heads)
+    problems = checkpoint.type_problems() + hf_checkpoint_problems(cfg, checkpoint.tensors, display=gguf_name)
+    if check_tokenizer:
+        problems += gguf_tokenizer_problems(path)
+    if problems:
+        raise CheckpointError(f"{path} does not match the model ({len(problems)} problems): " + "; ".join(problems))
+    return checkpoint
+
+
+def load_gguf_params(
+    cfg: LlamaConfig, path: str, abstract_state: dict, tp: Optional[TensorParallel] = None, check_tokenizer: bool = True
+) -> dict:
+    """Pure-dict parameters filled from a GGUF file, dequantized tensor by tensor (split over `tp`'s mesh if given)."""
+    checkpoint = open_gguf_checkpoint(cfg, path, check_tokenizer)
+    return _fill_params(cfg, checkpoint.read, abstract_state, tp)
+
+
+def _fill_params(
+    cfg: LlamaConfig, read: Callable[[str], np.ndarray], abstract_state: dict, tp: Optional[TensorParallel]
+) -> dict:
+    """Each parameter of `abstract_state` filled from the HF tensors that `read(name)` returns."""
     by_param: dict[tuple[str, ...], list[tuple[str, HFTensorRule, Optional[int]]]] = {}
     for name, (rule, layer) in _expand_hf_names(cfg).items():
         by_param.setdefault(rule.param, []).append((name, rule, layer))
@@ -186,7 +226,7 @@ def load_hf_params(
         # One host buffer per parameter, filled slice by slice, then moved to the device and dropped.
         host = np.empty(target.shape, dtype=target.dtype)
         for name, rule, layer in by_param[path]:
-            value = rule.to_param(read_tensor(tensors[name]), cfg)
+            value = rule.to_param(read(name), cfg)
             if layer is None:
                 host[...] = value
             else:
@@ -194,6 +234,10 @@ def load_hf_params(
         loaded[path] = jnp.asarray(host) if tp is None else jax.device_put(host, tp.param(path[-1], host.shape))
         del host
     return _unflatten(loaded)
+
+
+def is_gguf_file(path: str) -> bool:
+    return path.endswith(".gguf") and os.path.isfile(path)
 
 
 def is_orbax_checkpoint(directory: str) -> bool:
@@ -242,34 +286,32 @@ def save_orbax_params(model: Llama, directory: str) -> None:
     checkpointer.wait_until_finished()
 
 
-def build_sharded_random_model(
-    cfg: LlamaConfig, seed: int, attention: AttentionBackend | None, tp: TensorParallel
-) -> Llama:
+def build_sharded_random_model(cfg: LlamaConfig, seed: int, tp: TensorParallel) -> Llama:
     """The random model, each parameter created in its shards (the same values as `build_random_model`:
     JAX's random bits do not depend on how the output is split)."""
-    graphdef, abstract_state = nnx.split(build_abstract_model(cfg, attention))
+    graphdef, abstract_state = nnx.split(build_abstract_model(cfg))
     init = jax.jit(
-        lambda: nnx.split(build_random_model(cfg, seed, attention))[1], out_shardings=tp.params(abstract_state)
+        lambda: nnx.split(build_random_model(cfg, seed))[1], out_shardings=tp.params(abstract_state)
     )
     return nnx.merge(graphdef, init())
 
 
-def load_model(
-    m: ModelConfig, attention: AttentionBackend | None = None, tp: Optional[TensorParallel] = None
-) -> tuple[Llama, LlamaConfig]:
+def load_model(m: ModelConfig, tp: Optional[TensorParallel] = None) -> tuple[Llama, LlamaConfig]:
     """The model that `model.*` describes, with its weights on the default device, or split over `tp`'s mesh."""
     cfg = resolve_llama_config(m)
     if m.init == "random":
         log.info("model=%s: random weights (seed %d)", m.name, m.seed)
         if tp is not None:
-            return build_sharded_random_model(cfg, m.seed, attention, tp), cfg
-        return build_random_model(cfg, m.seed, attention), cfg
+            return build_sharded_random_model(cfg, m.seed, tp), cfg
+        return build_random_model(cfg, m.seed), cfg
     assert m.checkpoint is not None  # validate_model_config guarantees it
-    abstract = build_abstract_model(cfg, attention)
+    abstract = build_abstract_model(cfg)
     graphdef, abstract_state = nnx.split(abstract)
     pure = _to_pure_dict(abstract_state)
     if is_orbax_checkpoint(m.checkpoint):
         params = load_orbax_params(m.checkpoint, pure, tp)
+    elif is_gguf_file(m.checkpoint):
+        params = load_gguf_params(cfg, m.checkpoint, pure, tp, check_tokenizer=m.tokenizer is None)
     else:
         params = load_hf_params(cfg, m.checkpoint, pure, tp)
     _replace_by_pure_dict(abstract_state, params)
@@ -283,17 +325,22 @@ CHECKPOINT_SIDE_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
+    "chat_template.jinja",
 )
 
 
 def convert_hf_to_orbax(m: ModelConfig, out_dir: str) -> str:
-    """Write an Orbax checkpoint of the HF checkpoint `m.checkpoint` to out_dir (self-describing:
-    config.json and tokenizer files are copied beside params/)."""
+    """Write an Orbax checkpoint of the HF checkpoint or GGUF file `m.checkpoint` to out_dir
+    (self-describing: config.json and tokenizer files are copied, or written, beside params/)."""
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new output directory")
     model, _ = load_model(m)
     os.makedirs(out_dir, exist_ok=True)
-    for name in CHECKPOINT_SIDE_FILES:
+    if is_gguf_file(m.checkpoint):  # config.json and the tokenizer files, written from its metadata
+        from jaxcb.model.gguf_to_hf import write_hf_side_files
+
+        write_hf_side_files(m.checkpoint, out_dir, m.dtype)
+    for name in CHECKPOINT_SIDE_FILES if os.path.isdir(m.checkpoint) else ():
         src = os.path.join(m.checkpoint, name)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(out_dir, name))

@@ -25,7 +25,7 @@ from jaxcb.config import Config
 from jaxcb.engine import Engine
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
 from jaxcb.metrics import EngineMetrics
-from jaxcb.outputs import RequestOutput
+from jaxcb.outputs import CompletionOutput, RequestOutput
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.dashboard import DashboardHistory, dashboard_html
 from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, StreamAbortedError
@@ -291,14 +291,15 @@ def _close(streams: list[RequestStream]) -> None:
 
 
 def _usage(finals: list[RequestOutput]) -> tuple[int, int]:
-    return sum(len(o.prompt_token_ids) for o in finals), sum(len(c.token_ids) for o in finals for c in o.outputs)
+    return sum(len(o.prompt_token_ids) for o in finals), sum(c.num_generated for o in finals for c in o.outputs)
 
 
 async def _final(stream: RequestStream) -> RequestOutput:
-    out = None
+    """The whole output of a request, from its deltas."""
+    whole = None
     async for out in stream:
-        pass
-    return out
+        whole = out if whole is None else whole.merged(out)
+    return whole
 
 
 async def _collect(state: ServerState, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
@@ -369,25 +370,23 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
 
 async def _completion_events(state, rid, req: CompletionRequest, streams, include_usage) -> AsyncIterator[str]:
     created, tok = int(time.time()), state.engine.tokenizer
-    sent_text: dict[tuple[int, int], int] = {}
-    sent_tokens: dict[tuple[int, int], int] = {}
+    sent_text: dict[tuple[int, int], int] = {}  # characters sent so far: the legacy logprobs' text offsets
     sent_done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
-    async for p_idx, out in _merged(streams):
+    async for p_idx, out in _merged(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             key = (p_idx, c.index)
             if key in sent_done:
                 continue
-            t0, k0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
-            delta = c.text[t0:]
             done = fmt.finish_reason(c)
             if done:
                 sent_done.add(key)
-            if not delta and not done and (req.logprobs is None or len(c.token_ids) == k0):
+            if not c.text and not done and (req.logprobs is None or not c.token_ids):
                 continue
-            logprobs = fmt.completion_logprobs(tok, c, k0, t0) if req.logprobs is not None else None
-            sent_text[key], sent_tokens[key] = len(c.text), len(c.token_ids)
-            choice = {"index": p_idx * req.n + c.index, "text": delta, "logprobs": logprobs, "finish_reason": done}
+            t0 = sent_text.get(key, 0)
+            logprobs = fmt.completion_logprobs(tok, c, 0, t0) if req.logprobs is not None else None
+            sent_text[key] = t0 + len(c.text)
+            choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [choice]))
         if out.finished:
             finals[p_idx] = out
@@ -398,27 +397,26 @@ async def _completion_events(state, rid, req: CompletionRequest, streams, includ
 
 async def _chat_events(state, rid, req: ChatCompletionRequest, streams, include_usage, top_n) -> AsyncIterator[str]:
     created, tok = int(time.time()), state.engine.tokenizer
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
     sent_done: set[int] = set()
+    held: dict[int, CompletionOutput] = {}  # tokens whose text is not out yet: their logprobs go with it
     final = None
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
-    async for _, out in _merged(streams):
+    async for _, out in _merged(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
                 continue
-            t0, k0 = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-            delta = c.text[t0:]
+            if c.index in held:
+                c = held.pop(c.index).followed_by(c)
             done = fmt.finish_reason(c)
             if done:
                 sent_done.add(c.index)
-            if not delta and not done:
+            if not c.text and not done:
+                held[c.index] = c
                 continue
-            logprobs = fmt.chat_logprobs(tok, c, k0, top_n) if req.logprobs else None
-            sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-            choice = {"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": logprobs,
+            logprobs = fmt.chat_logprobs(tok, c, 0, top_n) if req.logprobs else None
+            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": logprobs,
                       "finish_reason": done}
             yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
         if out.finished:

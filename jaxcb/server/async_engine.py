@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 from jaxcb.engine import Engine, PromptType
+from jaxcb.output import OutputKind
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
@@ -135,7 +136,8 @@ class AsyncEngine:
     async def generate(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they change; leaving early aborts it."""
+        """Outputs of one request as they change (deltas: `RequestOutput.merged` rebuilds the whole);
+        leaving early aborts it."""
         stream = await self.add(prompt, params, request_id=request_id, priority=priority)
         try:
             async for out in stream:
@@ -147,7 +149,9 @@ class AsyncEngine:
         return await self._call(self.engine.abort, request_id)
 
     def _add(self, prompt, params, request_id, priority):
-        return self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+        # Deltas: what a stream sends is what is new, and a step's cost does not grow with the stream.
+        return self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
+                                       output_kind=OutputKind.DELTA)
 
     def _abort_from_any_thread(self, request_id: str, reason: str) -> None:
         self._commands.put((self._abort, (request_id, reason), None, None))
@@ -222,7 +226,7 @@ class AsyncEngine:
 
 
 def _num_tokens(out: RequestOutput) -> int:
-    return sum(len(c.token_ids) for c in out.outputs)
+    return sum(c.num_generated for c in out.outputs)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:

@@ -42,7 +42,7 @@ class DashboardHistory:
                 m = out.metrics
                 if out.finished and m.first_token_time is not None:
                     self._ttft.append((now, m.first_token_time - m.arrival_time))
-                    n = sum(len(c.token_ids) for c in out.outputs)
+                    n = sum(c.num_generated for c in out.outputs)
                     if n > 1 and m.finished_time is not None:
                         self._tpot.append((now, (m.finished_time - m.first_token_time) / (n - 1)))
             if now - self._last_sample >= 1.0:

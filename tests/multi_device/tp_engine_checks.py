@@ -16,11 +16,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from engine_factory import BASE
-from jaxcb.attention import AttentionMetadata
+from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.config import compose_config
 from jaxcb.engine import LLM, Engine
 from jaxcb.kv_cache import allocate_kv_cache
-from jaxcb.reference_generate import forward_step
+from benchmarks.reference_generate import forward_step
 from jaxcb.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -86,7 +86,7 @@ def forward_logits(e: Engine) -> np.ndarray:
     cache = allocate_kv_cache(e.model_config, 4, block_size, jnp.float32, sharding)
     runner = e.runner
     logits, cache = forward_step(
-        runner.graphdef, runner.state, cache, jnp.asarray(token_ids), jnp.asarray(positions), md,
+        runner.backend, runner.weights, cache, jnp.asarray(token_ids), jnp.asarray(positions), md,
         jnp.arange(num_tokens, dtype=jnp.int32),
     )
     if sharding is not None:
@@ -121,26 +121,26 @@ LAYER_SPECS = {  # one layer's weights, without the layer axis
 @pytest.mark.parametrize("tp", [2, 4])
 def test_parameters_are_split_megatron_style(tp):
     runner = engine(tp).runner
-    assert runner.unroll_layers, "model.layer_loop=auto unrolls on CPU"
-    layers = runner.state["layers"]
+    assert runner.backend.unroll_layers, "model.layer_loop=auto unrolls on CPU"
+    layers = runner.weights.layers
     for i in range(engine(tp).model_config.num_layers):  # each layer's own arrays
         for name, spec in LAYER_SPECS.items():
-            assert layers[i][name][...].sharding.spec == spec, (i, name)
-    state = runner.state
-    assert state["lm_head"][...].sharding.spec == P(None, "tp")  # [D, V]: vocabulary
-    assert state["embed"][...].sharding.spec == P() and state["final_norm"][...].sharding.spec == P()
+            assert getattr(layers[i], name).sharding.spec == spec, (i, name)
+    w = runner.weights
+    assert w.head.sharding.spec == P(None, "tp")  # [D, V]: vocabulary
+    assert w.embed.sharding.spec == P() and w.final_norm.sharding.spec == P()
     # Each device holds its share of the heads, not a copy.
-    assert layers[0]["q_proj"][...].addressable_shards[0].data.shape == (96, 8 // tp, 16)
-    assert layers[2]["down_proj"][...].addressable_shards[0].data.shape == (200 // tp, 96)
+    assert layers[0].q_proj.addressable_shards[0].data.shape == (96, 8 // tp, 16)
+    assert layers[2].down_proj.addressable_shards[0].data.shape == (200 // tp, 96)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_stacked_parameters_of_scanned_layers_are_split_on_the_same_axes(tp):
-    layers = uncompiled_engine(tp, "model.layer_loop=scan").runner.state["layers"]
+    layers = uncompiled_engine(tp, "model.layer_loop=scan").runner.weights.layers
     for name, spec in LAYER_SPECS.items():
         stacked_spec = P(None, *spec) if spec else P()  # [L, ...]
-        assert layers[name][...].sharding.spec == stacked_spec, name
-    assert layers["q_proj"][...].addressable_shards[0].data.shape == (3, 96, 8 // tp, 16)
+        assert getattr(layers, name).sharding.spec == stacked_spec, name
+    assert layers.q_proj.addressable_shards[0].data.shape == (3, 96, 8 // tp, 16)
 
 
 def test_scanned_layers_under_tp2_give_one_device_logits():

@@ -1,8 +1,6 @@
-"""`model.linear_impl`: the C++ packed-weight matmul computes x @ w for every shape, the model's
-layers and LM head run through it (no XLA dot left in a step) with the same tokens as XLA's
-dot, and `auto` picks it only where it applies."""
+"""The C++ packed-weight matmul kernels compute x @ w (and the fused q/k/v, MLP and LM-head forms)
+for every shape, and refuse what they cannot multiply. The backend that runs them: test_backends.py."""
 
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -10,16 +8,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-import cpu_kernels
 import jaxcb.model.llama as llama
-from cpu_kernels import pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv, write_kv_rows
-from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
-from jaxcb.config import ConfigError, compose_config
-from jaxcb.model.llama import PackedLayerWeights, resolve_linear_impl
-from jaxcb.runner import default_token_buckets
-from jaxcb.sampling_params import SamplingParams
+from jaxcb.kernels.attention.cpu import write_kv_rows
+from jaxcb.kernels.packed_matmul import pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv
 
-PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
 matmul = jax.jit(packed_matmul, static_argnums=2)
 mlp = jax.jit(packed_mlp, static_argnums=3)
 
@@ -224,91 +216,3 @@ def test_packed_matmul_rejects_what_it_cannot_multiply():
         packed_matmul(x, pack_columns(jnp.ones((9, 16))), 16)
     with pytest.raises(ValueError, match="does not match"):
         packed_matmul(x, pack_columns(jnp.ones((8, 16))), 40)
-
-
-
-def test_cpu_and_xla_matmuls_give_the_same_greedy_tokens_through_the_engine():
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
-    engines = (shared_engine(f"model.linear_impl={impl}") for impl in ("xla", "cpu"))
-    xla, cpu = (generate_first_completions(e, PROMPTS, params) for e in engines)
-    assert_same_tokens_and_logprobs(xla, cpu, tol=1e-5)
-
-
-def test_packed_step_takes_packed_panels_and_runs_no_xla_dot():
-    e = shared_engine("model.linear_impl=cpu")
-    cfg = e.model_config
-    D, F, Hq, Hkv, K, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.vocab_size)
-    panels = lambda n: -(-n // 16)  # noqa: E731
-    layers = e.runner.state["layers"]
-    assert len(layers) == cfg.num_layers
-    for i in range(cfg.num_layers):
-        layer = layers[i]
-        assert set(layer.keys()) == set(PackedLayerWeights._fields)
-        assert layer["qkv_proj"][...].shape == (panels((Hq + 2 * Hkv) * K), D, 16)
-        assert layer["o_proj"][...].shape == (panels(D), Hq * K, 16)
-        assert layer["gate_up_proj"][...].shape == (2 * panels(F), D, 16)  # gate and up panels in pairs
-        assert layer["down_proj"][...].shape == (panels(D), F, 16)
-    assert e.runner.state["packed_lm_head"][...].shape == (panels(V), D, 16)
-    assert "lm_head" not in e.runner.state  # untied head: only the packed copy is kept
-    for executable in e.runner.compiled.values():
-        text = executable.as_text()
-        assert " dot(" not in text and "jaxcb_packed_matmul" in text and "jaxcb_packed_mlp" in text
-        # q/k/v, rope and the cache write in one call a layer: no cache write of its own.
-        assert text.count("jaxcb_packed_qkv") >= cfg.num_layers and "jaxcb_kv_cache_write" not in text
-
-
-def test_xla_step_keeps_the_plain_weights():
-    e = shared_engine("model.linear_impl=xla")
-    assert "packed_lm_head" not in e.runner.state
-    assert "q_proj" in e.runner.state["layers"][0]
-
-
-def test_auto_picks_the_cpu_matmul_only_where_it_applies():
-    ok = dict(dtype="float32", layer_loop="unrolled", tensor_parallel_size=1, platform="cpu")
-    assert resolve_linear_impl("auto", **ok) == "cpu"
-    assert resolve_linear_impl("xla", **ok) == "xla"
-    for change in (dict(platform="gpu"), dict(dtype="bfloat16"), dict(layer_loop="scan"), dict(tensor_parallel_size=2)):
-        assert resolve_linear_impl("auto", **{**ok, **change}) == "xla"
-
-
-@pytest.mark.parametrize(
-    "change,reason",
-    [
-        (dict(platform="gpu"), "runs on CPU only"),
-        (dict(dtype="bfloat16"), r"takes float32 weights \(model.dtype=bfloat16\)"),
-        (dict(layer_loop="scan"), "needs model.layer_loop=unrolled"),
-        (dict(tensor_parallel_size=2), r"one device \(engine.tensor_parallel_size=2\)"),
-    ],
-)
-def test_linear_impl_cpu_where_it_cannot_run_says_why_and_what_to_use(change, reason):
-    ok = dict(dtype="float32", layer_loop="unrolled", tensor_parallel_size=1, platform="cpu")
-    with pytest.raises(ConfigError, match=f"model.linear_impl=cpu: .*{reason}.*Use model.linear_impl=auto or xla"):
-        resolve_linear_impl("cpu", **{**ok, **change})
-
-
-def test_auto_falls_back_to_xla_with_a_warning_without_a_compiler(monkeypatch, caplog):
-    def no_compiler():
-        raise cpu_kernels.CpuKernelUnavailable("no C++ compiler found")
-
-    monkeypatch.setattr(llama, "load_cpu_kernels", no_compiler)
-    ok = dict(dtype="float32", layer_loop="unrolled", tensor_parallel_size=1, platform="cpu")
-    with caplog.at_level(logging.WARNING, logger="jaxcb.model.llama"):
-        assert resolve_linear_impl("auto", **ok) == "xla"
-    assert "no C++ compiler found" in caplog.text
-    with pytest.raises(ConfigError, match="no C\\+\\+ compiler found"):
-        resolve_linear_impl("cpu", **ok)
-
-
-def test_an_unknown_linear_impl_is_a_config_error():
-    with pytest.raises(ConfigError, match="model.linear_impl='blas' must be one of auto, cpu, xla"):
-        compose_config(["model.linear_impl=blas"])
-
-
-def test_cpu_token_buckets_pad_a_step_by_at_most_a_third():
-    assert default_token_buckets(2048, "cpu") == [
-        1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048
-    ]
-    assert default_token_buckets(2048, "gpu") == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert default_token_buckets(50, "cpu") == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 50]
-    assert default_token_buckets(3, "cpu") == [1, 2, 3]

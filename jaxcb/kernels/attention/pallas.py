@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.inputs import check_attention_inputs
-from pallas_kernels.query_tiles import max_query_tiles, query_tile_table
+from jaxcb.kernels.attention.inputs import check_attention_inputs
+from jaxcb.kernels.attention.query_tiles import max_query_tiles, query_tile_table
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 

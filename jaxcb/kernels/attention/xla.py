@@ -18,8 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.inputs import check_attention_inputs
-from pallas_kernels.query_tiles import max_query_tiles, query_tile_table
+from jaxcb.kernels.attention.inputs import check_attention_inputs
+from jaxcb.kernels.attention.query_tiles import max_query_tiles, query_tile_table
 
 
 GATHER_MAX_WIDTH = 16  # block-table widths up to this gather the context at once; wider ones go by pairs

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.inputs import check_attention_inputs
+from jaxcb.kernels.attention.inputs import check_attention_inputs
 
 
 def ragged_paged_attention_reference(

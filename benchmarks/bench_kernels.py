@@ -1,7 +1,7 @@
 """Micro-benchmark of the CPU kernels on this machine (CPU by default).
 
-    python scripts/bench_kernels.py                    # both markdown tables; see docs/benchmarks.md
-    python scripts/bench_kernels.py --kernels matmul   # one of attention, cache-dtype, matmul, lm-head, qkv
+    python -m benchmarks.bench_kernels                    # both markdown tables; see docs/benchmarks.md
+    python -m benchmarks.bench_kernels --kernels matmul   # one of attention, cache-dtype, matmul, lm-head, qkv
 
 attention: on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
@@ -12,7 +12,7 @@ cache-dtype: the C++ attention kernel over `small`'s heads (12 query / 4 KV head
 (`cache.dtype=bfloat16` under a float32 model), the two timed alternately.
 
 --against REV: the kernels of this checkout against those of git revision REV, built side by
-side from REV's `cpu_kernels/` sources and timed alternately in one process: small's matmul
+side from REV's C++ sources (`jaxcb/kernels/cpu/`) and timed alternately in one process: small's matmul
 chain by step size, and attention over small's heads. The A/B behind a kernel change. With
 --steps ROUNDS, also the engine's own compiled steps: the full-batch run of docs/benchmarks.md
 (64 requests, 40 prompt + 100 output tokens each, on `small`) recorded once and replayed whole
@@ -25,7 +25,7 @@ whose every row is greedy writes none), the three timed alternately.
 
 matmul: the linear layers of the `small` preset (12 x q/k/v, o, gate/up, down, then the
 32000-row LM head; 498 MB of float32 weights) as one jitted chain, through the packed C++
-matmul (`model.linear_impl=cpu`) and through XLA's dot, for steps of 1 to 2048 tokens.
+matmul (`model.backend=cpu`) and through XLA's dot, for steps of 1 to 2048 tokens.
 
 qkv: small's q/k/v projection and attention, 12 layers deep, at a decode step of 64 sequences
 with 100 tokens of context: `packed_qkv` (rope and the cache write inside the call) against the
@@ -51,11 +51,17 @@ import jax.numpy as jnp
 
 import numpy as np
 
-import cpu_kernels
-from cpu_kernels import pack_columns, packed_matmul, ragged_paged_attention_cpu
-from jaxcb.timing import time_calls
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference, ragged_paged_attention_xla
-from pallas_kernels.testing import make_ragged_batch
+import jaxcb.kernels.cpu as cpu_kernels
+from benchmarks.step_replay import record_steps, replay
+from benchmarks.timing import time_calls
+from jaxcb.kernels import packed_matmul as pm
+from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu, write_kv_rows
+from jaxcb.kernels.attention.pallas import ragged_paged_attention
+from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
+from jaxcb.kernels.attention.testing import make_ragged_batch
+from jaxcb.kernels.attention.xla import ragged_paged_attention_xla
+from jaxcb.kernels.packed_matmul import pack_columns, packed_matmul
+from jaxcb.kernels.row_argmax import row_argmax
 
 # The peers' tiny Llama attention (4 query heads, 2 KV heads, head dim 32), blocks of 16, a 4-layer cache.
 HEADS = dict(num_kv_heads=2, group=2, head_dim=32, block_size=16, num_layers=4, layer=2, pad_tokens=0, pad_seqs=0)
@@ -167,13 +173,13 @@ def qkv_table(calls: int, tokens: int = 64, context: int = 100, layers: int = 12
         for i, w in enumerate(weights):
             y = packed_matmul(h, w, n, norm=norm, eps=1e-5)
             q, kk, v = (part.reshape(tokens, -1, d) for part in jnp.split(y, [hq * d, (hq + hkv) * d], axis=1))
-            kc, vc = cpu_kernels.write_kv_rows(kc, vc, jnp.int32(i), apply_rope(kk, cos, sin), v, slots)
+            kc, vc = write_kv_rows(kc, vc, jnp.int32(i), apply_rope(kk, cos, sin), v, slots)
             h = attend(h, apply_rope(q, cos, sin), kc, vc, i)
         return h, kc, vc
 
     def one_call(h, kc, vc):
         for i, w in enumerate(weights):
-            q, kc, vc = cpu_kernels.packed_qkv(h, w, norm, 1e-5, cos, sin, kc, vc, jnp.int32(i), slots, hq)
+            q, kc, vc = pm.packed_qkv(h, w, norm, 1e-5, cos, sin, kc, vc, jnp.int32(i), slots, hq)
             h = attend(h, q, kc, vc, i)
         return h, kc, vc
 
@@ -207,11 +213,11 @@ def lm_head_table(calls: int, rows: int = 64, hidden: int = 768, vocab: int = 32
     x = jnp.asarray(rng.standard_normal((rows, hidden), np.float32))
     packed = pack_columns(jnp.asarray(rng.standard_normal((hidden, vocab), np.float32) * 0.02))
     runs = {
-        "matmul, then row_argmax": (jax.jit(lambda x: cpu_kernels.row_argmax(packed_matmul(x, packed, vocab))), (x,)),
+        "matmul, then row_argmax": (jax.jit(lambda x: row_argmax(packed_matmul(x, packed, vocab))), (x,)),
         "argmax inside, logits written": (
-            jax.jit(lambda x: cpu_kernels.packed_matmul_argmax(x, packed, vocab, True)[1]), (x,)),
+            jax.jit(lambda x: pm.packed_matmul_argmax(x, packed, vocab, True)[1]), (x,)),
         "argmax inside, no logits": (
-            jax.jit(lambda x: cpu_kernels.packed_matmul_argmax(x, packed, vocab, False)[1]), (x,)),
+            jax.jit(lambda x: pm.packed_matmul_argmax(x, packed, vocab, False)[1]), (x,)),
     }
     seconds = alternate(runs, calls)
     base = seconds["matmul, then row_argmax"]
@@ -289,10 +295,13 @@ def register_kernels_at(rev: str) -> tuple[str, str, bool, dict[str, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         needed = {"ragged_paged_attention.cc", "packed_matmul.cc", "parallel_for.h"}  # in every revision
         for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
-            done = subprocess.run(["git", "show", f"{rev}:cpu_kernels/{f.name}"], capture_output=True, text=True,
-                                  cwd=cpu_kernels.HERE)
+            for folder in ("jaxcb/kernels/cpu", "cpu_kernels"):  # where the sources lived before the kernels package
+                done = subprocess.run(["git", "show", f"{rev}:{folder}/{f.name}"], capture_output=True, text=True,
+                                      cwd=cpu_kernels.HERE)
+                if done.returncode == 0:
+                    break
             if done.returncode != 0 and f.name in needed:
-                raise SystemExit(f"--against {rev}: cannot read cpu_kernels/{f.name} there: {done.stderr.strip()}")
+                raise SystemExit(f"--against {rev}: cannot read {f.name} there: {done.stderr.strip()}")
             if done.returncode == 0:  # a kernel or header added since `rev` is left out of its build
                 (Path(tmp) / f.name).write_text(done.stdout)
         lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library(Path(tmp))))
@@ -388,43 +397,39 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
     cfg = compose_config(overrides)
     llm = LLM(cfg)
     runner = llm.engine.runner
-    runner.recorded = []
-    run_offline(llm, make_workload(cfg.bench, llm.engine.model_config.vocab_size, cfg.engine.max_model_len),
-                cfg.scheduler.policy)
-    recorded, runner.recorded = runner.recorded, None
+    with record_steps(runner) as recorded:
+        run_offline(llm, make_workload(cfg.bench, llm.engine.model_config.vocab_size, cfg.engine.max_model_len),
+                    cfg.scheduler.policy)
     keys = sorted({key for key, _ in recorded})
     ours = {key: runner.compiled[key] for key in keys}
     # Traced again, through a new function (no trace cached from ours), with the targets renamed.
     traced, names = runner._step, {const: getattr(cpu_kernels, const) for const in KERNEL_SYMBOLS}
     inner = traced.__wrapped__
-    runner._step = jax.jit(lambda state, cache, key, *rest: inner(state, cache, key, *rest),
+    runner._step = jax.jit(lambda weights, cache, key, *rest: inner(weights, cache, key, *rest),
                            donate_argnums=(1,), static_argnums=(2,))
+    import jaxcb.kernels.attention.cpu as attention_cpu
+    import jaxcb.kernels.row_argmax as argmax_module
+
+    users = [m for m in (cpu_kernels, pm, attention_cpu, argmax_module)]  # each imported the target names
     try:
         for const in KERNEL_SYMBOLS:
-            setattr(cpu_kernels, const, targets[const])
+            for m in users:
+                if hasattr(m, const):
+                    setattr(m, const, targets[const])
         theirs = {key: runner._compile(key) for key in keys}
     finally:
         runner._step = traced
         for const, name in names.items():
-            setattr(cpu_kernels, const, name)
+            for m in users:
+                if hasattr(m, const):
+                    setattr(m, const, name)
     for key, exe in theirs.items():  # a trace reused from ours would compare this checkout with itself
         if not any(target in exe.as_text() for target in targets.values()):
             raise RuntimeError(f"the step {key} compiled for {rev} calls none of {rev}'s kernels")
-    cache = runner.kv_cache
-
-    def replay(exes):
-        nonlocal cache
-        start = time.perf_counter()
-        for key, inputs in recorded:
-            ids, _, _, cache = exes[key](runner.state, cache, *inputs)
-        jax.block_until_ready(ids)
-        return time.perf_counter() - start
-
     times = {"this checkout": [], rev: []}
     for i in range(rounds):  # the order flipped every round
         for name in (("this checkout", rev) if i % 2 else (rev, "this checkout")):
-            times[name].append(replay(ours if name == "this checkout" else theirs))
-    runner.kv_cache = cache
+            times[name].append(replay(runner, recorded, ours if name == "this checkout" else theirs))
     ms = {name: float(np.median(t)) for name, t in times.items()}
     print(f"| the full-batch run's {len(recorded)} steps, replayed | this checkout (s) | {rev} (s) | {rev} / this |")
     print("|---|---|---|---|")

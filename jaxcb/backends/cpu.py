@@ -1,0 +1,105 @@
+"""The `cpu` backend: the linear layers and the LM head through the packed C++ matmul.
+
+At load it packs each layer's projections into the 16-column panels of `packed_matmul`, with
+q/k/v fused into one matrix and gate/up into another, and the LM head the same way; the
+layers run unrolled, one packed weight set per layer. XLA:CPU's dot re-packs its weight
+operand on every call and streams it at a few GB/s for a decode step's few rows, where the
+packed kernel runs near the machine's matmul peak. The arithmetic is the XLA backend's; only
+who multiplies changes. Float32 weights, one device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxcb.backends.base import Backend
+from jaxcb.kernels.attention import AttentionMetadata, KVCache
+from jaxcb.kernels.cpu import ATTENTION_DTYPES
+from jaxcb.kernels.packed_matmul import (
+    pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
+)
+from jaxcb.model.llama import LayerWeights, Llama, apply_rope
+
+
+class PackedLayerWeights(NamedTuple):
+    """One layer's weights packed for `packed_matmul` (`pack_columns` panels [P, in, 16])."""
+
+    attn_norm: jax.Array  # [D]
+    qkv_proj: jax.Array  # panels of [D, (Hq + 2 Hkv) K]: q, k and v side by side
+    o_proj: jax.Array  # panels of [Hq K, D]
+    mlp_norm: jax.Array  # [D]
+    gate_up_proj: jax.Array  # panels of [D, F] each for gate and up, in pairs (`pack_gate_up`)
+    down_proj: jax.Array  # panels of [F, D]
+
+    @staticmethod
+    def pack(w: LayerWeights) -> "PackedLayerWeights":
+        d = w.q_proj.shape[0]
+        qkv = jnp.concatenate([p.reshape(d, -1) for p in (w.q_proj, w.k_proj, w.v_proj)], axis=1)
+        return PackedLayerWeights(
+            w.attn_norm,
+            pack_columns(qkv),
+            pack_columns(w.o_proj.reshape(-1, w.o_proj.shape[-1])),
+            w.mlp_norm,
+            pack_gate_up(w.gate_proj, w.up_proj),
+            pack_columns(w.down_proj),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuBackend(Backend):
+    unroll_layers: bool = True
+    name = "cpu"
+
+    def describe(self) -> str:
+        return "backend cpu (the packed C++ matmul; layers unrolled)"
+
+    def prepare(self, model: Llama, max_len: int, replicated=None):
+        """Layer by layer, so that at most one layer's weights exist twice at a time."""
+        weights = super().prepare(model, max_len, replicated)  # unrolled: one LayerWeights per layer
+        layers, weights = list(weights.layers), weights._replace(layers=None)
+        pack = jax.jit(PackedLayerWeights.pack)
+        for i in range(len(layers)):
+            layers[i] = pack(layers[i])
+        return weights._replace(layers=layers)
+
+    def prepare_head(self, model: Llama) -> jax.Array:
+        # The tied embedding stays as it is for the token lookup; its packed transpose is a copy.
+        if self.cfg.tie_word_embeddings:
+            return jax.jit(lambda e: pack_columns(e.T))(model.embed.get_value())
+        head = jax.jit(pack_columns)(model.lm_head.get_value())
+        del model.lm_head
+        return head
+
+    def self_attention(self, w: PackedLayerWeights, h, rope, cache: KVCache, layer, md: AttentionMetadata):
+        cfg = self.cfg
+        if self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES:
+            # q/k/v, rope and the cache write in one kernel call, then attention over the cache.
+            q, k_cache, v_cache = packed_qkv(h, w.qkv_proj, w.attn_norm, cfg.rms_norm_eps, *rope, cache.k, cache.v,
+                                             layer, md.slot_mapping, cfg.num_heads)
+            cache = KVCache(k_cache, v_cache)
+            return self.attention.attend(q, cache, layer, md, self.sm_scale), cache
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
+        q_, k_, v_ = (qkv[:, :q].reshape(-1, cfg.num_heads, cfg.head_dim),
+                      qkv[:, q : q + kv].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
+                      qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+        q_, k_ = apply_rope(q_, *rope), apply_rope(k_, *rope)
+        return self.attention.write_and_attend(q_, k_, v_, cache, layer, md, self.sm_scale)
+
+    def add_attention_output(self, w: PackedLayerWeights, h, attn):
+        return packed_matmul(attn.reshape(attn.shape[0], -1), w.o_proj, self.cfg.hidden_size, residual=h)
+
+    def add_mlp(self, w: PackedLayerWeights, h):
+        return packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm,
+                          eps=self.cfg.rms_norm_eps, residual=h)
+
+    def logits(self, w, hidden):
+        return packed_matmul(hidden, w.head, self.cfg.vocab_size)
+
+    def logits_and_argmax(self, w, hidden, want_logits) -> tuple[jax.Array, Optional[jax.Array]]:
+        # The argmax comes out of the matmul; where no row reads the logits they are never written.
+        return packed_matmul_argmax(hidden, w.head, self.cfg.vocab_size, want_logits)

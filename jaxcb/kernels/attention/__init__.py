@@ -1,0 +1,195 @@
+"""Attention over the paged KV cache: one protocol, several forms.
+
+A form owns the cache layout (`cache.py`), the K/V write and attend. The model reaches
+attention only through an `AttentionForm`, chosen once from `attention.impl`:
+
+    pallas     the Pallas ragged paged-attention kernel, Triton backend (`pallas.py`; GPU, or
+               the Pallas interpreter with `attention.interpret=true`, for tests on CPU)
+    cpu        a C++ kernel through the XLA FFI (`cpu.py`), reading each sequence's blocks in
+               place; its K/V write is C++ too
+    xla        the plain-JAX tiled path (`xla.py`; anywhere, no compiler needed)
+    reference  the simple O(tokens x context) definition (`reference.py`), for tests
+    auto       pallas on GPU; on CPU the C++ kernel, or xla (with a warning) if it cannot be built
+
+Every attend function takes q [T, Hq, D], the stacked caches, kv_lens [R], block_tables
+[R, W], query_start_loc [R + 1], num_seqs, layer and sm_scale, and returns [T, Hq, D].
+
+Invariant of every form: in each layer the new K/V rows are written before attention reads
+the cache (`write_and_attend`), so a sequence attends to its own new tokens, and may attend
+to blocks another sequence fills in the same step.
+
+Under tensor parallelism the form carries the mesh and `write_and_attend` runs per shard of
+heads in `shard_map`: each device writes and reads the cache of its own KV heads with its own
+query heads, whatever the form (XLA cannot partition a Pallas kernel, and a scatter into a
+sharded cache left to it might gather the whole cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Callable, Optional
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxcb.config import AttentionConfig, ConfigError
+from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, scatter_blocks, scatter_kv_rows
+from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
+from jaxcb.kernels.attention.xla import ragged_paged_attention_xla
+from jaxcb.sharding import HEADS_SPEC, KV_CACHE_SPEC
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AttentionForm", "AttentionMetadata", "KVCache", "NULL_BLOCK", "SWAP_CHUNK", "select_attention"]
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    """The per-step description of the ragged batch (a pytree: it travels into the step as arrays)."""
+
+    slot_mapping: jax.Array  # i32[T]: cache slot (block * block_size + offset) of each new token
+    query_start_loc: jax.Array  # i32[R + 1]: sequence r owns tokens [qsl[r], qsl[r+1])
+    kv_lens: jax.Array  # i32[R]: context length of each sequence, new tokens included
+    block_tables: jax.Array  # i32[R, W]: unused entries -> null block
+    num_seqs: jax.Array  # i32[]: real sequences; rows past it are padding
+
+
+jax.tree_util.register_dataclass(
+    AttentionMetadata,
+    data_fields=["slot_mapping", "query_start_loc", "kv_lens", "block_tables", "num_seqs"],
+    meta_fields=[],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionForm:
+    """One attention implementation with its cache write; hashable, so it can be static in a jit."""
+
+    name: str
+    attend_fn: Callable[..., jax.Array]
+    write_rows_fn: Callable[..., KVCache] = scatter_kv_rows  # (cache, layer, k, v, slots) -> cache
+    write_blocks_fn: Callable[..., KVCache] = scatter_blocks  # (cache, block_ids, k, v) -> cache, donated
+    cache_dtypes: Optional[tuple[str, ...]] = None  # the cache dtypes it reads; None: any
+    computes_in_cache_dtype: bool = True  # False: q keeps its dtype and the cache is read as it
+    mesh: Optional[Mesh] = None  # tensor parallelism: runs per shard of heads on this mesh
+
+    def with_mesh(self, mesh: Optional[Mesh]) -> "AttentionForm":
+        return dataclasses.replace(self, mesh=mesh)
+
+    def check_cache_dtype(self, dtype) -> None:
+        """A ConfigError at start-up for a cache dtype this form cannot read."""
+        name = jax.numpy.dtype(dtype).name
+        if self.cache_dtypes is not None and name not in self.cache_dtypes:
+            raise ConfigError(
+                f"cache.dtype={name} cannot be read by attention.impl={self.name} (it reads "
+                f"{' or '.join(self.cache_dtypes)}): use cache.dtype={self.cache_dtypes[0]}, or attention.impl=xla"
+            )
+
+    def write(self, cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
+        """One layer's new K/V ([T, Hkv, D] each) into their slots i32[T] (in place when donated)."""
+        return self.write_rows_fn(cache, layer, k, v, slot_mapping)
+
+    def attend(
+        self,
+        q: jax.Array,  # [T, num_q_heads, head_dim]
+        cache: KVCache,
+        layer: jax.Array,  # i32[]
+        md: AttentionMetadata,
+        sm_scale: float,
+    ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
+        q_in = q.astype(cache.k.dtype) if self.computes_in_cache_dtype else q
+        out = self.attend_fn(
+            q_in, cache.k, cache.v, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs, layer,
+            sm_scale=sm_scale,
+        )
+        return out.astype(q.dtype)
+
+    def write_and_attend(
+        self,
+        q: jax.Array,  # [T, num_q_heads, head_dim]
+        k: jax.Array,  # [T, num_kv_heads, head_dim]
+        v: jax.Array,  # [T, num_kv_heads, head_dim]
+        cache: KVCache,
+        layer: jax.Array,  # i32[]
+        md: AttentionMetadata,
+        sm_scale: float,
+    ) -> tuple[jax.Array, KVCache]:  # ([T, num_q_heads, head_dim], cache with this layer's new K/V)
+        """Write the new tokens' K/V into the cache, then attend over it (per shard of heads under TP)."""
+
+        def write_then_attend(q, k, v, cache, layer, md):
+            cache = self.write(cache, layer, k, v, md.slot_mapping)
+            return self.attend(q, cache, layer, md, sm_scale), cache
+
+        if self.mesh is None:
+            return write_then_attend(q, k, v, cache, layer, md)
+        cache_spec = KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC)
+        return jax.shard_map(
+            write_then_attend,
+            mesh=self.mesh,
+            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, cache_spec, PartitionSpec(), PartitionSpec()),
+            out_specs=(HEADS_SPEC, cache_spec),
+            # A pallas_call's output declares no varying mesh axes, which the check would demand.
+            check_vma=False,
+        )(q, k, v, cache, layer, md)
+
+
+def pallas_form(interpret: bool = False) -> AttentionForm:
+    from jaxcb.kernels.attention.pallas import ragged_paged_attention
+
+    fn = functools.partial(ragged_paged_attention, interpret=interpret)
+    return AttentionForm("pallas-interpret" if interpret else "pallas", fn)
+
+
+def cpu_form() -> AttentionForm:
+    """Raises CpuKernelUnavailable when the C++ kernels cannot be built here."""
+    from jaxcb.kernels.attention import cpu
+    from jaxcb.kernels.cpu import ATTENTION_DTYPES, load_cpu_kernels
+
+    load_cpu_kernels()
+    return AttentionForm(
+        "cpu", cpu.ragged_paged_attention_cpu, cpu.write_kv_rows_into, cpu.write_blocks,
+        cache_dtypes=ATTENTION_DTYPES, computes_in_cache_dtype=False,
+    )
+
+
+XLA = AttentionForm("xla", ragged_paged_attention_xla)
+REFERENCE = AttentionForm("reference", ragged_paged_attention_reference)
+IMPLS = ("auto", "pallas", "cpu", "xla", "reference")
+
+
+def select_attention(
+    cfg: AttentionConfig | None = None, mesh: Optional[Mesh] = None, platform: str | None = None
+) -> AttentionForm:
+    """The form `attention.impl` names on `platform` (default: JAX's); with a mesh, it runs per shard of heads."""
+    from jaxcb.kernels.cpu import CpuKernelUnavailable
+
+    cfg = cfg or AttentionConfig()
+    platform = platform or jax.default_backend()
+    impl = cfg.impl
+    if impl not in IMPLS:
+        raise ConfigError(f"attention.impl={impl!r} must be one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        impl = {"gpu": "pallas", "cpu": "cpu"}.get(platform, "xla")
+        if impl == "cpu":
+            try:
+                return cpu_form().with_mesh(mesh)
+            except CpuKernelUnavailable as e:
+                log.info("attention.impl=auto: the C++ CPU kernel is unavailable, using the xla form (%s)", e)
+                impl = "xla"
+    if impl == "pallas":
+        if platform != "gpu" and not cfg.interpret:
+            raise ConfigError(
+                f"attention.impl=pallas needs a GPU (this is {platform}); use attention.impl=auto, "
+                f"or attention.interpret=true to run the kernel in the Pallas interpreter"
+            )
+        return pallas_form(cfg.interpret).with_mesh(mesh)
+    if impl == "cpu":
+        if platform != "cpu":
+            raise ConfigError(f"attention.impl=cpu runs on CPU only (this is {platform}); use attention.impl=auto")
+        try:
+            return cpu_form().with_mesh(mesh)
+        except CpuKernelUnavailable as e:
+            raise ConfigError(f"attention.impl=cpu: {e}\nInstall a C++ compiler, or use attention.impl=xla") from e
+    return (XLA if impl == "xla" else REFERENCE).with_mesh(mesh)

@@ -1,0 +1,86 @@
+"""The C++ CPU attention kernel and K/V write, called through the XLA FFI (`jaxcb.kernels.cpu`).
+
+`ragged_paged_attention_cpu` takes the same arguments and gives the same result as the other
+attention forms; q (and the result) and the cache may differ in dtype (float32 / bfloat16
+each): an f32 model can keep a bf16 cache, read as f32. `write_kv_rows` writes one layer's
+new K/V rows into the paged cache in place (XLA:CPU's scatter into a bfloat16 cache converts
+the whole cache to f32 and back, twice per layer).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.kernels.attention.inputs import check_attention_inputs
+from jaxcb.kernels.cpu import ATTENTION_DTYPES, ATTENTION_TARGET, KV_WRITE_TARGET, load_cpu_kernels
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    kv_lens: jax.Array,  # i32[R]
+    block_tables: jax.Array,  # i32[R, max_blocks_per_seq]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    num_seqs: jax.Array,  # i32[]
+    layer: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
+    check_attention_inputs(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, q_may_differ_from_cache=True
+    )
+    for name, dtype in (("q", q.dtype), ("the KV cache", k_cache.dtype)):
+        if jnp.dtype(dtype).name not in ATTENTION_DTYPES:
+            raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {dtype} for {name}; "
+                             f"use cache.dtype=float32 or bfloat16, or attention.impl=xla")
+    load_cpu_kernels()
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(
+        q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
+        jnp.reshape(num_seqs, ()), jnp.reshape(layer, ()), sm_scale=np.float32(sm_scale),
+    )
+
+
+def write_kv_rows(
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: jax.Array,  # same
+    layer: jax.Array,  # i32[]
+    k: jax.Array,  # [T, num_kv_heads, head_dim]
+    v: jax.Array,  # [T, num_kv_heads, head_dim]
+    slots: jax.Array,  # i32[T]: block * block_size + offset; outside the cache -> dropped
+) -> tuple[jax.Array, jax.Array]:
+    """The caches with cache[layer, :, slot[t]] = k[t] (and v), converted to the cache's dtype;
+    in place when the caches are donated. Same result as kv_cache.write_kv's scatter."""
+    if k_cache.ndim != 5 or k.shape != v.shape or k.shape[1:] != (k_cache.shape[1], k_cache.shape[4]) \
+            or slots.shape != k.shape[:1] or v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"caches {k_cache.shape}/{v_cache.shape}, rows {k.shape}/{v.shape} and slots {slots.shape} "
+                         "do not match")
+    load_cpu_kernels()
+    call = jax.ffi.ffi_call(KV_WRITE_TARGET, (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),) * 2,
+                            input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, k.astype(k_cache.dtype), v.astype(v_cache.dtype), slots.astype(jnp.int32),
+                jnp.reshape(layer, ()).astype(jnp.int32))
+
+
+def write_kv_rows_into(cache, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array):
+    """`AttentionForm.write` of the cpu form: write_kv_rows on a KVCache."""
+    from jaxcb.kernels.attention.cache import KVCache
+
+    return KVCache(*write_kv_rows(cache.k, cache.v, layer, k, v, slots))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def write_blocks(cache, block_ids: jax.Array, k: jax.Array, v: jax.Array):
+    """Whole blocks (swap-in) written layer by layer as rows of slots, in place."""
+    from jaxcb.kernels.attention.cache import KVCache, block_rows
+
+    k_cache, v_cache = cache.k, cache.v
+    for layer in range(k_cache.shape[0]):
+        slots, k_rows, v_rows = block_rows(block_ids, k, v, layer, k_cache.shape[3])
+        k_cache, v_cache = write_kv_rows(k_cache, v_cache, jnp.int32(layer), k_rows, v_rows, slots)
+    return KVCache(k=k_cache, v=v_cache)

@@ -1,0 +1,124 @@
+"""The C++ kernels for CPU: sources here, compiled on first use and registered with the XLA FFI.
+
+The sources (`*.cc`, `*.h`) are compiled into one library with the system C++ compiler for
+this machine's CPU (`-march=native`) and cached, keyed by the sources, the flags, the
+compiler, the CPU and jaxlib, so a changed kernel or a different machine rebuilds.
+`load_cpu_kernels()` raises `CpuKernelUnavailable` with the compiler's message when there
+is no compiler or the build fails; the backends then fall back to XLA.
+
+The jax-facing wrappers live by concept: `jaxcb.kernels.attention.cpu` (attention and the
+K/V write), `jaxcb.kernels.packed_matmul` (the linear layers and the LM head) and
+`jaxcb.kernels.row_argmax`. Only those modules and `jaxcb.backends.cpu` import this package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+HERE = Path(__file__).parent
+SOURCES = (
+    HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc", HERE / "kv_cache_write.cc",
+)
+HEADERS = (HERE / "bf16.h", HERE / "parallel_for.h", HERE / "vector_exp.h")
+ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
+MATMUL_TARGET = "jaxcb_packed_matmul"
+MATMUL_ARGMAX_TARGET = "jaxcb_packed_matmul_argmax"
+MLP_TARGET = "jaxcb_packed_mlp"
+QKV_TARGET = "jaxcb_packed_qkv"
+ARGMAX_TARGET = "jaxcb_row_argmax"
+KV_WRITE_TARGET = "jaxcb_kv_cache_write"
+PANEL = 16  # columns per packed panel (packed_matmul.cc)
+ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of the cache, each (ragged_paged_attention.cc)
+CXX_FLAGS = (
+    "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
+    # Lets GCC vectorise the dot-product reductions; no -ffinite-math-only (masks rely on it not).
+    "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+)
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ kernel could not be built or loaded here (no compiler, or the build failed)."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("JAXCB_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxcb", "cpu_kernels"
+    )
+    return Path(root)
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise CpuKernelUnavailable("no C++ compiler found (install g++ or set CXX); attention.impl=xla needs none")
+    return cxx
+
+
+def build_library(source_dir: Path = HERE) -> Path:
+    """Path of the compiled library, building it if these sources/flags/CPU have not been built yet.
+    `source_dir` holds this package's file names, or some of them (another revision's, for an A/B)."""
+    sources, headers = SOURCES, HEADERS
+    if source_dir != HERE:  # an older revision may lack a kernel added since: build what it has
+        sources, headers = (tuple(source_dir / f.name for f in files if (source_dir / f.name).exists())
+                            for files in (SOURCES, HEADERS))
+    cxx = _compiler()
+    include = jax.ffi.include_dir()
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise CpuKernelUnavailable(f"C++ compiler {cxx} does not run: {e}") from e
+    key = hashlib.sha256(
+        "\0".join([*(f.read_text() for f in (*sources, *headers)), " ".join(CXX_FLAGS), version, _cpu_signature(),
+                   include, jax.__version__]).encode()
+    ).hexdigest()[:16]
+    out = cache_dir() / f"jaxcb_cpu_kernels-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build to a private name, then rename: concurrent builders never see a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *CXX_FLAGS, "-I", str(source_dir), "-isystem", include, *map(str, sources), "-o", tmp]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise CpuKernelUnavailable(f"building the CPU kernels failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+@functools.cache
+def load_cpu_kernels() -> None:
+    """Builds (once per machine) and registers the kernels with XLA; raises CpuKernelUnavailable."""
+    path = build_library()
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as e:
+        raise CpuKernelUnavailable(f"cannot load {path}: {e}") from e
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.JaxcbRaggedPagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMatmulArgmax), platform="cpu")
+    jax.ffi.register_ffi_target(MLP_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedMlp), platform="cpu")
+    jax.ffi.register_ffi_target(QKV_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedQkv), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
+    jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")

@@ -1,0 +1,150 @@
+"""The packed C++ matmul for CPU (`jaxcb.kernels.cpu`), as the `cpu` backend's linear layers use it.
+
+- `packed_matmul`: float32 x @ w with w packed once by `pack_columns`. It can RMS-normalise x
+  on the way in and add a residual on the way out.
+- `packed_qkv`: a decoder layer's q/k/v projection (normed x @ w), with rope over q and k and
+  the new K/V rows written into the paged cache, in one call: q comes back, the cache in place.
+- `packed_matmul_argmax`: the same product and its row argmax, taken inside the multiply; the
+  LM head, which writes its logits only when the step reads them (not when every row is greedy).
+- `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
+  and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
+
+XLA:CPU's dot re-packs its weight operand on every call and streams it at a few GB/s for a
+decode step's few rows, where the packed kernel runs near the machine's matmul peak
+(docs/benchmarks.md has the side-by-side figures).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.kernels.cpu import (
+    ATTENTION_DTYPES, MATMUL_ARGMAX_TARGET, MATMUL_TARGET, MLP_TARGET, PANEL, QKV_TARGET, load_cpu_kernels,
+)
+
+
+def pack_columns(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / 16), K, 16], zero-padded columns
+    """The layout `packed_matmul` reads: panel p holds columns [16p, 16p + 16) of w, row by row."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    w = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def _optional_inputs(x: jax.Array, n: int, norm: jax.Array | None, residual: jax.Array | None) -> tuple:
+    """The kernels' optional rms-norm weight [K] and residual [rows, n], empty when not given."""
+    k = x.shape[-1]
+    if norm is not None and (norm.shape != (k,) or norm.dtype != jnp.float32):
+        raise ValueError(f"the rms-norm weight must be float32 [{k}], got {norm.dtype} {norm.shape}")
+    if residual is not None and (residual.shape != (*x.shape[:-1], n) or residual.dtype != jnp.float32):
+        raise ValueError(f"the residual must be float32 {(*x.shape[:-1], n)}, got {residual.dtype} {residual.shape}")
+    return (jnp.zeros((0,), jnp.float32) if norm is None else norm,
+            jnp.zeros((0, n), jnp.float32) if residual is None else residual.reshape(-1, n))
+
+
+def _check_packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> None:
+    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
+    if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or packed.shape[0] != -(-n // PANEL):
+        raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} and n={n}")
+
+
+def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, norm: jax.Array | None = None, eps: float = 0.0,
+                  residual: jax.Array | None = None) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
+    """x @ w for float32, with `packed = pack_columns(w)` and n = w.shape[1]. With `norm` ([K]) x
+    is RMS-normalised first (`rms_norm(x, norm, eps)`, fused into the kernel's packing of x); with
+    `residual` ([..., n]) the result is residual + x @ w."""
+    _check_packed_matmul(x, packed, n)
+    norm, residual = _optional_inputs(x, n, norm, residual)
+    load_cpu_kernels()
+    rows = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
+        rows, packed, norm, residual, eps=np.float32(eps))
+    return y.reshape(*x.shape[:-1], n)
+
+
+def packed_qkv(
+    h: jax.Array,  # f32[T, K]: the residual stream
+    packed: jax.Array,  # pack_columns of [K, (Hq + 2 Hkv) D]: q, k and v side by side
+    norm: jax.Array | None,  # f32[K]: rms-norm weight of h (None: h as it is)
+    eps: float,
+    cos: jax.Array,  # f32[T, D // 2]: the tokens' rotary angles
+    sin: jax.Array,  # f32[T, D // 2]
+    k_cache: jax.Array,  # [L, Hkv, NB, BS, D], float32 or bfloat16
+    v_cache: jax.Array,  # same
+    layer: jax.Array,  # i32[]
+    slots: jax.Array,  # i32[T]: block * block_size + offset; outside the cache -> not written; rows
+    # sharing a slot (the engine's padding, in the null block): any one of them lands there, as with XLA's scatter
+    num_q_heads: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (q f32[T, Hq, D], k_cache, v_cache)
+    """q = rope(rms_norm(h) @ w_q), and rope(rms_norm(h) @ w_k) and rms_norm(h) @ w_v written at
+    `slots` of `layer` into the caches (in place when they are donated), in one call: what
+    `packed_matmul`, two `apply_rope`s and `write_kv_rows` give, bit for bit, with no XLA op
+    left between the projection and the attention call after it (whose pool thread then finds
+    the pool awake)."""
+    if h.ndim != 2 or h.dtype != jnp.float32 or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
+        raise ValueError(f"the CPU q/k/v projection takes float32 h [T, K] and rotary angles, got h {h.dtype} "
+                         f"{h.shape}, cos {cos.dtype} and sin {sin.dtype}; use model.linear_impl=xla")
+    _, num_kv_heads, _, _, head_dim = k_cache.shape
+    _check_packed_matmul(h, packed, (num_q_heads + 2 * num_kv_heads) * head_dim)
+    t = h.shape[0]
+    if cos.shape != (t, head_dim // 2) or sin.shape != cos.shape or slots.shape != (t,) or head_dim % 2:
+        raise ValueError(f"cos {cos.shape} and sin {sin.shape} must be [{t}, {head_dim // 2}] and slots {slots.shape} "
+                         f"[{t}] (head_dim {head_dim}, even)")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or k_cache.dtype.name not in ATTENTION_DTYPES:
+        raise ValueError(f"caches {k_cache.dtype} {k_cache.shape} / {v_cache.dtype} {v_cache.shape}: the CPU q/k/v "
+                         f"projection writes two caches of one shape, in one of {ATTENTION_DTYPES}")
+    norm, _ = _optional_inputs(h, 1, norm, None)
+    load_cpu_kernels()
+    call = jax.ffi.ffi_call(QKV_TARGET, (jax.ShapeDtypeStruct((t, num_q_heads, head_dim), jnp.float32),
+                                         jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                                         jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+                            input_output_aliases={5: 1, 6: 2})
+    return call(h, packed, norm, cos, sin, k_cache, v_cache, slots.astype(jnp.int32),
+                jnp.reshape(layer, ()).astype(jnp.int32), eps=np.float32(eps))
+
+
+def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x @ w, its row argmax) for x [M, K] float32, with `packed = pack_columns(w)`: the argmax
+    (i32[M], jnp.argmax's indices: the first of the largest, or the first NaN) is taken inside the
+    multiply. Where `want_y` (a bool or int scalar, traced) is false the product is never
+    written: only the argmax is defined, and no [M, n] array is written or read back."""
+    if x.ndim != 2:
+        raise ValueError(f"the matmul with a row argmax takes x as rows [M, K], got {x.shape}")
+    _check_packed_matmul(x, packed, n)
+    if n == 0 and x.shape[0] > 0:
+        raise ValueError("the row argmax of rows with no columns is undefined (n=0)")
+    load_cpu_kernels()
+    out = (jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return jax.ffi.ffi_call(MATMUL_ARGMAX_TARGET, out)(x, packed, jnp.asarray(want_y, jnp.int32).reshape(()))
+
+
+def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> [2 ceil(F / 16), K, 16]
+    """The layout `packed_mlp` reads: gate's and up's panels (`pack_columns`) in pairs, gate's first,
+    so that one tile sees the same 16 columns of both."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {gate.shape} and up {up.shape} must have the same shape")
+    pairs = jnp.stack([pack_columns(gate), pack_columns(up)], axis=1)  # [Q, 2, K, 16]
+    return pairs.reshape(-1, *pairs.shape[2:])
+
+
+def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
+               eps: float = 0.0, residual: jax.Array | None = None) -> jax.Array:  # [..., K] -> [..., n]
+    """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
+    `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
+    `residual` as in `packed_matmul`."""
+    if x.dtype != jnp.float32 or gate_up.dtype != jnp.float32 or down.dtype != jnp.float32:
+        raise ValueError(f"the CPU MLP takes float32, got x {x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; "
+                         "use model.linear_impl=xla")
+    f = down.shape[1]
+    if (gate_up.ndim != 3 or gate_up.shape[0] != 2 * -(-f // PANEL) or gate_up.shape[1:] != (x.shape[-1], PANEL)
+            or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):
+        raise ValueError(f"packed gate/up {gate_up.shape} and down {down.shape} do not match x {x.shape} and n={n}")
+    norm, residual = _optional_inputs(x, n, norm, residual)
+    load_cpu_kernels()
+    rows = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
+        rows, gate_up, down, norm, residual, eps=np.float32(eps))
+    return y.reshape(*x.shape[:-1], n)

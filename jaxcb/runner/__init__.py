@@ -1,0 +1,7 @@
+"""The runner: SchedulerOutput -> padded step inputs (`step_inputs.py`) -> the compiled step of a
+bucket (`buckets.py`) -> sampled tokens (`model_runner.py`)."""
+
+from jaxcb.runner.buckets import Buckets, default_token_buckets, make_buckets, powers_up_to
+from jaxcb.runner.model_runner import ModelRunner, StepHandle, StepStats
+
+__all__ = ["Buckets", "ModelRunner", "StepHandle", "StepStats", "default_token_buckets", "make_buckets", "powers_up_to"]

@@ -1,0 +1,208 @@
+"""Compile and dispatch: a SchedulerOutput runs as the compiled step of the smallest bucket that fits.
+
+Every bucket (`buckets.py`) is compiled ahead of time at start-up; serving then only looks
+compiled steps up. A miss is a recompile, which is compiled, counted and logged as an error
+(tests fail on it).
+
+The step (one `jax.jit`, KV cache donated): the model (`jaxcb.model.llama.forward`, with the
+backend's layer operations and weights) over all T tokens, logits of each sequence's last
+token, sampling with per-row parameters; it returns the sampled tokens with their logprobs,
+packed into two arrays for the host copy. Its inputs come from `step_inputs.py`.
+
+Async scheduling: `dispatch` returns at once with a `StepHandle`; `collect` waits for it. The
+tokens a step samples stay on the device (`prev_tokens`) so that the next step, dispatched
+before they reach the host, feeds them in where the scheduler left placeholders.
+
+Under tensor parallelism every bucket is compiled for the mesh: the weights and the cache
+with their own shardings, the step's inputs and outputs replicated, and the updated cache
+pinned to the cache's sharding, so a donated step hands the next one a cache it was compiled
+for (no resharding, no recompile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from jaxcb.backends import Backend
+from jaxcb.kernels.attention import SWAP_CHUNK, KVCache
+from jaxcb.kernels.attention.cache import gather_blocks
+from jaxcb.kv_cache import HostSwapSpace
+from jaxcb.model.llama import Llama, StepWeights, forward
+from jaxcb.runner.buckets import Buckets
+from jaxcb.runner.step_inputs import StepArgs, StepInputBuilder, abstract_step_inputs, packed_sizes, unpack_step_inputs
+from jaxcb.sampling import needs_logits, sample
+from jaxcb.scheduler import RunnerOutput, SampledToken, SchedulerOutput
+from jaxcb.sharding import TensorParallel, fetch
+
+log = logging.getLogger(__name__)
+
+BucketKey = tuple[int, int, int]  # (tokens, sequences, block-table width)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    num_tokens: int  # real tokens in the step
+    num_padded_tokens: int  # its token bucket
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: what was scheduled, and its results, still on the device until `collect`."""
+
+    scheduled: SchedulerOutput
+    bucket: BucketKey
+    token_ids: jax.Array  # i32[R, 1 + max_logprobs]: the sampled token, then the top ids
+    logprobs: jax.Array  # f32[R, 1 + max_logprobs]: their logprobs
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Llama,
+        backend: Backend,
+        kv_cache: KVCache,
+        buckets: Buckets,
+        *,
+        max_model_len: int,
+        max_logprobs: int,
+        max_stop_token_ids: int,
+        swap_space: Optional[HostSwapSpace] = None,
+        tp: Optional[TensorParallel] = None,
+    ):
+        """Takes over `model`'s parameters: the backend prepares them into the step's weights."""
+        self.backend = backend
+        self.weights: StepWeights = backend.prepare(model, max_model_len, tp.replicated if tp is not None else None)
+        self.tp = tp
+        self.kv_cache = kv_cache
+        self.buckets = buckets
+        self.max_logprobs = max_logprobs
+        self.compiled: dict[BucketKey, object] = {}
+        self.num_recompiles = 0
+        self.num_steps = 0
+        self.last_step = StepStats(0, 0, 0, 0)
+        self.swap_space = swap_space
+        self.max_rows = max(r for _, r, _ in buckets.all())
+        self.inputs = StepInputBuilder(
+            buckets, kv_cache.block_size, backend.cfg.vocab_size, max_model_len, max_stop_token_ids,
+            tp.replicated if tp is not None else None,
+        )
+        self._abstract = dict(max_banned=max_stop_token_ids, max_model_len=max_model_len, max_rows=self.max_rows,
+                              sharding=self.inputs.sharding)
+        step = self._make_step()
+        if tp is None:
+            self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(2,))
+        else:
+            replicated = tp.replicated
+            self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(2,),
+                                 out_shardings=(replicated, replicated, replicated, tp.kv_cache))
+        self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self.inputs.sharding)
+        self._prev_row_of: dict[str, int] = {}  # request id -> its row in the last dispatched step
+
+    def _make_step(self):
+        backend, num_logprobs, max_rows, abstract = self.backend, self.max_logprobs, self.max_rows, self._abstract
+
+        def step(weights: StepWeights, kv_cache: KVCache, key: BucketKey, ints, floats, history, prev_tokens):
+            x = unpack_step_inputs(abstract_step_inputs(*key, **abstract), ints, floats, history, prev_tokens)
+            from_prev = x.prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
+            token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
+            fix_pos, fix_row = x.history_fix[:, 0], x.history_fix[:, 1]
+            history_fix = (fix_pos, x.prev_tokens[jnp.clip(fix_row, 0, max_rows - 1)])  # -1: none
+            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, x.md)
+            want_logits = needs_logits(x.sampling, backend.cfg.vocab_size)
+            logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], want_logits)
+            token, token_lp, top_ids, top_lp = sample(
+                logits, x.sampling, x.history, x.num_prompt, x.num_known, num_logprobs, backend.argmax, logits_argmax,
+                history_fix=history_fix,
+            )
+            ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
+            lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
+            next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)
+            return ids, lps, next_prev, kv_cache
+
+        return step
+
+    # --- compilation ---------------------------------------------------------------------------
+
+    def _compile(self, key: BucketKey):
+        # Under TP the abstract weights and cache carry the shardings of the real arrays.
+        sharding = (lambda a: a.sharding) if self.tp is not None else (lambda a: None)
+        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a))  # noqa: E731
+        x = abstract_step_inputs(*key, **self._abstract)
+        num_ints, num_floats = packed_sizes(x)
+        ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32, sharding=self.inputs.sharding)
+        floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32, sharding=self.inputs.sharding)
+        return self._step.lower(jax.tree.map(abstract, self.weights), jax.tree.map(abstract, self.kv_cache), key,
+                                ints, floats, x.history, x.prev_tokens).compile()
+
+    def compile_all(self, progress: bool = True) -> float:
+        """Compile every bucket now; return the seconds it took."""
+        start = time.perf_counter()
+        keys = self.buckets.all()
+        for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
+            self.compiled[key] = self._compile(key)
+        if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
+            null = jnp.zeros(SWAP_CHUNK, jnp.int32)
+            k, v = gather_blocks(self.kv_cache, null)
+            self.kv_cache = self.swap_space.write_blocks(self.kv_cache, null, k, v)
+        elapsed = time.perf_counter() - start
+        log.info("compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; %s) in %.1f s",
+                 len(keys), sorted({(t, r) for t, r, _ in keys}), list(self.buckets.widths), self.backend.describe(),
+                 elapsed)
+        return elapsed
+
+    def executable(self, key: BucketKey):
+        """The compiled step of a bucket: (weights, cache, *StepArgs) -> (ids, logprobs, prev_tokens, cache)."""
+        exe = self.compiled.get(key)
+        if exe is None:
+            self.num_recompiles += 1
+            log.error("step bucket %s was not compiled at start-up: compiling now (recompile #%d)", key, self.num_recompiles)
+            exe = self.compiled[key] = self._compile(key)
+        return exe
+
+    # --- one step ------------------------------------------------------------------------------
+
+    def build_inputs(self, out: SchedulerOutput) -> tuple[BucketKey, StepArgs]:
+        return self.inputs.build(out, self._prev_tokens, self._prev_row_of)
+
+    def dispatch(self, out: SchedulerOutput) -> StepHandle:
+        """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
+        if out.swap_in:
+            self.kv_cache = self.swap_space.swap_in(self.kv_cache, out.swap_in)
+            if self.tp is not None:  # keep the sharding the steps were compiled for (a no-op if unchanged)
+                self.kv_cache = jax.device_put(self.kv_cache, self.tp.kv_cache)
+        if out.swap_out:
+            self.swap_space.swap_out(self.kv_cache, out.swap_out)
+        key, args = self.build_inputs(out)
+        ids, lps, self._prev_tokens, self.kv_cache = self.executable(key)(self.weights, self.kv_cache, *args)
+        num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
+        self.last_step = StepStats(out.num_scheduled_tokens, key[0], num_prefill, out.num_scheduled_tokens - num_prefill)
+        self._prev_row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
+        self.num_steps += 1
+        return StepHandle(out, key, ids, lps)
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a dispatched step and bring its sampled tokens to the host."""
+        ids, lps = fetch(handle.token_ids), fetch(handle.logprobs)
+        sampled = {}
+        for i, s in enumerate(handle.scheduled.scheduled):
+            if not s.samples:
+                continue
+            n = s.sampling_params.logprobs
+            top = None
+            if n:
+                n = min(n, self.max_logprobs)
+                top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
+            sampled[s.request_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
+        return RunnerOutput(sampled)
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.dispatch(out))

