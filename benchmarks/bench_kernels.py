@@ -1,7 +1,7 @@
 """Micro-benchmark of the CPU kernels on this machine (CPU by default).
 
-    python -m benchmarks.bench_kernels                    # both markdown tables; see docs/benchmarks.md
-    python -m benchmarks.bench_kernels --kernels matmul   # one of attention, cache-dtype, matmul, lm-head, qkv
+    python benchmarks/bench_kernels.py                    # both markdown tables; see docs/benchmarks.md
+    python benchmarks/bench_kernels.py --kernels matmul   # one of attention, cache-dtype, matmul, lm-head, qkv
 
 attention: on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
@@ -42,6 +42,7 @@ import argparse
 import ctypes
 import functools
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +52,10 @@ import jax.numpy as jnp
 
 import numpy as np
 
-import jaxcb.kernels.cpu as cpu_kernels
+if __package__ in (None, ""):  # run as `python benchmarks/bench_kernels.py`: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jaxcb.kernels.cpu as cpu_kernels  # noqa: E402
 from benchmarks.step_replay import record_steps, replay
 from benchmarks.timing import time_calls
 from jaxcb.kernels import packed_matmul as pm

@@ -10,12 +10,9 @@ from typing import Callable
 from omegaconf import DictConfig
 
 from jaxcb.config import Config, ConfigError, load_config
+from jaxcb.errors import UserError  # noqa: F401  (re-exported: the scripts catch it)
 
 log = logging.getLogger("jaxcb")
-
-
-class UserError(Exception):
-    """Bad input from the command line or a file; printed as one line, no traceback."""
 
 
 def entry_point(main: Callable[[Config], None]) -> Callable[[DictConfig], None]:

@@ -39,6 +39,7 @@ from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.scheduler import Scheduler
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.tokenizer import Tokenizer
+from jaxcb.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
 PromptType = Union[str, Sequence[int]]
@@ -106,6 +107,13 @@ class Engine:
         if compile_buckets:
             self.runner.compile_all(progress=progress)
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.limits = RequestLimits(
+            vocab_size=model_cfg.vocab_size, max_model_len=self.max_model_len, block_size=plan.block_size,
+            num_usable_blocks=self.block_pool.num_blocks - 1, max_num_seqs=cfg.scheduler.max_num_seqs,
+            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+            enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill, max_logprobs=cfg.engine.max_logprobs,
+            max_stop_token_ids=cfg.engine.max_stop_token_ids, num_eos_token_ids=len(self.eos_token_ids),
+        )
         self._seed_rng = random.Random(cfg.engine.seed)
         self._next_id = 0
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens): throughput for hints
@@ -137,7 +145,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        self._validate(ids, params)
+        validate_request(ids, params, self.limits)
         self._admission_control(len(ids), params.n)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         group = RequestGroup(request_id, text, list(ids), params, kind)
@@ -159,40 +167,6 @@ class Engine:
         for seq in group.seqs:
             self.scheduler.add_request(seq)
         return request_id
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"engine.max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens"
-            )
-        blocks = -(-(len(ids) + params.max_tokens) // self.cache_plan.block_size)
-        if blocks > self.block_pool.num_blocks - 1:
-            raise InvalidRequestError(
-                f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has {self.block_pool.num_blocks - 1}"
-            )
-        sched = self.cfg.scheduler
-        if not sched.enable_chunked_prefill and len(ids) > sched.max_num_batched_tokens:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens exceeds scheduler.max_num_batched_tokens={sched.max_num_batched_tokens} "
-                f"and scheduler.enable_chunked_prefill=false"
-            )
-        if params.logprobs is not None and params.logprobs > self.cfg.engine.max_logprobs:
-            raise InvalidRequestError(f"logprobs={params.logprobs} exceeds engine.max_logprobs={self.cfg.engine.max_logprobs}")
-        num_banned = len(params.stop_token_ids) + len(self.eos_token_ids)
-        if params.min_tokens and num_banned > self.cfg.engine.max_stop_token_ids:
-            raise InvalidRequestError(
-                f"min_tokens with {num_banned} EOS + stop token ids exceeds "
-                f"engine.max_stop_token_ids={self.cfg.engine.max_stop_token_ids}"
-            )
-        if params.n > sched.max_num_seqs:
-            raise InvalidRequestError(f"n={params.n} exceeds scheduler.max_num_seqs={sched.max_num_seqs}")
 
     def _admission_control(self, num_prompt_tokens: int, n: int) -> None:
         """Refuse (retryably) a request that would overfill the queue; it costs nothing when refused."""

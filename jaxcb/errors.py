@@ -7,6 +7,10 @@ a Retry-After header.
 from __future__ import annotations
 
 
+class UserError(Exception):
+    """Bad input from the command line or a file; the entry points print it as one line, no traceback."""
+
+
 class InvalidRequestError(ValueError):
     """A request that can never be served as given; the message names the field and the limit."""
 

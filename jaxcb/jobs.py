@@ -1,4 +1,5 @@
-"""Offline generation jobs: JSONL in, JSONL out, crash-safe and exactly once per id.
+"""Offline generation from the command line: JSONL jobs (JSONL in, JSONL out, crash-safe and exactly
+once per id), and the configured prompts (`generate_prompts`). In Python, use `jaxcb.LLM`.
 
 Input: one JSON object a line, with `id`, and `prompt` (text or token ids) or `messages`
 (a chat), plus optional sampling fields (max_tokens, temperature, top_p, top_k, min_p,
@@ -24,10 +25,10 @@ from typing import Any, Iterator, Optional
 
 from tqdm import tqdm
 
-from jaxcb.cli import UserError
 from jaxcb.config import Config
 from jaxcb.engine import LLM
-from jaxcb.errors import EngineOverloadedError, InvalidRequestError
+from jaxcb.errors import EngineOverloadedError, InvalidRequestError, UserError
+from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.tokenizer import chat_prompt_ids
 
@@ -237,3 +238,26 @@ def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
     finally:
         output.close()
     return report
+
+
+@dataclass
+class GenerationReport:
+    outputs: list[RequestOutput]
+    seconds: float
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(c.token_ids) for o in self.outputs for c in o.outputs)
+
+
+def generate_prompts(cfg: Config, prompts: list[str]) -> GenerationReport:
+    """The configured prompts (`generate.prompts`) through `LLM.generate`: scripts/generate.py without input=."""
+    g = cfg.generate
+    try:
+        params = SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed)
+        llm = LLM(cfg)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+    except InvalidRequestError as e:
+        raise UserError(str(e)) from e
+    return GenerationReport(outputs, time.perf_counter() - start)

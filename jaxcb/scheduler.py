@@ -16,6 +16,9 @@ decode token or the next prefill chunk. `schedule()`:
        only the rest -- always at least its last token, into a block of its own, so a
        cached block is never written.
 
+Blocks come from the KV-cache manager (`kv_cache_manager.py`: allocation, prefix hashing, swap),
+which takes them from the block pool.
+
 `update()` applies the runner's sampled tokens and registers blocks that became full in the
 prefix cache. Whether a sequence stops is decided by the output processor (`jaxcb.output`),
 which sees tokens and text; `finish()` then frees its blocks at once.
@@ -29,8 +32,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from jaxcb.block_pool import BlockPool, NoFreeBlocksError
+from jaxcb.block_pool import BlockPool
 from jaxcb.config import SchedulerConfig
+from jaxcb.kv_cache_manager import KVCacheManager
 from jaxcb.request import Request, RequestStatus
 from jaxcb.sampling_params import SamplingParams
 
@@ -101,18 +105,11 @@ class Scheduler:
     ):
         self.cfg = cfg
         self.pool = block_pool
+        self.kv = KVCacheManager(block_pool, block_size, enable_prefix_caching=enable_prefix_caching,
+                                 cache_salt=cache_salt, host_pool=host_pool)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.enable_prefix_caching = enable_prefix_caching
         self.clock = clock  # of arrival times and priority aging
-        self.host_pool = host_pool  # swap space (preemption_mode=swap)
-        self._swap_out: list[tuple[int, int]] = []
-        self._swap_in: list[tuple[int, int]] = []
-        self.num_swap_outs = 0
-        self.num_swap_ins = 0
-        self._root_hash = hash(("jaxcb-prefix-cache", cache_salt))  # what else changes the K/V: the model
-        self.prefix_cache_queries = 0  # tokens looked up at admission
-        self.prefix_cache_hits = 0  # tokens found
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -155,17 +152,15 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         request.finished_time = time.monotonic()
-        self._free_blocks(request)
+        self.kv.free(request)
         self._finished_since_step.append(request.request_id)
         del self.requests[request.request_id]
 
-    def _free_blocks(self, request: Request) -> None:
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-            request.block_ids = []
-        if request.host_block_ids:
-            self.host_pool.free(request.host_block_ids)
-            request.host_block_ids = []
+    # Counters of the KV-cache manager, for metrics.
+    prefix_cache_queries = property(lambda self: self.kv.prefix_cache_queries)
+    prefix_cache_hits = property(lambda self: self.kv.prefix_cache_hits)
+    num_swap_outs = property(lambda self: self.kv.num_swap_outs)
+    num_swap_ins = property(lambda self: self.kv.num_swap_ins)
 
     @property
     def num_unfinished(self) -> int:
@@ -202,7 +197,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
-            while not self._allocate(request, num_new):
+            while not self.kv.allocate(request, num_new):
                 victim = self._choose_victim(now)
                 budget += self._preempt(victim, scheduled)
                 preempted.append(victim.request_id)
@@ -217,10 +212,9 @@ class Scheduler:
         if not preempted and self.cfg.policy == "priority":
             preempted += self._preempt_for_priority(now, scheduled)
 
-        out = SchedulerOutput(
-            list(scheduled.values()), preempted, self._finished_since_step, self._swap_in, self._swap_out
-        )
-        self._finished_since_step, self._swap_out, self._swap_in = [], [], []
+        swap_in, swap_out = self.kv.take_swaps()
+        out = SchedulerOutput(list(scheduled.values()), preempted, self._finished_since_step, swap_in, swap_out)
+        self._finished_since_step = []
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
@@ -233,17 +227,6 @@ class Scheduler:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         return max(0, num_new)
 
-    def _blocks_needed(self, request: Request, num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
-
-    def _allocate(self, request: Request, num_new: int) -> bool:
-        needed = self._blocks_needed(request, request.num_computed_tokens + num_new)
-        try:
-            request.block_ids += self.pool.allocate(needed)
-        except NoFreeBlocksError:
-            return False
-        return True
-
     def _preempt(self, victim: Request, scheduled: dict[str, ScheduledSequence]) -> int:
         """Free the victim's blocks and requeue it at the head; return the budget it gives back.
 
@@ -252,21 +235,9 @@ class Scheduler:
         when the host pool is full it falls back to recompute."""
         self.running.remove(victim)
         returned = scheduled.pop(victim.request_id, None)
-        num_kept = -(-victim.num_computed_tokens // self.block_size)
-        swap = (
-            self.cfg.preemption_mode == "swap"
-            and self.host_pool is not None
-            and 0 < num_kept <= self.host_pool.num_free_blocks
-        )
-        if swap:
-            host = self.host_pool.allocate(num_kept)
-            self._swap_out += list(zip(victim.block_ids[:num_kept], host))
-            self.pool.free(victim.block_ids)
-            victim.block_ids = []
-            victim.host_block_ids = host
-            self.num_swap_outs += 1
-        else:
-            self._free_blocks(victim)
+        swap = self.cfg.preemption_mode == "swap" and self.kv.try_swap_out(victim)
+        if not swap:
+            self.kv.free(victim)
             victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         victim.num_registered_blocks = 0
@@ -317,7 +288,7 @@ class Scheduler:
             if share is None:  # a follower whose leader has not prefilled yet
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = self._cached_prefix(request)
+            cached = self.kv.cached_prefix(request)
             if len(cached) > len(share):
                 share = cached
             start = len(share) * self.block_size
@@ -339,12 +310,8 @@ class Scheduler:
             if needed > self.pool.num_free_blocks - reused_free:
                 break
             self.waiting.popleft()
-            if self.enable_prefix_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += start
-            request.block_ids = self.pool.touch(share) + self.pool.allocate(needed)
+            self.kv.admit(request, share, needed, start)
             request.num_computed_tokens = start
-            request.num_registered_blocks = len(share)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
@@ -381,48 +348,11 @@ class Scheduler:
         if num_new <= 0 or needed > self.pool.num_free_blocks:
             return 0
         self.waiting.popleft()
-        request.block_ids = self.pool.allocate(needed)
-        self._swap_in += list(zip(request.host_block_ids, request.block_ids))
-        self.host_pool.free(request.host_block_ids)
-        request.host_block_ids = []
-        self.num_swap_ins += 1
+        self.kv.swap_in_blocks(request, needed)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         scheduled[request.request_id] = self._scheduled(request, num_new)
         return num_new
-
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """Blocks of the longest cached prefix of the request's known tokens, leaving its last
-        token (and with it the block it sits in) to compute."""
-        if not self.enable_prefix_caching:
-            return []
-        hits = []
-        for block_hash, key in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(block_hash, key)
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[tuple[int, tuple]]:
-        """(hash, key) of the request's first num_blocks full blocks; key = (parent hash, token ids)."""
-        chain = request.block_hashes
-        bs = self.block_size
-        while len(chain) < num_blocks:
-            i = len(chain)
-            parent = chain[-1][0] if chain else self._root_hash
-            key = (parent, tuple(request.token_ids(i * bs, (i + 1) * bs)))
-            chain.append((hash(key), key))
-        return chain[:num_blocks]
-
-    def _register_full_blocks(self, request: Request) -> None:
-        num_full = request.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:
-            return
-        chain = self._block_hashes(request, num_full)
-        for i in range(request.num_registered_blocks, num_full):
-            self.pool.register(request.block_ids[i], *chain[i])
-        request.num_registered_blocks = num_full
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
@@ -484,5 +414,5 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING and PLACEHOLDER not in request.token_ids(
                 request.num_registered_blocks * self.block_size, request.num_computed_tokens
             ):
-                self._register_full_blocks(request)
+                self.kv.register_full_blocks(request)
         return touched

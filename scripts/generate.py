@@ -11,8 +11,7 @@ import hydra
 
 from jaxcb.cli import entry_point
 from jaxcb.config import Config
-from jaxcb.jobs import run_job
-from jaxcb.offline import generate_prompts
+from jaxcb.jobs import generate_prompts, run_job
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

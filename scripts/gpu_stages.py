@@ -409,7 +409,7 @@ def engine(st) -> None:
     from jaxcb.engine import LLM
 
     if st.dry_run:
-        overrides = ["model=tiny", "model.dtype=float32", "model.linear_impl=xla", "attention.impl=pallas",
+        overrides = ["model=tiny", "model.dtype=float32", "model.backend=xla", "attention.impl=pallas",
                      "attention.interpret=true", "cache.dtype=float32", "cache.num_blocks=160",
                      "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32", "engine.max_model_len=128",
                      "engine.token_buckets=[8,32]", "bench.num_requests=8", "bench.scale=0.1"]

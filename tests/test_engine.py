@@ -80,8 +80,8 @@ def test_greedy_outputs_do_not_depend_on_the_batch(policy, extra):
         assert out.finish_reason == "length" and len(out.token_ids) == max_tokens
         assert_same_or_tied(out.token_ids, alone(engine, prompt, max_tokens))
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
-    if engine.scheduler.host_pool is not None:
-        assert engine.scheduler.host_pool.num_free_blocks == engine.scheduler.host_pool.num_blocks - 1
+    if engine.scheduler.kv.host_pool is not None:
+        assert engine.scheduler.kv.host_pool.num_free_blocks == engine.scheduler.kv.host_pool.num_blocks - 1
     assert engine.num_recompiles == 0
 
 

@@ -24,7 +24,7 @@ LAYER_SLICE = re.compile(r"= f32\[1,([\d,]+)\]\{[\d,]*\} dynamic-slice\(")
 
 
 def engine(layer_loop: str):
-    # XLA's dot in both, so that only the loop differs (the packed CPU matmul: test_linear_impl.py).
+    # XLA's dot in both, so that only the loop differs (the packed CPU matmul: test_backends.py).
     return shared_engine(f"model.layer_loop={layer_loop}", "model.backend=xla")
 
 

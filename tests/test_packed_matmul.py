@@ -210,7 +210,7 @@ def test_pack_columns_round_trips_and_pads_with_zeros():
 
 def test_packed_matmul_rejects_what_it_cannot_multiply():
     x = jnp.ones((4, 8), jnp.float32)
-    with pytest.raises(ValueError, match="float32.*linear_impl=xla"):
+    with pytest.raises(ValueError, match="float32.*backend=xla"):
         packed_matmul(x.astype(jnp.bfloat16), pack_columns(jnp.ones((8, 16))), 16)
     with pytest.raises(ValueError, match="does not match"):
         packed_matmul(x, pack_columns(jnp.ones((9, 16))), 16)

@@ -5,7 +5,8 @@
 Each argument is a jaxcb run directory of `scripts/bench.py` (its bench.json and
 .hydra/overrides.yaml, which name the checkpoint and the workload file) or a file whose last
 JSON line is the output of bench_vllm.py or bench_hf.py. Rows are grouped by workload; each
-peer row gives jaxcb's output tokens/s over its own, on the same workload.
+peer row gives jaxcb's output tokens/s over its own, on the same workload (a range when jaxcb
+ran more than once: run the engines in turns, jaxcb before and after, to bracket the drift).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def main() -> None:
         group = [r for r in rows if r["workload"] == workload]
         jaxcb = [r["output_tokens_per_s"] for r in group if r["engine"] == "jaxcb"]
         for r in sorted(group, key=lambda r: r["engine"] != "jaxcb"):
-            ratio = f"{jaxcb[-1] / r['output_tokens_per_s']:.2f}x" if jaxcb and r["engine"] != "jaxcb" else ""
+            ratios = sorted(j / r["output_tokens_per_s"] for j in jaxcb) if r["engine"] != "jaxcb" else []
+            ratio = "-".join(f"{x:.2f}" for x in sorted({ratios[0], ratios[-1]})) + "x" if ratios else ""
             print(f"| {os.path.basename(workload)} | {os.path.basename(r['model'].rstrip('/'))} | {r['engine']} | "
                   f"{r['mode']} | {r['num_requests']} | {r['output_tokens']:,} | {r['seconds']:.1f} | "
                   f"**{r['output_tokens_per_s']:,.0f}** | {ratio} |")

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import jaxcb
-from jaxcb.cli import UserError
+from jaxcb.errors import UserError
 from jaxcb.config import RayConfig
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ def _optional_inputs(x: jax.Array, n: int, norm: jax.Array | None, residual: jax
 
 def _check_packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> None:
     if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
-        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.linear_impl=xla")
+        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.backend=xla")
     if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or packed.shape[0] != -(-n // PANEL):
         raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} and n={n}")
 
@@ -86,7 +86,7 @@ def packed_qkv(
     the pool awake)."""
     if h.ndim != 2 or h.dtype != jnp.float32 or cos.dtype != jnp.float32 or sin.dtype != jnp.float32:
         raise ValueError(f"the CPU q/k/v projection takes float32 h [T, K] and rotary angles, got h {h.dtype} "
-                         f"{h.shape}, cos {cos.dtype} and sin {sin.dtype}; use model.linear_impl=xla")
+                         f"{h.shape}, cos {cos.dtype} and sin {sin.dtype}; use model.backend=xla")
     _, num_kv_heads, _, _, head_dim = k_cache.shape
     _check_packed_matmul(h, packed, (num_q_heads + 2 * num_kv_heads) * head_dim)
     t = h.shape[0]
@@ -137,7 +137,7 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
     `residual` as in `packed_matmul`."""
     if x.dtype != jnp.float32 or gate_up.dtype != jnp.float32 or down.dtype != jnp.float32:
         raise ValueError(f"the CPU MLP takes float32, got x {x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; "
-                         "use model.linear_impl=xla")
+                         "use model.backend=xla")
     f = down.shape[1]
     if (gate_up.ndim != 3 or gate_up.shape[0] != 2 * -(-f // PANEL) or gate_up.shape[1:] != (x.shape[-1], PANEL)
             or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):

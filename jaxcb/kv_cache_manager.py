@@ -1,0 +1,131 @@
+"""The KV-cache manager: which device (and host) blocks each sequence holds (no jax).
+
+Between the scheduler, which decides who computes what, and the block pool, which hands out
+blocks: the manager allocates a sequence's blocks as its tokens grow, frees them, finds the
+longest cached prefix of a new sequence's full blocks by their hashes (a chain of
+(parent hash, token ids), rooted in the model's identity), registers blocks that became full,
+and moves a preempted sequence's blocks to host memory and back (swap), recording the copies
+the runner makes before the next step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from jaxcb.block_pool import BlockPool, NoFreeBlocksError
+from jaxcb.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, *, enable_prefix_caching: bool = False,
+                 cache_salt: str = "", host_pool: Optional[BlockPool] = None):
+        self.pool = pool
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.host_pool = host_pool  # swap space (preemption_mode=swap)
+        self._root_hash = hash(("jaxcb-prefix-cache", cache_salt))  # what else changes the K/V: the model
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens found
+        self.swap_in: list[tuple[int, int]] = []  # (host block, device block) copies before the next step
+        self.swap_out: list[tuple[int, int]] = []  # (device block, host block)
+        self.num_swap_outs = 0
+        self.num_swap_ins = 0
+
+    # --- device blocks --------------------------------------------------------------------------
+
+    def num_blocks_needed(self, request: Request, num_tokens: int) -> int:
+        """Blocks `request` lacks to hold `num_tokens` tokens."""
+        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
+
+    def allocate(self, request: Request, num_new: int) -> bool:
+        """Give `request` the blocks its next `num_new` tokens need; False (nothing taken) if too few are free."""
+        needed = self.num_blocks_needed(request, request.num_computed_tokens + num_new)
+        try:
+            request.block_ids += self.pool.allocate(needed)
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    def admit(self, request: Request, shared: list[int], num_new_blocks: int, num_cached_tokens: int) -> None:
+        """A waiting sequence starts: the shared (cached or the leader's) blocks, then fresh ones."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
+        request.block_ids = self.pool.touch(shared) + self.pool.allocate(num_new_blocks)
+        request.num_registered_blocks = len(shared)
+
+    def free(self, request: Request) -> None:
+        """Every block the sequence holds, on the device and on the host."""
+        if request.block_ids:
+            self.pool.free(request.block_ids)
+            request.block_ids = []
+        if request.host_block_ids:
+            self.host_pool.free(request.host_block_ids)
+            request.host_block_ids = []
+
+    # --- swap ------------------------------------------------------------------------------------
+
+    def try_swap_out(self, victim: Request) -> bool:
+        """Copy the blocks holding the victim's computed tokens to host blocks (the runner does it
+        before this step's writes can reuse them) and free its device blocks; False if the host
+        pool cannot take them (then the caller recomputes)."""
+        num_kept = -(-victim.num_computed_tokens // self.block_size)
+        if self.host_pool is None or not 0 < num_kept <= self.host_pool.num_free_blocks:
+            return False
+        host = self.host_pool.allocate(num_kept)
+        self.swap_out += list(zip(victim.block_ids[:num_kept], host))
+        self.pool.free(victim.block_ids)
+        victim.block_ids = []
+        victim.host_block_ids = host
+        self.num_swap_outs += 1
+        return True
+
+    def swap_in_blocks(self, request: Request, num_blocks: int) -> None:
+        """Fresh device blocks for a swapped-out sequence, its host blocks copied in before the next step."""
+        request.block_ids = self.pool.allocate(num_blocks)
+        self.swap_in += list(zip(request.host_block_ids, request.block_ids))
+        self.host_pool.free(request.host_block_ids)
+        request.host_block_ids = []
+        self.num_swap_ins += 1
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap_in, swap_out) copies recorded since the last step, and forget them."""
+        swaps = (self.swap_in, self.swap_out)
+        self.swap_in, self.swap_out = [], []
+        return swaps
+
+    # --- the prefix cache -----------------------------------------------------------------------
+
+    def cached_prefix(self, request: Request) -> list[int]:
+        """Blocks of the longest cached prefix of the request's known tokens, leaving its last
+        token (and with it the block it sits in) to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for block_hash, key in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
+            block = self.pool.lookup(block_hash, key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[tuple[int, tuple]]:
+        """(hash, key) of the request's first num_blocks full blocks; key = (parent hash, token ids)."""
+        chain = request.block_hashes
+        bs = self.block_size
+        while len(chain) < num_blocks:
+            i = len(chain)
+            parent = chain[-1][0] if chain else self._root_hash
+            key = (parent, tuple(request.token_ids(i * bs, (i + 1) * bs)))
+            chain.append((hash(key), key))
+        return chain[:num_blocks]
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Make the sequence's blocks that its computed tokens filled findable by later sequences."""
+        num_full = request.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:
+            return
+        chain = self._block_hashes(request, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            self.pool.register(request.block_ids[i], *chain[i])
+        request.num_registered_blocks = num_full

@@ -1,0 +1,67 @@
+"""Where a request is validated: `validate_request`, which every way in calls through
+`Engine.add_request` -- the HTTP server, JSONL jobs, the Ray replicas and `LLM.generate`.
+
+The sampling fields themselves are checked when a `SamplingParams` is made; the HTTP protocol
+(`server/protocol.py`) and the job records (`jobs.py`) only parse their own formats into one,
+refusing fields they do not know. What depends on the engine -- the vocabulary, the model
+length, the cache, the limits in the config -- is checked here, with a sentence that says
+what to change. Nothing is queued when a check fails. No jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxcb.errors import InvalidRequestError
+from jaxcb.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one engine can serve, fixed at start-up."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_usable_blocks: int  # the whole cache, without the null block
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    max_logprobs: int
+    max_stop_token_ids: int
+    num_eos_token_ids: int
+
+
+def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Raise InvalidRequestError if the prompt `ids` with `params` can never be served here."""
+    vocab = limits.vocab_size
+    if not ids:
+        raise InvalidRequestError("the prompt is empty; give at least one token")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    if len(ids) + params.max_tokens > limits.max_model_len:
+        raise InvalidRequestError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+            f"engine.max_model_len={limits.max_model_len}; shorten the prompt or lower max_tokens"
+        )
+    blocks = -(-(len(ids) + params.max_tokens) // limits.block_size)
+    if blocks > limits.num_usable_blocks:
+        raise InvalidRequestError(
+            f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has {limits.num_usable_blocks}"
+        )
+    if not limits.enable_chunked_prefill and len(ids) > limits.max_num_batched_tokens:
+        raise InvalidRequestError(
+            f"prompt of {len(ids)} tokens exceeds scheduler.max_num_batched_tokens={limits.max_num_batched_tokens} "
+            f"and scheduler.enable_chunked_prefill=false"
+        )
+    if params.logprobs is not None and params.logprobs > limits.max_logprobs:
+        raise InvalidRequestError(f"logprobs={params.logprobs} exceeds engine.max_logprobs={limits.max_logprobs}")
+    num_banned = len(params.stop_token_ids) + limits.num_eos_token_ids
+    if params.min_tokens and num_banned > limits.max_stop_token_ids:
+        raise InvalidRequestError(
+            f"min_tokens with {num_banned} EOS + stop token ids exceeds "
+            f"engine.max_stop_token_ids={limits.max_stop_token_ids}"
+        )
+    if params.n > limits.max_num_seqs:
+        raise InvalidRequestError(f"n={params.n} exceeds scheduler.max_num_seqs={limits.max_num_seqs}")
