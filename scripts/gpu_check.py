@@ -33,6 +33,9 @@ import threading
 import time
 import traceback
 
+# The checkout this script is in: jaxcb and the lab code it times with (benchmarks/), whatever the caller's path.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 STAGES = ("preflight", "bandwidth", "smoke", "correctness", "decode", "step", "engine")
 EXIT_WATCHDOG = 3
 

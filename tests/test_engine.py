@@ -95,7 +95,7 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
     for rid, prompt, max_tokens, _ in work[:10]:
         assert_same_or_tied(results[rid].outputs[0].token_ids, alone(engine, prompt, max_tokens))
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
-    assert s.host_pool.num_free_blocks == s.host_pool.num_blocks - 1
+    assert s.kv.host_pool.num_free_blocks == s.kv.host_pool.num_blocks - 1
 
 
 def test_seeded_sampling_gives_the_same_tokens_alone_and_batched():
