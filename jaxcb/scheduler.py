@@ -30,7 +30,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import SchedulerConfig
@@ -62,8 +62,7 @@ class ScheduledSequence:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # left since the last step (finished or aborted)
+    preempted_ids: list[Hashable] = field(default_factory=list)  # sequences this step preempted
     # Block copies the runner makes before the step, swap_in first: a host block freed by a swap-in
     # may be reused by a swap-out of the same step.
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -113,7 +112,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self._finished_since_step: list[str] = []
         self.num_preemptions = 0
 
     # --- requests in and out -------------------------------------------------------------------
@@ -153,7 +151,6 @@ class Scheduler:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv.free(request)
-        self._finished_since_step.append(request.request_id)
         del self.requests[request.request_id]
 
     # Counters of the KV-cache manager, for metrics.
@@ -213,8 +210,7 @@ class Scheduler:
             preempted += self._preempt_for_priority(now, scheduled)
 
         swap_in, swap_out = self.kv.take_swaps()
-        out = SchedulerOutput(list(scheduled.values()), preempted, self._finished_since_step, swap_in, swap_out)
-        self._finished_since_step = []
+        out = SchedulerOutput(list(scheduled.values()), preempted, swap_in, swap_out)
         return out
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
