@@ -20,8 +20,8 @@ import math
 import os
 import random
 import time
-from collections import deque
-from typing import Optional, Sequence, Union
+from collections import abc, deque
+from typing import Optional, Union
 
 import jax
 from tqdm import tqdm
@@ -34,7 +34,7 @@ from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
-from jaxcb.request import Request
+from jaxcb.sequence import Sequence
 from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.scheduler import Scheduler
@@ -43,7 +43,7 @@ from jaxcb.tokenizer import Tokenizer
 from jaxcb.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
-PromptType = Union[str, Sequence[int]]
+PromptType = Union[str, abc.Sequence[int]]
 
 
 def enable_compilation_cache(directory: Optional[str]) -> str:
@@ -157,7 +157,7 @@ class Engine:
         group = RequestGroup(request_id, text, list(ids), params, kind)
         for i in range(params.n):
             group.seqs.append(
-                Request(
+                Sequence(
                     request_id=(request_id, i),  # a sequence's own id: never parsed, unique whatever the user's id
                     prompt_token_ids=list(ids),
                     sampling_params=params,
@@ -262,8 +262,8 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[PromptType, Sequence[PromptType]],
-        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        prompts: Union[PromptType, abc.Sequence[PromptType]],
+        sampling_params: Union[SamplingParams, abc.Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from jaxcb.block_pool import BlockPool, NoFreeBlocksError
-from jaxcb.request import Request
+from jaxcb.sequence import Sequence
 
 
 class KVCacheManager:
@@ -33,11 +33,11 @@ class KVCacheManager:
 
     # --- device blocks --------------------------------------------------------------------------
 
-    def num_blocks_needed(self, request: Request, num_tokens: int) -> int:
+    def num_blocks_needed(self, request: Sequence, num_tokens: int) -> int:
         """Blocks `request` lacks to hold `num_tokens` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
 
-    def allocate(self, request: Request, num_new: int) -> bool:
+    def allocate(self, request: Sequence, num_new: int) -> bool:
         """Give `request` the blocks its next `num_new` tokens need; False (nothing taken) if too few are free."""
         needed = self.num_blocks_needed(request, request.num_computed_tokens + num_new)
         try:
@@ -46,7 +46,7 @@ class KVCacheManager:
             return False
         return True
 
-    def admit(self, request: Request, shared: list[int], num_new_blocks: int, num_cached_tokens: int) -> None:
+    def admit(self, request: Sequence, shared: list[int], num_new_blocks: int, num_cached_tokens: int) -> None:
         """A waiting sequence starts: the shared (cached or the leader's) blocks, then fresh ones."""
         if self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
@@ -54,7 +54,7 @@ class KVCacheManager:
         request.block_ids = self.pool.touch(shared) + self.pool.allocate(num_new_blocks)
         request.num_registered_blocks = len(shared)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sequence) -> None:
         """Every block the sequence holds, on the device and on the host."""
         if request.block_ids:
             self.pool.free(request.block_ids)
@@ -65,7 +65,7 @@ class KVCacheManager:
 
     # --- swap ------------------------------------------------------------------------------------
 
-    def try_swap_out(self, victim: Request) -> bool:
+    def try_swap_out(self, victim: Sequence) -> bool:
         """Copy the blocks holding the victim's computed tokens to host blocks (the runner does it
         before this step's writes can reuse them) and free its device blocks; False if the host
         pool cannot take them (then the caller recomputes)."""
@@ -80,7 +80,7 @@ class KVCacheManager:
         self.num_swap_outs += 1
         return True
 
-    def swap_in_blocks(self, request: Request, num_blocks: int) -> None:
+    def swap_in_blocks(self, request: Sequence, num_blocks: int) -> None:
         """Fresh device blocks for a swapped-out sequence, its host blocks copied in before the next step."""
         request.block_ids = self.pool.allocate(num_blocks)
         self.swap_in += list(zip(request.host_block_ids, request.block_ids))
@@ -96,7 +96,7 @@ class KVCacheManager:
 
     # --- the prefix cache -----------------------------------------------------------------------
 
-    def cached_prefix(self, request: Request) -> list[int]:
+    def cached_prefix(self, request: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of the request's known tokens, leaving its last
         token (and with it the block it sits in) to compute."""
         if not self.enable_prefix_caching:
@@ -109,7 +109,7 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[tuple[int, tuple]]:
+    def _block_hashes(self, request: Sequence, num_blocks: int) -> list[tuple[int, tuple]]:
         """(hash, key) of the request's first num_blocks full blocks; key = (parent hash, token ids)."""
         chain = request.block_hashes
         bs = self.block_size
@@ -120,7 +120,7 @@ class KVCacheManager:
             chain.append((hash(key), key))
         return chain[:num_blocks]
 
-    def register_full_blocks(self, request: Request) -> None:
+    def register_full_blocks(self, request: Sequence) -> None:
         """Make the sequence's blocks that its computed tokens filled findable by later sequences."""
         num_full = request.num_computed_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:

@@ -25,7 +25,7 @@ from typing import Optional
 
 from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxcb.request import Request, RequestStatus
+from jaxcb.sequence import RequestStatus, Sequence
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.tokenizer import Tokenizer
 
@@ -67,7 +67,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     params: SamplingParams
     kind: OutputKind
-    seqs: list[Request] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
     completions: list[CompletionState] = field(default_factory=list)
 
     @property
@@ -110,12 +110,12 @@ class OutputProcessor:
         return self.groups.pop(request_id, None)
 
     def process(
-        self, new_tokens: list[tuple[Request, int, Optional[dict[int, float]]]]
-    ) -> tuple[list[RequestOutput], list[tuple[Request, RequestStatus]]]:
+        self, new_tokens: list[tuple[Sequence, int, Optional[dict[int, float]]]]
+    ) -> tuple[list[RequestOutput], list[tuple[Sequence, RequestStatus]]]:
         """Apply one step's (sequence, token, its logprobs or None); return the outputs of the requests
         that changed, and the sequences that stop here with their status."""
         changed: dict[str, RequestGroup] = {}
-        stops: list[tuple[Request, RequestStatus]] = []
+        stops: list[tuple[Sequence, RequestStatus]] = []
         for seq, token, logprobs in new_tokens:
             group = self.groups.get(seq.group_id)  # None: aborted since
             if group is None:
@@ -141,7 +141,7 @@ class OutputProcessor:
                 del self.groups[request_id]
         return outputs, stops
 
-    def _token_stop(self, seq: Request, token: int, group: RequestGroup) -> Optional[RequestStatus]:
+    def _token_stop(self, seq: Sequence, token: int, group: RequestGroup) -> Optional[RequestStatus]:
         num_output = len(group.completions[seq.sample_index].token_ids)
         return token_stop_status(group.params, token, num_output, len(group.prompt_token_ids), self.eos_token_ids,
                                  self.max_model_len)

@@ -35,7 +35,7 @@ from typing import Callable, Hashable, Optional
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import SchedulerConfig
 from jaxcb.kv_cache_manager import KVCacheManager
-from jaxcb.request import Request, RequestStatus
+from jaxcb.sequence import RequestStatus, Sequence
 from jaxcb.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -109,14 +109,14 @@ class Scheduler:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.clock = clock  # of arrival times and priority aging
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Sequence] = {}
         self.num_preemptions = 0
 
     # --- requests in and out -------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Sequence) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
@@ -147,7 +147,7 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, status)
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Sequence, status: RequestStatus) -> None:
         request.status = status
         request.finished_time = time.monotonic()
         self.kv.free(request)
@@ -169,11 +169,11 @@ class Scheduler:
     def num_waiting_tokens(self) -> int:
         return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
 
-    def _priority_key(self, request: Request, now: float) -> tuple[float, float]:
+    def _priority_key(self, request: Sequence, now: float) -> tuple[float, float]:
         """Smaller is served first: priority, minus one level per priority_aging_s of waiting."""
         return (request.priority - (now - request.arrival_time) / self.cfg.priority_aging_s, request.arrival_time)
 
-    def _choose_victim(self, now: float) -> Request:
+    def _choose_victim(self, now: float) -> Sequence:
         if self.cfg.policy == "priority":  # the worst priority, newest first
             return max(self.running, key=lambda r: self._priority_key(r, now))
         # recompute costs what the victim has computed: take the one that computed least (newest on ties)
@@ -213,7 +213,7 @@ class Scheduler:
         out = SchedulerOutput(list(scheduled.values()), preempted, swap_in, swap_out)
         return out
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
+    def _num_new_tokens(self, request: Sequence, budget: int) -> int:
         if request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
             done = request.num_output_tokens >= request.sampling_params.max_tokens
             if done or request.num_tokens >= self.max_model_len:
@@ -223,7 +223,7 @@ class Scheduler:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         return max(0, num_new)
 
-    def _preempt(self, victim: Request, scheduled: dict[str, ScheduledSequence]) -> int:
+    def _preempt(self, victim: Sequence, scheduled: dict[str, ScheduledSequence]) -> int:
         """Free the victim's blocks and requeue it at the head; return the budget it gives back.
 
         Swap mode copies the blocks holding its computed tokens to host memory first (the
@@ -271,7 +271,7 @@ class Scheduler:
         # not this step's budget reaches it; members the budget misses start in the next steps.
         static = self.cfg.policy == "static"
         num_partial = sum(1 for r in self.running if r.is_prefilling)
-        skipped: list[Request] = []
+        skipped: list[Sequence] = []
         while self.waiting and (budget > 0 or static) and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
             if request.host_block_ids:
@@ -320,7 +320,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return budget
 
-    def _shareable_prefix(self, request: Request) -> Optional[list[int]]:
+    def _shareable_prefix(self, request: Sequence) -> Optional[list[int]]:
         """The leader's full prompt blocks a follower (n > 1) can share; [] for none; None: wait."""
         if request.parent_id is None or request.num_preemptions:
             return []
@@ -333,7 +333,7 @@ class Scheduler:
         # (to sample its own first token) into a block of its own.
         return leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
 
-    def _admit_swapped(self, request: Request, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
+    def _admit_swapped(self, request: Sequence, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
         """Bring a swapped-out request back: fresh device blocks, its host blocks copied in; return
         the tokens it takes this step (0: it does not fit yet)."""
         start = request.num_computed_tokens
@@ -350,7 +350,7 @@ class Scheduler:
         scheduled[request.request_id] = self._scheduled(request, num_new)
         return num_new
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, request: Sequence, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
         params = request.sampling_params
         banned: tuple[int, ...] = ()
@@ -386,7 +386,7 @@ class Scheduler:
 
     def update(
         self, out: SchedulerOutput, runner_out: RunnerOutput
-    ) -> list[tuple[Request, int, Optional[dict[int, float]]]]:
+    ) -> list[tuple[Sequence, int, Optional[dict[int, float]]]]:
         """Fill the step's placeholders with the sampled tokens and register blocks that became full;
         return (request, new token, its logprobs with the top ones, or None) of each sampling sequence."""
         touched = []

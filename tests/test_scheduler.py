@@ -7,7 +7,7 @@ import pytest
 from jaxcb.block_pool import BlockPool
 from jaxcb.config import SchedulerConfig
 from jaxcb.output import token_stop_status
-from jaxcb.request import Request, RequestStatus
+from jaxcb.sequence import RequestStatus, Sequence
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.scheduler import RunnerOutput, SampledToken, Scheduler
 
@@ -17,7 +17,7 @@ _ids = itertools.count()
 
 def make_request(prompt_len, max_tokens=4, arrival=None, **params):
     rid = f"r{next(_ids)}"
-    return Request(
+    return Sequence(
         rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, **params),
         eos_token_ids=(99,), arrival_time=arrival if arrival is not None else next(_ids),
     )
@@ -212,7 +212,7 @@ def test_abort_frees_blocks_at_once_in_every_state():
 def test_follower_of_n_shares_the_leaders_full_prompt_blocks():
     sched = make_scheduler()
     leader = make_request(10, max_tokens=3)
-    follower = Request(
+    follower = Sequence(
         "f", list(leader.prompt_token_ids), leader.sampling_params, parent_id=leader.request_id, sample_index=1
     )
     sched.add_request(leader)
@@ -244,10 +244,10 @@ def test_every_block_is_free_when_all_requests_are_done(policy):
 def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_them():
     sched = make_scheduler(num_blocks=40, enable_prefix_caching=True, max_num_batched_tokens=64)
     system = list(range(100, 113))  # 13 tokens: 3 full blocks of 4
-    first = Request("first", system + [1, 2], SamplingParams(max_tokens=3, temperature=0))
+    first = Sequence("first", system + [1, 2], SamplingParams(max_tokens=3, temperature=0))
     sched.add_request(first)
     run_step(sched)
-    later = [Request(f"r{i}", system + [50 + i, 60 + i, 70 + i], SamplingParams(max_tokens=4, temperature=0)) for i in range(4)]
+    later = [Sequence(f"r{i}", system + [50 + i, 60 + i, 70 + i], SamplingParams(max_tokens=4, temperature=0)) for i in range(4)]
     for r in later:
         sched.add_request(r)
     for _ in range(30):
@@ -269,9 +269,9 @@ def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_them():
 def test_a_fully_cached_prompt_still_computes_its_last_block():
     sched = make_scheduler(num_blocks=20, enable_prefix_caching=True)
     prompt = list(range(1, 9))  # exactly 2 blocks
-    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    sched.add_request(Sequence("a", prompt, SamplingParams(max_tokens=1, temperature=0)))
     run_step(sched)
-    sched.add_request(Request("b", prompt, SamplingParams(max_tokens=1, temperature=0)))
+    sched.add_request(Sequence("b", prompt, SamplingParams(max_tokens=1, temperature=0)))
     out = sched.schedule()
     [s] = out.scheduled
     assert (s.start_position, s.token_ids) == (4, [5, 6, 7, 8])
@@ -279,11 +279,11 @@ def test_a_fully_cached_prompt_still_computes_its_last_block():
 
 def test_eviction_takes_least_recently_freed_cached_blocks_first():
     sched = make_scheduler(num_blocks=7, enable_prefix_caching=True, max_num_batched_tokens=32)
-    a = Request("a", list(range(1, 10)), SamplingParams(max_tokens=1, temperature=0))  # 2 full blocks + 1
+    a = Sequence("a", list(range(1, 10)), SamplingParams(max_tokens=1, temperature=0))  # 2 full blocks + 1
     sched.add_request(a)
     run_step(sched)
     assert sched.pool.num_cached_blocks == 2 and sched.pool.num_free_blocks == 6
-    b = Request("b", list(range(50, 71)), SamplingParams(max_tokens=1, temperature=0))  # 6 blocks: must evict
+    b = Sequence("b", list(range(50, 71)), SamplingParams(max_tokens=1, temperature=0))  # 6 blocks: must evict
     sched.add_request(b)
     run_step(sched)
     assert b.is_finished and sched.pool.num_evictions >= 1
@@ -304,7 +304,7 @@ def make_priority_scheduler(clock, **cfg):
 
 
 def prio_request(rid, priority, arrival, max_tokens=50):
-    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0), arrival_time=arrival, priority=priority)
+    return Sequence(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0), arrival_time=arrival, priority=priority)
 
 
 def test_high_priority_arrival_into_a_full_engine_is_served_first():

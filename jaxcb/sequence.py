@@ -33,7 +33,7 @@ FINISHED_STATES = frozenset(
 
 
 @dataclass
-class Request:
+class Sequence:
     request_id: Hashable  # unique per sequence; the engine uses (the user's request id, sample index)
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
