@@ -21,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 MODEL_PRESETS = ("tiny", "llama3_1b", "llama8b", "llama70b", "hf")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 BACKENDS = ("auto", "cpu", "xla")
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
@@ -53,7 +53,9 @@ class ModelConfig:
     checkpoint: Optional[str] = None  # HF directory (config.json + safetensors) or Orbax dir
     init: str = "checkpoint"  # "checkpoint": load weights from model.checkpoint; "random"
     seed: int = 0  # seed of random initialisation
-    dtype: str = "bfloat16"  # parameter and activation dtype: float32 | bfloat16 | float16
+    # parameter and activation dtype: float32 | bfloat16 | float16 | auto (float32 on CPU, where the
+    # fast path is float32; elsewhere the checkpoint's dtype, float32 checkpoints as bfloat16)
+    dtype: str = "bfloat16"
     tokenizer: Optional[str] = None  # directory with tokenizer.json; default: the checkpoint's
     # How the step runs the decoder layers: scan (over weights stacked by layer; one layer traced,
     # fast compiles) | unrolled (a loop over per-layer weight arrays; XLA:CPU copies every layer's

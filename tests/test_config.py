@@ -48,6 +48,21 @@ def test_hf_preset_reads_architecture_from_checkpoint(tmp_path):
     assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.num_kv_heads) == (48, 3, 6, 2)
 
 
+def test_hf_preset_serves_float32_on_cpu_and_the_checkpoints_dtype_elsewhere(tmp_path):
+    from hf_checkpoints import make_hf_llama
+    from jaxcb.model.config import resolve_llama_config, resolve_model_dtype
+
+    make_hf_llama(str(tmp_path))
+    cfg = compose_config("model=hf", f"model.checkpoint={tmp_path}")
+    assert cfg.model.dtype == "auto" and resolve_llama_config(cfg.model).dtype == "float32"  # this is a CPU
+    assert resolve_llama_config(compose_config("model=hf", f"model.checkpoint={tmp_path}",
+                                               "model.dtype=bfloat16").model).dtype == "bfloat16"
+    for ckpt, want in (("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float16", "float16"), (None, "bfloat16")):
+        assert resolve_model_dtype("auto", ckpt, platform="gpu") == want
+    assert resolve_model_dtype("auto", "bfloat16", platform="cpu") == "float32"
+    assert resolve_model_dtype("float16", "bfloat16", platform="cpu") == "float16"
+
+
 def test_large_preset_without_weights_says_which_option_to_add():
     with pytest.raises(ConfigError, match=r"model\.checkpoint=DIR.*model\.init=random"):
         compose_config("model=llama8b")

@@ -101,6 +101,7 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
         rope_scaling=_hf_rope_scaling(hf),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[eos] if isinstance(eos, int) else (list(eos) if eos else None),
+        checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
     )
 
 
@@ -143,7 +144,21 @@ def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
         rope = from_ckpt.get("rope_scaling")
     else:
         rope = _preset_rope(m.rope_scaling)
-    return LlamaConfig(**values, rope_scaling=rope, dtype=m.dtype)
+    return LlamaConfig(**values, rope_scaling=rope, dtype=resolve_model_dtype(m.dtype, from_ckpt.get("checkpoint_dtype")))
+
+
+def resolve_model_dtype(requested: str, checkpoint_dtype: Optional[str], platform: Optional[str] = None) -> str:
+    """`model.dtype=auto`: float32 on CPU (its fast path, and transformers' reference, are float32);
+    elsewhere the checkpoint's dtype, with float32 (or an unknown one) served as bfloat16."""
+    if requested != "auto":
+        return requested
+    if platform is None:
+        import jax  # only here: the config modules stay host-only otherwise
+
+        platform = jax.default_backend()
+    if platform == "cpu":
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
 
 
 def read_checkpoint_config(checkpoint: str) -> dict[str, Any]:

@@ -334,17 +334,17 @@ def convert_hf_to_orbax(m: ModelConfig, out_dir: str) -> str:
     (self-describing: config.json and tokenizer files are copied, or written, beside params/)."""
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"{out_dir} exists and is not empty; choose a new output directory")
-    model, _ = load_model(m)
+    model, cfg = load_model(m)
     os.makedirs(out_dir, exist_ok=True)
     if is_gguf_file(m.checkpoint):  # config.json and the tokenizer files, written from its metadata
         from jaxcb.model.gguf_to_hf import write_hf_side_files
 
-        write_hf_side_files(m.checkpoint, out_dir, m.dtype)
+        write_hf_side_files(m.checkpoint, out_dir, cfg.dtype)
     for name in CHECKPOINT_SIDE_FILES if os.path.isdir(m.checkpoint) else ():
         src = os.path.join(m.checkpoint, name)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(out_dir, name))
     save_orbax_params(model, out_dir)
     with open(os.path.join(out_dir, "jaxcb_checkpoint.json"), "w") as f:
-        json.dump({"format": "orbax", "source": os.path.abspath(m.checkpoint), "dtype": m.dtype}, f, indent=2)
+        json.dump({"format": "orbax", "source": os.path.abspath(m.checkpoint), "dtype": cfg.dtype}, f, indent=2)
     return out_dir
