@@ -42,12 +42,24 @@ class RequestOutput:
     # previous output (OutputKind.DELTA); False: everything so far.
     delta: bool = False
 
-    def merged(self, later: "RequestOutput") -> "RequestOutput":
-        """This output followed by a later one of the same request: a delta appended, a cumulative one
-        taken as it is (how a consumer of deltas rebuilds the whole output)."""
-        if not later.delta:
-            return later
-        by_index = {c.index: c for c in self.outputs}
-        outputs = [by_index[c.index].followed_by(c) if c.index in by_index else c for c in later.outputs]
-        return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids, outputs, later.finished,
-                             later.metrics, delta=False)
+
+def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
+    """One request's DELTA outputs, in order, as one whole output (a cumulative one is taken as it is).
+    Pieces are joined once at the end: rebuilding the whole after every delta would cost O(L^2)."""
+    last = outputs[-1]
+    if not last.delta:
+        return last
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    lps: dict[int, list] = {}
+    for out in outputs:
+        for c in out.outputs:
+            texts.setdefault(c.index, []).append(c.text)
+            ids.setdefault(c.index, []).extend(c.token_ids)
+            if c.logprobs is not None:
+                lps.setdefault(c.index, []).extend(c.logprobs)
+    completions = [CompletionOutput(c.index, "".join(texts[c.index]), ids[c.index], c.finish_reason,
+                                    lps.get(c.index) if c.logprobs is not None else None, c.num_generated)
+                   for c in last.outputs]
+    return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, completions, last.finished,
+                         last.metrics, delta=False)

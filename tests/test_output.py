@@ -6,6 +6,7 @@ import pytest
 
 from engine_factory import shared_engine
 from jaxcb.output import OutputKind, token_stop_status
+from jaxcb.outputs import join_deltas
 from jaxcb.sequence import RequestStatus
 from jaxcb.sampling_params import SamplingParams
 
@@ -52,16 +53,17 @@ def test_delta_outputs_add_up_to_the_cumulative_output():
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=2, stop=["zz"])
     e.add_request(list(b"Once upon"), params, request_id="whole")
     e.add_request(list(b"Once upon"), params, request_id="parts", output_kind=OutputKind.DELTA)
-    whole, merged = None, None
+    whole, parts = None, []
     for _ in range(500):
         for out in e.step():
             if out.request_id == "whole":
                 whole = out
             else:
                 assert out.delta
-                merged = out if merged is None else merged.merged(out)
+                parts.append(out)
         if not e.has_unfinished_requests():
             break
+    merged = join_deltas(parts)
     a, b = whole.outputs[0], merged.outputs[0]
     assert (a.text, a.token_ids, a.logprobs, a.finish_reason) == (b.text, b.token_ids, b.logprobs, b.finish_reason)
     assert b.num_generated == 40 and merged.finished

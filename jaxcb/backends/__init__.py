@@ -46,10 +46,10 @@ def _cpu_kernels_error() -> Optional[str]:
     return None
 
 
-def _cpu_row_argmax(platform: str, one_device: bool) -> Argmax:
+def _cpu_row_argmax(platform: str, one_device: bool, kernels_error: Optional[str] = None) -> Argmax:
     """XLA:CPU's argmax runs one element at a time (~1.2 ms over 64 rows of a 32k vocab): on one CPU
     device sampling takes the C++ row argmax, which gives the same indices."""
-    if platform != "cpu" or not one_device or _cpu_kernels_error() is not None:
+    if platform != "cpu" or not one_device or kernels_error is not None:
         return xla_argmax
     from jaxcb.kernels.row_argmax import row_argmax
 
@@ -90,7 +90,7 @@ def select_backend(
             why_not.append(kernels_error)
     if model.backend == "cpu" and why_not:
         raise ConfigError(f"model.backend=cpu: {'; '.join(why_not)}. Use model.backend=auto or xla")
-    argmax = _cpu_row_argmax(platform, mesh is None)
+    argmax = _cpu_row_argmax(platform, mesh is None, kernels_error)
     if model.backend != "xla" and not why_not:
         from jaxcb.backends.cpu import CpuBackend
 

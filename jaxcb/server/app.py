@@ -25,7 +25,7 @@ from jaxcb.config import Config
 from jaxcb.engine import Engine
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
 from jaxcb.metrics import EngineMetrics
-from jaxcb.outputs import CompletionOutput, RequestOutput
+from jaxcb.outputs import CompletionOutput, RequestOutput, join_deltas
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.dashboard import DashboardHistory, dashboard_html
 from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, StreamAbortedError
@@ -296,10 +296,7 @@ def _usage(finals: list[RequestOutput]) -> tuple[int, int]:
 
 async def _final(stream: RequestStream) -> RequestOutput:
     """The whole output of a request, from its deltas."""
-    whole = None
-    async for out in stream:
-        whole = out if whole is None else whole.merged(out)
-    return whole
+    return join_deltas([out async for out in stream])
 
 
 async def _collect(state: ServerState, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:

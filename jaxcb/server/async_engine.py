@@ -136,7 +136,7 @@ class AsyncEngine:
     async def generate(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they change (deltas: `RequestOutput.merged` rebuilds the whole);
+        """Outputs of one request as they change (deltas: `outputs.join_deltas` rebuilds the whole);
         leaving early aborts it."""
         stream = await self.add(prompt, params, request_id=request_id, priority=priority)
         try:
