@@ -1,0 +1,18 @@
+"""The public API is three names on the package, and importing the host-side config imports no jax."""
+
+import subprocess
+import sys
+
+
+def test_the_package_exports_llm_engine_and_sampling_params():
+    import jaxcb
+    from jaxcb.engine import LLM, Engine
+    from jaxcb.sampling_params import SamplingParams
+
+    assert (jaxcb.LLM, jaxcb.Engine, jaxcb.SamplingParams) == (LLM, Engine, SamplingParams)
+    assert sorted(jaxcb.__all__) == ["Engine", "LLM", "SamplingParams"]
+
+
+def test_importing_the_package_and_its_config_imports_no_jax():
+    code = "import sys, jaxcb, jaxcb.config, jaxcb.scheduler, jaxcb.output; print('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
