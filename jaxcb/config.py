@@ -20,6 +20,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from jaxcb.model.packaged import PackagedCheckpointError, is_packaged, resolve_packaged_checkpoint
+
 MODEL_PRESETS = ("tiny", "llama3_1b", "llama8b", "llama70b", "hf")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
@@ -50,7 +52,9 @@ class ModelConfig:
     """
 
     name: str = "tiny"  # preset name; also the default served model name
-    checkpoint: Optional[str] = None  # HF directory (config.json + safetensors) or Orbax dir
+    # HF directory (config.json + safetensors), Orbax directory, GGUF file, or package:MODULE/FILE
+    # (a file inside an installed Python package, e.g. the smollm2 preset's)
+    checkpoint: Optional[str] = None
     init: str = "checkpoint"  # "checkpoint": load weights from model.checkpoint; "random"
     seed: int = 0  # seed of random initialisation
     # parameter and activation dtype: float32 | bfloat16 | float16 | auto (float32 on CPU, where the
@@ -87,8 +91,9 @@ class CacheConfig:
     """The paged KV cache: fixed-size blocks in buffers allocated once at start-up."""
 
     block_size: int = 16  # tokens per KV block: 8, 16, 32 or 64
-    num_blocks: Optional[int] = None  # total blocks incl. the null block; None: from memory_fraction
-    memory_fraction: float = 0.9  # share of free device memory for weights + cache when num_blocks is None
+    num_blocks: Optional[int] = None  # total blocks incl. the null block; None: from the memory below
+    memory_fraction: float = 0.9  # GPU/TPU: share of device memory for weights + cache when num_blocks is None
+    cpu_kv_cache_gib: float = 4.0  # CPU: GiB of host memory for the cache when num_blocks is None
     dtype: str = "auto"  # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16 | float16
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose tokens (and all before) match
     swap_space_gib: float = 4.0  # host memory for blocks of sequences preempted by swap
@@ -151,6 +156,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: Optional[str] = None  # None: the preset name, or the checkpoint folder for `hf`
+    # A Jinja chat template (a file's path, or the template itself) in place of the checkpoint's;
+    # it also lets chat requests reach a checkpoint that has none. Used by the server and by jobs.
+    chat_template: Optional[str] = None
     api_key: Optional[str] = None  # when set, /v1/* requires "Authorization: Bearer <key>"
     max_request_bytes: int = 1 << 20
     max_n: int = 16  # most completions per request
@@ -271,6 +279,11 @@ def load_config(cfg: DictConfig | Config) -> Config:
         obj = cfg
     if not isinstance(obj, Config):
         raise ConfigError(f"expected a jaxcb Config, got {type(obj).__name__}")
+    if is_packaged(obj.model.checkpoint):  # a location, like a relative path: resolved once, here
+        try:
+            obj.model.checkpoint = resolve_packaged_checkpoint(obj.model.checkpoint)
+        except PackagedCheckpointError as e:
+            raise ConfigError(str(e)) from e
     validate_config(obj)
     return obj
 
@@ -303,6 +316,10 @@ def validate_config(cfg: Config) -> None:
     _require(
         0.0 < c.memory_fraction <= 1.0,
         f"cache.memory_fraction={c.memory_fraction} must be in (0, 1]",
+    )
+    _require(
+        c.cpu_kv_cache_gib > 0,
+        f"cache.cpu_kv_cache_gib={c.cpu_kv_cache_gib} must be > 0",
     )
     _require(
         c.dtype == "auto" or c.dtype in DTYPES,

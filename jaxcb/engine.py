@@ -39,7 +39,7 @@ from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.scheduler import Scheduler
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
-from jaxcb.tokenizer import Tokenizer
+from jaxcb.tokenizer import Tokenizer, read_chat_template_override
 from jaxcb.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,9 @@ class Engine:
         # The mesh, checked against the architecture before any weight is read.
         self.tp = make_tensor_parallel(cfg.engine.tensor_parallel_size, resolve_llama_config(cfg.model))
         model, backend, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention, self.tp)
+        if cfg.server.chat_template is not None:
+            self.tokenizer.chat_template = read_chat_template_override(cfg.server.chat_template)
+            log.info("chat template: server.chat_template (in place of the checkpoint's)")
         self.model_config = model_cfg = backend.cfg
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or ())
         self.max_model_len = cfg.engine.max_model_len or model_cfg.max_position_embeddings
@@ -72,7 +75,9 @@ class Engine:
         self.cache_plan = plan
         backend.attention.check_cache_dtype(plan.dtype)
         self.block_pool = BlockPool(plan.num_blocks)
-        kv_cache = allocate_planned_kv_cache(model_cfg, plan, self.tp.kv_cache if self.tp is not None else None)
+        kv_cache = allocate_planned_kv_cache(
+            model_cfg, plan, self.tp.kv_cache if self.tp is not None else None, backend.attention.zeros_fn
+        )
         host_pool = swap_space = None
         if cfg.scheduler.preemption_mode == "swap":
             num_host = num_swap_blocks(cfg.cache, plan)

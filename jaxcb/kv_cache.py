@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jaxcb.config import CacheConfig, ConfigError
+from jaxcb.kernels.attention import zeros_buffer
 from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, gather_blocks, scatter_blocks  # noqa: F401
 from jaxcb.model.config import LlamaConfig
 
@@ -108,15 +109,16 @@ def plan_kv_cache(
     device: Optional[jax.Device] = None,
     tensor_parallel_size: int = 1,
 ) -> KVCachePlan:
-    """Size the cache from `cache.num_blocks`, or from free device memory.
+    """Size the cache from `cache.num_blocks`, or from the memory it may take.
 
     On a GPU/TPU the cache takes `memory_fraction` of device memory minus what is in use
     (load the weights first) and `reserve_bytes` (step activations). Under tensor
     parallelism every device holds 1/tensor_parallel_size of each block (its KV heads), so
     one device's free memory holds tensor_parallel_size times more blocks. On CPU, where JAX
-    reports no memory statistics, it takes `memory_fraction` of available host memory but
-    no more than `max_num_seqs` sequences of `max_model_len` need -- a CPU run should not
-    pin gigabytes it cannot use. Fails if one sequence of max_model_len would not fit.
+    reports no memory statistics, it takes `cpu_kv_cache_gib` (as vLLM's CPU backend does),
+    never more than `max_num_seqs` sequences of `max_model_len` can use -- a CPU run should
+    not pin gigabytes it cannot use -- and refuses a size the host's available memory cannot
+    hold. Fails if one sequence of max_model_len would not fit.
     """
     dtype = default_cache_dtype(cache.dtype)
     bytes_per_block = model.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * cache.block_size
@@ -129,15 +131,22 @@ def plan_kv_cache(
         if free is not None:
             budget, source = free[0] - reserve_bytes, free[1]
             num_blocks = max(0, budget // (bytes_per_block // tensor_parallel_size))
-        else:  # fake CPU devices share the host's memory: the whole cache counts against it
-            budget = int(_available_host_bytes() * cache.memory_fraction) - reserve_bytes
+        else:  # host memory (fake CPU devices share it: the whole cache counts against it)
             needed = max_num_seqs * blocks_per_seq + 1
-            num_blocks = min(max(0, budget // bytes_per_block), needed)
+            num_blocks = min(int(cache.cpu_kv_cache_gib * GIB) // bytes_per_block, needed)
             source = (
-                f"host memory, capped at scheduler.max_num_seqs={max_num_seqs} x max_model_len={max_model_len}"
+                f"capped at scheduler.max_num_seqs={max_num_seqs} x max_model_len={max_model_len}, "
+                f"within cache.cpu_kv_cache_gib={cache.cpu_kv_cache_gib:g}"
                 if num_blocks == needed
-                else f"cache.memory_fraction={cache.memory_fraction} of available host memory"
+                else f"cache.cpu_kv_cache_gib={cache.cpu_kv_cache_gib:g}"
             )
+            available = _available_host_bytes() - reserve_bytes
+            if num_blocks * bytes_per_block > available:
+                raise ConfigError(
+                    f"the KV cache ({source}) needs {format_bytes(num_blocks * bytes_per_block)}, more than the "
+                    f"{format_bytes(max(0, available))} of host memory available; lower cache.cpu_kv_cache_gib, "
+                    f"scheduler.max_num_seqs or engine.max_model_len"
+                )
     plan = KVCachePlan(
         int(num_blocks), cache.block_size, dtype, bytes_per_block, max_model_len, source, tensor_parallel_size
     )
@@ -145,23 +154,33 @@ def plan_kv_cache(
         raise ConfigError(
             f"the KV cache ({source}) holds {max(0, plan.num_tokens)} tokens, fewer than one sequence of "
             f"max_model_len={max_model_len} needs ({blocks_per_seq * cache.block_size}); lower engine.max_model_len "
-            f"or give the cache more memory (cache.num_blocks / cache.memory_fraction)"
+            f"or give the cache more memory (cache.num_blocks, cache.memory_fraction on GPU/TPU, "
+            f"cache.cpu_kv_cache_gib on CPU)"
         )
     return plan
 
 
 def allocate_kv_cache(
-    model: LlamaConfig, num_blocks: int, block_size: int, dtype: jnp.dtype, sharding: Optional[Sharding] = None
+    model: LlamaConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: jnp.dtype,
+    sharding: Optional[Sharding] = None,
+    zeros: Callable[..., jax.Array] = zeros_buffer,
 ) -> KVCache:
     """The device buffers, allocated once (each device allocates only its shard, if `sharding` splits
-    them); the step updates them in place (donated)."""
+    them); the step updates them in place (donated). `zeros` is the attention form's allocator
+    (`AttentionForm.zeros_fn`: on CPU, pages the OS zeroes when first touched)."""
     shape = kv_cache_shape(model, num_blocks, block_size)
-    return KVCache(k=jnp.zeros(shape, dtype, device=sharding), v=jnp.zeros(shape, dtype, device=sharding))
+    return KVCache(k=zeros(shape, dtype, sharding), v=zeros(shape, dtype, sharding))
 
 
-def allocate_planned_kv_cache(model: LlamaConfig, plan: KVCachePlan, sharding: Optional[Sharding] = None) -> KVCache:
+def allocate_planned_kv_cache(
+    model: LlamaConfig, plan: KVCachePlan, sharding: Optional[Sharding] = None,
+    zeros: Callable[..., jax.Array] = zeros_buffer,
+) -> KVCache:
     log.info(plan.describe())
-    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding)
+    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding, zeros)
 
 
 class HostSwapSpace:

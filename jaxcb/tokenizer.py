@@ -3,13 +3,16 @@
 Both expose the same small interface (`encode`, `decode`, `apply_chat_template`, special
 ids). Chat templates are the checkpoint's own Jinja template, found where transformers finds
 it (chat_template.jinja, else tokenizer_config.json's "chat_template"; a GGUF's
-tokenizer.chat_template) and rendered in a sandbox as transformers does; the byte tokenizer
-has a plain built-in one. A GGUF's byte-level BPE is rebuilt from its vocabulary, merges and
+tokenizer.chat_template), or `server.chat_template` in its place, and rendered in a sandbox
+as transformers does, with `tools=` and any template kwargs; the byte tokenizer of the tiny
+model has a built-in one that renders tools, tool calls and tool results. A checkpoint with no
+template gets no stand-in: chat requests are refused (`NoChatTemplateError`), completions work. A GGUF's byte-level BPE is rebuilt from its vocabulary, merges and
 token types, split before BPE the way llama.cpp splits for its `tokenizer.ggml.pre`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -17,15 +20,35 @@ from datetime import datetime
 from typing import Any, Optional, Protocol
 
 import jinja2
+
+from jaxcb.config import ConfigError
+from jaxcb.errors import InvalidRequestError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger(__name__)
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where current transformers saves a checkpoint's template
-PLAIN_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+# The tiny model's template: one "<|role|>" line per turn; tools listed in a system turn; assistant
+# tool calls and tool results in the hermes form (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
+TINY_CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>\nTools; call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\n"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\\n' }}{% endfor %}{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ '\\n' }}"
+    "{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for call in m.get('tool_calls') or [] %}<tool_call>{\"name\": {{ call['function']['name'] | tojson }}, "
+    "\"arguments\": {% if call['function']['arguments'] is string %}{{ call['function']['arguments'] }}"
+    "{% else %}{{ call['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{{ '\\n' }}{% endif %}"
 )
+
+
+class NoChatTemplateError(InvalidRequestError):
+    """A chat request for a model whose checkpoint has no chat template (and no server.chat_template)."""
+
+
+class ChatTemplateError(InvalidRequestError):
+    """The template refused the conversation (its raise_exception), or failed to render it."""
 
 
 class Tokenizer(Protocol):
@@ -37,10 +60,20 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str: ...
+    chat_template: Optional[str]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
+    ) -> str: ...
 
 
-def render_chat_template(template: str, messages: list[dict[str, Any]], add_generation_prompt: bool, **extra) -> str:
+@functools.lru_cache(maxsize=8)
+def _compiled_template(template: str) -> jinja2.Template:
     def raise_exception(message: str):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -48,7 +81,42 @@ def render_chat_template(template: str, messages: list[dict[str, Any]], add_gene
     env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **extra)
+    return env.from_string(template)
+
+
+def render_chat_template(
+    template: Optional[str], messages: list[dict[str, Any]], add_generation_prompt: bool,
+    tools: Optional[list[dict[str, Any]]] = None, **extra: Any,
+) -> str:
+    """The template rendered as transformers' apply_chat_template renders it (same sandbox, globals
+    and arguments); NoChatTemplateError without a template, ChatTemplateError when it fails."""
+    if template is None:
+        raise NoChatTemplateError(
+            "this model's checkpoint has no chat template, so chat messages cannot be turned into a prompt; "
+            "send a prompt to /v1/completions (or a 'prompt' in a job record), or start jaxcb with "
+            "server.chat_template=FILE_OR_TEMPLATE"
+        )
+    try:
+        return _compiled_template(template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra
+        )
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"chat template: {e}") from None
+    except (TypeError, KeyError, AttributeError, ValueError) as e:  # a message the template cannot read
+        raise ChatTemplateError(f"chat template could not render these messages: {type(e).__name__}: {e}") from None
+
+
+def read_chat_template_override(value: str) -> str:
+    """`server.chat_template`: a file's contents when it names one, else the template itself."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{" not in value:
+        raise ConfigError(
+            f"server.chat_template={value} is neither a file nor a Jinja template; give the path of a "
+            f".jinja file or the template's text"
+        )
+    return value
 
 
 class ByteTokenizer:
@@ -60,6 +128,7 @@ class ByteTokenizer:
         self.vocab_size = 259
         self.bos_token_id: Optional[int] = self.BOS
         self.eos_token_ids = [self.EOS]
+        self.chat_template: Optional[str] = TINY_CHAT_TEMPLATE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -69,8 +138,11 @@ class ByteTokenizer:
         data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return render_chat_template(PLAIN_CHAT_TEMPLATE, messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
+    ) -> str:
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools, **template_kwargs)
 
 
 def _token_text(value: Any) -> Optional[str]:
@@ -110,7 +182,10 @@ class HFTokenizer:
         self.eos_token_ids = sorted(({eos_id} if eos_id is not None else set()) | set(extra_eos_token_ids))
         self.chat_template: Optional[str] = chat_template
         if chat_template is None:
-            log.warning("%s has no chat template; chat prompts use jaxcb's plain one, not the model's", source)
+            log.warning(
+                "%s has no chat template: chat requests will be refused (completions work) unless "
+                "server.chat_template=FILE_OR_TEMPLATE is set", source,
+            )
         # tokenizer.json's post-processor decides BOS; add it ourselves only where the config asks and it is absent.
         self._add_bos = bool(config.get("add_bos_token", False))
 
@@ -120,7 +195,10 @@ class HFTokenizer:
 
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{directory} has no tokenizer.json; set model.tokenizer=DIR to one that has")
+            raise ConfigError(
+                f"{directory} has no tokenizer.json, so its token ids cannot be read or written; set "
+                f"model.tokenizer=DIR to a directory that has the model's tokenizer.json"
+            )
         config: dict[str, Any] = {}
         config_path = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(config_path):
@@ -151,32 +229,38 @@ class HFTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        template = self.chat_template or PLAIN_CHAT_TEMPLATE
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
+    ) -> str:
+        specials = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         return render_chat_template(
-            template,
-            messages,
-            add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            self.chat_template, messages, add_generation_prompt, tools, **{**specials, **template_kwargs}
         )
 
 
 def load_tokenizer(path: Optional[str]) -> Tokenizer:
-    """The tokenizer of a checkpoint directory (tokenizer.json) or GGUF file, or the byte-level one
-    when there is none to load."""
-    if path is not None and path.endswith(".gguf") and os.path.isfile(path):
+    """The tokenizer of a checkpoint directory (tokenizer.json) or GGUF file; the byte-level one
+    for a model without a checkpoint (random weights). A directory without tokenizer.json is
+    refused: its model would read bytes as token ids."""
+    if path is None:
+        return ByteTokenizer()
+    if path.endswith(".gguf") and os.path.isfile(path):
         return HFTokenizer.from_gguf(path)
-    if path is not None and os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return HFTokenizer.from_directory(path)
-    return ByteTokenizer()
+    return HFTokenizer.from_directory(path)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]]) -> list[int]:
-    """Token ids of a chat rendered with the tokenizer's template, ready for the assistant's turn.
+def chat_prompt_ids(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
+) -> list[int]:
+    """Token ids of a chat rendered with the tokenizer's template, by default ready for the
+    assistant's turn; raises InvalidRequestError (NoChatTemplateError, ChatTemplateError).
 
-    HF chat templates write BOS themselves, so their text is encoded without adding it again."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    Chat templates write BOS themselves (where the model wants one), so their text is encoded
+    without adding it again -- as transformers' apply_chat_template(tokenize=True) does. The
+    byte tokenizer's BOS has no text form: it adds it to the encoded template."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=isinstance(tokenizer, ByteTokenizer))
 
 

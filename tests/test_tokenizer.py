@@ -3,7 +3,11 @@
 import pytest
 
 from hf_checkpoints import write_word_tokenizer
-from jaxcb.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from jaxcb.config import ConfigError
+from jaxcb.tokenizer import (
+    ByteTokenizer, ChatTemplateError, HFTokenizer, NoChatTemplateError, chat_prompt_ids, load_tokenizer,
+    read_chat_template_override,
+)
 
 LLAMA3_STYLE_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -52,9 +56,10 @@ def test_chat_template_can_raise_a_clear_error(tmp_path):
         load_tokenizer(str(tmp_path)).apply_chat_template([{"role": "assistant", "content": "x"}])
 
 
-def test_directory_without_tokenizer_json_falls_back_to_bytes(tmp_path):
-    assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer)
-    assert isinstance(load_tokenizer(None), ByteTokenizer)
+def test_checkpoint_directory_without_tokenizer_json_is_refused_naming_model_tokenizer(tmp_path):
+    with pytest.raises(ConfigError, match=r"has no tokenizer.json.*set model.tokenizer=DIR"):
+        load_tokenizer(str(tmp_path))
+    assert isinstance(load_tokenizer(None), ByteTokenizer)  # random weights, no checkpoint: bytes
 
 
 def test_chat_template_jinja_file_is_read_when_tokenizer_config_has_none(tmp_path):
@@ -83,12 +88,48 @@ def test_template_saved_by_transformers_renders_as_transformers_renders_it(tmp_p
     assert load_tokenizer(str(tmp_path / "saved")).apply_chat_template(chat) == expected
 
 
-def test_checkpoint_without_a_chat_template_says_so_and_uses_the_plain_one(tmp_path, caplog):
+def test_checkpoint_without_a_chat_template_refuses_chat_and_says_what_to_do(tmp_path, caplog):
     write_word_tokenizer(str(tmp_path), 50)
     with caplog.at_level("WARNING", logger="jaxcb.tokenizer"):
         tok = load_tokenizer(str(tmp_path))
-    assert "has no chat template" in caplog.text
-    assert tok.apply_chat_template([{"role": "user", "content": "w5"}]) == "<|user|>\nw5\n<|assistant|>\n"
+    assert "has no chat template: chat requests will be refused" in caplog.text
+    with pytest.raises(NoChatTemplateError, match=r"no chat template.*/v1/completions.*server.chat_template="):
+        chat_prompt_ids(tok, [{"role": "user", "content": "w5"}])
+    assert tok.encode("w5") == [1, 5]  # completions are unaffected
+
+
+def test_chat_template_override_is_a_file_or_the_template_itself(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}!")
+    assert read_chat_template_override(str(path)) == "{{ messages[0]['content'] }}!"
+    assert read_chat_template_override("{{ messages | length }}") == "{{ messages | length }}"
+    with pytest.raises(ConfigError, match=r"server.chat_template=nothere.jinja is neither a file nor a Jinja template"):
+        read_chat_template_override("nothere.jinja")
+
+
+def test_tiny_template_renders_tools_tool_calls_and_tool_results():
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+    ]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    text = ByteTokenizer().apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+    assert text == (
+        "<|system|>\nTools; call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\n"
+        '{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}\n'
+        "<|user|>\nWeather in Oslo?\n"
+        '<|assistant|>\n<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>\n'
+        "<|tool|>\nrain\n"
+        "<|assistant|>\n"
+    )
+
+
+def test_a_template_that_cannot_read_a_message_is_a_request_error():
+    with pytest.raises(ChatTemplateError, match="chat template"):
+        chat_prompt_ids(ByteTokenizer(), [{"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}])
 
 
 def test_save_writes_a_directory_that_loads_the_same_tokenizer_and_template(tmp_path):

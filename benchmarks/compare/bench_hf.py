@@ -8,30 +8,26 @@ The requests in file order, --batch-size at a time, left-padded, each batch one 
 = None; `min_new_tokens` would mask EOS and change the argmax). Only each request's own
 output_len tokens count: the padding a batch spends on its shorter requests is the cost of
 request-level batching that continuous batching removes. Prints one JSON line (the fields of
-summarize.py). Run in a venv of its own with torch and transformers, never jaxcb's.
+summarize.py); --dump-outputs also writes each request's own tokens (compare_outputs.py). Run
+in a venv of its own with torch and transformers, never jaxcb's.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peer_args, beside this file
+import peer_args  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-def read_workload(path: str) -> list[dict]:
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if "_meta" not in r]
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--dtype", required=True, choices=["float32", "bfloat16"])
+    parser = peer_args.parser(__doc__)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa | eager")
     a = parser.parse_args()
@@ -40,7 +36,7 @@ def main() -> None:
     import transformers
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    reqs = read_workload(a.workload)
+    reqs = peer_args.read_workload(a.workload)
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype), attn_implementation=a.attn)
     model.eval()
@@ -63,12 +59,15 @@ def main() -> None:
     batches = [reqs[i: i + a.batch_size] for i in range(0, len(reqs), a.batch_size)]
     generate(batches[0], 4)  # warm-up, untimed
     out_tokens = generated = 0
+    outputs: list[list[int]] = []
     start = time.perf_counter()
     for batch in batches:
         new = generate(batch, max(r["output_len"] for r in batch))
         generated += new.numel()
         out_tokens += sum(min(r["output_len"], new.shape[1]) for r in batch)
+        outputs += [row[: r["output_len"]].tolist() for r, row in zip(batch, new)]
     seconds = time.perf_counter() - start
+    peer_args.write_outputs(a.dump_outputs, reqs, outputs)
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in reqs)
     print(json.dumps({
         "engine": "transformers", "mode": f"static batches of {a.batch_size}", "model": a.model,

@@ -5,7 +5,8 @@
 
 Every request is its prompt token ids with SamplingParams(max_tokens=output_len, ignore_eos=True,
 temperature=0), all handed to one LLM.generate (vLLM batches them continuously), after a few
-untimed warm-up requests. Prints one JSON line (the fields of summarize.py).
+untimed warm-up requests. Prints one JSON line (the fields of summarize.py); --dump-outputs
+also writes the generated token ids (compare_outputs.py).
 
 Settings that matter on a small CPU machine, set here before vllm is imported (it spawns its
 engine and worker processes, which inherit the environment):
@@ -25,12 +26,10 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peer_args, beside this file
+import peer_args  # noqa: E402
+
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-
-
-def read_workload(path: str) -> list[dict]:
-    with open(path) as f:
-        return [r for r in map(json.loads, f) if "_meta" not in r]
 
 
 def set_environment(a: argparse.Namespace) -> None:
@@ -46,10 +45,7 @@ def set_environment(a: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--dtype", required=True, choices=["float32", "bfloat16"])
+    parser = peer_args.parser(__doc__)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=1024)
@@ -60,7 +56,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4, help="untimed requests first")
     a = parser.parse_args()
     set_environment(a)
-    reqs = read_workload(a.workload)
+    reqs = peer_args.read_workload(a.workload)
 
     start = time.perf_counter()
     import vllm
@@ -85,13 +81,14 @@ def main() -> None:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     if out_tokens != sum(r["output_len"] for r in reqs):
         sys.exit(f"error: vLLM generated {out_tokens} tokens, the workload asks for {sum(r['output_len'] for r in reqs)}")
+    peer_args.write_outputs(a.dump_outputs, reqs, [o.outputs[0].token_ids for o in outputs])
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in reqs)
     print(json.dumps({
         "engine": "vllm-cpu", "mode": "continuous (LLM.generate)", "model": a.model, "workload": a.workload,
         "num_requests": len(reqs), "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
         "seconds": round(seconds, 3), "output_tokens_per_s": round(out_tokens / seconds, 1),
         "total_tokens_per_s": round((prompt_tokens + out_tokens) / seconds, 1), "startup_s": round(startup, 1),
-        "config": {k: v for k, v in vars(a).items() if k not in ("model", "workload")},
+        "config": {k: v for k, v in vars(a).items() if k not in ("model", "workload", "dump_outputs")},
         "versions": {"vllm": vllm.__version__},
     }), flush=True)
 

@@ -171,8 +171,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
         try:
             prompt_ids = chat_prompt_ids(state.engine.tokenizer, messages)
-        except Exception as e:  # a template that refuses the conversation (raise_exception)
-            raise APIError(400, f"chat template: {e}", param="messages") from None
+        except InvalidRequestError as e:  # no chat template, or one that refuses the conversation
+            raise APIError(400, str(e), param="messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.engine.max_model_len - len(prompt_ids))

@@ -42,6 +42,10 @@ from jaxcb.sharding import HEADS_SPEC, KV_CACHE_SPEC
 
 log = logging.getLogger(__name__)
 
+
+def zeros_buffer(shape: tuple[int, ...], dtype, sharding=None) -> jax.Array:
+    return jax.numpy.zeros(shape, dtype, device=sharding)
+
 __all__ = ["AttentionForm", "AttentionMetadata", "KVCache", "NULL_BLOCK", "SWAP_CHUNK", "select_attention"]
 
 
@@ -74,6 +78,7 @@ class AttentionForm:
     cache_dtypes: Optional[tuple[str, ...]] = None  # the cache dtypes it reads; None: any
     computes_in_cache_dtype: bool = True  # False: q keeps its dtype and the cache is read as it
     mesh: Optional[Mesh] = None  # tensor parallelism: runs per shard of heads on this mesh
+    zeros_fn: Callable[..., jax.Array] = zeros_buffer  # (shape, dtype, sharding) -> a zero-filled cache buffer
 
     def with_mesh(self, mesh: Optional[Mesh]) -> "AttentionForm":
         return dataclasses.replace(self, mesh=mesh)
@@ -150,7 +155,7 @@ def cpu_form() -> AttentionForm:
     load_cpu_kernels()
     return AttentionForm(
         "cpu", cpu.ragged_paged_attention_cpu, cpu.write_kv_rows_into, cpu.write_blocks,
-        cache_dtypes=ATTENTION_DTYPES, computes_in_cache_dtype=False,
+        cache_dtypes=ATTENTION_DTYPES, computes_in_cache_dtype=False, zeros_fn=cpu.lazy_zeros,
     )
 
 

