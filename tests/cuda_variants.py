@@ -21,7 +21,8 @@ from jaxcb.kernels.attention.pallas import kernel_tile_sizes, ragged_paged_atten
 @functools.cache
 def preset(name: str) -> LlamaConfig:
     """The architecture of `model=name` (conf/model/NAME.yaml)."""
-    return resolve_llama_config(compose_config([f"model={name}", "model.init=random"]).model)
+    # model.dtype=auto would resolve for this CPU host: these checks lower for a GPU, in bfloat16.
+    return resolve_llama_config(compose_config([f"model={name}", "model.init=random", "model.dtype=bfloat16"]).model)
 
 
 @dataclasses.dataclass(frozen=True)
