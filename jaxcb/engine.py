@@ -26,7 +26,7 @@ from typing import Optional, Union
 import jax
 from tqdm import tqdm
 
-from jaxcb.block_pool import BlockPool
+from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import HostSwapSpace, allocate_planned_kv_cache, num_swap_blocks, plan_kv_cache
@@ -34,10 +34,10 @@ from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
-from jaxcb.sequence import Sequence
+from jaxcb.core.sequence import Sequence
 from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
-from jaxcb.scheduler import Scheduler
+from jaxcb.core.scheduler import Scheduler
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.tokenizer import Tokenizer, read_chat_template_override
 from jaxcb.validation import RequestLimits, validate_request

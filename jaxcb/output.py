@@ -25,7 +25,7 @@ from typing import Optional
 
 from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxcb.sequence import RequestStatus, Sequence
+from jaxcb.core.sequence import RequestStatus, Sequence
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.tokenizer import Tokenizer
 

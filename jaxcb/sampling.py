@@ -124,7 +124,7 @@ def sample(
     (`needs_logits` false) takes it as its tokens and never reads `logits`, which may then be
     undefined. `history_fix` puts one token into each row's history (a position outside it:
     none) before the penalties read it: the token the previous step sampled, which the host
-    knew only as a placeholder. It is done only when a row has a penalty, and as a select: an
+    knew only as in flight. It is done only when a row has a penalty, and as a select: an
     in-place write made XLA copy the whole history (a step input, not donated) on every step,
     ~0.15 ms at 64 rows of 1,024 on CPU."""
     num_rows, vocab = logits.shape

@@ -55,11 +55,6 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_token_id: Optional[int]
     eos_token_ids: list[int]
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
     chat_template: Optional[str]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...

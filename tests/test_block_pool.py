@@ -3,7 +3,7 @@
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from jaxcb.block_pool import BlockPool, BlockPoolError, NoFreeBlocksError
+from jaxcb.core.block_pool import BlockPool, BlockPoolError, NoFreeBlocksError
 
 
 def test_null_block_is_never_handed_out():

@@ -199,7 +199,7 @@ def test_bad_requests_are_refused_before_they_cost_anything():
 
 
 def test_abort_while_preempted_and_mid_prefill_leaks_no_block():
-    from jaxcb.sequence import RequestStatus
+    from jaxcb.core.sequence import RequestStatus
 
     engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
     for rid, prompt, max_tokens, _ in random_workload(seed=8, n=24, max_prompt=120):

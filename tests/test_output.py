@@ -7,7 +7,7 @@ import pytest
 from engine_factory import shared_engine
 from jaxcb.output import OutputKind, token_stop_status
 from jaxcb.outputs import join_deltas
-from jaxcb.sequence import RequestStatus
+from jaxcb.core.sequence import RequestStatus
 from jaxcb.sampling_params import SamplingParams
 
 N2 = SamplingParams(n=2, max_tokens=6, temperature=0.7, seed=3)

@@ -14,5 +14,5 @@ def test_the_package_exports_llm_engine_and_sampling_params():
 
 
 def test_importing_the_package_and_its_config_imports_no_jax():
-    code = "import sys, jaxcb, jaxcb.config, jaxcb.scheduler, jaxcb.output; print('jax' in sys.modules)"
+    code = "import sys, jaxcb, jaxcb.config, jaxcb.core.scheduler, jaxcb.output; print('jax' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -4,12 +4,13 @@ import itertools
 
 import pytest
 
-from jaxcb.block_pool import BlockPool
+from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import SchedulerConfig
 from jaxcb.output import token_stop_status
-from jaxcb.sequence import RequestStatus, Sequence
+from jaxcb.core.sequence import RequestStatus, Sequence
 from jaxcb.sampling_params import SamplingParams
-from jaxcb.scheduler import RunnerOutput, SampledToken, Scheduler
+from jaxcb.core.scheduler import Scheduler
+from jaxcb.core.step import RunnerOutput, SampledToken
 
 BLOCK = 4
 _ids = itertools.count()

@@ -11,7 +11,8 @@ packed into two arrays for the host copy. Its inputs come from `step_inputs.py`.
 
 Async scheduling: `dispatch` returns at once with a `StepHandle`; `collect` waits for it. The
 tokens a step samples stay on the device (`prev_tokens`) so that the next step, dispatched
-before they reach the host, feeds them in where the scheduler left placeholders.
+before they reach the host, reads them for the tokens the scheduler marks in flight
+(`ScheduledSequence.in_flight_row`, `jaxcb.core.in_flight`).
 
 Under tensor parallelism every bucket is compiled for the mesh: the weights and the cache
 with their own shardings, the step's inputs and outputs replicated, and the updated cache
@@ -38,7 +39,7 @@ from jaxcb.model.llama import Llama, StepWeights, forward
 from jaxcb.runner.buckets import Buckets
 from jaxcb.runner.step_inputs import StepArgs, StepInputBuilder, abstract_step_inputs, packed_sizes, unpack_step_inputs
 from jaxcb.sampling import needs_logits, sample
-from jaxcb.scheduler import RunnerOutput, SampledToken, SchedulerOutput
+from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,8 @@ class ModelRunner:
             replicated = tp.replicated
             self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(2,),
                                  out_shardings=(replicated, replicated, replicated, tp.kv_cache))
+        # The last dispatched step's sampled tokens, left on the device for the next step's tokens in flight.
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self.inputs.sharding)
-        self._prev_row_of: dict[str, int] = {}  # request id -> its row in the last dispatched step
 
     def _make_step(self):
         backend, num_logprobs, max_rows, abstract = self.backend, self.max_logprobs, self.max_rows, self._abstract
@@ -171,7 +172,7 @@ class ModelRunner:
     # --- one step ------------------------------------------------------------------------------
 
     def build_inputs(self, out: SchedulerOutput) -> tuple[BucketKey, StepArgs]:
-        return self.inputs.build(out, self._prev_tokens, self._prev_row_of)
+        return self.inputs.build(out, self._prev_tokens)
 
     def dispatch(self, out: SchedulerOutput) -> StepHandle:
         """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
@@ -185,7 +186,6 @@ class ModelRunner:
         ids, lps, self._prev_tokens, self.kv_cache = self.executable(key)(self.weights, self.kv_cache, *args)
         num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
         self.last_step = StepStats(out.num_scheduled_tokens, key[0], num_prefill, out.num_scheduled_tokens - num_prefill)
-        self._prev_row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
         self.num_steps += 1
         return StepHandle(out, key, ids, lps)
 

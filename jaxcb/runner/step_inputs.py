@@ -20,7 +20,7 @@ import numpy as np
 from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.buckets import Buckets
 from jaxcb.sampling import SamplingArrays
-from jaxcb.scheduler import PLACEHOLDER, SchedulerOutput
+from jaxcb.core.step import SchedulerOutput
 
 
 @dataclasses.dataclass
@@ -33,10 +33,10 @@ class StepInputs:
     history: jax.Array  # i32[R, max_model_len] (zeros unless a row uses penalties)
     num_prompt: jax.Array  # i32[R]
     num_known: jax.Array  # i32[R]
-    # Async scheduling: tokens the previous step drew, still on the device, fill placeholders.
+    # Async scheduling: tokens the previous step drew, still on the device, for the tokens in flight.
     prev_tokens: jax.Array  # i32[max_rows]: the previous step's sampled token of each of its rows
-    prev_rows: jax.Array  # i32[T]: for a placeholder input token, its row in the previous step; else -1
-    history_fix: jax.Array  # i32[R, 2]: (position, previous row) of a placeholder in the history; -1: none
+    prev_rows: jax.Array  # i32[T]: for an input token in flight, its row in the previous step; else -1
+    history_fix: jax.Array  # i32[R, 2]: (position, previous row) of a token in flight in the history; -1: none
 
 
 jax.tree_util.register_dataclass(
@@ -136,10 +136,9 @@ class StepInputBuilder:
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
     _zero_histories: dict = dataclasses.field(default_factory=dict)
 
-    def build(self, out: SchedulerOutput, prev_tokens: jax.Array, prev_row_of: dict[str, int]
-              ) -> tuple[tuple[int, int, int], StepArgs]:
+    def build(self, out: SchedulerOutput, prev_tokens: jax.Array) -> tuple[tuple[int, int, int], StepArgs]:
         """(the bucket, the packed inputs) of one step. `prev_tokens`: the previous step's sampled tokens,
-        on the device; `prev_row_of`: request id -> its row in that step (async scheduling)."""
+        on the device, which feed each sequence's token in flight (`ScheduledSequence.in_flight_row`)."""
         # Built with whole-array numpy operations over per-sequence columns gathered in one pass:
         # with async scheduling this host work shares the CPU with the step it overlaps, so every
         # Python operation per sequence and step costs device time (a loop of ~25 numpy element
@@ -165,7 +164,7 @@ class StepInputBuilder:
             itertools.chain.from_iterable(s.block_ids for s in seqs), np.int32, len(block_rows)
         )
         token_ids = np.zeros(t, np.int32)
-        token_ids[:num_tokens] = np.maximum(flat, 0)
+        token_ids[:num_tokens] = flat
         positions = np.zeros(t, np.int32)
         positions[:num_tokens] = pos
         slots = np.zeros(t, np.int32)  # padding writes go to the null block
@@ -176,13 +175,11 @@ class StepInputBuilder:
         kv_lens[:n] = starts + lens
         logits_idx = np.zeros(r, np.int32)
         logits_idx[:n] = ends - 1
-        # A sampling sequence's last token may be a placeholder drawn by the step in flight: the
-        # step takes it from the device (its row there), never from these ids.
+        # A sequence's last token may still be in flight (async scheduling): the step reads it from
+        # its row of the previous step's tokens on the device, never from these ids.
         prev_rows = np.full(t, -1, np.int32)
-        waiting = flat[ends - 1] == PLACEHOLDER
-        if waiting.any():
-            row_of = prev_row_of  # a placeholder always comes from the step before
-            prev_rows[(ends - 1)[waiting]] = [row_of[seqs[i].request_id] for i in np.flatnonzero(waiting)]
+        in_flight_rows = np.fromiter((s.in_flight_row for s in seqs), np.int32, n)
+        prev_rows[(ends - 1)[in_flight_rows >= 0]] = in_flight_rows[in_flight_rows >= 0]
 
         params = [s.sampling_params for s in seqs]
         # Padding rows: temperature 0, top_p 1, min_p 0, repetition 1, presence 0, frequency 0.
@@ -208,10 +205,10 @@ class StepInputBuilder:
             if s.history is not None:
                 if history is None:
                     history = np.zeros((r, self.max_model_len), np.int32)
-                history[i, : len(s.history)] = [max(0, tok) for tok in s.history]
+                history[i, : len(s.history)] = s.history
                 num_known[i] = len(s.history)
-                if s.history[-1] == PLACEHOLDER:
-                    history_fix[i] = (len(s.history) - 1, prev_row_of[s.request_id])
+                if s.in_flight_row >= 0:  # the history ends with the token in flight
+                    history_fix[i] = (len(s.history) - 1, s.in_flight_row)
         any_filter = bool(np.any(top_k > 0) or np.any(top_p < 1))
         # Host arrays go to the executable as they are (packed into two, `StepArgs`): its C++ call
         # path copies them in, where a jnp.asarray or device_put per array (tens a step) cost ~4 ms

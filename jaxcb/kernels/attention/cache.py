@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxcb.block_pool import NULL_BLOCK  # noqa: F401  (the pool reserves it; the cache layout keeps it)
+from jaxcb.core.block_pool import NULL_BLOCK  # noqa: F401  (the pool reserves it; the cache layout keeps it)
 
 SWAP_CHUNK = 16  # blocks per device<->host copy call: one compiled shape, padded with the null block
 

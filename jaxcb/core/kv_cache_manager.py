@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from jaxcb.block_pool import BlockPool, NoFreeBlocksError
-from jaxcb.sequence import Sequence
+from jaxcb.core.block_pool import BlockPool, NoFreeBlocksError
+from jaxcb.core.sequence import Sequence
 
 
 class KVCacheManager:

@@ -19,8 +19,10 @@ decode token or the next prefill chunk. `schedule()`:
 Blocks come from the KV-cache manager (`kv_cache_manager.py`: allocation, prefix hashing, swap),
 which takes them from the block pool.
 
-`update()` applies the runner's sampled tokens and registers blocks that became full in the
-prefix cache. Whether a sequence stops is decided by the output processor (`jaxcb.output`),
+`commit()` marks a dispatched step's computed tokens and, for every sampling sequence, a token
+in flight (`in_flight.py`: under async scheduling the next step is scheduled before it is
+known); `update()` applies the runner's sampled tokens and registers blocks that became full in
+the prefix cache. Whether a sequence stops is decided by the output processor (`jaxcb.output`),
 which sees tokens and text; `finish()` then frees its blocks at once.
 """
 
@@ -29,64 +31,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Callable, Hashable, Optional
+from typing import Callable, Optional
 
-from jaxcb.block_pool import BlockPool
 from jaxcb.config import SchedulerConfig
-from jaxcb.kv_cache_manager import KVCacheManager
-from jaxcb.sequence import RequestStatus, Sequence
-from jaxcb.sampling_params import SamplingParams
+from jaxcb.core.block_pool import BlockPool
+from jaxcb.core.in_flight import InFlightTokens
+from jaxcb.core.kv_cache_manager import KVCacheManager
+from jaxcb.core.sequence import RequestStatus, Sequence
+from jaxcb.core.step import RunnerOutput, ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
-PLACEHOLDER = -1  # an output token still being drawn on the device (async scheduling)
-
-
-@dataclass
-class ScheduledSequence:
-    """One sequence's share of a step."""
-
-    request_id: str
-    start_position: int  # num_computed_tokens before the step
-    token_ids: list[int]  # the tokens to compute, positions start_position...
-    block_ids: list[int]  # the sequence's whole block table
-    samples: bool  # the step reaches its last known token, so it samples the next one
-    num_prompt_tokens: int
-    num_output_tokens: int
-    sampling_params: SamplingParams
-    seed: int
-    banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while min_tokens is not reached
-    history: Optional[list[int]] = None  # all known tokens, only when the params use penalties
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence]
-    preempted_ids: list[Hashable] = field(default_factory=list)  # sequences this step preempted
-    # Block copies the runner makes before the step, swap_in first: a host block freed by a swap-in
-    # may be reused by a swap-out of the same step.
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprob: float = 0.0
-    top_logprobs: Optional[dict[int, float]] = None
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, SampledToken]  # request_id -> token, for sequences with samples=True
 
 
 class Scheduler:
@@ -112,6 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
+        self.in_flight = InFlightTokens()
         self.num_preemptions = 0
 
     # --- requests in and out -------------------------------------------------------------------
@@ -139,8 +94,7 @@ class Scheduler:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return
-        while request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
-            request.output_token_ids.pop()  # a token drawn after the stop (async scheduling)
+        self.in_flight.discard(request)
         if request in self.running:
             self.running.remove(request)
         else:
@@ -214,7 +168,7 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, request: Sequence, budget: int) -> int:
-        if request.output_token_ids and request.output_token_ids[-1] == PLACEHOLDER:
+        if self.in_flight.last_token_in_flight(request):
             done = request.num_output_tokens >= request.sampling_params.max_tokens
             if done or request.num_tokens >= self.max_model_len:
                 return 0  # its token in flight is its last: computing past it would be wasted
@@ -356,38 +310,38 @@ class Scheduler:
         banned: tuple[int, ...] = ()
         if request.num_output_tokens < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
+        samples = start + num_new == request.num_tokens
         return ScheduledSequence(
             request_id=request.request_id,
             start_position=start,
-            token_ids=request.token_ids(start, start + num_new),
+            token_ids=self.in_flight.token_ids_for_step(request, start, start + num_new),
             block_ids=list(request.block_ids),
-            samples=start + num_new == request.num_tokens,
+            samples=samples,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             sampling_params=params,
             seed=request.seed,
             banned_token_ids=banned,
-            history=request.all_token_ids if params.uses_penalties else None,
+            history=self.in_flight.token_ids_for_step(request, 0, request.num_tokens) if params.uses_penalties else None,
+            in_flight_row=self.in_flight.row_for(request) if samples else -1,
         )
 
     # --- applying a step's results -------------------------------------------------------------
 
     def commit(self, out: SchedulerOutput) -> None:
-        """The step was dispatched: advance computed tokens now, and give each sampling sequence a
-        PLACEHOLDER for the token the device is drawing, so the next step can be scheduled (and
-        feed that token from the device) before this one's results reach the host."""
+        """The step was dispatched: advance computed tokens now, and put each sampling sequence's
+        next token in flight, so the next step can be scheduled (and read that token on the
+        device) before this one's results reach the host."""
         for seq in out.scheduled:
             request = self.requests.get(seq.request_id)
-            if request is None:
-                continue
-            request.num_computed_tokens = seq.start_position + len(seq.token_ids)
-            if seq.samples:
-                request.output_token_ids.append(PLACEHOLDER)
+            if request is not None:
+                request.num_computed_tokens = seq.start_position + len(seq.token_ids)
+        self.in_flight.dispatched(out, self.requests)
 
     def update(
         self, out: SchedulerOutput, runner_out: RunnerOutput
     ) -> list[tuple[Sequence, int, Optional[dict[int, float]]]]:
-        """Fill the step's placeholders with the sampled tokens and register blocks that became full;
+        """Resolve the step's in-flight tokens to the sampled ones and register blocks that became full;
         return (request, new token, its logprobs with the top ones, or None) of each sampling sequence."""
         touched = []
         now = time.monotonic()
@@ -397,9 +351,7 @@ class Scheduler:
                 continue  # finished or aborted since
             sampled = runner_out.sampled.get(seq.request_id) if seq.samples else None
             if sampled is not None:
-                index = seq.num_output_tokens  # the placeholder this step filled
-                assert request.output_token_ids[index] == PLACEHOLDER
-                request.output_token_ids[index] = sampled.token_id
+                self.in_flight.resolve(request, seq.num_output_tokens, sampled.token_id)
                 top = None
                 if request.sampling_params.logprobs is not None:
                     top = dict(sampled.top_logprobs or {})
@@ -407,8 +359,8 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 touched.append((request, sampled.token_id, top))
-            if request.status is RequestStatus.RUNNING and PLACEHOLDER not in request.token_ids(
+            if request.status is RequestStatus.RUNNING and not self.in_flight.any_in_flight(request.token_ids(
                 request.num_registered_blocks * self.block_size, request.num_computed_tokens
-            ):
+            )):
                 self.kv.register_full_blocks(request)
         return touched

@@ -1,0 +1,72 @@
+"""Async scheduling's one rule: a token that is still being drawn on the device (no jax).
+
+With `engine.async_scheduling` the engine dispatches step N+1 before step N's sampled tokens
+reach the host. Every sequence that samples in step N then has one token *in flight*: it
+counts as known (so step N+1 can schedule the decode that reads it, and `max_tokens` counts
+it) but its value exists only on the device, in row `row` of step N's sampled tokens.
+
+    dispatched(out)      step N went to the device: each sampling sequence gets an in-flight
+                         token at the end of its output ids, and its row in step N is kept
+    row_for(seq)         for step N+1's schedule: the row of step N that holds the sequence's
+                         last token, or -1 when the host knows it; the runner's step reads
+                         that row from the device (`ScheduledSequence.in_flight_row`)
+    resolve(seq, i, t)   step N's token t reached the host: output token i becomes it
+    discard(seq)         the sequence stopped: a token drawn past its stop is dropped
+
+Without async scheduling a step is resolved before the next is scheduled, so `row_for` is
+always -1. Nothing outside this module knows how an in-flight token is marked.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable, Iterable, Mapping
+
+if TYPE_CHECKING:
+    from jaxcb.core.step import SchedulerOutput
+    from jaxcb.core.sequence import Sequence
+
+_IN_FLIGHT = -1  # the place of an output token still on the device; never a vocabulary id
+
+
+class InFlightTokens:
+    def __init__(self) -> None:
+        self._row_of: dict[Hashable, int] = {}  # sequence id -> its row in the last dispatched step
+
+    def dispatched(self, out: "SchedulerOutput", sequences: Mapping[Hashable, "Sequence"]) -> None:
+        """Step `out` went to the device: its sampling sequences' next tokens are in flight."""
+        self._row_of = {}
+        for row, scheduled in enumerate(out.scheduled):
+            seq = sequences.get(scheduled.request_id)
+            if seq is not None and scheduled.samples:
+                seq.output_token_ids.append(_IN_FLIGHT)
+                self._row_of[scheduled.request_id] = row
+
+    def last_token_in_flight(self, seq: "Sequence") -> bool:
+        return bool(seq.output_token_ids) and seq.output_token_ids[-1] == _IN_FLIGHT
+
+    def row_for(self, seq: "Sequence") -> int:
+        """The row of the last dispatched step that draws `seq`'s last token; -1: the host has it."""
+        return self._row_of[seq.request_id] if self.last_token_in_flight(seq) else -1
+
+    @staticmethod
+    def any_in_flight(token_ids: Iterable[int]) -> bool:
+        """Whether some of these tokens are not known yet (a block holding one is not full yet)."""
+        return _IN_FLIGHT in token_ids
+
+    def resolve(self, seq: "Sequence", index: int, token_id: int) -> None:
+        """Output token `index` of `seq`, in flight until now, is `token_id`."""
+        assert seq.output_token_ids[index] == _IN_FLIGHT, (seq.request_id, index)
+        seq.output_token_ids[index] = token_id
+
+    def discard(self, seq: "Sequence") -> None:
+        """A stopped sequence drops the tokens drawn after its stop."""
+        while self.last_token_in_flight(seq):
+            seq.output_token_ids.pop()
+
+    def token_ids_for_step(self, seq: "Sequence", start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) as a step's host arrays carry them: an in-flight one as 0, which the
+        step replaces with the device's token (`row_for`); any valid id would do, 0 keeps gathers in range."""
+        ids = seq.token_ids(start, stop)
+        if ids and stop == seq.num_tokens and self.last_token_in_flight(seq):
+            ids = ids[:-1] + [0]
+        return ids

@@ -1,0 +1,65 @@
+"""The typed contract of one step between the scheduler and the runner (no jax).
+
+`Scheduler.schedule()` returns a `SchedulerOutput`: for each scheduled sequence the tokens to
+compute, its block table and how it samples. The runner turns it into the step's arrays and,
+once the step is collected, returns a `RunnerOutput` (the sampled tokens), which
+`Scheduler.update()` applies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+from jaxcb.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence's share of a step."""
+
+    request_id: str
+    start_position: int  # num_computed_tokens before the step
+    token_ids: list[int]  # the tokens to compute, positions start_position...
+    block_ids: list[int]  # the sequence's whole block table
+    samples: bool  # the step reaches its last known token, so it samples the next one
+    num_prompt_tokens: int
+    num_output_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while min_tokens is not reached
+    history: Optional[list[int]] = None  # all known tokens, only when the params use penalties
+    # Async scheduling: the row of the previous step that draws this sequence's last token (it is
+    # the last of token_ids and of history, carried there as 0); the step reads it from the
+    # device. -1: every token is known on the host.
+    in_flight_row: int = -1
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]
+    preempted_ids: list[Hashable] = field(default_factory=list)  # sequences this step preempted
+    # Block copies the runner makes before the step, swap_in first: a host block freed by a swap-in
+    # may be reused by a swap-out of the same step.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float = 0.0
+    top_logprobs: Optional[dict[int, float]] = None
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, SampledToken]  # request_id -> token, for sequences with samples=True
