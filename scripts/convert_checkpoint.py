@@ -15,7 +15,8 @@ tokenizer_config.json with the chat template; transformers loads it too.
 import argparse
 import sys
 
-from jaxcb.config import ConfigError, ModelConfig, validate_model_config
+from jaxcb.config import ConfigError, ModelConfig
+from jaxcb.config_validation import validate_model_config
 from jaxcb.model.loader import CheckpointError, convert_hf_to_orbax
 
 

@@ -2,7 +2,7 @@
 
 Every request is parsed and checked here (protocol.py) before it reaches the engine; the
 engine's refusals come back as 400 (can never fit) or 429 with Retry-After (queue full).
-A client that disconnects -- streaming or not -- has its request aborted at once.
+Responses, whole or streamed, are written by streaming.py.
 """
 
 from __future__ import annotations
@@ -15,20 +15,19 @@ import os
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxcb.config import Config
 from jaxcb.engine import Engine
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
 from jaxcb.metrics import EngineMetrics
-from jaxcb.outputs import CompletionOutput, RequestOutput, join_deltas
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.dashboard import DashboardHistory, dashboard_html
-from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, StreamAbortedError
+from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from jaxcb.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -37,10 +36,17 @@ from jaxcb.server.protocol import (
     parse_request,
     sampling_params,
 )
+from jaxcb.server.streaming import (
+    chat_events,
+    close_streams,
+    collect_final_outputs,
+    completion_events,
+    sse_response,
+    usage_of,
+)
 from jaxcb.tokenizer import chat_prompt_ids
 
 log = logging.getLogger(__name__)
-DISCONNECT_POLL_S = 0.05
 
 
 def served_model_name(cfg: Config) -> str:
@@ -152,15 +158,15 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(state, streams, _completion_events(state, rid, req, streams, include_usage))
-        finals = await _collect(state, request, streams)
+            return sse_response(state, streams, completion_events(state, rid, req, streams, include_usage))
+        finals = await collect_final_outputs(state, request, streams)
         choices = []
         for p_idx, out in enumerate(finals):
             for c in out.outputs:
                 logprobs = fmt.completion_logprobs(state.engine.tokenizer, c, 0, 0) if req.logprobs is not None else None
                 choices.append({"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
                                 "finish_reason": fmt.finish_reason(c)})
-        return fmt.completion_response(rid, state.model_name, choices, *_usage(finals))
+        return fmt.completion_response(rid, state.model_name, choices, *usage_of(finals))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -184,15 +190,15 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(state, streams, _chat_events(state, rid, req, streams, include_usage, top_n))
-        [out] = await _collect(state, request, streams)
+            return sse_response(state, streams, chat_events(state, rid, req, streams, include_usage, top_n))
+        [out] = await collect_final_outputs(state, request, streams)
         choices = [{
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},
             "logprobs": fmt.chat_logprobs(state.engine.tokenizer, c, 0, top_n) if req.logprobs else None,
             "finish_reason": fmt.finish_reason(c),
         } for c in out.outputs]
-        return fmt.chat_response(rid, state.model_name, choices, *_usage([out]))
+        return fmt.chat_response(rid, state.model_name, choices, *usage_of([out]))
 
     return app
 
@@ -272,152 +278,14 @@ async def _start(state: ServerState, prompts: list, params, priority: int) -> li
         for prompt in prompts:
             streams.append(await state.async_engine.add(prompt, params, priority=priority))
     except InvalidRequestError as e:
-        _close(streams)
+        close_streams(streams)
         state.metrics.request_rejected("invalid")
         raise APIError(400, str(e)) from None
     except EngineOverloadedError as e:
-        _close(streams)
+        close_streams(streams)
         state.metrics.request_rejected("overloaded")
         raise APIError(429, str(e), type="rate_limit_error", headers={"Retry-After": str(int(e.retry_after_s))}) from None
     except EngineDeadError as e:
-        _close(streams)
+        close_streams(streams)
         raise APIError(503, str(e), type="server_error") from None
     return streams
-
-
-def _close(streams: list[RequestStream]) -> None:
-    for s in streams:
-        s.close()
-
-
-def _usage(finals: list[RequestOutput]) -> tuple[int, int]:
-    return sum(len(o.prompt_token_ids) for o in finals), sum(c.num_generated for o in finals for c in o.outputs)
-
-
-async def _final(stream: RequestStream) -> RequestOutput:
-    """The whole output of a request, from its deltas."""
-    return join_deltas([out async for out in stream])
-
-
-async def _collect(state: ServerState, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-    """Final outputs of every stream; a client that disconnects meanwhile aborts them all."""
-    state.num_in_flight += 1
-    task = asyncio.ensure_future(asyncio.gather(*(_final(s) for s in streams)))
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "client disconnected")
-    except StreamAbortedError as e:
-        raise APIError(503, str(e), type="server_error") from None
-    finally:
-        state.num_in_flight -= 1
-        _close(streams)
-
-
-def _sse(state: ServerState, streams: list[RequestStream], events: AsyncIterator[str]) -> StreamingResponse:
-    async def body():
-        state.num_in_flight += 1
-        try:
-            async for event in events:
-                yield event
-        except StreamAbortedError as e:
-            yield fmt.sse(APIError(503, str(e), type="server_error").body())
-        finally:  # also on disconnect: Starlette cancels this generator
-            state.num_in_flight -= 1
-            _close(streams)
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several streams as they come, tagged with the stream's index.
-
-    The hand-over queue holds one item: when the HTTP write waits on a client that does not
-    read, the pumps stop taking outputs too, so the backlog (and the stall) shows in the
-    request's own stream, where the engine thread looks for slow readers."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
-
-    async def pump(i, s):
-        try:
-            async for out in s:
-                await queue.put((i, out))
-        except BaseException as e:
-            await queue.put((i, e))
-        await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _completion_events(state, rid, req: CompletionRequest, streams, include_usage) -> AsyncIterator[str]:
-    created, tok = int(time.time()), state.engine.tokenizer
-    sent_text: dict[tuple[int, int], int] = {}  # characters sent so far: the legacy logprobs' text offsets
-    sent_done: set[tuple[int, int]] = set()
-    finals: dict[int, RequestOutput] = {}
-    async for p_idx, out in _merged(streams):  # deltas: each output holds only what is new
-        for c in out.outputs:
-            key = (p_idx, c.index)
-            if key in sent_done:
-                continue
-            done = fmt.finish_reason(c)
-            if done:
-                sent_done.add(key)
-            if not c.text and not done and (req.logprobs is None or not c.token_ids):
-                continue
-            t0 = sent_text.get(key, 0)
-            logprobs = fmt.completion_logprobs(tok, c, 0, t0) if req.logprobs is not None else None
-            sent_text[key] = t0 + len(c.text)
-            choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
-            yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [choice]))
-        if out.finished:
-            finals[p_idx] = out
-    if include_usage:
-        yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [], fmt.usage(*_usage(list(finals.values())))))
-    yield fmt.SSE_DONE
-
-
-async def _chat_events(state, rid, req: ChatCompletionRequest, streams, include_usage, top_n) -> AsyncIterator[str]:
-    created, tok = int(time.time()), state.engine.tokenizer
-    sent_done: set[int] = set()
-    held: dict[int, CompletionOutput] = {}  # tokens whose text is not out yet: their logprobs go with it
-    final = None
-    for i in range(req.n):  # the role comes first, as OpenAI sends it
-        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
-    async for _, out in _merged(streams):  # deltas: each output holds only what is new
-        for c in out.outputs:
-            if c.index in sent_done:
-                continue
-            if c.index in held:
-                c = held.pop(c.index).followed_by(c)
-            done = fmt.finish_reason(c)
-            if done:
-                sent_done.add(c.index)
-            if not c.text and not done:
-                held[c.index] = c
-                continue
-            logprobs = fmt.chat_logprobs(tok, c, 0, top_n) if req.logprobs else None
-            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": logprobs,
-                      "finish_reason": done}
-            yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
-        if out.finished:
-            final = out
-    if include_usage and final is not None:
-        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [], fmt.usage(*_usage([final]))))
-    yield fmt.SSE_DONE

@@ -1,0 +1,277 @@
+"""The checks a Config must pass at start-up, beyond what the dataclass types express: ranges,
+choices and cross-field contradictions. Each failure is a ConfigError whose sentence names the
+fields and says what to change.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxcb.config import (
+    BACKENDS,
+    DTYPES,
+    LAYER_LOOPS,
+    SUPPORTED_BLOCK_SIZES,
+    Config,
+    ConfigError,
+    DistributedConfig,
+    ModelConfig,
+)
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate_config(cfg: Config) -> None:
+    """Cross-field and range checks that the dataclass types cannot express."""
+    validate_model_config(cfg.model)
+    c, s, e, srv = cfg.cache, cfg.scheduler, cfg.engine, cfg.server
+    require(
+        c.block_size in SUPPORTED_BLOCK_SIZES,
+        f"cache.block_size={c.block_size} must be one of {list(SUPPORTED_BLOCK_SIZES)}",
+    )
+    require(
+        c.num_blocks is None or c.num_blocks >= 2,
+        f"cache.num_blocks={c.num_blocks} must be >= 2 (block 0 is reserved), or null to size from memory",
+    )
+    require(
+        0.0 < c.memory_fraction <= 1.0,
+        f"cache.memory_fraction={c.memory_fraction} must be in (0, 1]",
+    )
+    require(
+        c.cpu_kv_cache_gib > 0,
+        f"cache.cpu_kv_cache_gib={c.cpu_kv_cache_gib} must be > 0",
+    )
+    require(
+        c.dtype == "auto" or c.dtype in DTYPES,
+        f"cache.dtype={c.dtype!r} must be 'auto' or one of {list(DTYPES)}",
+    )
+    require(
+        cfg.attention.impl in ("auto", "pallas", "cpu", "xla", "reference"),
+        f"attention.impl={cfg.attention.impl!r} must be one of auto, pallas, cpu, xla, reference",
+    )
+    require(s.max_num_seqs >= 1, f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
+    require(
+        s.max_num_batched_tokens >= c.block_size,
+        f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
+        f"cache.block_size={c.block_size}",
+    )
+    require(
+        s.max_num_batched_tokens >= s.max_num_seqs,
+        f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
+        f"scheduler.max_num_seqs={s.max_num_seqs} (every running sequence needs one token per step)",
+    )
+    require(
+        s.policy in ("fcfs", "priority", "static"),
+        f"scheduler.policy={s.policy!r} must be one of fcfs, priority, static",
+    )
+    require(
+        s.preemption_mode in ("recompute", "swap"),
+        f"scheduler.preemption_mode={s.preemption_mode!r} must be recompute or swap",
+    )
+    require(c.swap_space_gib >= 0, f"cache.swap_space_gib={c.swap_space_gib} must be >= 0")
+    require(s.priority_aging_s > 0, f"scheduler.priority_aging_s={s.priority_aging_s} must be > 0")
+    for name in ("max_waiting_requests", "max_waiting_tokens"):
+        v = getattr(s, name)
+        require(v is None or v >= 1, f"scheduler.{name}={v} must be >= 1, or null for no limit")
+    require(
+        s.long_prefill_token_threshold is None or s.long_prefill_token_threshold >= 1,
+        f"scheduler.long_prefill_token_threshold={s.long_prefill_token_threshold} must be >= 1, or null for no cap",
+    )
+    require(
+        s.max_num_partial_prefills >= 1,
+        f"scheduler.max_num_partial_prefills={s.max_num_partial_prefills} must be >= 1",
+    )
+    require(
+        e.max_model_len is None or e.max_model_len >= 1,
+        f"engine.max_model_len={e.max_model_len} must be >= 1, or null for the model's limit",
+    )
+    if e.max_model_len is not None and cfg.model.max_position_embeddings is not None:
+        require(
+            e.max_model_len <= cfg.model.max_position_embeddings,
+            f"engine.max_model_len={e.max_model_len} must be <= "
+            f"model.max_position_embeddings={cfg.model.max_position_embeddings}",
+        )
+    for name in ("token_buckets", "seq_buckets", "context_buckets"):
+        buckets = getattr(e, name)
+        require(
+            buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)),
+            f"engine.{name}={buckets} must be a non-empty list of positive sizes, or null for the default",
+        )
+    if e.token_buckets:
+        require(
+            max(e.token_buckets) <= s.max_num_batched_tokens,
+            f"engine.token_buckets={e.token_buckets} must not exceed "
+            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} (a step never pads past the budget)",
+        )
+    require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
+    require(
+        e.tensor_parallel_size >= 1,
+        f"engine.tensor_parallel_size={e.tensor_parallel_size} must be >= 1 (1: one device, no sharding)",
+    )
+    validate_distributed_config(e.distributed)
+    require(1 <= srv.port <= 65535, f"server.port={srv.port} must be in 1..65535")
+    require(srv.max_n >= 1, f"server.max_n={srv.max_n} must be >= 1")
+    require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
+    require(srv.stream_stall_timeout_s > 0, f"server.stream_stall_timeout_s={srv.stream_stall_timeout_s} must be > 0")
+    require(srv.shutdown_timeout_s >= 0, f"server.shutdown_timeout_s={srv.shutdown_timeout_s} must be >= 0")
+    require(
+        srv.max_request_bytes >= 1024,
+        f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
+    )
+    validate_replica_config(cfg)
+    require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
+    require(
+        (cfg.input is None) == (cfg.output is None),
+        f"input={cfg.input} and output={cfg.output}: give both (a JSONL job) or neither",
+    )
+    b = cfg.bench
+    require(
+        b.task in ("offline", "policies", "async", "overhead", "flops"),
+        f"bench.task={b.task!r} must be offline, policies, async, overhead or flops",
+    )
+    require(
+        b.workload in ("lognormal", "random", "exp-output", "file"),
+        f"bench.workload={b.workload!r} must be lognormal, random, exp-output or file",
+    )
+    require(b.workload != "file" or b.file is not None, "bench.workload=file needs bench.file=PATH")
+    require(b.output_cap >= 1, f"bench.output_cap={b.output_cap} must be >= 1")
+    require(b.mode in ("offline", "serving"), f"bench.mode={b.mode!r} must be offline or serving")
+    require(b.backend in ("engine", "http"), f"bench.backend={b.backend!r} must be engine or http")
+    require(
+        b.backend == "engine" or (b.mode == "serving" and b.task == "offline"),
+        "bench.backend=http measures one server in serving mode: use it with bench.mode=serving and bench.task=offline",
+    )
+    require(b.request_rate is None or b.request_rate > 0, f"bench.request_rate={b.request_rate} must be > 0 or null")
+    require(b.max_concurrency is None or b.max_concurrency >= 1, f"bench.max_concurrency={b.max_concurrency} must be >= 1")
+    require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
+    require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
+    require(b.repeats >= 1, f"bench.repeats={b.repeats} must be >= 1")
+    require(b.repeats == 1 or b.task == "flops",
+             f"bench.repeats={b.repeats} repeats bench.task=flops only; drop it for bench.task={b.task}")
+    require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
+
+
+def validate_distributed_config(d: DistributedConfig) -> None:
+    given = {
+        "coordinator_address": d.coordinator_address,
+        "num_processes": d.num_processes,
+        "process_id": d.process_id,
+    }
+    unset = [f"engine.distributed.{k}" for k, v in given.items() if v is None]
+    require(
+        len(unset) in (0, len(given)),
+        f"{', '.join(unset)} unset: a multi-host run needs all of engine.distributed.coordinator_address, "
+        f"num_processes and process_id (or none of them, for one host)",
+    )
+    if not unset:
+        require(d.num_processes >= 1, f"engine.distributed.num_processes={d.num_processes} must be >= 1")
+        require(
+            0 <= d.process_id < d.num_processes,
+            f"engine.distributed.process_id={d.process_id} must be in 0..{d.num_processes - 1} "
+            f"(engine.distributed.num_processes={d.num_processes})",
+        )
+
+
+def validate_replica_config(cfg: Config) -> None:
+    """Backends and replica counts of jobs and the server, and the Ray cluster they run on."""
+    for group, knobs in (("job", cfg.job), ("server", cfg.server)):
+        require(knobs.backend in ("local", "ray"), f"{group}.backend={knobs.backend!r} must be local or ray")
+        require(knobs.num_replicas >= 1, f"{group}.num_replicas={knobs.num_replicas} must be >= 1")
+        require(
+            knobs.backend == "ray" or knobs.num_replicas == 1,
+            f"{group}.num_replicas={knobs.num_replicas} needs {group}.backend=ray (the local backend runs one engine)",
+        )
+    j, r = cfg.job, cfg.ray
+    require(j.batch_size >= 1, f"job.batch_size={j.batch_size} must be >= 1")
+    require(j.batches_per_replica >= 1, f"job.batches_per_replica={j.batches_per_replica} must be >= 1")
+    require(j.max_batch_attempts >= 1, f"job.max_batch_attempts={j.max_batch_attempts} must be >= 1")
+    require(r.num_cpus is None or r.num_cpus >= 1, f"ray.num_cpus={r.num_cpus} must be >= 1, or null for all CPUs")
+    require(r.cpus_per_replica >= 0, f"ray.cpus_per_replica={r.cpus_per_replica} must be >= 0")
+    require(r.gpus_per_replica >= 0, f"ray.gpus_per_replica={r.gpus_per_replica} must be >= 0")
+    require(r.max_replica_restarts >= 0, f"ray.max_replica_restarts={r.max_replica_restarts} must be >= 0")
+    require(r.replica_start_timeout_s > 0, f"ray.replica_start_timeout_s={r.replica_start_timeout_s} must be > 0")
+    if r.address is None and r.num_cpus is not None:
+        for group, knobs in (("job", cfg.job), ("server", cfg.server)):
+            if knobs.backend == "ray":
+                needed = knobs.num_replicas * r.cpus_per_replica
+                require(
+                    needed <= r.num_cpus,
+                    f"{group}.num_replicas={knobs.num_replicas} x ray.cpus_per_replica={r.cpus_per_replica} needs "
+                    f"{needed:g} CPUs but ray.num_cpus={r.num_cpus}; lower ray.cpus_per_replica (fractions are fine)",
+                )
+
+
+_ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
+def validate_model_config(m: ModelConfig) -> None:
+    require(m.init in ("checkpoint", "random"), f"model.init={m.init!r} must be 'checkpoint' or 'random'")
+    require(m.dtype in DTYPES, f"model.dtype={m.dtype!r} must be one of {list(DTYPES)}")
+    require(
+        m.layer_loop in LAYER_LOOPS,
+        f"model.layer_loop={m.layer_loop!r} must be one of {', '.join(LAYER_LOOPS)} "
+        f"(auto: unrolled on CPU, scan elsewhere)",
+    )
+    require(
+        m.linear_impl is None,
+        f"model.linear_impl={m.linear_impl} was renamed: use model.backend={m.linear_impl} (auto, cpu or xla)",
+    )
+    require(
+        m.backend in BACKENDS,
+        f"model.backend={m.backend!r} must be one of {', '.join(BACKENDS)} "
+        f"(auto: the packed C++ matmul on CPU for float32 weights, XLA's dot elsewhere)",
+    )
+    if m.init == "checkpoint":
+        require(
+            m.checkpoint is not None,
+            f"model={m.name} has no weights: add model.checkpoint=DIR (a Hugging Face or Orbax "
+            f"checkpoint directory) or model.init=random",
+        )
+    if m.checkpoint is not None:
+        require(
+            os.path.isdir(m.checkpoint) or (m.checkpoint.endswith(".gguf") and os.path.isfile(m.checkpoint)),
+            f"model.checkpoint={m.checkpoint} is not a directory or a .gguf file; give the path of a "
+            f"Hugging Face (config.json + *.safetensors) or Orbax checkpoint directory, or of a GGUF file",
+        )
+    if m.tokenizer is not None:
+        require(
+            os.path.isfile(os.path.join(m.tokenizer, "tokenizer.json")),
+            f"model.tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one",
+        )
+    if m.checkpoint is None:
+        missing = [f for f in _ARCH_FIELDS if getattr(m, f) is None]
+        require(
+            not missing,
+            f"model={m.name} with model.init=random needs its architecture, but "
+            f"{', '.join('model.' + f for f in missing)} are unset; use a preset with them "
+            f"(model=tiny, llama3_1b, llama8b, llama70b) or add model.checkpoint=DIR",
+        )
+    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        v = getattr(m, f)
+        require(v is None or v >= 1, f"model.{f}={v} must be >= 1")
+    if m.num_heads is not None and m.num_kv_heads is not None:
+        require(
+            m.num_heads % m.num_kv_heads == 0,
+            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}",
+        )
+    if m.rope_scaling is not None:
+        require(
+            m.rope_scaling.rope_type == "llama3",
+            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3' or "
+            f"set model.rope_scaling=null",
+        )

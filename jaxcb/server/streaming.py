@@ -1,0 +1,161 @@
+"""Responses from the engine's streams: whole (a request's deltas joined once at the end) or
+as Server-Sent Events in OpenAI's chunk formats. A client that disconnects -- streaming or
+not -- has its request aborted at once (its streams are closed, which aborts in the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from jaxcb.outputs import CompletionOutput, RequestOutput, join_deltas
+from jaxcb.server import openai_format as fmt
+from jaxcb.server.async_engine import RequestStream, StreamAbortedError
+from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from jaxcb.server.app import ServerState
+
+DISCONNECT_POLL_S = 0.05
+
+
+def close_streams(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.close()
+
+
+def usage_of(finals: list[RequestOutput]) -> tuple[int, int]:
+    return sum(len(o.prompt_token_ids) for o in finals), sum(c.num_generated for o in finals for c in o.outputs)
+
+
+async def final_output(stream: RequestStream) -> RequestOutput:
+    """The whole output of a request, from its deltas."""
+    return join_deltas([out async for out in stream])
+
+
+async def collect_final_outputs(state: "ServerState", request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Final outputs of every stream; a client that disconnects meanwhile aborts them all."""
+    state.num_in_flight += 1
+    task = asyncio.ensure_future(asyncio.gather(*(final_output(s) for s in streams)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected")
+    except StreamAbortedError as e:
+        raise APIError(503, str(e), type="server_error") from None
+    finally:
+        state.num_in_flight -= 1
+        close_streams(streams)
+
+
+def sse_response(state: "ServerState", streams: list[RequestStream], events: AsyncIterator[str]) -> StreamingResponse:
+    async def body():
+        state.num_in_flight += 1
+        try:
+            async for event in events:
+                yield event
+        except StreamAbortedError as e:
+            yield fmt.sse(APIError(503, str(e), type="server_error").body())
+        finally:  # also on disconnect: Starlette cancels this generator
+            state.num_in_flight -= 1
+            close_streams(streams)
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's index.
+
+    The hand-over queue holds one item: when the HTTP write waits on a client that does not
+    read, the pumps stop taking outputs too, so the backlog (and the stall) shows in the
+    request's own stream, where the engine thread looks for slow readers."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1)
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def completion_events(state, rid, req: CompletionRequest, streams, include_usage) -> AsyncIterator[str]:
+    created, tok = int(time.time()), state.engine.tokenizer
+    sent_text: dict[tuple[int, int], int] = {}  # characters sent so far: the legacy logprobs' text offsets
+    sent_done: set[tuple[int, int]] = set()
+    finals: dict[int, RequestOutput] = {}
+    async for p_idx, out in merged(streams):  # deltas: each output holds only what is new
+        for c in out.outputs:
+            key = (p_idx, c.index)
+            if key in sent_done:
+                continue
+            done = fmt.finish_reason(c)
+            if done:
+                sent_done.add(key)
+            if not c.text and not done and (req.logprobs is None or not c.token_ids):
+                continue
+            t0 = sent_text.get(key, 0)
+            logprobs = fmt.completion_logprobs(tok, c, 0, t0) if req.logprobs is not None else None
+            sent_text[key] = t0 + len(c.text)
+            choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
+            yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [choice]))
+        if out.finished:
+            finals[p_idx] = out
+    if include_usage:
+        yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [], fmt.usage(*usage_of(list(finals.values())))))
+    yield fmt.SSE_DONE
+
+
+async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_usage, top_n) -> AsyncIterator[str]:
+    created, tok = int(time.time()), state.engine.tokenizer
+    sent_done: set[int] = set()
+    held: dict[int, CompletionOutput] = {}  # tokens whose text is not out yet: their logprobs go with it
+    final = None
+    for i in range(req.n):  # the role comes first, as OpenAI sends it
+        choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+    async for _, out in merged(streams):  # deltas: each output holds only what is new
+        for c in out.outputs:
+            if c.index in sent_done:
+                continue
+            if c.index in held:
+                c = held.pop(c.index).followed_by(c)
+            done = fmt.finish_reason(c)
+            if done:
+                sent_done.add(c.index)
+            if not c.text and not done:
+                held[c.index] = c
+                continue
+            logprobs = fmt.chat_logprobs(tok, c, 0, top_n) if req.logprobs else None
+            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": logprobs,
+                      "finish_reason": done}
+            yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+        if out.finished:
+            final = out
+    if include_usage and final is not None:
+        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [], fmt.usage(*usage_of([final]))))
+    yield fmt.SSE_DONE
