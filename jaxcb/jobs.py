@@ -30,6 +30,7 @@ from jaxcb.engine import LLM
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError, UserError
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
+from jaxcb.request_fields import check_fields, reject_non_finite
 from jaxcb.tokenizer import chat_prompt_ids
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
 )
+RECORD_FIELDS = frozenset({"id", "prompt", "messages", *SAMPLING_FIELDS})
+MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 FSYNC_EVERY = 64
 
 
@@ -68,9 +71,12 @@ def read_input(path: str) -> list[JobRecord]:
             if not line.strip():
                 continue
             try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
+                data = json.loads(line, parse_constant=reject_non_finite)
+            except (json.JSONDecodeError, InvalidRequestError) as e:
                 records.append(JobRecord(n, None, None, f"line {n} is not valid JSON: {e}"))
+                continue
+            except RecursionError:
+                records.append(JobRecord(n, None, None, f"line {n} nests JSON too deeply to be a record"))
                 continue
             if not isinstance(data, dict) or not isinstance(data.get("id"), (str, int)):
                 records.append(JobRecord(n, None, None, f"line {n} has no string or integer 'id'"))
@@ -104,19 +110,19 @@ def repair_and_read_output(path: str) -> set[str]:
 
 
 def _request(llm: LLM, data: dict) -> tuple[Any, SamplingParams]:
+    data = check_fields(data, RECORD_FIELDS)
     if "messages" in data:
         if not isinstance(data["messages"], list) or not data["messages"]:
             raise InvalidRequestError("messages must be a non-empty list of {role, content}")
-        prompt: Any = chat_prompt_ids(llm.tokenizer, data["messages"])
+        messages = [check_fields(m, MESSAGE_FIELDS, f"messages.{i}.") if isinstance(m, dict) else m
+                    for i, m in enumerate(data["messages"])]
+        prompt: Any = chat_prompt_ids(llm.tokenizer, messages)
     elif "prompt" in data:
         prompt = data["prompt"]
         if not isinstance(prompt, (str, list)) or not prompt:
             raise InvalidRequestError("prompt must be a non-empty string or list of token ids")
     else:
         raise InvalidRequestError("the record has neither 'prompt' nor 'messages'")
-    unknown = set(data) - {"id", "prompt", "messages", *SAMPLING_FIELDS}
-    if unknown:
-        raise InvalidRequestError(f"unknown fields {sorted(unknown)}; sampling fields are {list(SAMPLING_FIELDS)}")
     kwargs = {k: data[k] for k in SAMPLING_FIELDS if k in data}
     try:
         return prompt, SamplingParams(**kwargs)

@@ -44,6 +44,7 @@ from jaxcb.server.streaming import (
     sse_response,
     usage_of,
 )
+from jaxcb.request_fields import reject_non_finite
 from jaxcb.tokenizer import chat_prompt_ids
 
 log = logging.getLogger(__name__)
@@ -150,8 +151,6 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def completions(request: Request):
         req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
-        if req.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         prompts = _completion_prompts(req.prompt)
         params = _params(state, req, req.max_tokens, req.logprobs)
         streams = await _start(state, prompts, params, req.priority)
@@ -174,7 +173,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         _check_model(state, req.model)
         if not req.messages:
             raise APIError(400, "messages is empty; give at least one message", param="messages")
-        messages = [{"role": m.role, "content": message_text(m)} for m in req.messages]
+        messages = [
+            {"role": m.role, "content": message_text(m), **({"name": m.name} if m.name is not None else {})}
+            for m in req.messages
+        ]
         try:
             prompt_ids = chat_prompt_ids(state.engine.tokenizer, messages)
         except InvalidRequestError as e:  # no chat template, or one that refuses the conversation
@@ -239,9 +241,13 @@ async def _json_body(request: Request, cfg: Config) -> Any:
     if len(raw) > cfg.server.max_request_bytes:
         raise APIError(413, f"request body of {len(raw)} bytes exceeds server.max_request_bytes={cfg.server.max_request_bytes}")
     try:
-        return json.loads(raw)
+        return json.loads(raw, parse_constant=reject_non_finite)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except InvalidRequestError as e:  # NaN, Infinity
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply to be a request") from None
 
 
 def _check_model(state: ServerState, model: str) -> None:
@@ -273,6 +279,13 @@ async def _start(state: ServerState, prompts: list, params, priority: int) -> li
     """Queue every prompt; if one is refused, abort those already queued and answer with the refusal."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", type="server_error")
+    policy = state.cfg.scheduler.policy
+    if priority != 0 and policy != "priority":
+        raise APIError(
+            400, f"priority={priority} is used only by scheduler.policy=priority; this server runs "
+                 f"scheduler.policy={policy}, so drop priority or start the server with scheduler.policy=priority",
+            param="priority",
+        )
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:

@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from jaxcb.request_fields import RefusedFieldError, check_fields
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -28,7 +29,9 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Unknown fields were refused or dropped by name before validation (parse_request,
+    # jaxcb.request_fields); "forbid" is the backstop.
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
@@ -60,12 +63,12 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
-    echo: bool = False
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]]]
+    name: Optional[str] = None  # passed to the chat template with the message
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -76,9 +79,27 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
 
 
+def _known_fields(body: dict[str, Any], cls: type[_Strict]) -> dict[str, Any]:
+    """The body with ignored fields dropped; APIError(400) naming a field jaxcb does not honour."""
+    try:
+        body = check_fields(body, frozenset(cls.model_fields))
+        if isinstance(body.get("messages"), list):
+            body["messages"] = [
+                check_fields(m, frozenset(ChatMessage.model_fields), f"messages.{i}.") if isinstance(m, dict) else m
+                for i, m in enumerate(body["messages"])
+            ]
+        if isinstance(body.get("stream_options"), dict):
+            body["stream_options"] = check_fields(body["stream_options"], frozenset(StreamOptions.model_fields),
+                                                  "stream_options.")
+    except RefusedFieldError as e:
+        raise APIError(400, str(e), param=e.field) from None
+    return body
+
+
 def parse_request(cls: type[_Strict], body: Any) -> Any:
     if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
+        raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+    body = _known_fields(body, cls)
     try:
         return cls.model_validate(body)
     except ValidationError as e:

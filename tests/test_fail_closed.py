@@ -1,0 +1,122 @@
+"""Fail closed: every request field is honoured, ignored by name (harmless OpenAI fields), or
+refused with a 400 naming it -- never dropped. Hostile bodies are 400s, and nothing is queued."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from jaxcb.errors import InvalidRequestError
+from jaxcb.jobs import _request, read_input
+from jaxcb.request_fields import HONOURED_VALUES, IGNORED, NOT_SUPPORTED, check_fields
+from server_harness import running_server
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+SAMPLE_VALUES = {  # a value of the shape a client would send, for each refused field
+    "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "required", "logit_bias": {"5": 10}, "best_of": 3, "guided_json": {"type": "object"},
+    "functions": [{"name": "f"}], "suffix": "end", "echo": True, "skip_special_tokens": False,
+}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as (url, state):
+        yield url, state
+
+
+def post(url, path, body):
+    return httpx.post(f"{url}{path}", content=body if isinstance(body, (bytes, str)) else json.dumps(body), timeout=60,
+                      headers={"Content-Type": "application/json"})
+
+
+def assert_nothing_queued(state):
+    pool = state.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks - 1 and not state.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("field", sorted(NOT_SUPPORTED))
+@pytest.mark.parametrize("path, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_every_field_jaxcb_does_not_honour_is_a_400_that_names_it(server, path, body, field):
+    url, state = server
+    value = SAMPLE_VALUES.get(field, "x")
+    r = post(url, path, {**body, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and field in error["message"]
+    assert_nothing_queued(state)
+
+
+def test_legacy_guided_fields_name_their_replacement(server):
+    r = post(server[0], "/v1/chat/completions", {**CHAT, "guided_regex": "a+"})
+    assert "replaced by structured_outputs.regex" in r.json()["error"]["message"]
+
+
+def test_unknown_fields_and_unknown_message_fields_are_refused_by_name(server):
+    url, state = server
+    r = post(url, "/v1/completions", {**COMPLETION, "temprature": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temprature"
+    assert "not a field jaxcb knows" in r.json()["error"]["message"]
+    messages = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, {"role": "user", "content": "x"}]
+    r = post(url, "/v1/chat/completions", {**CHAT, "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_calls"
+    r = post(url, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+    assert_nothing_queued(state)
+
+
+@pytest.mark.parametrize("field", sorted(IGNORED))
+def test_harmless_openai_fields_are_accepted(server, field):
+    r = post(server[0], "/v1/chat/completions", {**CHAT, field: {"k": "v"} if field == "metadata" else "x"})
+    assert r.status_code == 200, r.text
+
+
+def test_fields_whose_value_is_what_jaxcb_does_are_accepted(server):
+    url, _ = server
+    for field, values in HONOURED_VALUES.items():
+        if field in ("tool_calls", "refusal"):
+            continue  # message fields
+        r = post(url, "/v1/completions", {**COMPLETION, field: values[-1]})
+        assert r.status_code == 200, (field, r.text)
+    messages = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "assistant", "content": "yo", "refusal": None}]
+    assert post(url, "/v1/chat/completions", {**CHAT, "messages": messages}).status_code == 200
+
+
+@pytest.mark.parametrize("body, message", [
+    ("[" * 50_000 + "]" * 50_000, "nests JSON too deeply"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "NaN is not a valid JSON number"),
+    ('{"model": "tiny", "prompt": "hi", "temperature": Infinity}', "Infinity is not a valid JSON number"),
+    ("[1, 2]", "must be a JSON object, not list"),
+    ('"hi"', "must be a JSON object, not str"),
+    ("3", "must be a JSON object, not int"),
+])
+def test_hostile_bodies_are_400s_and_the_engine_keeps_serving(server, body, message):
+    url, state = server
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    assert post(url, "/v1/completions", COMPLETION).status_code == 200
+    assert_nothing_queued(state)
+
+
+def test_priority_under_a_policy_that_ignores_it_names_the_policy_that_uses_it(server):
+    r = post(server[0], "/v1/completions", {**COMPLETION, "priority": 3})
+    assert r.status_code == 400 and "scheduler.policy=priority" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "priority"
+    assert post(server[0], "/v1/completions", {**COMPLETION, "priority": 0}).status_code == 200
+
+
+def test_job_records_are_refused_by_the_same_table(tmp_path):
+    llm = None  # _request refuses before it needs the model
+    with pytest.raises(InvalidRequestError, match="response_format: structured outputs are not supported"):
+        _request(llm, {"id": "a", "prompt": "hi", "response_format": {"type": "json_object"}})
+    with pytest.raises(InvalidRequestError, match="messages.0.tool_calls"):
+        _request(llm, {"id": "a", "messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]})
+    assert check_fields({"id": "a", "user": "u", "prompt": "x"}, {"id", "prompt"}) == {"id": "a", "prompt": "x"}
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "deep", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}\n"
+                    '{"id": "nan", "prompt": "x", "temperature": NaN}\n')
+    errors = [r.error for r in read_input(str(path))]
+    assert "nests JSON too deeply" in errors[0] and "NaN is not a valid JSON number" in errors[1]
