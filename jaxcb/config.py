@@ -142,7 +142,7 @@ class EngineConfig:
     token_buckets: Optional[list[int]] = None  # step sizes in tokens; None: runner.default_token_buckets
     seq_buckets: Optional[list[int]] = None  # step sizes in sequences; None: min(token bucket, max_num_seqs)
     context_buckets: Optional[list[int]] = None  # block-table widths; None: 16 blocks and all (xla), all (pallas)
-    max_logprobs: int = 5  # most top logprobs a request may ask for (computed for every row)
+    max_logprobs: int = 20  # most top logprobs a request may ask for (OpenAI: top_logprobs <= 20); computed only in steps that ask
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
     tensor_parallel_size: int = 1  # devices each weight and the KV cache are split over (by head / MLP column)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-host; null: one host
@@ -155,6 +155,10 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: Optional[str] = None  # None: the preset name, or the checkpoint folder for `hf`
+    # Refuse (429 + Retry-After) past 8 x scheduler.max_num_seqs waiting requests or twice the KV
+    # cache's tokens waiting, where scheduler.max_waiting_requests / max_waiting_tokens set no limit;
+    # the server only (LLM.generate and jobs queue without bound).
+    admission_control: bool = True
     # A Jinja chat template (a file's path, or the template itself) in place of the checkpoint's;
     # it also lets chat requests reach a checkpoint that has none. Used by the server and by jobs.
     chat_template: Optional[str] = None

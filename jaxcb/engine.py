@@ -120,6 +120,15 @@ class Engine:
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill, max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids, num_eos_token_ids=len(self.eos_token_ids),
         )
+        s = cfg.scheduler  # admission control: (limit, where it comes from), or None for none
+        self.max_waiting_requests: Optional[tuple[int, str]] = (
+            (s.max_waiting_requests, f"scheduler.max_waiting_requests={s.max_waiting_requests}")
+            if s.max_waiting_requests is not None else None
+        )
+        self.max_waiting_tokens: Optional[tuple[int, str]] = (
+            (s.max_waiting_tokens, f"scheduler.max_waiting_tokens={s.max_waiting_tokens}")
+            if s.max_waiting_tokens is not None else None
+        )
         self._seed_rng = random.Random(cfg.engine.seed)
         self._next_id = 0
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens): throughput for hints
@@ -179,20 +188,34 @@ class Engine:
             self.scheduler.add_request(seq)
         return request_id
 
+    def enable_admission_control(self) -> None:
+        """The server's protection (server.admission_control): where scheduler.max_waiting_requests /
+        max_waiting_tokens set no limit, refuse (429) past 8 x scheduler.max_num_seqs waiting requests
+        or twice the KV cache's tokens waiting. Offline use (LLM.generate, jobs) queues without bound."""
+        s = self.cfg.scheduler
+        if s.max_waiting_requests is None:
+            self.max_waiting_requests = (
+                8 * s.max_num_seqs, f"server.admission_control: 8 x scheduler.max_num_seqs={s.max_num_seqs}"
+            )
+        if s.max_waiting_tokens is None:
+            self.max_waiting_tokens = (
+                2 * self.cache_plan.num_tokens,
+                f"server.admission_control: twice the KV cache's {self.cache_plan.num_tokens} tokens",
+            )
+
     def _admission_control(self, num_prompt_tokens: int, n: int) -> None:
         """Refuse (retryably) a request that would overfill the queue; it costs nothing when refused."""
-        s = self.cfg.scheduler
         waiting = len(self.scheduler.waiting)
-        if s.max_waiting_requests is not None and waiting + n > s.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"{waiting} requests are waiting, the limit is scheduler.max_waiting_requests={s.max_waiting_requests}",
-                self.retry_after_s(),
-            )
+        if self.max_waiting_requests is not None and waiting + n > self.max_waiting_requests[0]:
+            limit, source = self.max_waiting_requests
+            raise EngineOverloadedError(f"{waiting} requests are waiting, the limit is {limit} ({source})",
+                                        self.retry_after_s())
         tokens = self.scheduler.num_waiting_tokens
-        if s.max_waiting_tokens is not None and tokens + n * num_prompt_tokens > s.max_waiting_tokens:
+        if self.max_waiting_tokens is not None and tokens + n * num_prompt_tokens > self.max_waiting_tokens[0]:
+            limit, source = self.max_waiting_tokens
             raise EngineOverloadedError(
                 f"{tokens} prompt tokens are waiting and this request brings {n * num_prompt_tokens}, the limit is "
-                f"scheduler.max_waiting_tokens={s.max_waiting_tokens}",
+                f"{limit} ({source})",
                 self.retry_after_s(),
             )
 

@@ -166,4 +166,4 @@ class OutputProcessor:
         finished_time = first.finished_time or (time.monotonic() if finished else None)
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, finished_time)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
-                             delta=delta)
+                             delta=delta, num_cached_tokens=first.num_cached_tokens or 0)

@@ -41,6 +41,7 @@ class RequestOutput:
     # True: each completion's text, token_ids and logprobs are only what is new since the request's
     # previous output (OutputKind.DELTA); False: everything so far.
     delta: bool = False
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (first admission)
 
 
 def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
@@ -62,4 +63,4 @@ def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
                                     lps.get(c.index) if c.logprobs is not None else None, c.num_generated)
                    for c in last.outputs]
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, completions, last.finished,
-                         last.metrics, delta=False)
+                         last.metrics, delta=False, num_cached_tokens=last.num_cached_tokens)

@@ -262,6 +262,8 @@ class Scheduler:
             self.waiting.popleft()
             self.kv.admit(request, share, needed, start)
             request.num_computed_tokens = start
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = start
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()

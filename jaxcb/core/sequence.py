@@ -52,6 +52,7 @@ class Sequence:
     block_hashes: list[tuple[int, tuple]] = field(default_factory=list)  # (hash, key) of full blocks, in order
     num_registered_blocks: int = 0  # leading blocks already registered in the prefix cache
     host_block_ids: list[int] = field(default_factory=list)  # where its K/V wait while swapped out
+    num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first admitted
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None

@@ -57,6 +57,8 @@ class EngineReplica:
     def __init__(self, cfg: Config, index: int, model_name: str):
         self.index = index
         self.engine = Engine(cfg, progress=False)
+        if cfg.server.admission_control:
+            self.engine.enable_admission_control()
         self.metrics = EngineMetrics(model_name, extra_labels={"replica": str(index)})
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(

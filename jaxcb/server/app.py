@@ -74,7 +74,11 @@ class ServerState:
             self.engine, self.metrics, self.history, self.async_engine = (
                 router.model_info, router.metrics, router.history, router)
             return
-        self.engine = engine or Engine(cfg)
+        if engine is None:
+            engine = Engine(cfg)
+            if cfg.server.admission_control:
+                engine.enable_admission_control()
+        self.engine = engine
         self.metrics = EngineMetrics(self.model_name)
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(

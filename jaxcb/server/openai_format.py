@@ -21,9 +21,11 @@ def finish_reason(c: CompletionOutput) -> Optional[str]:
     return c.finish_reason if c.finish_reason in ("stop", "length") else (c.finish_reason and "abort")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens: prompt tokens whose K/V came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
@@ -52,14 +54,16 @@ def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, top_n: int) -
     return {"content": content}
 
 
-def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                        cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
-def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+                  cached_tokens: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_chunk(rid: str, model: str, created: int, choices: list[dict], usage_: Optional[dict] = None) -> dict:

@@ -28,8 +28,10 @@ def close_streams(streams: list[RequestStream]) -> None:
         s.close()
 
 
-def usage_of(finals: list[RequestOutput]) -> tuple[int, int]:
-    return sum(len(o.prompt_token_ids) for o in finals), sum(c.num_generated for o in finals for c in o.outputs)
+def usage_of(finals: list[RequestOutput]) -> tuple[int, int, int]:
+    """(prompt tokens, completion tokens, prompt tokens found in the prefix cache) of a request's outputs."""
+    return (sum(len(o.prompt_token_ids) for o in finals), sum(c.num_generated for o in finals for c in o.outputs),
+            sum(o.num_cached_tokens for o in finals))
 
 
 async def final_output(stream: RequestStream) -> RequestOutput:
