@@ -159,6 +159,14 @@ class ServerConfig:
     # cache's tokens waiting, where scheduler.max_waiting_requests / max_waiting_tokens set no limit;
     # the server only (LLM.generate and jobs queue without bound).
     admission_control: bool = True
+    # Deadlines (seconds; null: none). A request with nothing generated max_queue_time_s after it
+    # arrived is refused (503 + Retry-After); one running request_timeout_s ends with what it has
+    # (finish_reason "timeout"). A request's own `timeout` field may ask for less, never more.
+    max_queue_time_s: Optional[float] = None
+    request_timeout_s: Optional[float] = None
+    # Prefix of the Prometheus series at /metrics: jaxcb (jaxcb:*) | vllm (vllm:*, so that dashboards
+    # written for vLLM, such as the Grafana one in vLLM's repository, work unchanged).
+    metrics_prefix: str = "jaxcb"
     # A Jinja chat template (a file's path, or the template itself) in place of the checkpoint's;
     # it also lets chat requests reach a checkpoint that has none. Used by the server and by jobs.
     chat_template: Optional[str] = None

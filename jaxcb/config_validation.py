@@ -113,6 +113,13 @@ def validate_config(cfg: Config) -> None:
     )
     validate_distributed_config(e.distributed)
     require(1 <= srv.port <= 65535, f"server.port={srv.port} must be in 1..65535")
+    require(
+        srv.metrics_prefix in ("jaxcb", "vllm"),
+        f"server.metrics_prefix={srv.metrics_prefix!r} must be jaxcb or vllm",
+    )
+    for name in ("max_queue_time_s", "request_timeout_s"):
+        value = getattr(srv, name)
+        require(value is None or value > 0, f"server.{name}={value} must be > 0 seconds, or null for none")
     require(srv.max_n >= 1, f"server.max_n={srv.max_n} must be >= 1")
     require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
     require(srv.stream_stall_timeout_s > 0, f"server.stream_stall_timeout_s={srv.stream_stall_timeout_s} must be > 0")

@@ -150,12 +150,17 @@ class Engine:
         priority: int = 0,
         final_only: bool = False,
         output_kind: Optional[OutputKind] = None,
+        timeout_s: Optional[float] = None,
+        queue_timeout_s: Optional[float] = None,
     ) -> str:
         """Queue a request; raise InvalidRequestError (nothing queued) if it can never be served.
 
         `output_kind`: what `step()` returns for it (`jaxcb.output.OutputKind`): CUMULATIVE (the
         default) after every step, DELTA only what is new (streams: the cost of a step does not grow
-        with the output), FINAL_ONLY once, when it finishes (`final_only=True` says the same)."""
+        with the output), FINAL_ONLY once, when it finishes (`final_only=True` says the same).
+        `queue_timeout_s`: with nothing generated that long after now, it ends with finish_reason
+        "queue_timeout" (the server answers 503); `timeout_s`: that long after now it ends with what
+        it has, finish_reason "timeout". Either frees its blocks at once."""
         params = params or SamplingParams()
         kind = output_kind or (OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
         if request_id is None:
@@ -168,7 +173,12 @@ class Engine:
         validate_request(ids, params, self.limits)
         self._admission_control(len(ids), params.n)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
-        group = RequestGroup(request_id, text, list(ids), params, kind)
+        now = time.monotonic()
+        group = RequestGroup(
+            request_id, text, list(ids), params, kind,
+            queue_deadline=now + queue_timeout_s if queue_timeout_s is not None else None,
+            deadline=now + timeout_s if timeout_s is not None else None,
+        )
         for i in range(params.n):
             group.seqs.append(
                 Sequence(
@@ -247,6 +257,9 @@ class Engine:
         With engine.async_scheduling, the step scheduled and dispatched here runs on the device
         while the host collects and processes the previous one: the outputs returned are the
         previous step's. Without it, the step is dispatched and collected here."""
+        expired, stops = self.output.expire(time.monotonic())
+        for seq, status in stops:
+            self.scheduler.finish(seq.request_id, status)
         sched_out = self.scheduler.schedule()
         handle = None
         if not sched_out.is_empty:
@@ -258,9 +271,9 @@ class Engine:
                 f"({self.block_pool.num_free_blocks} free blocks); this is a bug"
             )
         if not self.cfg.engine.async_scheduling:
-            return self._process(handle) if handle is not None else []
+            return expired + (self._process(handle) if handle is not None else [])
         previous, self._in_flight = self._in_flight, handle
-        return self._process(previous) if previous is not None else []
+        return expired + (self._process(previous) if previous is not None else [])
 
     def _process(self, handle: StepHandle) -> list[RequestOutput]:
         """Collect a dispatched step's tokens: the scheduler takes them, the output processor turns

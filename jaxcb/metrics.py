@@ -21,7 +21,7 @@ RATE_WINDOW_S = 10.0
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, extra_labels: Optional[dict[str, str]] = None):
+    def __init__(self, model_name: str, extra_labels: Optional[dict[str, str]] = None, prefix: str = "jaxcb"):
         self.registry = r = CollectorRegistry()
         lbl = {"model_name": model_name, **(extra_labels or {})}  # e.g. {"replica": "0"} behind a Ray router
         self.labels = lbl

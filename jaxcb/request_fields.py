@@ -67,7 +67,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
     "request_id": "a client-chosen request_id is not supported",
-    "timeout": "a per-request timeout is not supported yet",
     "tool_calls": _TOOLS,
     "tool_call_id": _TOOLS,
     "continuous_usage_stats": "continuous_usage_stats is not supported; include_usage sends usage in the last chunk",

@@ -21,15 +21,18 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token or a stop string
     FINISHED_LENGTH = "length"  # max_tokens, or max_model_len
     FINISHED_ABORTED = "abort"
+    FINISHED_TIMEOUT = "timeout"  # past its total deadline: ends with what it has
+    FINISHED_QUEUE_TIMEOUT = "queue_timeout"  # past its queue deadline with nothing generated: refused
 
     @property
     def is_finished(self) -> bool:
         return self in FINISHED_STATES
 
 
-FINISHED_STATES = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-)
+FINISHED_STATES = frozenset({
+    RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_TIMEOUT, RequestStatus.FINISHED_QUEUE_TIMEOUT,
+})
 
 
 @dataclass

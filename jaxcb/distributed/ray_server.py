@@ -59,7 +59,7 @@ class EngineReplica:
         self.engine = Engine(cfg, progress=False)
         if cfg.server.admission_control:
             self.engine.enable_admission_control()
-        self.metrics = EngineMetrics(model_name, extra_labels={"replica": str(index)})
+        self.metrics = EngineMetrics(model_name, extra_labels={"replica": str(index)}, prefix=cfg.server.metrics_prefix)
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(
             self.engine,
@@ -78,9 +78,11 @@ class EngineReplica:
         """What the front end needs to parse and check requests as the engine would."""
         return {"tokenizer": self.engine.tokenizer, "max_model_len": self.engine.max_model_len, "pid": os.getpid()}
 
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int):
+    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
+                       deadlines: Optional[dict[str, float]] = None):
         """Streams None once the request is queued (or raises the engine's refusal), then its outputs."""
-        stream = await self.async_engine.add(prompt, params, request_id=request_id, priority=priority)
+        stream = await self.async_engine.add(prompt, params, request_id=request_id, priority=priority,
+                                             deadlines=deadlines)
         try:
             yield None
             async for out in stream:
@@ -251,7 +253,8 @@ class ReplicaRouter:
         return not self._stopped and any(r.alive for r in self.replicas)
 
     async def add(
-        self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0
+        self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
+        deadlines: Optional[dict[str, float]] = None,
     ) -> RemoteRequestStream:
         """Queue a request on the least loaded live replica; raises its refusal (InvalidRequestError, ...) here."""
         request_id = request_id or uuid.uuid4().hex
@@ -264,7 +267,7 @@ class ReplicaRouter:
                 raise EngineDeadError("no engine replica is alive")
             tried.add(replica.index)
             generator = replica.actor.generate.options(num_returns="streaming").remote(
-                request_id, prompt, params, priority
+                request_id, prompt, params, priority, deadlines
             )
             replica.waiting_tokens[request_id] = cost.initial
             try:

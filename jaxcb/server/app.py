@@ -79,7 +79,7 @@ class ServerState:
             if cfg.server.admission_control:
                 engine.enable_admission_control()
         self.engine = engine
-        self.metrics = EngineMetrics(self.model_name)
+        self.metrics = EngineMetrics(self.model_name, prefix=cfg.server.metrics_prefix)
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(
             self.engine,
@@ -157,7 +157,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         _check_model(state, req.model)
         prompts = _completion_prompts(req.prompt)
         params = _params(state, req, req.max_tokens, req.logprobs)
-        streams = await _start(state, prompts, params, req.priority)
+        streams = await _start(state, prompts, params, req.priority, _deadlines(state, req.timeout))
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -192,7 +192,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         params = _params(state, req, max_tokens, max(top_n, 1) if req.logprobs else None)
-        streams = await _start(state, [prompt_ids], params, req.priority)
+        streams = await _start(state, [prompt_ids], params, req.priority, _deadlines(state, req.timeout))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -279,7 +279,27 @@ def _params(state: ServerState, req, max_tokens, logprobs):
     )
 
 
-async def _start(state: ServerState, prompts: list, params, priority: int) -> list[RequestStream]:
+def _deadlines(state: ServerState, timeout: Optional[float]) -> dict[str, float]:
+    """Engine.add_request's timeouts: server.max_queue_time_s, and the smaller of
+    server.request_timeout_s and the request's own `timeout` (which may ask for less, never more)."""
+    srv = state.cfg.server
+    if timeout is not None:
+        if not timeout > 0:
+            raise APIError(400, f"timeout={timeout} must be a number of seconds > 0", param="timeout")
+        if srv.request_timeout_s is not None and timeout > srv.request_timeout_s:
+            raise APIError(400, f"timeout={timeout} is longer than this server allows "
+                                f"(server.request_timeout_s={srv.request_timeout_s:g})", param="timeout")
+    deadlines = {}
+    total = timeout if timeout is not None else srv.request_timeout_s
+    if total is not None:
+        deadlines["timeout_s"] = float(total)
+    if srv.max_queue_time_s is not None:
+        deadlines["queue_timeout_s"] = float(srv.max_queue_time_s)
+    return deadlines
+
+
+async def _start(state: ServerState, prompts: list, params, priority: int,
+                 deadlines: Optional[dict[str, float]] = None) -> list[RequestStream]:
     """Queue every prompt; if one is refused, abort those already queued and answer with the refusal."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", type="server_error")
@@ -293,7 +313,7 @@ async def _start(state: ServerState, prompts: list, params, priority: int) -> li
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
-            streams.append(await state.async_engine.add(prompt, params, priority=priority))
+            streams.append(await state.async_engine.add(prompt, params, priority=priority, deadlines=deadlines))
     except InvalidRequestError as e:
         close_streams(streams)
         state.metrics.request_rejected("invalid")

@@ -120,14 +120,16 @@ class AsyncEngine:
         return await future
 
     async def add(
-        self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0
+        self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
+        deadlines: Optional[dict[str, float]] = None,
     ) -> "RequestStream":
-        """Queue a request; raises the engine's refusal (InvalidRequestError, EngineOverloadedError) here."""
+        """Queue a request; raises the engine's refusal (InvalidRequestError, EngineOverloadedError) here.
+        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s."""
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await self._call(self._add, prompt, params, request_id, priority)
+            await self._call(self._add, prompt, params, request_id, priority, deadlines or {})
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -148,10 +150,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(self.engine.abort, request_id)
 
-    def _add(self, prompt, params, request_id, priority):
+    def _add(self, prompt, params, request_id, priority, deadlines):
         # Deltas: what a stream sends is what is new, and a step's cost does not grow with the stream.
         return self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
-                                       output_kind=OutputKind.DELTA)
+                                       output_kind=OutputKind.DELTA, **deadlines)
 
     def _abort_from_any_thread(self, request_id: str, reason: str) -> None:
         self._commands.put((self._abort, (request_id, reason), None, None))

@@ -18,7 +18,7 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def finish_reason(c: CompletionOutput) -> Optional[str]:
-    return c.finish_reason if c.finish_reason in ("stop", "length") else (c.finish_reason and "abort")
+    return c.finish_reason if c.finish_reason in ("stop", "length", "timeout") else (c.finish_reason and "abort")
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

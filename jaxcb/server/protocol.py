@@ -57,6 +57,7 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
+    timeout: Optional[Union[int, float]] = None  # seconds: end with what it has by then (never past server.request_timeout_s)
 
 
 class CompletionRequest(_SamplingFields):

@@ -6,6 +6,7 @@ not -- has its request aborted at once (its streams are closed, which aborts in 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -21,6 +22,20 @@ if TYPE_CHECKING:
     from jaxcb.server.app import ServerState
 
 DISCONNECT_POLL_S = 0.05
+QUEUE_TIMEOUT = "queue_timeout"  # RequestStatus.FINISHED_QUEUE_TIMEOUT's finish reason
+
+
+def queue_timeout_error(state: "ServerState") -> APIError:
+    """A request that waited past server.max_queue_time_s with nothing generated: 503, retry later."""
+    limit = state.cfg.server.max_queue_time_s or 1.0
+    return APIError(
+        503, f"the request waited more than server.max_queue_time_s={limit:g} s without starting; retry later",
+        type="server_error", code="503", headers={"Retry-After": str(max(1, math.ceil(limit)))},
+    )
+
+
+def _timed_out_in_queue(out: RequestOutput) -> bool:
+    return any(c.finish_reason == QUEUE_TIMEOUT for c in out.outputs)
 
 
 def close_streams(streams: list[RequestStream]) -> None:
@@ -47,7 +62,10 @@ async def collect_final_outputs(state: "ServerState", request: Request, streams:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:
-                return task.result()
+                finals = task.result()
+                if any(_timed_out_in_queue(out) for out in finals):
+                    raise queue_timeout_error(state)
+                return finals
             if await request.is_disconnected():
                 task.cancel()
                 raise APIError(499, "client disconnected")
@@ -111,6 +129,10 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
     sent_done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
     async for p_idx, out in merged(streams):  # deltas: each output holds only what is new
+        if _timed_out_in_queue(out):
+            yield fmt.sse(queue_timeout_error(state).body())  # the stream's final event, then [DONE]
+            yield fmt.SSE_DONE
+            return
         for c in out.outputs:
             key = (p_idx, c.index)
             if key in sent_done:
@@ -141,6 +163,10 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
     async for _, out in merged(streams):  # deltas: each output holds only what is new
+        if _timed_out_in_queue(out):
+            yield fmt.sse(queue_timeout_error(state).body())  # the stream's final event, then [DONE]
+            yield fmt.SSE_DONE
+            return
         for c in out.outputs:
             if c.index in sent_done:
                 continue
