@@ -120,3 +120,11 @@ def test_job_records_are_refused_by_the_same_table(tmp_path):
                     '{"id": "nan", "prompt": "x", "temperature": NaN}\n')
     errors = [r.error for r in read_input(str(path))]
     assert "nests JSON too deeply" in errors[0] and "NaN is not a valid JSON number" in errors[1]
+
+
+def test_docs_api_names_every_ignored_refused_and_honoured_value_field():
+    import os
+
+    doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "api.md")).read()
+    missing = [f for f in sorted(IGNORED | set(NOT_SUPPORTED) | set(HONOURED_VALUES)) if f"`{f}" not in doc]
+    assert not missing, f"docs/api.md does not list {missing}"
