@@ -1,72 +1,177 @@
-"""Prometheus metrics of the engine and server (vLLM-compatible names, prefix `jaxcb:`).
+"""Prometheus metrics of the engine and server, named `jaxcb:*` or `vllm:*` (server.metrics_prefix).
 
 `EngineMetrics.on_step` runs in the engine thread after every step: it reads gauges off the
-engine and turns each request's output timestamps into latency histograms. The server adds
-aborts and rejections. One registry per instance, so several servers (tests) can coexist.
+engine and turns each request's outputs into histograms. What a request's first token settles
+-- TTFT, queue and prefill time, its prompt tokens -- is observed at that first token, not at
+the end: a stream aborted later is still counted, so TTFT does not read low under overload,
+when aborts are most common. e2e and decode time need the end and are observed at the finish.
+The server adds aborts and rejections. One registry per instance, so several servers (tests)
+can coexist.
+
+With prefix "vllm" every series carries vLLM's name and its label `model_name`, so dashboards
+written for vLLM (its published Grafana dashboard among them) work unchanged: VLLM_NAMES and
+VLLM_ALIASES say where vLLM's names differ from jaxcb's; the others are the same after the prefix.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxcb.outputs import RequestOutput
 
+PREFIXES = ("jaxcb", "vllm")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60, 120)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# A request's prompt or output length: 1-2-5 steps, as vLLM's, up to a million tokens (any max_model_len).
+REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5) if m * 10**e <= 1_000_000)
 RATE_WINDOW_S = 10.0
+# Finish reasons of a served request (jaxcb.core.sequence.RequestStatus). Their series exist from the
+# start, so a dashboard's `sum by(finished_reason)` has them before the first request ends.
+SERVED_FINISH_REASONS = ("stop", "length", "timeout")
+# A request that waited past server.max_queue_time_s with nothing generated is answered 503: a rejection.
+QUEUE_TIMEOUT = "queue_timeout"
+
+# vLLM's name where it differs from jaxcb's (after the prefix).
+VLLM_NAMES = {
+    "iteration_tokens": "iteration_tokens_total",  # vLLM's histogram has _total in its name
+    "host_kv_cache_usage_perc": "cpu_cache_usage_perc",  # vLLM's gauge of its swap space in host memory
+}
+# Older vLLM names of the same series, still queried by vLLM's published Grafana dashboard: the
+# series is published under both, with the same values.
+VLLM_ALIASES = {
+    "kv_cache_usage_perc": ("gpu_cache_usage_perc",),
+    "inter_token_latency_seconds": ("time_per_output_token_seconds",),
+}
+
+
+def series_names(prefix: str, name: str) -> list[str]:
+    """The full names one jaxcb series is published under with `prefix` (the first is the main one)."""
+    if prefix == "jaxcb":
+        return [f"jaxcb:{name}"]
+    return [f"vllm:{n}" for n in (VLLM_NAMES.get(name, name), *VLLM_ALIASES.get(name, ()))]
+
+
+class _Fanout:
+    """One series published under several names: every update goes to each."""
+
+    def __init__(self, children: list):
+        self.children = children
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def inc(self, amount: float = 1) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
+
+
+@dataclass
+class _Stream:
+    """A request between its first token and its end: what its next output is compared with."""
+
+    num_generated: list[int]  # per completion, as of its last output with new tokens
+    last_token_time: float  # when that output was seen
 
 
 class EngineMetrics:
     def __init__(self, model_name: str, extra_labels: Optional[dict[str, str]] = None, prefix: str = "jaxcb"):
+        if prefix not in PREFIXES:
+            raise ValueError(f"metrics prefix {prefix!r} must be one of {PREFIXES}")
+        self.prefix = prefix
         self.registry = r = CollectorRegistry()
         lbl = {"model_name": model_name, **(extra_labels or {})}  # e.g. {"replica": "0"} behind a Ray router
         self.labels = lbl
 
-        def gauge(name, doc):
-            return Gauge(f"jaxcb:{name}", doc, list(lbl), registry=r).labels(**lbl)
+        def series(kind, name, doc, **kwargs):
+            main, *aliases = series_names(prefix, name)
+            children = [kind(main, doc, list(lbl), registry=r, **kwargs).labels(**lbl)]
+            children += [kind(alias, f"{doc} The same as {main} (an older vLLM name).", list(lbl), registry=r,
+                              **kwargs).labels(**lbl) for alias in aliases]
+            return children[0] if len(children) == 1 else _Fanout(children)
 
-        def counter(name, doc, extra=()):
-            c = Counter(f"jaxcb:{name}", doc, list(lbl) + list(extra), registry=r)
-            return c if extra else c.labels(**lbl)
+        def gauge(name, doc):
+            return series(Gauge, name, doc)
+
+        def counter(name, doc):
+            return series(Counter, name, doc)
+
+        def labelled_counter(name, doc, label):  # one child per value of `label`, made on first use
+            return Counter(series_names(prefix, name)[0], doc, list(lbl) + [label], registry=r)
 
         def hist(name, doc, buckets=LATENCY_BUCKETS):
-            return Histogram(f"jaxcb:{name}", doc, list(lbl), buckets=buckets, registry=r).labels(**lbl)
+            return series(Histogram, name, doc, buckets=buckets)
 
         self.running = gauge("num_requests_running", "Sequences in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Sequences waiting (including preempted ones).")
+        self.swapped = gauge(
+            "num_requests_swapped",
+            "Waiting sequences whose KV blocks were swapped to host memory (a subset of the waiting ones); "
+            "always 0 without swap (scheduler.preemption_mode=recompute), as nothing is ever swapped then.",
+        )
         self.tokens_waiting = gauge("num_tokens_waiting", "Tokens the waiting sequences still have to compute.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
-        self.device_busy = gauge("device_busy_ratio", f"Share of the last {RATE_WINDOW_S:.0f} s spent in engine steps.")
-        self.prefill_tps = gauge("prefill_tokens_per_second", f"Prefill tokens per second over the last {RATE_WINDOW_S:.0f} s.")
-        self.decode_tps = gauge("decode_tokens_per_second", f"Decode tokens per second over the last {RATE_WINDOW_S:.0f} s.")
-        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token.")
+        self.host_kv_usage = gauge(
+            "host_kv_cache_usage_perc",
+            "Fraction of the host swap space's KV blocks in use (0..1); always 0 without swap, as nothing is "
+            "held there.",
+        )
+        window = f"the last {RATE_WINDOW_S:.0f} s"
+        self.device_busy = gauge("device_busy_ratio", f"Share of {window} spent in engine steps.")
+        self.prefill_tps = gauge("prefill_tokens_per_second", f"Prefill tokens per second over {window}.")
+        self.decode_tps = gauge("decode_tokens_per_second", f"Decode tokens per second over {window}.")
+        self.ttft = hist("time_to_first_token_seconds", "Arrival to first token (observed at the first token).")
         self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.")
-        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled.")
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
-        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token.")
-        self.decode_time = hist("request_decode_time_seconds", "First token to finish.")
+        self.queue_time = hist("request_queue_time_seconds", "Arrival to first scheduled (observed at first token).")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a served request.")
+        self.prefill_time = hist("request_prefill_time_seconds", "First scheduled to first token (observed then).")
+        self.decode_time = hist("request_decode_time_seconds", "First token to finish of a served request.")
+        self.request_prompt_tokens = hist(
+            "request_prompt_tokens", "Prompt length of each request (observed at its first token).",
+            REQUEST_TOKEN_BUCKETS,
+        )
+        self.request_generation_tokens = hist(
+            "request_generation_tokens", "Tokens a served request generated, all its completions together.",
+            REQUEST_TOKEN_BUCKETS,
+        )
+        self.max_generation_tokens = hist(
+            "request_max_num_generation_tokens", "Tokens generated by a served request's longest completion.",
+            REQUEST_TOKEN_BUCKETS,
+        )
         self.iteration_tokens = hist("iteration_tokens", "Real tokens per engine step.", TOKEN_BUCKETS)
         self.padding = hist(
             "step_padding_ratio", "Share of a step's token bucket that is padding.", (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1)
         )
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that got their first token.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.success = labelled_counter("request_success", "Served requests, by finish reason.", "finished_reason")
+        for reason in SERVED_FINISH_REASONS:
+            self.success.labels(**lbl, finished_reason=reason)
         self.aborts = counter("request_abort", "Aborted requests (client gone, stalled, shutdown).")
-        self.rejected = counter("request_rejected", "Refused requests.", ("reason",))
+        self.rejected = labelled_counter("request_rejected", "Refused requests, by reason.", "reason")
         self.preemptions = counter("num_preemptions", "Preemptions.")
         self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.recompilations = counter("recompilations", "Step compilations after warm-up (should stay 0).")
-        self.oom = counter("request_oom", "KV block allocation failures that reached a request (should stay 0).")
+        # No counter of failed KV block allocations: the scheduler answers one by preempting
+        # (num_preemptions), and requests that could never fit are refused up front (request_rejected).
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "recompiles": 0}
-        self._token_counts: dict[str, int] = {}
-        self._last_token_time: dict[str, float] = {}
+        self._streams: dict[str, _Stream] = {}  # request id -> its stream, from its first token to its end
         self._window: deque[tuple[float, float, int, int]] = deque()  # (end time, step seconds, prefill, decode)
+
+    @property
+    def num_tracked_requests(self) -> int:
+        """Requests whose stream is remembered (between first token and end): bounded by the unfinished ones."""
+        return len(self._streams)
 
     def _advance(self, counter, key: str, value: int) -> None:
         if value > self._last[key]:
@@ -75,15 +180,7 @@ class EngineMetrics:
 
     def on_step(self, engine, outputs: list[RequestOutput], step_seconds: float) -> None:
         now = time.monotonic()
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.tokens_waiting.set(sched.num_waiting_tokens)
-        self.kv_usage.set(engine.block_pool.usage().usage)
-        self._advance(self.preemptions, "preemptions", sched.num_preemptions)
-        self._advance(self.prefix_queries, "queries", sched.prefix_cache_queries)
-        self._advance(self.prefix_hits, "hits", sched.prefix_cache_hits)
-        self._advance(self.recompilations, "recompiles", engine.num_recompiles)
+        self._read_engine(engine)
         stats = engine.runner.last_step
         if stats.num_padded_tokens:
             self.iteration_tokens.observe(stats.num_tokens)
@@ -97,40 +194,83 @@ class EngineMetrics:
         self.decode_tps.set(sum(w[3] for w in self._window) / span)
         for out in outputs:
             self._observe_request(out, now)
+        self._forget_gone(engine)
+
+    def _read_engine(self, engine) -> None:
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        host_pool = sched.kv.host_pool  # None unless scheduler.preemption_mode=swap
+        self.swapped.set(sum(1 for s in sched.waiting if s.host_block_ids) if host_pool is not None else 0)
+        self.host_kv_usage.set(host_pool.usage().usage if host_pool is not None else 0.0)
+        self.tokens_waiting.set(sched.num_waiting_tokens)
+        self.kv_usage.set(engine.block_pool.usage().usage)
+        self._advance(self.preemptions, "preemptions", sched.num_preemptions)
+        self._advance(self.prefix_queries, "queries", sched.prefix_cache_queries)
+        self._advance(self.prefix_hits, "hits", sched.prefix_cache_hits)
+        self._advance(self.recompilations, "recompiles", engine.num_recompiles)
 
     def _observe_request(self, out: RequestOutput, now: float) -> None:
         rid = out.request_id
-        num_tokens = sum(c.num_generated for c in out.outputs)
-        new = num_tokens - self._token_counts.get(rid, 0)
-        if new > 0:
-            self.generation_tokens.inc(new)
-            last = self._last_token_time.get(rid)
-            if last is not None:
-                self.itl.observe((now - last) / new)
-            self._last_token_time[rid] = now
-            self._token_counts[rid] = num_tokens
+        counts = [c.num_generated for c in out.outputs]
+        stream = self._streams.get(rid)
+        before = stream.num_generated if stream is not None else [0] * len(counts)
+        new = [n - b for n, b in zip(counts, before)]
+        most_new = max(new, default=0)
+        if sum(new) > 0:
+            self.generation_tokens.inc(sum(new))
+        if stream is None and sum(counts) > 0:
+            self._first_token(out, now)
+        elif stream is not None and most_new > 0:
+            # The n completions advance side by side: the interval is per token of one completion.
+            self.itl.observe((now - stream.last_token_time) / most_new)
         if out.finished:
-            m = out.metrics
+            self._streams.pop(rid, None)
+            self._finished(out)
+        elif stream is None and sum(counts) > 0:
+            self._streams[rid] = _Stream(counts, now)
+        elif stream is not None and most_new > 0:
+            stream.num_generated, stream.last_token_time = counts, now
+
+    def _first_token(self, out: RequestOutput, now: float) -> None:
+        m = out.metrics
+        # The engine stamps its first sequence; with n > 1 another one may have been first: then it is now.
+        first_token = m.first_token_time if m.first_token_time is not None else now
+        self.ttft.observe(first_token - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.prefill_time.observe(first_token - m.first_scheduled_time)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+
+    def _finished(self, out: RequestOutput) -> None:
+        reasons = {c.finish_reason for c in out.outputs} - {None, "abort"}
+        if not reasons:
+            return  # aborted: request_aborted counts it
+        if reasons == {QUEUE_TIMEOUT}:
+            self.request_rejected(QUEUE_TIMEOUT)
+            return
+        m = out.metrics
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
             if m.first_token_time is not None:
-                self.ttft.observe(m.first_token_time - m.arrival_time)
-                if m.first_scheduled_time is not None:
-                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-                    self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
-                if m.finished_time is not None:
-                    self.decode_time.observe(m.finished_time - m.first_token_time)
-            if m.finished_time is not None:
-                self.e2e.observe(m.finished_time - m.arrival_time)
-            self.prompt_tokens.inc(len(out.prompt_token_ids))
-            reasons = {c.finish_reason for c in out.outputs}
-            if reasons != {"abort"}:
-                self.success.labels(**self.labels, finished_reason=sorted(reasons - {"abort"})[0]).inc()
-            self._token_counts.pop(rid, None)
-            self._last_token_time.pop(rid, None)
+                self.decode_time.observe(m.finished_time - m.first_token_time)
+        counts = [c.num_generated for c in out.outputs]
+        self.request_generation_tokens.observe(sum(counts))
+        self.max_generation_tokens.observe(max(counts, default=0))
+        self.success.labels(**self.labels, finished_reason=sorted(reasons)[0]).inc()
+
+    def _forget_gone(self, engine) -> None:
+        """Drop streams of requests the engine no longer has. Finishes and reported aborts are dropped
+        as they happen; this catches an abort made on the engine directly, which no one reports."""
+        unfinished = engine.output.groups
+        if len(self._streams) > len(unfinished):
+            for rid in [rid for rid in self._streams if rid not in unfinished]:
+                del self._streams[rid]
 
     def request_aborted(self, request_id: str) -> None:
         self.aborts.inc()
-        self._token_counts.pop(request_id, None)
-        self._last_token_time.pop(request_id, None)
+        self._streams.pop(request_id, None)
 
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(**self.labels, reason=reason).inc()

@@ -65,3 +65,30 @@ def test_dashboard_renders_in_headless_chromium(tmp_path):
     assert shot.exists() and shot.stat().st_size > 10_000  # a rendered page, not a blank one
     os.makedirs(ARTIFACTS, exist_ok=True)
     shutil.copy(shot, os.path.join(ARTIFACTS, "dashboard.png"))
+
+
+def test_dashboard_ttft_counts_a_stream_at_its_first_token_even_if_it_is_aborted_later():
+    from types import SimpleNamespace
+
+    from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from jaxcb.server.dashboard import DashboardHistory
+
+    groups = {"a": object()}
+    engine = SimpleNamespace(
+        runner=SimpleNamespace(last_step=SimpleNamespace(num_tokens=1)),
+        scheduler=SimpleNamespace(running=[], waiting=[]),
+        block_pool=SimpleNamespace(usage=lambda: SimpleNamespace(usage=0.0)),
+        output=SimpleNamespace(groups=groups),
+    )
+    history = DashboardHistory()
+    started = time.monotonic()
+    first = RequestOutput("a", None, [1], [CompletionOutput(0, "x", [5], num_generated=1)], False,
+                          RequestMetrics(started - 0.25, started - 0.2, started), delta=True)
+    history.on_step(engine, [first], 0.01)
+    history.on_step(engine, [first], 0.01)  # a later delta of the same request is not counted again
+    groups.clear()  # aborted: no final output ever comes
+    history._last_sample = 0.0  # the next step takes a sample (one a second)
+    history.on_step(engine, [], 0.01)
+    [sample] = history.snapshot()[-1:]
+    assert sample["ttft_p50"] == pytest.approx(0.25)
+    assert history._started == set()

@@ -25,14 +25,16 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry()
         names = ["model_name", "replica"]
         self.labels = {"model_name": model_name}
-        self.rejected = Counter("jaxcb:request_rejected", "Refused requests.", ["model_name", "reason"], registry=r)
-        self.up = Gauge("jaxcb:replica_up", "1 while the replica answers the router.", names, registry=r)
+        prefix = router.cfg.server.metrics_prefix  # the replicas' series have it too: one naming at /metrics
+        self.rejected = Counter(f"{prefix}:request_rejected", "Refused requests.", ["model_name", "reason"], registry=r)
+        self.up = Gauge(f"{prefix}:replica_up", "1 while the replica answers the router.", names, registry=r)
         self.waiting_tokens = Gauge(
-            "jaxcb:router_waiting_tokens", "Tokens the router counts as still to compute per replica.", names, registry=r
+            f"{prefix}:router_waiting_tokens", "Tokens the router counts as still to compute per replica.", names,
+            registry=r,
         )
-        self.requests = Gauge("jaxcb:router_requests", "Unfinished requests the router sent to each replica.", names,
-                              registry=r)
-        self.served = Gauge("jaxcb:router_requests_routed", "Requests the router has sent to each replica.", names,
+        self.requests = Gauge(f"{prefix}:router_requests", "Unfinished requests the router sent to each replica.",
+                              names, registry=r)
+        self.served = Gauge(f"{prefix}:router_requests_routed", "Requests the router has sent to each replica.", names,
                             registry=r)
 
     def request_rejected(self, reason: str) -> None:

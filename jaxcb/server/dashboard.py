@@ -32,6 +32,7 @@ class DashboardHistory:
         self._tpot: deque[tuple[float, float]] = deque()
         self._tokens: deque[tuple[float, int]] = deque()
         self._last_sample = 0.0
+        self._started: set[str] = set()  # requests whose first token was seen (TTFT recorded)
 
     def on_step(self, engine, outputs: list[RequestOutput], step_seconds: float) -> None:
         now = time.monotonic()
@@ -40,8 +41,13 @@ class DashboardHistory:
             self._tokens.append((now, stats.num_tokens))
             for out in outputs:
                 m = out.metrics
-                if out.finished and m.first_token_time is not None:
+                # TTFT when the first token comes, not at the end: a stream aborted later still counts.
+                if m.first_token_time is not None and out.request_id not in self._started:
+                    self._started.add(out.request_id)
                     self._ttft.append((now, m.first_token_time - m.arrival_time))
+                if out.finished:
+                    self._started.discard(out.request_id)
+                if out.finished and m.first_token_time is not None:
                     n = sum(c.num_generated for c in out.outputs)
                     if n > 1 and m.finished_time is not None:
                         self._tpot.append((now, (m.finished_time - m.first_token_time) / (n - 1)))
@@ -50,6 +56,7 @@ class DashboardHistory:
                 self._sample(engine, now)
 
     def _sample(self, engine, now: float) -> None:
+        self._started &= set(engine.output.groups)  # aborted requests send no final output
         for series in (self._ttft, self._tpot, self._tokens):
             while series and series[0][0] < now - LATENCY_WINDOW_S:
                 series.popleft()
