@@ -1,6 +1,8 @@
 """Does the packed C++ matmul earn its place? It against the best XLA:CPU's own libraries give, end to end.
 
     python benchmarks/matmul_choice.py --rounds 3 -- model=small bench.num_requests=32
+    python benchmarks/matmul_choice.py --rounds 3 -- model=smollm2 bench.workload=random \\
+        bench.num_requests=64 bench.input_mean=48 bench.output_mean=96 bench.scale=1
 
 Runs `scripts/bench.py` (offline, the Hydra overrides after `--`) once per variant per round,
 each in a fresh process, interleaved (A B C D, A B C D, ...) so that every variant meets the
@@ -15,7 +17,9 @@ The variants (XLA_FLAGS are read once per process, hence one process per run):
 - xla-onednn   --xla_cpu_use_onednn=true --xla_cpu_experimental_onednn_fusion_type=dot: oneDNN.
 (`--xla_cpu_use_onednn=true` alone, and the XNNPACK flags `--xla_cpu_use_xnnpack`,
 `--xla_cpu_experimental_xnn_fusion_type=dot`, are accepted by jaxlib 0.11.2 but leave the dot
-where it was; --check shows what each variant's flags do to one dot.)
+where it was; --check shows what each variant's flags do to one dot of the model's MLP shape.)
+Any model the overrides name runs: `model=small` (random weights) is the rule's reference,
+`model=smollm2` (the real SmolLM2-135M, dequantized to float32 at load) the check on real weights.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ VARIANTS = {  # name: (Hydra overrides, XLA_FLAGS)
 
 # One f32 dot compiled under the variant's flags: which library the optimised HLO hands it to.
 CHECK = """
+import sys
 import jax, jax.numpy as jnp
-hlo = jax.jit(lambda x, w: x @ w).lower(jnp.ones((64, 768)), jnp.ones((768, 2048))).compile().as_text()
+hidden, intermediate = map(int, sys.argv[1:3])
+hlo = jax.jit(lambda x, w: x @ w).lower(jnp.ones((64, hidden)), jnp.ones((hidden, intermediate))).compile().as_text()
 kinds = [k for k in ("__ynn_fusion", "__onednn_fusion", "__xnn_fusion") if k in hlo]
 print(kinds[0].strip("_") if kinds else "XLA's own dot")
 """
@@ -54,8 +60,18 @@ def environment(xla_flags: str) -> dict[str, str]:
     return env
 
 
-def dot_library(xla_flags: str) -> str:
-    done = subprocess.run([sys.executable, "-c", CHECK], env=environment(xla_flags), capture_output=True, text=True)
+def mlp_shape(overrides: list[str]) -> tuple[int, int]:
+    """(hidden, intermediate) of the model the overrides name, as scripts/bench.py would build it."""
+    from jaxcb.config import compose_config
+    from jaxcb.model.config import resolve_llama_config
+
+    model = resolve_llama_config(compose_config([o for o in overrides if o.startswith("model")]).model)
+    return model.hidden_size, model.intermediate_size
+
+
+def dot_library(xla_flags: str, shape: tuple[int, int]) -> str:
+    done = subprocess.run([sys.executable, "-c", CHECK, *map(str, shape)], env=environment(xla_flags),
+                          capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else f"failed: {done.stderr.strip()[-300:]}"
 
 
@@ -89,10 +105,12 @@ def main() -> None:
     if any(o.startswith("model.backend=") for o in args.overrides):
         parser.error("model.backend is the variant's to set; leave it out of the overrides")
 
+    shape = mlp_shape(args.overrides)
+    print(f"the check's dot: [64, {shape[0]}] x [{shape[0]}, {shape[1]}] (the model's MLP)")
     for name in names:
         print(f"{name:11s} XLA_FLAGS={VARIANTS[name][1] or '(none)'}: "
               + ("linear layers -> jaxcb's packed matmul" if name == "packed"
-                 else f"an f32 dot -> {dot_library(VARIANTS[name][1])}"))
+                 else f"an f32 dot -> {dot_library(VARIANTS[name][1], shape)}"))
     if args.check:
         return
     out = args.out or tempfile.mkdtemp(prefix="matmul-choice-")

