@@ -103,6 +103,7 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.groups: dict[str, RequestGroup] = {}
+        self.timed_groups: dict[str, RequestGroup] = {}  # those with a deadline: expire() looks at these only
         self.num_items_copied = 0  # tokens, logprob entries and characters put into outputs (tests read it)
 
     def add(self, group: RequestGroup) -> None:
@@ -112,12 +113,14 @@ class OutputProcessor:
             for i in range(group.params.n)
         ]
         self.groups[group.request_id] = group
+        if group.deadline is not None or group.queue_deadline is not None:
+            self.timed_groups[group.request_id] = group
 
     def expire(self, now: float) -> tuple[list[RequestOutput], list[tuple[Sequence, RequestStatus]]]:
         """Requests past a deadline end now: their final outputs, and their sequences still running.
         Past the queue deadline with nothing generated: queue_timeout; past the deadline: timeout."""
         outputs, stops = [], []
-        for group in [g for g in self.groups.values() if g.deadline is not None or g.queue_deadline is not None]:
+        for group in list(self.timed_groups.values()):
             if group.queue_deadline is not None and now >= group.queue_deadline and group.num_generated == 0:
                 status = RequestStatus.FINISHED_QUEUE_TIMEOUT
             elif group.deadline is not None and now >= group.deadline:
@@ -130,11 +133,12 @@ class OutputProcessor:
                     c.finish_reason = status.value
                     stops.append((seq, status))
             outputs.append(self._output(group, True))
-            del self.groups[group.request_id]
+            del self.groups[group.request_id], self.timed_groups[group.request_id]
         return outputs, stops
 
     def remove(self, request_id: str) -> Optional[RequestGroup]:
         """Forget a request (aborted): nothing more is reported for it."""
+        self.timed_groups.pop(request_id, None)
         return self.groups.pop(request_id, None)
 
     def process(
@@ -167,6 +171,7 @@ class OutputProcessor:
                 outputs.append(self._output(group, finished))
             if finished:
                 del self.groups[request_id]
+                self.timed_groups.pop(request_id, None)
         return outputs, stops
 
     def _token_stop(self, seq: Sequence, token: int, group: RequestGroup) -> Optional[RequestStatus]:

@@ -52,6 +52,7 @@ def test_engine_deadlines_end_requests_free_their_blocks_and_leave_the_others_un
     cut = results[timed].outputs[0]
     assert cut.finish_reason == "timeout" and 3 <= len(cut.token_ids) < GREEDY.max_tokens
     assert pool.num_free_blocks == pool.num_blocks - 1  # every block back
+    assert not engine.output.groups and not engine.output.timed_groups
 
 
 @pytest.fixture
