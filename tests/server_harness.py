@@ -26,3 +26,22 @@ def running_server(*overrides: str, engine: Engine | None = None, send_buffer_by
     app = build_app(compose_config(BASE + overrides), engine)
     with serve_app_in_thread(app, send_buffer_bytes=send_buffer_bytes, start_timeout_s=60) as url:
         yield url, app.state.jaxcb
+
+
+def post_all_at_once(url: str, path: str, bodies: list[dict], timeout: float = 120) -> list:
+    """Each body POSTed from its own thread, all at once (a burst); the responses in the bodies' order."""
+    import threading
+
+    import httpx
+
+    results: list = [None] * len(bodies)
+
+    def call(i: int) -> None:
+        results[i] = httpx.post(url + path, json=bodies[i], timeout=timeout)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results

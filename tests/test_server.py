@@ -12,7 +12,7 @@ import pytest
 
 from engine_factory import shared_engine
 from jaxcb.sampling_params import SamplingParams
-from server_harness import running_server
+from server_harness import post_all_at_once, running_server
 
 
 SEND_BUFFER_BYTES = 8192
@@ -322,19 +322,10 @@ def test_api_key_is_required_when_set():
 
 def test_overload_burst_gets_429_with_retry_after_and_the_rest_complete():
     with running_server("scheduler.max_waiting_requests=4", "scheduler.max_num_seqs=4") as (url, state):
-        results = []
-
-        def call(i):
-            r = httpx.post(url + "/v1/completions", json={
-                "model": "tiny", "prompt": [i % 200 + 1] * 30, "max_tokens": 20, "ignore_eos": True, "temperature": 0,
-            }, timeout=60)
-            results.append(r)
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(40)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = post_all_at_once(url, "/v1/completions", [
+            {"model": "tiny", "prompt": [i % 200 + 1] * 30, "max_tokens": 20, "ignore_eos": True, "temperature": 0}
+            for i in range(40)
+        ], timeout=60)
         codes = [r.status_code for r in results]
         assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) > 0
         for r in results:

@@ -3,32 +3,20 @@ and serves OpenAI's full top_logprobs range."""
 
 from __future__ import annotations
 
-import threading
-
-import httpx
 import openai
 
 from engine_factory import make_engine
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.sampling_params import SamplingParams
-from server_harness import running_server
+from server_harness import post_all_at_once, running_server
 
 
 def test_a_default_server_answers_an_overload_with_429s_and_no_5xx_and_leaks_nothing():
     # Only max_num_seqs is set: the limit is server.admission_control's default, 8 x 2 waiting requests.
     with running_server("scheduler.max_num_seqs=2") as (url, state):
-        results = []
-
-        def call(i):
-            results.append(httpx.post(url + "/v1/completions", json={
-                "model": "tiny", "prompt": [i % 200 + 1] * 20, "max_tokens": 8, "ignore_eos": True,
-            }, timeout=120))
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(60)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = post_all_at_once(url, "/v1/completions", [
+            {"model": "tiny", "prompt": [i % 200 + 1] * 20, "max_tokens": 8, "ignore_eos": True} for i in range(60)
+        ])
         codes = [r.status_code for r in results]
         assert set(codes) <= {200, 429} and codes.count(429) > 0 and codes.count(200) >= 16
         refused = next(r for r in results if r.status_code == 429)

@@ -38,6 +38,17 @@ def _timed_out_in_queue(out: RequestOutput) -> bool:
     return any(c.finish_reason == QUEUE_TIMEOUT for c in out.outputs)
 
 
+class _QueueTimedOut(Exception):
+    """A streamed request ended past its queue deadline: the stream ends with a 503 error event."""
+
+
+async def _served(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for i, out in merged(streams):
+        if _timed_out_in_queue(out):
+            raise _QueueTimedOut()
+        yield i, out
+
+
 def close_streams(streams: list[RequestStream]) -> None:
     for s in streams:
         s.close()
@@ -84,6 +95,9 @@ def sse_response(state: "ServerState", streams: list[RequestStream], events: Asy
                 yield event
         except StreamAbortedError as e:
             yield fmt.sse(APIError(503, str(e), type="server_error").body())
+        except _QueueTimedOut:
+            yield fmt.sse(queue_timeout_error(state).body())  # the stream's final event, then [DONE]
+            yield fmt.SSE_DONE
         finally:  # also on disconnect: Starlette cancels this generator
             state.num_in_flight -= 1
             close_streams(streams)
@@ -128,11 +142,7 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
     sent_text: dict[tuple[int, int], int] = {}  # characters sent so far: the legacy logprobs' text offsets
     sent_done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
-    async for p_idx, out in merged(streams):  # deltas: each output holds only what is new
-        if _timed_out_in_queue(out):
-            yield fmt.sse(queue_timeout_error(state).body())  # the stream's final event, then [DONE]
-            yield fmt.SSE_DONE
-            return
+    async for p_idx, out in _served(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             key = (p_idx, c.index)
             if key in sent_done:
@@ -162,11 +172,7 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
-    async for _, out in merged(streams):  # deltas: each output holds only what is new
-        if _timed_out_in_queue(out):
-            yield fmt.sse(queue_timeout_error(state).body())  # the stream's final event, then [DONE]
-            yield fmt.SSE_DONE
-            return
+    async for _, out in _served(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
                 continue
