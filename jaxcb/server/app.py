@@ -96,7 +96,8 @@ class ServerState:
 
 def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     """The app over `engine` (built from cfg when not given, or Ray replicas when server.backend=ray);
-    the engine loop runs for the app's lifespan."""
+    the engine loop runs for the app's lifespan. An engine built here gets server.admission_control;
+    one passed in keeps the limits it has (call `engine.enable_admission_control()` for the default)."""
     state = ServerState(cfg, engine)
 
     @asynccontextmanager
