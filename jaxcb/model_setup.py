@@ -9,6 +9,7 @@ from typing import Optional
 
 from jaxcb.backends import Backend, select_backend
 from jaxcb.config import AttentionConfig, ModelConfig
+from jaxcb.model.config import choose_model_dtype, read_checkpoint_config
 from jaxcb.model.llama import Llama
 from jaxcb.model.loader import load_model
 from jaxcb.sharding import TensorParallel
@@ -42,9 +43,11 @@ def load_model_and_tokenizer(
     if m.checkpoint:
         eos |= checkpoint_eos_token_ids(m.checkpoint)
     tokenizer.eos_token_ids = sorted(eos)
+    checkpoint_dtype = read_checkpoint_config(m.checkpoint).get("checkpoint_dtype") if m.checkpoint else None
+    _, dtype_reason = choose_model_dtype(m.dtype, checkpoint_dtype)
     log.info(
-        "model=%s: %d layers, hidden %d, %d/%d heads, vocab %d, %s; tokenizer %s; %s; attention %s",
+        "model=%s: %d layers, hidden %d, %d/%d heads, vocab %d, %s (%s); tokenizer %s; %s; attention %s",
         m.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
-        cfg.dtype, type(tokenizer).__name__, backend.describe(), backend.attention.name,
+        cfg.dtype, dtype_reason, type(tokenizer).__name__, backend.describe(), backend.attention.name,
     )
     return model, backend, tokenizer

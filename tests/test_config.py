@@ -50,7 +50,7 @@ def test_hf_preset_reads_architecture_from_checkpoint(tmp_path):
 
 def test_hf_preset_serves_float32_on_cpu_and_the_checkpoints_dtype_elsewhere(tmp_path):
     from hf_checkpoints import make_hf_llama
-    from jaxcb.model.config import resolve_llama_config, resolve_model_dtype
+    from jaxcb.model.config import choose_model_dtype, resolve_llama_config, resolve_model_dtype
 
     make_hf_llama(str(tmp_path))
     cfg = compose_config("model=hf", f"model.checkpoint={tmp_path}")
@@ -61,6 +61,10 @@ def test_hf_preset_serves_float32_on_cpu_and_the_checkpoints_dtype_elsewhere(tmp
         assert resolve_model_dtype("auto", ckpt, platform="gpu") == want
     assert resolve_model_dtype("auto", "bfloat16", platform="cpu") == "float32"
     assert resolve_model_dtype("float16", "bfloat16", platform="cpu") == "float16"
+    # The log says what auto chose and why.
+    assert "float32 on CPU" in choose_model_dtype("auto", "bfloat16", platform="cpu")[1]
+    assert choose_model_dtype("auto", "float16", platform="gpu") == ("float16", "model.dtype=auto: the checkpoint's float16 on gpu")
+    assert "quantized or random" in choose_model_dtype("auto", None, platform="gpu")[1]
 
 
 def test_large_preset_without_weights_says_which_option_to_add():

@@ -148,17 +148,27 @@ def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
 
 
 def resolve_model_dtype(requested: str, checkpoint_dtype: Optional[str], platform: Optional[str] = None) -> str:
-    """`model.dtype=auto`: float32 on CPU (its fast path, and transformers' reference, are float32);
-    elsewhere the checkpoint's dtype, with float32 (or an unknown one) served as bfloat16."""
+    return choose_model_dtype(requested, checkpoint_dtype, platform)[0]
+
+
+def choose_model_dtype(
+    requested: str, checkpoint_dtype: Optional[str], platform: Optional[str] = None
+) -> tuple[str, str]:
+    """(dtype, why) of `model.dtype`. auto: float32 on CPU (its fast path, and transformers'
+    reference, are float32); elsewhere the checkpoint's dtype, with float32 (or an unknown one:
+    quantized or random weights) served as bfloat16."""
     if requested != "auto":
-        return requested
+        return requested, f"model.dtype={requested}"
     if platform is None:
         import jax  # only here: the config modules stay host-only otherwise
 
         platform = jax.default_backend()
     if platform == "cpu":
-        return "float32"
-    return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
+        return "float32", "model.dtype=auto: float32 on CPU, where the fast path and transformers' reference run"
+    if checkpoint_dtype in ("bfloat16", "float16"):
+        return checkpoint_dtype, f"model.dtype=auto: the checkpoint's {checkpoint_dtype} on {platform}"
+    source = f"a {checkpoint_dtype} checkpoint" if checkpoint_dtype else "weights of no stated dtype (quantized or random)"
+    return "bfloat16", f"model.dtype=auto: bfloat16 on {platform} for {source}"
 
 
 def read_checkpoint_config(checkpoint: str) -> dict[str, Any]:
