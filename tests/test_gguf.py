@@ -361,3 +361,9 @@ def test_smollm2_greedy_tokens_match_transformers_on_the_same_gguf():
     with torch.no_grad():
         theirs = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, pad_token_id=0)
     assert ours.token_ids == theirs[0, len(prompt):].tolist()
+
+
+def test_convert_takes_a_packaged_source_and_names_the_missing_package(tmp_path):
+    proc = run_convert("package:no_such_module/model.gguf", tmp_path / "out", "--to", "hf")
+    assert proc.returncode == 2 and "not installed; install it with: pip install no-such-module" in proc.stderr
+    assert not os.path.exists(tmp_path / "out")
