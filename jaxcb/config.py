@@ -144,6 +144,12 @@ class EngineConfig:
     context_buckets: Optional[list[int]] = None  # block-table widths; None: 16 blocks and all (xla), all (pallas)
     max_logprobs: int = 20  # most top logprobs a request may ask for (OpenAI: top_logprobs <= 20); computed only in steps that ask
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
+    # Token masks and logit_bias (structured outputs, tool_choice, allowed_token_ids, bad_words): one more
+    # compiled variant of every bucket, used only by steps with such a row; false refuses those fields.
+    masked_sampling: bool = True
+    max_logit_bias: int = 300  # most logit_bias entries per request (OpenAI's limit)
+    max_grammar_compile_s: float = 10.0  # a schema or grammar that compiles for longer is refused (400)
+    grammar_cache_size: int = 128  # compiled grammars kept (by schema text), least recently used dropped
     tensor_parallel_size: int = 1  # devices each weight and the KV cache are split over (by head / MLP column)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-host; null: one host
 
@@ -173,6 +179,8 @@ class ServerConfig:
     api_key: Optional[str] = None  # when set, /v1/* requires "Authorization: Bearer <key>"
     max_request_bytes: int = 1 << 20
     max_n: int = 16  # most completions per request
+    # How tool calls are read from the model's text: auto (from the chat template) | hermes | llama3_json | pythonic.
+    tool_call_parser: str = "auto"
     stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted

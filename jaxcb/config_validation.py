@@ -107,6 +107,9 @@ def validate_config(cfg: Config) -> None:
             f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} (a step never pads past the budget)",
         )
     require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
+    require(e.max_logit_bias >= 1, f"engine.max_logit_bias={e.max_logit_bias} must be >= 1")
+    require(e.max_grammar_compile_s > 0, f"engine.max_grammar_compile_s={e.max_grammar_compile_s} must be > 0 seconds")
+    require(e.grammar_cache_size >= 1, f"engine.grammar_cache_size={e.grammar_cache_size} must be >= 1")
     require(
         e.tensor_parallel_size >= 1,
         f"engine.tensor_parallel_size={e.tensor_parallel_size} must be >= 1 (1: one device, no sharding)",
@@ -121,6 +124,9 @@ def validate_config(cfg: Config) -> None:
         value = getattr(srv, name)
         require(value is None or value > 0, f"server.{name}={value} must be > 0 seconds, or null for none")
     require(srv.max_n >= 1, f"server.max_n={srv.max_n} must be >= 1")
+    parsers = ("auto", "hermes", "llama3_json", "pythonic")
+    require(srv.tool_call_parser in parsers,
+            f"server.tool_call_parser={srv.tool_call_parser!r} must be one of {', '.join(parsers)}")
     require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
     require(srv.stream_stall_timeout_s > 0, f"server.stream_stall_timeout_s={srv.stream_stall_timeout_s} must be > 0")
     require(srv.shutdown_timeout_s >= 0, f"server.shutdown_timeout_s={srv.shutdown_timeout_s} must be >= 0")

@@ -39,6 +39,7 @@ from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.core.scheduler import Scheduler
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
+from jaxcb.structured import GrammarCompiler, TokenConstraint
 from jaxcb.tokenizer import Tokenizer, read_chat_template_override
 from jaxcb.validation import RequestLimits, validate_request
 
@@ -106,6 +107,8 @@ class Engine:
             max_model_len=self.max_model_len,
             max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
+            max_logit_bias=cfg.engine.max_logit_bias,
+            masked_sampling=cfg.engine.masked_sampling,
             swap_space=swap_space,
             tp=self.tp,
         )
@@ -119,7 +122,12 @@ class Engine:
             max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill, max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids, num_eos_token_ids=len(self.eos_token_ids),
+            max_logit_bias=cfg.engine.max_logit_bias, masked_sampling=cfg.engine.masked_sampling,
         )
+        # Structured outputs: grammars compile (llguidance, loaded on first use) at most once per schema.
+        self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, list(self.eos_token_ids),
+                                        max_compile_s=cfg.engine.max_grammar_compile_s,
+                                        cache_size=cfg.engine.grammar_cache_size)
         s = cfg.scheduler  # admission control: (limit, where it comes from), or None for none
         self.max_waiting_requests: Optional[tuple[int, str]] = (
             (s.max_waiting_requests, f"scheduler.max_waiting_requests={s.max_waiting_requests}")
@@ -172,6 +180,7 @@ class Engine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         validate_request(ids, params, self.limits)
         self._admission_control(len(ids), params.n)
+        new_constraint = self._constraint_factory(params)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)
         now = time.monotonic()
         group = RequestGroup(
@@ -191,12 +200,34 @@ class Engine:
                     sample_index=i,
                     parent_id=group.seqs[0].request_id if i else None,
                     group_id=request_id,
+                    constraint=new_constraint() if new_constraint is not None else None,
                 )
             )
         self.output.add(group)
         for seq in group.seqs:
             self.scheduler.add_request(seq)
         return request_id
+
+    def _constraint_factory(self, params: SamplingParams):
+        """A function making each sequence's TokenConstraint, or None when the params rule out no token.
+        Compiles the grammar here unless the server already did (then it is a cache hit)."""
+        if not params.uses_token_mask:
+            return None
+        grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
+        bad_words_ids = self._bad_words_ids(params.bad_words)
+        vocab = self.model_config.vocab_size
+        return lambda: TokenConstraint(vocab, grammar=grammar.matcher() if grammar is not None else None,
+                                       allowed_token_ids=params.allowed_token_ids, bad_words_ids=bad_words_ids)
+
+    def _bad_words_ids(self, words: list[str]) -> list[tuple[int, ...]]:
+        """Each bad word's tokens, as written and after a space (as vLLM forms them)."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def enable_admission_control(self) -> None:
         """The server's protection (server.admission_control): where scheduler.max_waiting_requests /

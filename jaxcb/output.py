@@ -19,6 +19,7 @@ No jax here.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,6 +29,8 @@ from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.core.sequence import RequestStatus, Sequence
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class OutputKind(enum.Enum):
@@ -97,6 +100,16 @@ def token_stop_status(
     return None
 
 
+def _advance_constraint(seq: Sequence, token: int) -> Optional[RequestStatus]:
+    """Move the sequence's grammar past its token: a complete grammar stops it (nothing but EOS
+    could follow); a token the grammar refused (which the bitmask rules out) aborts it, logged."""
+    error = seq.constraint.accept(token)
+    if error is not None:
+        log.error("request %s: its grammar refused token %d (%s); the request is aborted", seq.group_id, token, error)
+        return RequestStatus.FINISHED_ABORTED
+    return RequestStatus.FINISHED_STOPPED if seq.constraint.is_terminated else None
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer, eos_token_ids: tuple[int, ...], max_model_len: int):
         self.tokenizer = tokenizer
@@ -159,6 +172,8 @@ class OutputProcessor:
             if c.logprobs is not None and logprobs is not None:
                 c.logprobs.append(logprobs)
             status = RequestStatus.FINISHED_STOPPED if stop_string is not None else self._token_stop(seq, token, group)
+            if seq.constraint is not None:
+                status = _advance_constraint(seq, token) or status
             if status is not None:
                 c.detokenizer.finish()
                 c.finish_reason = status.value

@@ -5,9 +5,13 @@ greedy and random, filtered and unfiltered requests. A row's randomness comes on
 its own key, `fold_in(key(seed), num_output_tokens)`, and Gumbel-argmax draws with it; so a
 request with a seed samples the same tokens whether it runs alone or in any batch.
 
-Order of operations, as in vLLM: penalties on the raw logits, banned tokens (min_tokens),
-then temperature, then top-k / top-p / min-p filtering, then the draw. Logprobs are those of
-the raw model distribution (log-softmax of the logits before any of it).
+Order of operations, as in vLLM: penalties on the raw logits, logit_bias, banned tokens
+(min_tokens), the token bitmask (grammars, allowed_token_ids, bad_words), then temperature,
+then top-k / top-p / min-p filtering, then the draw. Logprobs are those of the raw model
+distribution (log-softmax of the logits before any of it).
+
+The bitmask and the bias exist only in the masked variant of the step (`TokenMasks`, chosen by
+the host when some row has a constraint): other steps never pay for them.
 """
 
 from __future__ import annotations
@@ -54,6 +58,26 @@ jax.tree_util.register_dataclass(
     data_fields=[f.name for f in dataclasses.fields(SamplingArrays)],
     meta_fields=[],
 )
+
+
+@dataclasses.dataclass
+class TokenMasks:
+    """The masked step variant's extra inputs."""
+
+    bitmask: jax.Array  # i32[R, ceil(V / 32)]: bit t % 32 of word t // 32 set -> token t allowed
+    bias_ids: jax.Array  # i32[R, max_logit_bias]: logit_bias token ids; V (out of range) pads
+    bias_values: jax.Array  # f32[R, max_logit_bias]: added to those tokens' logits
+
+
+jax.tree_util.register_dataclass(
+    TokenMasks, data_fields=[f.name for f in dataclasses.fields(TokenMasks)], meta_fields=[],
+)
+
+
+def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """bool[R, V] from a bitmask i32[R, ceil(V / 32)] (little-endian bit order, as llguidance writes it)."""
+    as_bytes = jax.lax.bitcast_convert_type(bitmask, jnp.uint8).reshape(bitmask.shape[0], -1)
+    return jnp.unpackbits(as_bytes, axis=-1, bitorder="little")[:, :vocab].astype(jnp.bool_)
 
 
 def token_counts(
@@ -118,6 +142,7 @@ def sample(
     argmax: Argmax = xla_argmax,
     logits_argmax: jax.Array | None = None,  # i32[R]: the logits' row argmax, computed on the way
     history_fix: tuple[jax.Array, jax.Array] | None = None,  # (position i32[R], token i32[R])
+    masks: TokenMasks | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n]); the logprobs
     are 0 when no row asks for them. With `logits_argmax`, a step that does not need the logits
@@ -126,7 +151,8 @@ def sample(
     none) before the penalties read it: the token the previous step sampled, which the host
     knew only as in flight. It is done only when a row has a penalty, and as a select: an
     in-place write made XLA copy the whole history (a step input, not donated) on every step,
-    ~0.15 ms at 64 rows of 1,024 on CPU."""
+    ~0.15 ms at 64 rows of 1,024 on CPU. With `masks` (the masked variant) every row's logits
+    get its bias and its bitmask before the choice, and `logits_argmax` is not used."""
     num_rows, vocab = logits.shape
     greedy = s.temperature == 0
 
@@ -147,25 +173,35 @@ def sample(
         drawn = jax.lax.cond(s.any_random, draw, lambda x: jnp.zeros((num_rows,), jnp.int32), x)
         return jnp.where(greedy, argmax(x), drawn).astype(jnp.int32)
 
-    def adjust_then_choose(x):  # penalties, then the banned ids (min_tokens), then choose
-        def penalise(x):
-            known = history
-            if history_fix is not None:
-                at = jnp.arange(history.shape[1])[None, :] == history_fix[0][:, None]
-                known = jnp.where(at, history_fix[1][:, None], history)
-            seen, out_counts = token_counts(known, num_prompt, num_known, vocab)
-            return apply_penalties(x, seen, out_counts, s)
+    def penalise(x):
+        known = history
+        if history_fix is not None:
+            at = jnp.arange(history.shape[1])[None, :] == history_fix[0][:, None]
+            known = jnp.where(at, history_fix[1][:, None], history)
+        seen, out_counts = token_counts(known, num_prompt, num_known, vocab)
+        return apply_penalties(x, seen, out_counts, s)
 
+    def adjust_then_choose(x):  # penalties, then the banned ids (min_tokens), then choose
         x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, x)
         rows = jnp.arange(num_rows)[:, None]
         return choose(x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop"))
+
+    def masked_choose(x):  # the masked variant: penalties, bias, banned ids, bitmask, then choose
+        x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, x)
+        rows = jnp.arange(num_rows)[:, None]
+        x = x.at[rows, masks.bias_ids].add(masks.bias_values, mode="drop")
+        x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
+        return choose(jnp.where(allowed_tokens(masks.bitmask, vocab), x, -jnp.inf))
+
 
     # The branches return only the [R] tokens: a branch that returned the [R, V] logits (even
     # unchanged) would copy them, ~1 ms at 64 rows of a 32k vocab on CPU, on every step.
     def from_logits(x):
         return jax.lax.cond(s.any_penalty | any_banned(s, vocab), adjust_then_choose, choose, x)
 
-    if logits_argmax is None:
+    if masks is not None:
+        token = masked_choose(logits)
+    elif logits_argmax is None:
         token = from_logits(logits)
     else:
         token = jax.lax.cond(needs_logits(s, vocab), from_logits, lambda x: logits_argmax.astype(jnp.int32), logits)

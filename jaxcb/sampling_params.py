@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from jaxcb.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from jaxcb.structured.spec import StructuredOutputs
+
+MAX_LOGIT_BIAS = 100.0  # |value| of a logit_bias entry at most, as OpenAI allows
 
 
 @dataclass
@@ -25,10 +31,18 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # also return the top-n log-probabilities of each chosen token
+    # Constraints, all through the step's token bitmask (jaxcb.structured) or its sparse bias list.
+    structured_outputs: Optional["StructuredOutputs"] = None  # output must match this JSON schema/regex/choice/grammar
+    allowed_token_ids: Optional[list[int]] = None  # only these tokens may be generated
+    bad_words: list[str] = field(default_factory=list)  # never generated (a word's last token banned after the rest)
+    logit_bias: Optional[dict[int, float]] = None  # token id -> value in [-100, 100] added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+
         checks = [
             (self.n >= 1, f"n={self.n} must be >= 1"),
             (self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be >= 1"),
@@ -42,6 +56,11 @@ class SamplingParams:
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs={self.logprobs} must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "allowed_token_ids must not be empty (null allows every token)"),
+            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings"),
+            (all(math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS for v in (self.logit_bias or {}).values()),
+             f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -50,6 +69,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def uses_token_mask(self) -> bool:
+        """Whether some tokens are ruled out by a bitmask (grammar, allowed_token_ids, bad_words)."""
+        return self.structured_outputs is not None or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def uses_masked_step(self) -> bool:
+        """Whether its rows need the step variant with the token bitmask and logit bias."""
+        return self.uses_token_mask or bool(self.logit_bias)
 
     @property
     def uses_penalties(self) -> bool:

@@ -125,6 +125,13 @@ class ByteTokenizer:
         self.eos_token_ids = [self.EOS]
         self.chat_template: Optional[str] = TINY_CHAT_TEMPLATE
 
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """Each id's bytes (the specials' names), for grammar engines."""
+        return [bytes([i]) for i in range(256)] + [b"<bos>", b"<eos>", b"<pad>"]
+
+    special_token_ids = (BOS, EOS, PAD)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.BOS] + ids if add_special_tokens else ids
@@ -183,6 +190,11 @@ class HFTokenizer:
             )
         # tokenizer.json's post-processor decides BOS; add it ourselves only where the config asks and it is absent.
         self._add_bos = bool(config.get("add_bos_token", False))
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The `tokenizers.Tokenizer` (its JSON form is what grammar engines read)."""
+        return self._tok
 
     @classmethod
     def from_directory(cls, directory: str) -> "HFTokenizer":

@@ -30,6 +30,8 @@ class RequestLimits:
     max_logprobs: int
     max_stop_token_ids: int
     num_eos_token_ids: int
+    max_logit_bias: int = 300
+    masked_sampling: bool = True
 
 
 def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
@@ -63,5 +65,27 @@ def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimi
             f"min_tokens with {num_banned} EOS + stop token ids exceeds "
             f"engine.max_stop_token_ids={limits.max_stop_token_ids}"
         )
+    _validate_constraints(params, limits)
     if params.n > limits.max_num_seqs:
         raise InvalidRequestError(f"n={params.n} exceeds scheduler.max_num_seqs={limits.max_num_seqs}")
+
+
+def _validate_constraints(params: SamplingParams, limits: RequestLimits) -> None:
+    vocab = limits.vocab_size
+    if params.uses_masked_step and not limits.masked_sampling:
+        fields = [name for name, used in (
+            ("structured outputs", params.structured_outputs is not None),
+            ("allowed_token_ids", params.allowed_token_ids is not None), ("bad_words", bool(params.bad_words)),
+            ("logit_bias", bool(params.logit_bias))) if used]
+        raise InvalidRequestError(
+            f"{', '.join(fields)} need the masked step variants, which this engine did not compile "
+            f"(engine.masked_sampling=false); start it with engine.masked_sampling=true"
+        )
+    for name, ids in (("allowed_token_ids", params.allowed_token_ids or ()), ("logit_bias", params.logit_bias or {})):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{name} has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+    if params.logit_bias and len(params.logit_bias) > limits.max_logit_bias:
+        raise InvalidRequestError(
+            f"logit_bias has {len(params.logit_bias)} entries; engine.max_logit_bias={limits.max_logit_bias} at most"
+        )

@@ -343,7 +343,7 @@ def test_a_step_copies_no_token_history_unless_a_row_has_a_penalty():
     CPU). The write is a select inside the penalties' branch; the straight-line code only reads it."""
     engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
     length = engine.cfg.engine.max_model_len
-    for (_, rows, _), executable in engine.runner.compiled.items():
+    for (_, rows, _, _), executable in engine.runner.compiled.items():
         entry = re.search(r"^ENTRY [^\n]*\{\n(.*?)^\}", executable.as_text(), re.M | re.S).group(1)
         made = re.findall(rf"= s32\[{rows},{length}\]\{{[^}}]*\}} ([\w-]+)\(", entry)
         assert made == ["parameter"], made

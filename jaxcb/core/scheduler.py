@@ -172,6 +172,8 @@ class Scheduler:
             done = request.num_output_tokens >= request.sampling_params.max_tokens
             if done or request.num_tokens >= self.max_model_len:
                 return 0  # its token in flight is its last: computing past it would be wasted
+            if request.constraint is not None and request.constraint.depends_on_last_token:
+                return 0  # its next bitmask needs that token: it sits this step out (it advances every other)
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
         if request.is_prefilling and self.cfg.long_prefill_token_threshold is not None:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
@@ -326,6 +328,7 @@ class Scheduler:
             banned_token_ids=banned,
             history=self.in_flight.token_ids_for_step(request, 0, request.num_tokens) if params.uses_penalties else None,
             in_flight_row=self.in_flight.row_for(request) if samples else -1,
+            constraint=request.constraint,
         )
 
     # --- applying a step's results -------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Any, Hashable, Optional
 
 from jaxcb.sampling_params import SamplingParams
 
@@ -59,6 +59,9 @@ class Sequence:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    # Its token constraint (jaxcb.structured.TokenConstraint), or None: the runner fills its step's bitmask
+    # row from it, the output processor advances it past every generated token.
+    constraint: Optional[Any] = None
 
     @property
     def num_prompt_tokens(self) -> int:

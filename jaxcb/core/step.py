@@ -9,7 +9,7 @@ once the step is collected, returns a `RunnerOutput` (the sampled tokens), which
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Any, Hashable, Optional
 
 from jaxcb.sampling_params import SamplingParams
 
@@ -33,6 +33,9 @@ class ScheduledSequence:
     # the last of token_ids and of history, carried there as 0); the step reads it from the
     # device. -1: every token is known on the host.
     in_flight_row: int = -1
+    # Its token constraint (jaxcb.structured.TokenConstraint: grammar, allowed ids, bad words), or None;
+    # the runner asks it for the row's bitmask when the sequence samples.
+    constraint: Optional[Any] = None
 
 
 @dataclass

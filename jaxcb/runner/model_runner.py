@@ -44,7 +44,7 @@ from jaxcb.sharding import TensorParallel, fetch
 
 log = logging.getLogger(__name__)
 
-BucketKey = tuple[int, int, int]  # (tokens, sequences, block-table width)
+BucketKey = tuple[int, int, int, bool]  # (tokens, sequences, block-table width, masked variant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,16 +76,20 @@ class ModelRunner:
         max_model_len: int,
         max_logprobs: int,
         max_stop_token_ids: int,
+        max_logit_bias: int = 1,
+        masked_sampling: bool = False,
         swap_space: Optional[HostSwapSpace] = None,
         tp: Optional[TensorParallel] = None,
     ):
-        """Takes over `model`'s parameters: the backend prepares them into the step's weights."""
+        """Takes over `model`'s parameters: the backend prepares them into the step's weights.
+        `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias)."""
         self.backend = backend
         self.weights: StepWeights = backend.prepare(model, max_model_len, tp.replicated if tp is not None else None)
         self.tp = tp
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
+        self.masked_sampling = masked_sampling
         self.compiled: dict[BucketKey, object] = {}
         self.num_recompiles = 0
         self.num_steps = 0
@@ -93,10 +97,11 @@ class ModelRunner:
         self.swap_space = swap_space
         self.max_rows = max(r for _, r, _ in buckets.all())
         self.inputs = StepInputBuilder(
-            buckets, kv_cache.block_size, backend.cfg.vocab_size, max_model_len, max_stop_token_ids,
+            buckets, kv_cache.block_size, backend.cfg.vocab_size, max_model_len, max_stop_token_ids, max_logit_bias,
             tp.replicated if tp is not None else None,
         )
         self._abstract = dict(max_banned=max_stop_token_ids, max_model_len=max_model_len, max_rows=self.max_rows,
+                              vocab_size=backend.cfg.vocab_size, max_logit_bias=max_logit_bias,
                               sharding=self.inputs.sharding)
         step = self._make_step()
         if tp is None:
@@ -118,11 +123,12 @@ class ModelRunner:
             fix_pos, fix_row = x.history_fix[:, 0], x.history_fix[:, 1]
             history_fix = (fix_pos, x.prev_tokens[jnp.clip(fix_row, 0, max_rows - 1)])  # -1: none
             hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, x.md)
-            want_logits = needs_logits(x.sampling, backend.cfg.vocab_size)
+            masked = x.masks is not None  # the masked variant always reads the logits
+            want_logits = jnp.bool_(True) if masked else needs_logits(x.sampling, backend.cfg.vocab_size)
             logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], want_logits)
             token, token_lp, top_ids, top_lp = sample(
-                logits, x.sampling, x.history, x.num_prompt, x.num_known, num_logprobs, backend.argmax, logits_argmax,
-                history_fix=history_fix,
+                logits, x.sampling, x.history, x.num_prompt, x.num_known, num_logprobs, backend.argmax,
+                None if masked else logits_argmax, history_fix=history_fix, masks=x.masks,
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
@@ -147,7 +153,8 @@ class ModelRunner:
     def compile_all(self, progress: bool = True) -> float:
         """Compile every bucket now; return the seconds it took."""
         start = time.perf_counter()
-        keys = self.buckets.all()
+        variants = (False, True) if self.masked_sampling else (False,)
+        keys = [(*bucket, masked) for masked in variants for bucket in self.buckets.all()]
         for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
             self.compiled[key] = self._compile(key)
         if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
@@ -155,9 +162,10 @@ class ModelRunner:
             k, v = gather_blocks(self.kv_cache, null)
             self.kv_cache = self.swap_space.write_blocks(self.kv_cache, null, k, v)
         elapsed = time.perf_counter() - start
-        log.info("compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; %s) in %.1f s",
-                 len(keys), sorted({(t, r) for t, r, _ in keys}), list(self.buckets.widths), self.backend.describe(),
-                 elapsed)
+        log.info("compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; %s; %s) in %.1f s",
+                 len(keys), sorted({(t, r) for t, r, _, _ in keys}), list(self.buckets.widths),
+                 "plain and masked (engine.masked_sampling)" if self.masked_sampling else "plain only",
+                 self.backend.describe(), elapsed)
         return elapsed
 
     def executable(self, key: BucketKey):

@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.buckets import Buckets
-from jaxcb.sampling import SamplingArrays
+from jaxcb.sampling import SamplingArrays, TokenMasks
 from jaxcb.core.step import SchedulerOutput
 
 
@@ -37,6 +37,7 @@ class StepInputs:
     prev_tokens: jax.Array  # i32[max_rows]: the previous step's sampled token of each of its rows
     prev_rows: jax.Array  # i32[T]: for an input token in flight, its row in the previous step; else -1
     history_fix: jax.Array  # i32[R, 2]: (position, previous row) of a token in flight in the history; -1: none
+    masks: Optional[TokenMasks] = None  # the masked variant only: token bitmask and logit bias of each row
 
 
 jax.tree_util.register_dataclass(
@@ -96,7 +97,8 @@ def unpack_step_inputs(like: StepInputs, ints: jax.Array, floats: jax.Array, his
     return dataclasses.replace(x, history=history, prev_tokens=prev_tokens)
 
 
-def abstract_step_inputs(t: int, r: int, w: int, *, max_banned: int, max_model_len: int, max_rows: int,
+def abstract_step_inputs(t: int, r: int, w: int, masked: bool, *, max_banned: int, max_model_len: int,
+                         max_rows: int, vocab_size: int, max_logit_bias: int,
                          sharding: Optional[jax.sharding.Sharding] = None) -> StepInputs:
     """ShapeDtypeStructs of one bucket's inputs (what the step is compiled for)."""
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
@@ -118,6 +120,8 @@ def abstract_step_inputs(t: int, r: int, w: int, *, max_banned: int, max_model_l
         prev_tokens=i32(max_rows),
         prev_rows=i32(t),
         history_fix=i32(r, 2),
+        masks=TokenMasks(i32(r, (vocab_size + 31) // 32), i32(r, max_logit_bias), f32(r, max_logit_bias))
+        if masked else None,
     )
     if sharding is None:
         return inputs
@@ -133,12 +137,14 @@ class StepInputBuilder:
     vocab_size: int
     max_model_len: int
     max_banned: int  # engine.max_stop_token_ids
+    max_logit_bias: int  # engine.max_logit_bias
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
     _zero_histories: dict = dataclasses.field(default_factory=dict)
 
-    def build(self, out: SchedulerOutput, prev_tokens: jax.Array) -> tuple[tuple[int, int, int], StepArgs]:
-        """(the bucket, the packed inputs) of one step. `prev_tokens`: the previous step's sampled tokens,
-        on the device, which feed each sequence's token in flight (`ScheduledSequence.in_flight_row`)."""
+    def build(self, out: SchedulerOutput, prev_tokens: jax.Array) -> tuple[tuple[int, int, int, bool], StepArgs]:
+        """(the bucket and variant, the packed inputs) of one step. `prev_tokens`: the previous step's sampled
+        tokens, on the device, which feed each sequence's token in flight (`ScheduledSequence.in_flight_row`).
+        The variant is masked when some sampling row has a token constraint or a logit bias."""
         # Built with whole-array numpy operations over per-sequence columns gathered in one pass:
         # with async scheduling this host work shares the CPU with the step it overlaps, so every
         # Python operation per sequence and step costs device time (a loop of ~25 numpy element
@@ -148,7 +154,9 @@ class StepInputBuilder:
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
         num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, n)
         num_tokens = int(lens.sum())
-        t, r, w = key = self.buckets.pick(num_tokens, n, int(num_blocks.max()))
+        t, r, w = self.buckets.pick(num_tokens, n, int(num_blocks.max()))
+        masked = any(s.samples and s.sampling_params.uses_masked_step for s in seqs)
+        key = (t, r, w, masked)
         bs = self.block_size
         ends = np.cumsum(lens)
         begins = ends - lens
@@ -239,11 +247,28 @@ class StepInputBuilder:
             prev_tokens=prev_tokens,
             prev_rows=prev_rows,
             history_fix=history_fix,
+            masks=self._token_masks(seqs, r) if masked else None,
         )
         args = pack_step_inputs(inputs)
         if self.sharding is not None:  # arrays already there (prev_tokens) are not copied
             args = jax.device_put(args, self.sharding)
         return key, args
+
+    def _token_masks(self, seqs: list, r: int) -> TokenMasks:
+        """Each sampling row's allowed tokens (its constraint's bitmask; all, for rows without one) and bias."""
+        bitmask = np.full((r, (self.vocab_size + 31) // 32), -1, np.int32)
+        bias_ids = np.full((r, self.max_logit_bias), self.vocab_size, np.int32)
+        bias_values = np.zeros((r, self.max_logit_bias), np.float32)
+        for i, s in enumerate(seqs):
+            if not s.samples:
+                continue
+            if s.constraint is not None:
+                s.constraint.fill(bitmask[i])
+            bias = s.sampling_params.logit_bias
+            if bias:
+                bias_ids[i, : len(bias)] = list(bias.keys())
+                bias_values[i, : len(bias)] = list(bias.values())
+        return TokenMasks(bitmask, bias_ids, bias_values)
 
     def _zero_history(self, r: int) -> jax.Array:
         if r not in self._zero_histories:

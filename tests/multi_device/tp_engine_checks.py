@@ -174,7 +174,7 @@ COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-s
 
 def test_step_communicates_two_activation_all_reduces_per_layer_and_never_gathers_cache_or_weights():
     e = engine(2)
-    ((tokens, rows, _), executable), = e.runner.compiled.items()
+    ((tokens, rows, _, _), executable), = e.runner.compiled.items()
     collectives = [
         (kind, tuple(int(d) for d in dims.split(",") if d))
         for _, dims, kind in COLLECTIVE.findall(executable.as_text())

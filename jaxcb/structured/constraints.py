@@ -1,0 +1,77 @@
+"""One sequence's token constraints: which tokens may come next, as one bitmask row.
+
+Three sources share the one bitmask path of the step (DESIGN.md "Sampling and structured
+outputs"): a grammar matcher (structured outputs, enforced tool calls), `allowed_token_ids`
+(a fixed set) and `bad_words` (a word's last token is banned where the output so far ends
+with the word's other tokens, as vLLM does). `fill` ANDs them into the row the runner sends;
+`accept` advances them past each generated token (the output processor calls it).
+
+A constraint that depends on the tokens so far (a grammar, bad words) needs the previous
+token before its next mask exists: under async scheduling such a sequence sits out the step
+dispatched while its token is in flight (`depends_on_last_token`). No jax here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from jaxcb.structured.grammar import GrammarMatcher, bitmask_words
+
+
+def ids_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """i32[bitmask_words(V)] with the bits of `token_ids` set."""
+    bits = np.zeros(bitmask_words(vocab_size) * 32, np.uint8)
+    bits[np.asarray(list(token_ids), np.int64)] = 1
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+class TokenConstraint:
+    def __init__(self, vocab_size: int, *, grammar: Optional[GrammarMatcher] = None,
+                 allowed_token_ids: Optional[Sequence[int]] = None,
+                 bad_words_ids: Sequence[tuple[int, ...]] = ()):
+        self.vocab_size = vocab_size
+        self.grammar = grammar
+        self._allowed = ids_bitmask(allowed_token_ids, vocab_size) if allowed_token_ids else None
+        self._banned_always = [w[0] for w in bad_words_ids if len(w) == 1]
+        self._banned_after = [w for w in bad_words_ids if len(w) > 1]
+        self._recent: list[int] = []  # the last tokens generated, as many as the longest bad word needs
+        self._keep = max((len(w) - 1 for w in self._banned_after), default=0)
+        self._scratch = np.empty(bitmask_words(vocab_size), np.int32)
+
+    @property
+    def depends_on_last_token(self) -> bool:
+        return self.grammar is not None or bool(self._banned_after)
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete: nothing but EOS may follow, so the sequence stops here."""
+        return self.grammar is not None and self.grammar.is_terminated
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the allowed next tokens into `row` (i32[bitmask_words(V)])."""
+        if self.grammar is not None:
+            self.grammar.fill_bitmask(row)
+            if self._allowed is not None:
+                row &= self._allowed
+        elif self._allowed is not None:
+            row[:] = self._allowed
+        else:
+            row[:] = -1
+        banned = list(self._banned_always)
+        for word in self._banned_after:
+            prefix = list(word[:-1])
+            if self._recent[len(self._recent) - len(prefix):] == prefix:
+                banned.append(word[-1])
+        words = row.view(np.uint32)
+        for t in banned:
+            words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+
+    def accept(self, token_id: int) -> Optional[str]:
+        """Advance past a generated token; an error message if the grammar did not allow it."""
+        if self._keep:
+            self._recent = (self._recent + [token_id])[-self._keep:]
+        if self.grammar is not None and not self.grammar.consume(token_id):
+            return self.grammar.error or f"token {token_id} is not allowed by the grammar"
+        return None

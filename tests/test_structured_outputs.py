@@ -1,0 +1,207 @@
+"""Structured outputs and token constraints on the random tiny model, where only the grammar can keep
+output valid: JSON schemas, regexes and choices always match; constrained rows batched with
+unconstrained ones give each row's solo output; async scheduling changes nothing; nothing recompiles."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine_factory import shared_engine
+from jaxcb import SamplingParams
+from jaxcb.errors import InvalidRequestError
+from jaxcb.structured import StructuredOutputs, from_response_format, from_structured_outputs
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "ok"],
+}
+
+
+def generate_first_completions(e, prompts: list, params: list) -> list:
+    """Each prompt's first completion with its own params, running the engine until all finish."""
+    ids = [e.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    done = {}
+    while e.has_unfinished_requests():
+        done.update({out.request_id: out.outputs[0] for out in e.step() if out.finished})
+    return [done[i] for i in ids]
+
+
+def constrained(spec: StructuredOutputs, seed: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 96), temperature=1.0, seed=seed, structured_outputs=spec, **kw)
+
+
+def test_json_schema_outputs_always_validate_and_stop_on_a_random_model():
+    e = shared_engine()
+    spec = from_response_format({"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}})
+    outs = generate_first_completions(e, ["Who is it?"] * 24, [constrained(spec, s) for s in range(24)])
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        value = json.loads(out.text)
+        jsonschema.validate(value, PERSON)
+        assert set(value) <= set(PERSON["properties"])  # strict: no other properties
+        assert not re.search(r"\s", re.sub(r'"(\\.|[^"\\])*"', '""', out.text))  # no whitespace outside strings
+    assert e.num_recompiles == 0
+    assert e.block_pool.num_free_blocks == e.block_pool.num_blocks - 1
+
+
+def test_json_object_outputs_parse_as_objects():
+    e = shared_engine()
+    spec = from_response_format({"type": "json_object"})
+    for out in generate_first_completions(e, ["x"] * 6, [constrained(spec, s, max_tokens=200) for s in range(6)]):
+        if out.finish_reason == "stop":  # an unbounded object may run to max_tokens on a random model
+            assert isinstance(json.loads(out.text), dict)
+        else:
+            assert out.finish_reason == "length" and out.text.startswith("{")
+
+
+def test_choice_and_regex_always_match():
+    e = shared_engine()
+    choices = ["yes", "no", "maybe not"]
+    pattern = r"[a-c]{2,4}-[0-9]{2}(\.[0-9])?"
+    params = ([constrained(from_structured_outputs({"choice": choices}), s) for s in range(12)]
+              + [constrained(from_structured_outputs({"regex": pattern}), s) for s in range(12)])
+    outs = generate_first_completions(e, ["q"] * 24, params)
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outs[:12])
+    assert all(re.fullmatch(pattern, o.text) and o.finish_reason == "stop" for o in outs[12:])
+    assert len({o.text for o in outs[:12]}) > 1  # random, yet always one of them
+
+
+def test_a_grammar_in_gbnf_is_followed():
+    e = shared_engine()
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    outs = generate_first_completions(e, ["sum"] * 8, [constrained(from_structured_outputs({"grammar": grammar}), s)
+                                                      for s in range(8)])
+    for out in outs:
+        assert out.finish_reason in ("stop", "length")
+        if out.finish_reason == "stop":
+            assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", out.text), out.text
+
+
+def _solo_and_batched(e, prompts, params):
+    solo = [generate_first_completions(e, [p], [sp])[0] for p, sp in zip(prompts, params)]
+    batched = generate_first_completions(e, prompts, params)
+    return solo, batched
+
+
+def test_constrained_and_unconstrained_rows_batched_give_each_rows_solo_output():
+    e = shared_engine()
+    spec = from_structured_outputs({"json": PERSON})
+    prompts = ["alpha", "beta gamma", "delta", "epsilon zeta eta"]
+    params = [constrained(spec, 1), SamplingParams(max_tokens=24, temperature=1.0, seed=2),
+              constrained(from_structured_outputs({"regex": "[0-9]{4}"}), 3), SamplingParams(max_tokens=24, temperature=0)]
+    solo, batched = _solo_and_batched(e, prompts, params)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in solo]
+    assert e.num_recompiles == 0
+
+
+def test_async_scheduling_gives_the_same_constrained_outputs():
+    spec = from_structured_outputs({"json": PERSON})
+    params = [constrained(spec, s) for s in range(4)] + [SamplingParams(max_tokens=30, temperature=1.0, seed=9)]
+    prompts = [f"prompt {i}" for i in range(5)]
+    on = generate_first_completions(shared_engine(), prompts, params)
+    off = generate_first_completions(shared_engine("engine.async_scheduling=false"), prompts, params)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+
+
+def test_under_async_scheduling_unconstrained_rows_advance_every_step_and_constrained_ones_every_other():
+    e = shared_engine()
+    assert e.cfg.engine.async_scheduling
+    steps: list[set] = []
+    dispatch = e.runner.dispatch
+
+    def recording(out):
+        steps.append({s.request_id[0] for s in out.scheduled})
+        return dispatch(out)
+
+    e.runner.dispatch = recording
+    try:
+        free = e.add_request("free", SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        held = e.add_request("held", constrained(from_structured_outputs({"regex": "[a-z]{60}"}), 0, max_tokens=40))
+        while e.has_unfinished_requests():
+            e.step()
+    finally:
+        e.runner.dispatch = dispatch
+    decode = steps[1:]  # after the step that prefilled both
+    both = [s for s in decode if held in s or free in s][: 30]
+    assert all(free in s for s in both)  # the unconstrained row never waits
+    held_steps = [held in s for s in both]
+    assert not any(a and b for a, b in zip(held_steps, held_steps[1:]))  # never two steps in a row
+    assert sum(held_steps) >= len(both) // 2 - 1  # but every other one
+
+
+def test_logit_bias_of_100_makes_greedy_output_that_token():
+    e = shared_engine()
+    token = ord("q")
+    [out] = generate_first_completions(e, ["hello"], [SamplingParams(max_tokens=8, temperature=0,
+                                                                     logit_bias={token: 100.0})])
+    assert out.token_ids == [token] * 8
+    [down] = generate_first_completions(e, ["hello"], [SamplingParams(max_tokens=8, temperature=0,
+                                                                      logit_bias={t: -100.0 for t in out.token_ids})])
+    assert token not in down.token_ids
+
+
+def test_bad_words_never_appear_and_allowed_token_ids_are_all_that_appear():
+    e = shared_engine()
+    plain = generate_first_completions(e, ["abc"] * 4, [SamplingParams(max_tokens=40, temperature=0.8, seed=s)
+                                                       for s in range(4)])
+    # ban words the unconstrained output does contain
+    words = sorted({o.text[i : i + 2] for o in plain for i in range(0, 6, 2) if o.text[i : i + 2].isprintable()
+                    and len(o.text[i : i + 2].encode()) == 2})[:4]
+    assert words
+    banned = generate_first_completions(e, ["abc"] * 4, [SamplingParams(max_tokens=40, temperature=0.8, seed=s,
+                                                                        bad_words=words) for s in range(4)])
+    for out in banned:
+        assert not any(w in out.text for w in words), (words, out.text)
+    allowed = [ord(c) for c in "xyz "]
+    outs = generate_first_completions(e, ["abc"] * 3, [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
+                                                                      allowed_token_ids=allowed) for s in range(3)])
+    assert all(set(o.token_ids) <= set(allowed) for o in outs)
+
+
+def test_a_schema_that_does_not_compile_is_refused_naming_its_field_with_nothing_queued():
+    e = shared_engine()
+    bad = from_structured_outputs({"regex": "(unclosed"})
+    with pytest.raises(InvalidRequestError, match="structured_outputs.regex") as info:
+        e.add_request("x", constrained(bad, 0))
+    assert info.value.field == "structured_outputs.regex"
+    assert not e.has_unfinished_requests() and not e.scheduler.waiting
+
+
+def test_a_grammar_compiling_past_the_limit_is_refused():
+    e = shared_engine()
+    limit = e.grammars.max_compile_s
+    e.grammars.max_compile_s = 1e-9
+    try:
+        big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}x"}
+                                                for i in range(60)}}
+        with pytest.raises(InvalidRequestError, match="engine.max_grammar_compile_s"):
+            e.add_request("x", constrained(from_structured_outputs({"json": big}), 0))
+    finally:
+        e.grammars.max_compile_s = limit
+    assert not e.has_unfinished_requests()
+
+
+def test_compiled_grammars_are_cached_by_schema():
+    e = shared_engine()
+    spec = from_structured_outputs({"choice": ["cached-a", "cached-b"]})
+    generate_first_completions(e, ["a", "b", "c"], [constrained(spec, s) for s in range(3)])
+    generate_first_completions(e, ["d"], [constrained(spec, 4)])
+    assert e.grammars.num_compiled[(spec.kind, spec.text)] == 1
+
+
+def test_an_engine_without_masked_variants_refuses_constraints_by_name():
+    e = shared_engine("engine.masked_sampling=false")
+    for params, name in [(constrained(from_structured_outputs({"choice": ["a"]}), 0), "structured outputs"),
+                         (SamplingParams(logit_bias={1: 2.0}), "logit_bias"), (SamplingParams(bad_words=["x"]), "bad_words")]:
+        with pytest.raises(InvalidRequestError, match=f"{name}.*engine.masked_sampling=true"):
+            e.add_request("x", params)
+    assert not e.has_unfinished_requests()
