@@ -3,7 +3,8 @@ once per id), and the configured prompts (`generate_prompts`). In Python, use `j
 
 Input: one JSON object a line, with `id`, and `prompt` (text or token ids) or `messages`
 (a chat), plus optional sampling fields (max_tokens, temperature, top_p, top_k, min_p,
-repetition/presence/frequency_penalty, seed, stop, stop_token_ids, ignore_eos, min_tokens).
+repetition/presence/frequency_penalty, seed, stop, stop_token_ids, ignore_eos, min_tokens) and
+constraints (structured_outputs, response_format, logit_bias, allowed_token_ids, bad_words).
 Output: one line per id with `id`, `text`, `token_ids`, `finish_reason`, `usage` -- or `id`
 and `error` for a record that failed validation (the job goes on).
 
@@ -31,6 +32,7 @@ from jaxcb.errors import EngineOverloadedError, InvalidRequestError, UserError
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.request_fields import check_fields, reject_non_finite
+from jaxcb.structured.spec import from_response_format, from_structured_outputs
 from jaxcb.tokenizer import chat_prompt_ids
 
 log = logging.getLogger(__name__)
@@ -38,7 +40,8 @@ SAMPLING_FIELDS = (
     "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
 )
-RECORD_FIELDS = frozenset({"id", "prompt", "messages", *SAMPLING_FIELDS})
+CONSTRAINT_FIELDS = ("structured_outputs", "response_format", "logit_bias", "allowed_token_ids", "bad_words")
+RECORD_FIELDS = frozenset({"id", "prompt", "messages", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS})
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 FSYNC_EVERY = 64
 
@@ -124,10 +127,39 @@ def _request(llm: LLM, data: dict) -> tuple[Any, SamplingParams]:
     else:
         raise InvalidRequestError("the record has neither 'prompt' nor 'messages'")
     kwargs = {k: data[k] for k in SAMPLING_FIELDS if k in data}
+    kwargs.update(_constraints(data))
     try:
         return prompt, SamplingParams(**kwargs)
     except TypeError as e:
         raise InvalidRequestError(str(e)) from None
+
+
+def _constraints(data: dict) -> dict[str, Any]:
+    """SamplingParams' constraint fields from a record (the server's names and forms)."""
+    out: dict[str, Any] = {}
+    if "structured_outputs" in data and "response_format" in data:
+        raise InvalidRequestError("structured_outputs and response_format both constrain the output; give one")
+    if data.get("structured_outputs") is not None:
+        out["structured_outputs"] = from_structured_outputs(data["structured_outputs"])
+    if data.get("response_format") is not None:
+        out["structured_outputs"] = from_response_format(data["response_format"])
+    bias = data.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(str(k).lstrip("-").isdigit() and isinstance(v, (int, float))
+                                                 for k, v in bias.items()):
+            raise InvalidRequestError("logit_bias must map token ids to numbers, e.g. {\"42\": -100}")
+        out["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+    ids = data.get("allowed_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("allowed_token_ids must be a list of token ids")
+        out["allowed_token_ids"] = ids
+    words = data.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list):
+            raise InvalidRequestError("bad_words must be a list of strings")
+        out["bad_words"] = words
+    return out
 
 
 class _Writer:

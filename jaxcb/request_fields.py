@@ -18,26 +18,18 @@ from jaxcb.errors import InvalidRequestError
 # OpenAI fields that do not change what is generated: accepted and ignored (docs/api.md lists them).
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
-_STRUCTURED = "structured outputs are not supported yet; the request is refused rather than answered unconstrained"
-_TOOLS = "tool calling is not supported yet; the request is refused rather than answered without tools"
+_STRUCTURED = "use structured_outputs (or response_format) instead"
+_TOOLS = "use tools and tool_choice instead"
 NOT_SUPPORTED: dict[str, str] = {
-    "response_format": _STRUCTURED,
-    "structured_outputs": _STRUCTURED,
-    "guided_json": "guided_json is vLLM's legacy field, replaced by structured_outputs.json (or response_format); "
-                   + _STRUCTURED,
-    "guided_regex": "guided_regex is vLLM's legacy field, replaced by structured_outputs.regex; " + _STRUCTURED,
-    "guided_choice": "guided_choice is vLLM's legacy field, replaced by structured_outputs.choice; " + _STRUCTURED,
-    "guided_grammar": "guided_grammar is vLLM's legacy field, replaced by structured_outputs.grammar; " + _STRUCTURED,
-    "guided_decoding_backend": "guided_decoding_backend is vLLM's legacy field; " + _STRUCTURED,
-    "guided_whitespace_pattern": "guided_whitespace_pattern is vLLM's legacy field; " + _STRUCTURED,
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
+    "guided_json": "guided_json is vLLM's legacy field, replaced by structured_outputs.json (or response_format)",
+    "guided_regex": "guided_regex is vLLM's legacy field, replaced by structured_outputs.regex",
+    "guided_choice": "guided_choice is vLLM's legacy field, replaced by structured_outputs.choice",
+    "guided_grammar": "guided_grammar is vLLM's legacy field, replaced by structured_outputs.grammar",
+    "guided_decoding_backend": "guided_decoding_backend is vLLM's legacy field; " + _STRUCTURED
+                               + " (jaxcb uses llguidance)",
+    "guided_whitespace_pattern": "guided_whitespace_pattern is vLLM's legacy field; JSON output is always compact",
     "functions": "functions (OpenAI's deprecated form of tools): " + _TOOLS,
     "function_call": "function_call (OpenAI's deprecated form of tool_choice): " + _TOOLS,
-    "logit_bias": "logit_bias is not supported yet",
-    "allowed_token_ids": "allowed_token_ids is not supported yet",
-    "bad_words": "bad_words is not supported yet",
     "prompt_logprobs": "prompt_logprobs is not supported yet",
     "cache_salt": "cache_salt is not supported yet: without it a shared prefix cache cannot separate tenants",
     "suffix": "suffix (insertion between a prompt and a suffix) is not supported",
@@ -52,10 +44,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "add_special_tokens": "add_special_tokens is not supported",
     "chat_template": "a per-request chat_template is not supported; start the server with server.chat_template",
-    "chat_template_kwargs": "chat_template_kwargs is not supported yet",
-    "add_generation_prompt": "add_generation_prompt is not supported yet: the prompt always ends ready for the "
-                             "assistant's turn",
-    "continue_final_message": "continue_final_message is not supported yet",
     "documents": "documents are not supported",
     "echo": "echo is not supported yet",
     "audio": "audio output is not supported",
@@ -67,8 +55,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
     "request_id": "a client-chosen request_id is not supported",
-    "tool_calls": _TOOLS,
-    "tool_call_id": _TOOLS,
+    "tool_calls": "tool calls in messages are read by /v1/chat/completions, not by job records",
+    "tool_call_id": "tool messages are read by /v1/chat/completions, not by job records",
     "continuous_usage_stats": "continuous_usage_stats is not supported; include_usage sends usage in the last chunk",
 }
 # Fields accepted when their value is what jaxcb does anyway (the OpenAI and vLLM defaults).
@@ -79,15 +67,8 @@ HONOURED_VALUES: dict[str, tuple[Any, ...]] = {
     "echo": (False,),
     "best_of": (None, 1),
     "use_beam_search": (False,),
-    "logit_bias": (None, {}),
-    "parallel_tool_calls": (None,),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "add_generation_prompt": (True,),
-    "continue_final_message": (False,),
     "add_special_tokens": (False,),
     "return_tokens_as_token_ids": (False,),
-    "tool_calls": (None, []),
     "refusal": (None,),
 }
 

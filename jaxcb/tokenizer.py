@@ -259,15 +259,24 @@ def load_tokenizer(path: Optional[str]) -> Tokenizer:
 
 def chat_prompt_ids(
     tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-    tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
+    tools: Optional[list[dict[str, Any]]] = None, *, continue_final_message: bool = False, **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of a chat rendered with the tokenizer's template, by default ready for the
     assistant's turn; raises InvalidRequestError (NoChatTemplateError, ChatTemplateError).
+    `continue_final_message`: the prompt ends inside the last message (its end-of-turn cut
+    off), so that the reply continues it -- as transformers does.
 
     Chat templates write BOS themselves (where the model wants one), so their text is encoded
     without adding it again -- as transformers' apply_chat_template(tokenize=True) does. The
     byte tokenizer's BOS has no text form: it adds it to the encoded template."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **template_kwargs)
+    if continue_final_message:
+        final = (messages[-1].get("content") or "").strip() if messages else ""
+        end = text.rfind(final) if final else -1
+        if end < 0:
+            raise ChatTemplateError("continue_final_message: the chat template does not write the final message's "
+                                    "content as given, so the reply cannot continue it")
+        text = text[: end + len(final)]
     return tokenizer.encode(text, add_special_tokens=isinstance(tokenizer, ByteTokenizer))
 
 

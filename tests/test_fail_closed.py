@@ -16,9 +16,8 @@ from server_harness import running_server
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 SAMPLE_VALUES = {  # a value of the shape a client would send, for each refused field
-    "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "required", "logit_bias": {"5": 10}, "best_of": 3, "guided_json": {"type": "object"},
-    "functions": [{"name": "f"}], "suffix": "end", "echo": True, "skip_special_tokens": False,
+    "best_of": 3, "guided_json": {"type": "object"}, "functions": [{"name": "f"}], "suffix": "end", "echo": True,
+    "skip_special_tokens": False,
 }
 
 
@@ -60,9 +59,10 @@ def test_unknown_fields_and_unknown_message_fields_are_refused_by_name(server):
     r = post(url, "/v1/completions", {**COMPLETION, "temprature": 0.5})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temprature"
     assert "not a field jaxcb knows" in r.json()["error"]["message"]
-    messages = [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}, {"role": "user", "content": "x"}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}, "index": 0}
+    messages = [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "user", "content": "x"}]
     r = post(url, "/v1/chat/completions", {**CHAT, "messages": messages})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_calls"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.tool_calls.0.index"
     r = post(url, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"continuous_usage_stats": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options.continuous_usage_stats"
     assert_nothing_queued(state)
@@ -110,9 +110,11 @@ def test_priority_under_a_policy_that_ignores_it_names_the_policy_that_uses_it(s
 
 def test_job_records_are_refused_by_the_same_table(tmp_path):
     llm = None  # _request refuses before it needs the model
-    with pytest.raises(InvalidRequestError, match="response_format: structured outputs are not supported"):
-        _request(llm, {"id": "a", "prompt": "hi", "response_format": {"type": "json_object"}})
-    with pytest.raises(InvalidRequestError, match="messages.0.tool_calls"):
+    with pytest.raises(InvalidRequestError, match="guided_json is vLLM's legacy field"):
+        _request(llm, {"id": "a", "prompt": "hi", "guided_json": {"type": "object"}})
+    with pytest.raises(InvalidRequestError, match="structured_outputs.backend"):
+        _request(llm, {"id": "a", "prompt": "hi", "structured_outputs": {"json": {}, "backend": "xgrammar"}})
+    with pytest.raises(InvalidRequestError, match="messages.0.tool_calls: tool calls in messages are read by"):
         _request(llm, {"id": "a", "messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]})
     assert check_fields({"id": "a", "user": "u", "prompt": "x"}, {"id", "prompt"}) == {"id": "a", "prompt": "x"}
     path = tmp_path / "in.jsonl"

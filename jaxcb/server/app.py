@@ -28,14 +28,8 @@ from jaxcb.metrics import EngineMetrics
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.dashboard import DashboardHistory, dashboard_html
 from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from jaxcb.server.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    message_text,
-    parse_request,
-    sampling_params,
-)
+from jaxcb.server.chat import assistant_message, plan_chat
+from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request, sampling_params
 from jaxcb.server.streaming import (
     chat_events,
     close_streams,
@@ -45,7 +39,8 @@ from jaxcb.server.streaming import (
     usage_of,
 )
 from jaxcb.request_fields import reject_non_finite
-from jaxcb.tokenizer import chat_prompt_ids
+from jaxcb.server.tool_parsers import get_tool_parser
+from jaxcb.structured.spec import StructuredOutputs, StructuredOutputsError, from_structured_outputs
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +61,7 @@ class ServerState:
         self.model_name = served_model_name(cfg)
         self.shutting_down = False
         self.num_in_flight = 0
+        self._tool_parser = None
         if cfg.server.backend == "ray":
             from jaxcb.distributed.ray_server import ReplicaRouter
 
@@ -88,6 +84,12 @@ class ServerState:
             stream_buffer_tokens=cfg.server.stream_buffer_tokens,
             stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
         )
+
+    def tool_parser(self):
+        """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
+        if self._tool_parser is None:
+            self._tool_parser = get_tool_parser(self.cfg.server.tool_call_parser, self.engine.tokenizer.chat_template)
+        return self._tool_parser
 
     def _on_step(self, engine, outputs, step_seconds) -> None:
         self.metrics.on_step(engine, outputs, step_seconds)
@@ -157,7 +159,9 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
         prompts = _completion_prompts(req.prompt)
-        params = _params(state, req, req.max_tokens, req.logprobs)
+        structured = _completion_structured(req)
+        await _compile_grammar(state, structured)
+        params = _params(state, req, req.max_tokens, req.logprobs, structured)
         streams = await _start(state, prompts, params, req.priority, _deadlines(state, req.timeout))
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -176,35 +180,29 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
-        if not req.messages:
-            raise APIError(400, "messages is empty; give at least one message", param="messages")
-        messages = [
-            {"role": m.role, "content": message_text(m), **({"name": m.name} if m.name is not None else {})}
-            for m in req.messages
-        ]
-        try:
-            prompt_ids = chat_prompt_ids(state.engine.tokenizer, messages)
-        except InvalidRequestError as e:  # no chat template, or one that refuses the conversation
-            raise APIError(400, str(e), param="messages") from None
+        plan = plan_chat(req, state.engine.tokenizer, state.tool_parser())
+        await _compile_grammar(state, plan.structured)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, state.engine.max_model_len - len(prompt_ids))
+            max_tokens = max(1, state.engine.max_model_len - len(plan.prompt_ids))
         top_n = req.top_logprobs or 0
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        params = _params(state, req, max_tokens, max(top_n, 1) if req.logprobs else None)
-        streams = await _start(state, [prompt_ids], params, req.priority, _deadlines(state, req.timeout))
+        params = _params(state, req, max_tokens, max(top_n, 1) if req.logprobs else None, plan.structured)
+        streams = await _start(state, [plan.prompt_ids], params, req.priority, _deadlines(state, req.timeout))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(state, streams, chat_events(state, rid, req, streams, include_usage, top_n))
+            return sse_response(state, streams, chat_events(state, rid, req, streams, include_usage, top_n, plan))
         [out] = await collect_final_outputs(state, request, streams)
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": fmt.chat_logprobs(state.engine.tokenizer, c, 0, top_n) if req.logprobs else None,
-            "finish_reason": fmt.finish_reason(c),
-        } for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = assistant_message(plan, c.text, fmt.finish_reason(c))
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": fmt.chat_logprobs(state.engine.tokenizer, c, 0, top_n) if req.logprobs else None,
+                "finish_reason": finish,
+            })
         return fmt.chat_response(rid, state.model_name, choices, *usage_of([out]))
 
     return app
@@ -273,11 +271,30 @@ def _completion_prompts(prompt) -> list:
     return prompts
 
 
-def _params(state: ServerState, req, max_tokens, logprobs):
+def _params(state: ServerState, req, max_tokens, logprobs, structured: Optional[StructuredOutputs] = None):
     return sampling_params(
         req, max_tokens, logprobs, max_n=state.cfg.server.max_n, max_model_len=state.engine.max_model_len,
-        max_logprobs=state.cfg.engine.max_logprobs,
+        max_logprobs=state.cfg.engine.max_logprobs, structured_outputs=structured,
     )
+
+
+def _completion_structured(req: CompletionRequest) -> Optional[StructuredOutputs]:
+    try:
+        return from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None
+    except StructuredOutputsError as e:
+        raise APIError(400, str(e), param=e.field) from None
+
+
+async def _compile_grammar(state: ServerState, spec: Optional[StructuredOutputs]) -> None:
+    """Compile the request's grammar off the engine's thread (cached: the engine then finds it compiled);
+    a grammar that does not compile, or not in time, is a 400 naming its field and nothing is queued."""
+    grammars = getattr(state.engine, "grammars", None)  # Ray replicas compile their own
+    if spec is None or grammars is None:
+        return
+    try:
+        await asyncio.to_thread(grammars.compile, spec)
+    except StructuredOutputsError as e:
+        raise APIError(400, str(e), param=e.field) from None
 
 
 def _deadlines(state: ServerState, timeout: Optional[float]) -> dict[str, float]:
@@ -318,7 +335,7 @@ async def _start(state: ServerState, prompts: list, params, priority: int,
     except InvalidRequestError as e:
         close_streams(streams)
         state.metrics.request_rejected("invalid")
-        raise APIError(400, str(e)) from None
+        raise APIError(400, str(e), param=getattr(e, "field", None)) from None
     except EngineOverloadedError as e:
         close_streams(streams)
         state.metrics.request_rejected("overloaded")

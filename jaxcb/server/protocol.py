@@ -58,6 +58,11 @@ class _SamplingFields(_Strict):
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
     timeout: Optional[Union[int, float]] = None  # seconds: end with what it has by then (never past server.request_timeout_s)
+    # constraints (jaxcb.structured): vLLM's structured_outputs, and the token-level fields
+    structured_outputs: Optional[dict[str, Any]] = None
+    logit_bias: Optional[dict[str, Union[int, float]]] = None  # token id (as a string, as OpenAI sends it) -> bias
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -66,10 +71,44 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = None
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCallMessage(_Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[dict[str, Any]]]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None  # null only in an assistant turn with tool_calls
     name: Optional[str] = None  # passed to the chat template with the message
+    tool_calls: Optional[list[ToolCallMessage]] = None  # an assistant turn's calls
+    tool_call_id: Optional[str] = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema of the arguments object
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -78,6 +117,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None  # null: true, as OpenAI
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last (assistant) message
 
 
 def _known_fields(body: dict[str, Any], cls: type[_Strict]) -> dict[str, Any]:
@@ -114,9 +160,21 @@ def _check(ok: bool, message: str, param: str) -> None:
         raise APIError(400, message, param=param)
 
 
+def _logit_bias(req: _SamplingFields) -> Optional[dict[int, float]]:
+    if not req.logit_bias:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        _check(key.lstrip("-").isdigit(), f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
+        _check(-100 <= value <= 100, f"logit_bias[{key}]={value} must be between -100 and 100", "logit_bias")
+        bias[int(key)] = float(value)
+    return bias
+
+
 def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int], *, max_n: int,
-                    max_model_len: int, max_logprobs: int) -> SamplingParams:
-    """The engine's SamplingParams for a request, or APIError(400) naming the field."""
+                    max_model_len: int, max_logprobs: int, structured_outputs=None) -> SamplingParams:
+    """The engine's SamplingParams for a request, or APIError(400) naming the field.
+    `structured_outputs`: the request's spec (jaxcb.structured), already read from its fields."""
     _check(1 <= req.n <= max_n, f"n={req.n} must be between 1 and {max_n}", "n")
     if max_tokens is not None:
         _check(1 <= max_tokens <= max_model_len, f"max_tokens={max_tokens} must be between 1 and {max_model_len}", "max_tokens")
@@ -147,13 +205,17 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
             stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            structured_outputs=structured_outputs,
+            logit_bias=_logit_bias(req),
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=list(req.bad_words or []),
         )
     except InvalidRequestError as e:
         raise APIError(400, str(e), param=str(e).split("=")[0]) from None
 
 
-def message_text(message: ChatMessage) -> str:
-    if isinstance(message.content, str):
+def message_text(message: ChatMessage) -> Optional[str]:
+    if message.content is None or isinstance(message.content, str):
         return message.content
     parts = []
     for part in message.content:

@@ -164,10 +164,41 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
     yield fmt.SSE_DONE
 
 
-async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_usage, top_n) -> AsyncIterator[str]:
+def _tool_call_delta(d) -> dict:
+    """OpenAI's delta.tool_calls[] entry: id, type and name on a call's first piece, then argument fragments."""
+    function = {"arguments": d.arguments}
+    entry = {"index": d.index, "function": function}
+    if d.id is not None:
+        entry.update(id=d.id, type="function")
+        function["name"] = d.name
+    return entry
+
+
+def _chat_delta(plan, streamers: dict, index: int, text: str, done: bool) -> tuple[dict, bool]:
+    """(the delta of one choice, whether it carries tool calls): plain content, or what the choice's
+    tool-call streamer lets out (text that may start a call is held back until it is known)."""
+    if plan is None or plan.tool_parser is None:
+        return ({"content": text} if text else {}), False
+    streamer = streamers.setdefault(index, plan.tool_parser.streamer())
+    content, calls = streamer.feed(text)
+    if done:
+        more_content, more_calls = streamer.finish()
+        content, calls = content + more_content, calls + more_calls
+    if plan.max_tool_calls is not None:
+        calls = [d for d in calls if d.index < plan.max_tool_calls]
+    delta: dict = {"content": content} if content else {}
+    if calls:
+        delta["tool_calls"] = [_tool_call_delta(d) for d in calls]
+    return delta, bool(calls)
+
+
+async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_usage, top_n,
+                      plan=None) -> AsyncIterator[str]:
     created, tok = int(time.time()), state.engine.tokenizer
     sent_done: set[int] = set()
     held: dict[int, CompletionOutput] = {}  # tokens whose text is not out yet: their logprobs go with it
+    streamers: dict = {}  # choice -> its tool-call streamer (jaxcb.server.tool_parsers)
+    called: set[int] = set()  # choices that made tool calls: they finish with "tool_calls"
     final = None
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -184,9 +215,14 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             if not c.text and not done:
                 held[c.index] = c
                 continue
+            delta, calls = _chat_delta(plan, streamers, c.index, c.text, bool(done))
+            if calls:
+                called.add(c.index)
             logprobs = fmt.chat_logprobs(tok, c, 0, top_n) if req.logprobs else None
-            choice = {"index": c.index, "delta": {"content": c.text} if c.text else {}, "logprobs": logprobs,
-                      "finish_reason": done}
+            if not delta and not done and logprobs is None:
+                continue  # held back by the tool-call streamer
+            finish = "tool_calls" if done == "stop" and c.index in called else done
+            choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
         if out.finished:
             final = out

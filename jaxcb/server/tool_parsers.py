@@ -1,35 +1,36 @@
 """Tool calls in model output: parse them, stream them, and force them with a grammar.
 
-Owns the text syntaxes a model writes OpenAI-style tool calls in (`server.tool_call_parser`):
-`hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `llama3_json`
-(`{"name": ..., "parameters": {...}}`, `;`-separated, optionally after `<|python_tag|>`) and
-`pythonic` (`[get_weather(city="Paris"), ping()]`). For each: `parse` splits a finished completion
-into content + calls, `streamer()` does the same incrementally, and `tool_call_grammar` writes the
-llguidance Lark grammar that makes a model write valid calls. Imports neither jax nor llguidance
-(the grammar is text, compiled by the caller); never raises on model output.
+Owns the syntaxes a model writes OpenAI-style tool calls in (`server.tool_call_parser`): `hermes`
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `llama3_json` (`{"name": ...,
+"parameters": {...}}`, `;`-separated, maybe after `<|python_tag|>`) and `pythonic` (`[f(a=1), g()]`).
+Each syntax has one `_scan` of the text so far: `parse` is its final reading, and a
+`ToolCallStreamer` sends what each new reading adds, so stream and non-stream agree by
+construction. `tool_call_grammar` writes the llguidance Lark grammar that makes a model write valid
+calls. Imports neither jax nor llguidance (a grammar is text); never raises on model output:
+malformed calls are content.
 
-Canonical `arguments`: for the JSON syntaxes, the model's own JSON text of the arguments object
-with the whitespace outside strings removed (key order, escapes and numbers as written;
-`json.loads` of it is the parsed value). It can be streamed character by character, so the
-streamed fragments add up to exactly the non-streamed string; grammar-forced output is compact
-already, so there it is verbatim. For pythonic, `json.dumps(args, ensure_ascii=False,
-separators=(",", ":"))`: there is no JSON text to keep, so each call is sent whole.
+Canonical `arguments`: for the JSON syntaxes, the model's JSON text of the arguments object with
+the whitespace outside strings removed (key order, escapes, numbers as written; `json.loads` of it
+is the parsed value). Its prefix is known as soon as the text's is, so it streams in fragments that
+add up to exactly the non-streamed string; grammar-forced JSON is compact already, so verbatim.
+For pythonic, `json.dumps(args, ensure_ascii=False, separators=(",", ":"))`, each call sent whole.
 
-Malformed calls stay content. A stream announces a JSON call once its head (`{"name": "f",
-"arguments": `) is complete and cannot withdraw it; if its text then turns out malformed
-(typically output cut by max_tokens), the stream keeps the partial call while `parse` returns
-that text as content. Otherwise stream and `parse` agree for any split of the text.
+What a stream cannot avoid: it announces a JSON call once its head (`{"name": "f", "arguments": `)
+is read; if the call then turns out malformed (say, cut by max_tokens) that partial call stays
+sent, and its text also arrives as content, as `parse` has it.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import keyword
+import math
 import re
 import secrets
 import string
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 
@@ -55,18 +56,33 @@ class ToolCallDelta:
     arguments: str = ""  # a fragment of the arguments string
 
 
+@dataclass
+class _Scan:
+    """What the text so far says. Without `final`, only what more text cannot change."""
+    content: list[str] = field(default_factory=list)  # raw content pieces, in order
+    calls: list[tuple[int, str, str]] = field(default_factory=list)  # (text position, name, arguments)
+    partial: Optional[tuple[int, str, str]] = None  # a call still being written: arguments so far
+
+
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "pythonic")
 _ID_CHARS = string.ascii_letters + string.digits
-_JSON_WS = " \t\n\r"
+_JSON_WS = re.compile(r"[ \t\n\r]*")
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
-# A JSON call's head: complete once the arguments object opens. JSON whitespace only (not \s),
-# so that the stream never announces an object that `_read_object` would refuse.
+# A JSON call's head, complete once its arguments object opens. JSON whitespace (not \s) so that
+# the head never matches an object that `_read_object` refuses.
 _CALL_HEAD = re.compile(r'[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")'
                         r'[ \t\n\r]*,[ \t\n\r]*"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*(?=\{)')
+# An unclosed string runs to the end of the text. Unrolled loops: alternation per character is slow.
+_JSON_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)'
+_JSON_TOKENS = re.compile(_JSON_STRING + r"|[\[\]{}()]", re.DOTALL)
+_PY_TOKENS = re.compile(_JSON_STRING + r"|'[^'\\]*(?:\\.[^'\\]*)*(?:'|\\?\Z)|[\[\]{}()]", re.DOTALL)
+_COMPACT = re.compile(f"({_JSON_STRING})|[ \\t\\n\\r]+", re.DOTALL)
 _LIST_START = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")  # where a pythonic call list begins
-_LIST_START_PREFIX = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?")  # ... or may still begin
+_LIST_MAY_START = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?\Z")  # ... or may, once more text comes
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
+_PLAIN_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions",
+                      "title", "description", "$schema"}
 _PY_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
@@ -81,79 +97,47 @@ def _reject_constant(name: str) -> Any:
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)
 
 
-class _Scanner:
-    """Bracket depth and string state over JSON (or Python) text, one character at a time."""
-
-    def __init__(self, quotes: str = '"'):
-        self.quotes = quotes
-        self.depth = 0
-        self.opened = False
-        self.quote: Optional[str] = None
-        self.escaped = False
-
-    def step(self, ch: str) -> bool:
-        """Advance over `ch`; False if it is whitespace between tokens (compaction drops it)."""
-        if self.quote:
-            if self.escaped:
-                self.escaped = False
-            elif ch == "\\":
-                self.escaped = True
-            elif ch == self.quote:
-                self.quote = None
-            return True
-        if ch in _JSON_WS:
-            return False
-        if ch in self.quotes:
-            self.quote = ch
-        elif ch in "([{":
-            self.depth, self.opened = self.depth + 1, True
-        elif ch in ")]}":
-            self.depth -= 1
-        return True
-
-    @property
-    def closed(self) -> bool:  # the first bracket opened has been closed
-        return self.opened and self.depth <= 0 and self.quote is None
-
-
 def _compact(json_text: str) -> str:
-    scanner = _Scanner()
-    return "".join(ch for ch in json_text if scanner.step(ch))
+    """Without whitespace outside strings; of a prefix, a prefix of the whole's."""
+    return _COMPACT.sub(r"\1", json_text)  # an unmatched group expands to ""
+
+
+def _bracket_end(text: str, start: int, tokens: re.Pattern = _JSON_TOKENS) -> Optional[int]:
+    """The index after the bracket that closes text[start] (strings skipped), None if unclosed."""
+    depth = 0
+    for token in tokens.finditer(text, start):
+        depth += 1 if token.group() in "([{" else -1 if token.group() in ")]}" else 0
+        if depth <= 0:
+            return token.end()
+    return None
 
 
 def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in _JSON_WS:
-        pos += 1
-    return pos
+    return _JSON_WS.match(text, pos).end()
 
 
-def _read_object(text: str, pos: int) -> tuple[dict[str, tuple[Any, str]], int]:
-    """The JSON object at text[pos] as {key: (value, raw value text)} and the index after it.
-    The first of duplicate keys wins, as in a stream. ValueError if there is no valid object."""
-    if not text.startswith("{", pos):
+def _read_object(text: str) -> dict[str, tuple[Any, str]]:
+    """`text`, one JSON object with whitespace around it, as {key: (value, raw value text)}; the
+    first of duplicate keys wins, as in a stream. ValueError if it is not that."""
+    if not isinstance(_DECODER.decode(text), dict):  # valid: the walk below need not check
         raise ValueError("not an object")
-    members: dict[str, tuple[Any, str]] = {}
-    pos = _skip_ws(text, pos + 1)
-    if text.startswith("}", pos):
-        return members, pos + 1
-    while True:
+    members, pos = {}, _skip_ws(text, 0) + 1
+    while text[pos := _skip_ws(text, pos)] != "}":
         key, pos = _DECODER.raw_decode(text, pos)
-        pos = _skip_ws(text, pos)
-        if not isinstance(key, str) or not text.startswith(":", pos):
-            raise ValueError("bad key")
-        start = _skip_ws(text, pos + 1)
+        start = _skip_ws(text, _skip_ws(text, pos) + 1)  # past the ":"
         value, pos = _DECODER.raw_decode(text, start)
         members.setdefault(key, (value, text[start:pos]))
         pos = _skip_ws(text, pos)
-        if text.startswith("}", pos):
-            return members, pos + 1
-        if not text.startswith(",", pos):
-            raise ValueError("expected , or }")
-        pos = _skip_ws(text, pos + 1)
+        pos += text[pos] == ","
+    return members
 
 
-def _call_from_members(members: dict[str, tuple[Any, str]]) -> Optional[tuple[str, str]]:
-    """(name, canonical arguments) of a call object, or None if it is not one."""
+def _parse_call(text: str) -> Optional[tuple[str, str]]:
+    """(name, canonical arguments) of the one JSON call object in `text`, or None."""
+    try:
+        members = _read_object(text)
+    except (ValueError, RecursionError):
+        return None
     name = members.get("name", (None, ""))[0]
     args_key = next((key for key in members if key in ("arguments", "parameters")), None)
     if not isinstance(name, str) or args_key is None:
@@ -162,179 +146,92 @@ def _call_from_members(members: dict[str, tuple[Any, str]]) -> Optional[tuple[st
     if isinstance(value, str):  # some models write the arguments as a string holding the object
         try:
             value, raw = _DECODER.decode(value), value
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return (name, _compact(raw)) if isinstance(value, dict) else None
 
 
-def _parse_call(text: str) -> Optional[tuple[str, str]]:
-    """The call in `text` (one JSON object, whitespace around it), or None."""
-    try:
-        members, end = _read_object(text, _skip_ws(text, 0))
-    except (ValueError, RecursionError):
+def _partial_call(text: str, at: int) -> Optional[tuple[int, str, str]]:
+    """(at, name, arguments so far) of the call being written in `text`, once its head is read."""
+    if (head := _CALL_HEAD.match(text)) is None:
         return None
-    return _call_from_members(members) if _skip_ws(text, end) == len(text) else None
+    try:
+        name = _DECODER.decode(head.group(1))
+    except ValueError:
+        return None
+    return at, name, _compact(text[head.end():_bracket_end(text, head.end())])
 
 
-def _output(content_pieces: list[str], calls: list[tuple[str, str]]) -> ParsedToolOutput:
-    content = "".join(content_pieces).strip()
-    return ParsedToolOutput(content or None, [ToolCall(_new_call_id(), n, a) for n, a in calls])
-
-
-def _marker_prefix_len(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that could be the start of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0
-
-
-class _ContentOut:
-    """Streamed content equal to the non-streamed one: leading whitespace dropped and trailing
-    whitespace held until more text follows (`parse` strips the joined content)."""
-
-    def __init__(self):
-        self.started = False
-        self.held = ""
-
-    def emit(self, text: str) -> str:
-        if not self.started:
-            text = text.lstrip()
-            self.started = bool(text)
-        body = text.rstrip()
-        if not body:
-            self.held += text
-            return ""
-        out, self.held = self.held + body, text[len(body):]
-        return out
-
-
-def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
-    """Adjacent argument fragments of one call as one delta."""
-    merged: list[ToolCallDelta] = []
-    for delta in deltas:
-        if merged and merged[-1].index == delta.index and delta.id is None:
-            merged[-1].arguments += delta.arguments
-        else:
-            merged.append(delta)
-    return merged
+def _decided_end(text: str, marker: str, final: bool) -> int:
+    """Where decided text ends: at the end, or while more may come, before an end piece of `text`
+    that could be the start of `marker`."""
+    held = 0 if final else next(
+        (k for k in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:k])), 0)
+    return len(text) - held
 
 
 class ToolCallStreamer:
-    """Turns a stream of text deltas into content text and tool call deltas, for one completion."""
+    """Turns one completion's text deltas into content and tool call deltas. Re-reads the whole
+    text at each delta (string search and JSON decoding, cheap next to a decode step) and sends
+    what the reading adds: new content, new calls, the new end of a call's arguments."""
 
-    def __init__(self):
-        self.out = _ContentOut()
-        self.pending = ""  # text received but not judged yet
-        self.num_calls = 0
+    def __init__(self, parser: "ToolParser"):
+        self._parser = parser
+        self._text = ""
+        self._content_sent = 0  # characters of the reading's content already sent
+        self._calls_sent = 0  # complete calls of the reading already sent
+        self._index = 0  # the stream index of the next call
+        self._announced: Optional[tuple[int, int]] = None  # (text position, arguments sent)
 
     def feed(self, delta_text: str) -> tuple[str, list[ToolCallDelta]]:
-        """(content text safe to send now, call deltas) after `delta_text`."""
-        self.pending += delta_text
-        content: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        while self.pending and self._step(content, deltas):
-            pass
-        return self.out.emit("".join(content)), _merge(deltas)
+        """(content text safe to send now, call deltas) once `delta_text` is added."""
+        self._text += delta_text
+        return self._update(final=False)
 
     def finish(self) -> tuple[str, list[ToolCallDelta]]:
         """At the end of the output: what was held back."""
-        content: list[str] = []
-        deltas: list[ToolCallDelta] = []
-        self._finish(content, deltas)
-        return self.out.emit("".join(content)), _merge(deltas)
+        return self._update(final=True)
 
-    def _step(self, content: list[str], deltas: list[ToolCallDelta]) -> bool:
-        """Judge some of `self.pending`; False when it needs more text."""
-        raise NotImplementedError
+    def _update(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
+        scan = self._parser._scan(self._text, final)
+        # Stripped as `parse` has it: trailing whitespace waits for more text, then is dropped.
+        content = "".join(scan.content).strip()
+        new_content, self._content_sent = content[self._content_sent:], len(content)
+        live = scan.calls[self._calls_sent:] + ([scan.partial] if scan.partial else [])
+        num_done, self._calls_sent = len(scan.calls) - self._calls_sent, len(scan.calls)
+        if self._announced and all(at != self._announced[0] for at, _, _ in live):
+            self._announced, self._index = None, self._index + 1  # malformed: now content
+        deltas = []
+        for i, (at, name, arguments) in enumerate(live):
+            deltas += self._send(at, name, arguments, done=i < num_done)
+        return new_content, deltas
 
-    def _finish(self, content: list[str], deltas: list[ToolCallDelta]) -> None:
-        raise NotImplementedError
-
-    def _take_until(self, marker: str, content: list[str]) -> bool:
-        """Move pending text before `marker` to `content`; True (marker consumed) if found."""
-        at = self.pending.find(marker)
-        if at == -1:
-            keep = _marker_prefix_len(self.pending, marker)
-            content.append(self.pending[:len(self.pending) - keep])
-            self.pending = self.pending[len(self.pending) - keep:]
-            return False
-        content.append(self.pending[:at])
-        self.pending = self.pending[at + len(marker):]
-        return True
-
-
-class _CallReader:
-    """Reads one JSON call object from streamed text. Announces the call as soon as its head is
-    complete and streams its arguments compacted; any other object is judged when it ends."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.text = ""  # the object's text so far
-        self.end: Optional[int] = None  # len(text) once the object's closing brace is read
-        self.scanner = _Scanner()
-        self.args_scanner: Optional[_Scanner] = None  # set once announced
-        self.args_pos = 0
-        self.refused = False  # the head matched but its name is not a JSON string
-
-    def feed(self, chunk: str) -> tuple[list[ToolCallDelta], str]:
-        """Deltas for `chunk`, and the part of it after the object's end."""
-        if self.end is not None:
-            return [], chunk
-        leftover = ""
-        for i, ch in enumerate(chunk):
-            self.scanner.step(ch)
-            if self.scanner.closed:
-                chunk, leftover = chunk[:i + 1], chunk[i + 1:]
-                self.end = len(self.text) + i + 1
-                break
-        self.text += chunk
-        return self._announce() + self._stream_args(), leftover
-
-    def result(self, text: str) -> Optional[list[ToolCallDelta]]:
-        """At the call's end, given its whole text: the deltas still owed, or None if `text` is no
-        call (it is content). An announced call is never withdrawn."""
-        if self.args_scanner is not None:
-            return []
-        call = _parse_call(text)
-        return None if call is None else [ToolCallDelta(self.index, _new_call_id(), *call)]
-
-    def _announce(self) -> list[ToolCallDelta]:
-        if self.args_scanner is not None or self.refused:
-            return []
-        head = _CALL_HEAD.match(self.text)
-        if head is None:
-            return []
-        try:
-            name = _DECODER.decode(head.group(1))
-        except ValueError:
-            self.refused = True
-            return []
-        self.args_scanner, self.args_pos = _Scanner(), head.end()
-        return [ToolCallDelta(self.index, _new_call_id(), name)]
-
-    def _stream_args(self) -> list[ToolCallDelta]:
-        if self.args_scanner is None or self.args_scanner.closed:
-            return []
-        piece = []
-        for ch in self.text[self.args_pos:]:
-            if self.args_scanner.step(ch):
-                piece.append(ch)
-            if self.args_scanner.closed:
-                break
-        self.args_pos = len(self.text)
-        return [ToolCallDelta(self.index, arguments="".join(piece))] if piece else []
+    def _send(self, at: int, name: str, arguments: str, done: bool) -> list[ToolCallDelta]:
+        if self._announced is None:
+            deltas = [ToolCallDelta(self._index, _new_call_id(), name, arguments)]
+        else:
+            new = arguments[self._announced[1]:]
+            deltas = [ToolCallDelta(self._index, arguments=new)] if new else []
+        self._announced = None if done else (at, len(arguments))
+        self._index += int(done)
+        return deltas
 
 
 class ToolParser:
-    """One tool call syntax: parse, stream, and the pieces of its grammar."""
+    """One tool call syntax: how to read it, and how a grammar writes it."""
     name: str = ""
-    _list_open, _list_sep, _list_close = "", "", ""  # how several calls are written
+    _list_open, _list_sep, _list_close = "", "", ""  # Lark: how several calls are written
 
     def parse(self, text: str) -> ParsedToolOutput:
-        raise NotImplementedError
+        """A finished completion as content and calls."""
+        scan = self._scan(text, final=True)
+        calls = [ToolCall(_new_call_id(), name, arguments) for _, name, arguments in scan.calls]
+        return ParsedToolOutput("".join(scan.content).strip() or None, calls)
 
     def streamer(self) -> ToolCallStreamer:
+        return ToolCallStreamer(self)
+
+    def _scan(self, text: str, final: bool) -> _Scan:
         raise NotImplementedError
 
     def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
@@ -353,159 +250,70 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     _list_sep = r'"\n"'
 
-    def parse(self, text: str) -> ParsedToolOutput:
-        content, calls, pos = [], [], 0
+    def _scan(self, text: str, final: bool) -> _Scan:
+        scan, pos = _Scan(), 0
         while (start := text.find(_HERMES_OPEN, pos)) != -1:
-            content.append(text[pos:start])
+            scan.content.append(text[pos:start])
             body_start = start + len(_HERMES_OPEN)
             close = text.find(_HERMES_CLOSE, body_start)
+            if close == -1 and not final:  # the block is being written
+                body = text[body_start:_decided_end(text, _HERMES_CLOSE, final)]
+                scan.partial = _partial_call(body, start)
+                return scan
             pos = len(text) if close == -1 else close + len(_HERMES_CLOSE)
             call = _parse_call(text[body_start:len(text) if close == -1 else close])
-            if call:
-                calls.append(call)
+            if call is None:
+                scan.content.append(text[start:pos])
             else:
-                content.append(text[start:pos])
-        return _output(content + [text[pos:]], calls)
-
-    def streamer(self) -> ToolCallStreamer:
-        return _HermesStreamer()
+                scan.calls.append((start, *call))
+        scan.content.append(text[pos:max(pos, _decided_end(text, _HERMES_OPEN, final))])
+        return scan
 
     def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
         head = json.dumps(_HERMES_OPEN + '\n{"name":"' + name + '","arguments":')
-        return f"{head} {_json_rule(parameters)} {json.dumps('}' + chr(10) + _HERMES_CLOSE)}"
-
-
-class _HermesStreamer(ToolCallStreamer):
-    def __init__(self):
-        super().__init__()
-        self.reader: Optional[_CallReader] = None  # inside a <tool_call> block
-        self.body = ""
-
-    def _step(self, content, deltas) -> bool:
-        if self.reader is None:
-            if not self._take_until(_HERMES_OPEN, content):
-                return False
-            self.reader, self.body = _CallReader(self.num_calls), ""
-            return True
-        body: list[str] = []
-        closed = self._take_until(_HERMES_CLOSE, body)
-        self.body += body[0]
-        deltas += self.reader.feed(body[0])[0]
-        if closed:
-            self._end_block(content, deltas, _HERMES_CLOSE)
-        return closed
-
-    def _finish(self, content, deltas) -> None:
-        if self.reader is None:
-            content.append(self.pending)
-        else:  # an unclosed last block: a call if its JSON is complete
-            self.body += self.pending
-            deltas += self.reader.feed(self.pending)[0]
-            self._end_block(content, deltas, "")
-
-    def _end_block(self, content, deltas, close: str) -> None:
-        owed = self.reader.result(self.body)
-        if owed is None:
-            content.append(_HERMES_OPEN + self.body + close)
-        else:
-            deltas += owed
-            self.num_calls += 1
-        self.reader = None
+        return f'{head} {_json_rule(parameters)} {json.dumps("}\n" + _HERMES_CLOSE)}'
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     _list_sep = '";"'
 
-    def parse(self, text: str) -> ParsedToolOutput:
-        start = _skip_ws(text, 0)
-        if text.startswith("{", start):
-            before, resume, pos = "", 0, 0
+    def _scan(self, text: str, final: bool) -> _Scan:
+        first = _skip_ws(text, 0)
+        if first == len(text) and not final:
+            return _Scan()  # leading whitespace: content only if no call follows
+        if text.startswith("{", first):
+            before, resume = "", 0  # `resume`: where content picks up, after the last call
         elif (tag := text.find(_PYTHON_TAG)) != -1:
-            before, resume, pos = text[:tag], tag, tag + len(_PYTHON_TAG)
+            before, resume = text[:tag], tag
+            first = tag + len(_PYTHON_TAG)
         else:
-            return _output([text], [])
-        calls = []  # `resume`: where content picks up again, after the last good call
+            return _Scan([text[:_decided_end(text, _PYTHON_TAG, final)]])
+        scan, pos = _Scan([before]), first
         while True:
-            try:
-                members, end = _read_object(text, _skip_ws(text, pos))
-            except (ValueError, RecursionError):
+            start = _skip_ws(text, pos)
+            is_object = text.startswith("{", start)
+            end = _bracket_end(text, start) if is_object else None
+            if not final and (start == len(text) or (is_object and end is None)):  # being written
+                scan.partial = _partial_call(text[start:], start) if is_object else None
+                return scan
+            call = _parse_call(text[start:end]) if end else None
+            if call is None:
                 break
-            if (call := _call_from_members(members)) is None:
-                break
-            calls.append(call)
-            resume, pos = end, _skip_ws(text, end)
+            scan.calls.append((start, *call))
+            resume = end
+            pos = _skip_ws(text, end)
+            if pos == len(text) and not final:
+                return scan
             if not text.startswith(";", pos):
                 break
             pos += 1
-        return _output([before, text[resume:]], calls)
-
-    def streamer(self) -> ToolCallStreamer:
-        return _Llama3Streamer()
+        scan.content.append(text[resume:])
+        return scan
 
     def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
         head = json.dumps('{"name":"' + name + '","parameters":')
         return f'{head} {_json_rule(parameters)} "}}"'
-
-
-class _Llama3Streamer(ToolCallStreamer):
-    def __init__(self):
-        super().__init__()
-        self.state = "start"  # start -> content | calls -> rest
-        self.held = ""  # in "calls": text since the last call (tag, whitespace, ";")
-        self.reader: Optional[_CallReader] = None
-        self.expect_object = True
-
-    def _step(self, content, deltas) -> bool:
-        if self.state == "start":
-            first = _skip_ws(self.pending, 0)
-            if first < len(self.pending):
-                self.state = "calls" if self.pending[first] == "{" else "content"
-            return first < len(self.pending)
-        if self.state == "content":
-            if self._take_until(_PYTHON_TAG, content):
-                self.state, self.held = "calls", _PYTHON_TAG
-            return self.state == "calls"
-        if self.state == "rest":
-            content.append(self.pending)
-            self.pending = ""
-            return False
-        return self._step_calls(content, deltas)
-
-    def _step_calls(self, content, deltas) -> bool:
-        if self.reader is not None:
-            new, self.pending = self.reader.feed(self.pending)
-            deltas += new
-            if self.reader.end is not None:
-                self._end_object(content, deltas, self.reader.result(self.reader.text))
-            return self.reader is None
-        first = _skip_ws(self.pending, 0)
-        self.held, self.pending = self.held + self.pending[:first], self.pending[first:]
-        if not self.pending:
-            return False
-        if self.expect_object and self.pending[0] == "{":
-            self.reader = _CallReader(self.num_calls)
-        elif not self.expect_object and self.pending[0] == ";":
-            self.held, self.pending, self.expect_object = self.held + ";", self.pending[1:], True
-        else:  # the calls are over: the rest is content
-            content.append(self.held)
-            self.state, self.held = "rest", ""
-        return True
-
-    def _end_object(self, content, deltas, owed: Optional[list[ToolCallDelta]]) -> None:
-        if owed is None:
-            content.append(self.held + self.reader.text)
-            self.state = "rest"
-        else:
-            deltas += owed
-            self.num_calls += 1
-            self.expect_object = False
-        self.held, self.reader = "", None
-
-    def _finish(self, content, deltas) -> None:
-        if self.reader is not None:
-            self._end_object(content, deltas, self.reader.result(self.reader.text))
-        content.append(self.held + self.pending)
 
 
 def _literal(node: ast.AST) -> Any:
@@ -522,16 +330,15 @@ def _literal(node: ast.AST) -> Any:
     value = ast.literal_eval(node)
     if isinstance(value, str):  # "\ud83d\ude00" is two surrogates in Python, one emoji in JSON
         return value.encode("utf-16", "surrogatepass").decode("utf-16")
-    if isinstance(value, (bool, int)) or (isinstance(value, float) and abs(value) != float("inf")
-                                          and value == value):
+    if value is None or isinstance(value, (bool, int)) or isinstance(value, float) and math.isfinite(value):
         return value
     raise ValueError(f"{value!r} is not a JSON value")
 
 
 def _parse_pythonic_list(text: str) -> Optional[list[tuple[str, str]]]:
-    """The calls of `[f(a=1), g()]`, or None if `text` is not such a list."""
+    """The (name, arguments) of `[f(a=1), g()]`, or None if `text` is not such a list."""
     try:
-        with warnings.catch_warnings():  # invalid escapes warn; they are still just text
+        with warnings.catch_warnings():  # an invalid escape warns; it is still just text
             warnings.simplefilter("ignore")
             tree = ast.parse(text, mode="eval").body
         if not isinstance(tree, ast.List) or not tree.elts:
@@ -548,132 +355,67 @@ def _parse_pythonic_list(text: str) -> Optional[list[tuple[str, str]]]:
         return None
 
 
-def _bracket_end(text: str, start: int) -> Optional[int]:
-    """The index after the bracket matching text[start], or None if it is not closed."""
-    scanner = _Scanner(quotes="\"'")
-    for i in range(start, len(text)):
-        scanner.step(text[i])
-        if scanner.closed:
-            return i + 1
-    return None
-
-
 class PythonicToolParser(ToolParser):
     name = "pythonic"
     _list_open, _list_sep, _list_close = '"["', '", "', '"]"'
 
-    def parse(self, text: str) -> ParsedToolOutput:
-        content, calls, pos = [], [], 0
+    def _scan(self, text: str, final: bool) -> _Scan:
+        scan, pos = _Scan(), 0
         while (match := _LIST_START.search(text, pos)) is not None:
-            content.append(text[pos:match.start()])
-            end = _bracket_end(text, match.start()) or len(text)  # unclosed: content, as in a stream
-            found = _parse_pythonic_list(text[match.start():end]) if end < len(text) or text.endswith("]") else None
-            if found:
-                calls.extend(found)
-            else:
-                content.append(text[match.start():end])
-            pos = end
-        return _output(content + [text[pos:]], calls)
-
-    def streamer(self) -> ToolCallStreamer:
-        return _PythonicStreamer()
+            start = match.start()
+            scan.content.append(text[pos:start])
+            end = _bracket_end(text, start, _PY_TOKENS)
+            if end is None and not final:
+                return scan  # the list is being written: sent whole once it closes
+            calls = _parse_pythonic_list(text[start:end]) if end else None
+            if calls is None:
+                scan.content.append(text[start:end])
+            scan.calls += [(start + k, name, arguments) for k, (name, arguments) in enumerate(calls or [])]
+            pos = end or len(text)
+        maybe = None if final else _LIST_MAY_START.search(text, pos)
+        scan.content.append(text[pos:maybe.start() if maybe else len(text)])
+        return scan
 
     def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
-        if not name.isidentifier():
-            raise ValueError(f"tool name {name!r} is not a Python identifier; the pythonic tool call "
-                             "syntax cannot call it: choose another server.tool_call_parser")
-        properties = dict(parameters.get("properties") or {})
         required = parameters.get("required") or []
+        properties = dict(parameters.get("properties") or {})
         properties.update({key: {} for key in required if key not in properties})
         defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
-        kwargs = []
-        for key, schema in properties.items():
-            if not key.isidentifier():
-                raise ValueError(f"tool {name!r} parameter {key!r} is not a Python identifier; the "
-                                 "pythonic syntax cannot pass it")
-            value = _json_rule({**schema, **defs} if isinstance(schema, dict) else schema)
-            kwargs.append((f'"{key}=" {value}', key in required))
+        for word in (name, *properties):
+            if not word.isidentifier() or keyword.iskeyword(word):
+                raise ValueError(f"tool {name!r}: {word!r} is not a Python identifier, so the pythonic "
+                                 "syntax cannot write it; choose another server.tool_call_parser")
+        if set(parameters) - _PLAIN_OBJECT_KEYS:  # a call writes keyword arguments, nothing more
+            raise ValueError(f"tool {name!r}: the pythonic syntax can only write parameters schemas "
+                             f"with the keys {sorted(_PLAIN_OBJECT_KEYS)}, not {sorted(set(parameters))}")
+        kwargs = [(f'"{key}=" ' + _json_rule({**schema, **defs} if isinstance(schema, dict) else schema),
+                   key in required) for key, schema in properties.items()]
         inner = _first_kwargs(kwargs, 0)
         return f'"{name}(" {inner} ")"' if inner else f'"{name}()"'
 
 
 def _first_kwargs(kwargs: list[tuple[str, bool]], i: int) -> str:
-    """Lark expression for kwargs[i:] when none is written yet: required ones always, optional
-    ones optional, in order, joined by ", "."""
+    """Lark for kwargs[i:] when none is written yet: required ones always, optional ones
+    optional, in order, joined by ", "."""
     if i == len(kwargs):
         return ""
     kwarg, required = kwargs[i]
-    written = f"{kwarg} {_later_kwargs(kwargs, i + 1)}".strip()
+    later = " ".join(f'", " {kw}' if req else f'(", " {kw})?' for kw, req in kwargs[i + 1:])
+    written = f"{kwarg} {later}".strip()
     if required:
         return written
     skipped = _first_kwargs(kwargs, i + 1)
     return f"({written} | {skipped})" if skipped else f"({written})?"
 
 
-def _later_kwargs(kwargs: list[tuple[str, bool]], i: int) -> str:
-    """As `_first_kwargs`, after one is written: each with its ", " before it."""
-    pieces = [f'", " {kwarg}' if required else f'(", " {kwarg})?' for kwarg, required in kwargs[i:]]
-    return " ".join(pieces)
-
-
-class _PythonicStreamer(ToolCallStreamer):
-    def __init__(self):
-        super().__init__()
-        self.scanner: Optional[_Scanner] = None  # inside a call list
-        self.list_text = ""
-
-    def _step(self, content, deltas) -> bool:
-        if self.scanner is not None:
-            return self._step_list(content, deltas)
-        at = self.pending.find("[")
-        if at == -1:
-            content.append(self.pending)
-            self.pending = ""
-            return False
-        content.append(self.pending[:at])
-        self.pending = self.pending[at:]
-        if _LIST_START.match(self.pending):
-            self.scanner, self.list_text = _Scanner(quotes="\"'"), ""
-            return True
-        if _LIST_START_PREFIX.fullmatch(self.pending):
-            return False  # may still become a call list
-        content.append("[")
-        self.pending = self.pending[1:]
-        return True
-
-    def _step_list(self, content, deltas) -> bool:
-        for i, ch in enumerate(self.pending):
-            self.scanner.step(ch)
-            if self.scanner.closed:
-                self.list_text += self.pending[:i + 1]
-                self.pending = self.pending[i + 1:]
-                self._end_list(content, deltas)
-                return True
-        self.list_text += self.pending
-        self.pending = ""
-        return False
-
-    def _end_list(self, content, deltas) -> None:
-        calls = _parse_pythonic_list(self.list_text)
-        if calls is None:
-            content.append(self.list_text)
-        for name, arguments in calls or []:
-            deltas.append(ToolCallDelta(self.num_calls, _new_call_id(), name, arguments))
-            self.num_calls += 1
-        self.scanner = None
-
-    def _finish(self, content, deltas) -> None:
-        content.append(self.list_text + self.pending if self.scanner else self.pending)
-
-
 _PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
 
 
 def _detect_syntax(chat_template: str) -> str:
     if _HERMES_OPEN in chat_template:
         return "hermes"
-    # Before llama3: pythonic Llama templates also mention ipython and the python tag.
+    # Before llama3_json: pythonic Llama templates mention ipython and the python tag as well.
     if re.search(r"\[\s*func_name\d*\s*\(", chat_template):
         return "pythonic"
     if _PYTHON_TAG in chat_template or ("ipython" in chat_template and '"parameters"' in chat_template):
@@ -692,41 +434,38 @@ def get_tool_parser(name: str, chat_template: Optional[str]) -> ToolParser:
 
 
 def _chosen_functions(tools: list[dict], tool_choice: Union[str, dict]) -> list[dict]:
-    functions = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(function, dict):
-            raise ValueError(f"tools.{i} must be {{\"type\": \"function\", \"function\": {{...}}}}")
-        if not _TOOL_NAME.fullmatch(str(function.get("name"))):
-            raise ValueError(f"tools.{i}.function.name={function.get('name')!r} must match "
-                             f"{_TOOL_NAME.pattern}")
-        functions.append(function)
-    if not functions:
-        raise ValueError("a tool call grammar needs at least one tool")
-    if tool_choice == "required":
+    functions = [tool.get("function") if isinstance(tool, dict) else None for tool in tools]
+    for i, (tool, function) in enumerate(zip(tools, functions)):
+        parameters = (function.get("parameters") or {}) if isinstance(function, dict) else None
+        if not (isinstance(parameters, dict) and tool.get("type") == "function"
+                and _TOOL_NAME.fullmatch(str(function.get("name"))) and parameters.get("type", "object") == "object"):
+            raise ValueError(f'tools.{i} must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                             f'{{"type": "object", ...}}}}}} with a name matching {_TOOL_NAME.pattern}')
+    names = ", ".join(function["name"] for function in functions) or "none"
+    if tool_choice == "required" and functions:
         return functions
-    chosen = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-    if chosen is None:
-        raise ValueError(f"tool_choice={tool_choice!r} needs no grammar: only \"required\" or "
-                         "{\"type\": \"function\", \"function\": {\"name\": ...}} is enforced")
-    named = [f for f in functions if f["name"] == chosen]
+    chosen = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(chosen, dict):
+        raise ValueError(f'tool_choice={tool_choice!r} needs no grammar or is not one: only "required" '
+                         '(with tools) or {"type": "function", "function": {"name": ...}} is enforced')
+    named = [function for function in functions if function["name"] == chosen.get("name")]
     if not named:
-        raise ValueError(f"tool_choice names function {chosen!r}, which is not among the tools "
-                         f"({', '.join(f['name'] for f in functions)})")
+        raise ValueError(f"tool_choice names function {chosen.get('name')!r}, which is not among the "
+                         f"tools ({names})")
     return named[:1]
 
 
 def tool_call_grammar(parser: ToolParser, tools: list[dict], tool_choice: Union[str, dict],
                       parallel_tool_calls: bool) -> str:
     """An llguidance Lark grammar whose every output `parser.parse`s into calls of the chosen
-    tools (one for a named function or parallel_tool_calls=False), arguments valid against each
-    tool's "parameters" schema, no content. JSON is compact."""
+    tools and nothing else: one for a named function or parallel_tool_calls=False, else one or
+    more; arguments valid against each tool's "parameters" schema (absent: {}); JSON compact."""
     functions = _chosen_functions(tools, tool_choice)
     empty = {"type": "object", "properties": {}, "additionalProperties": False}
-    rules = [f"call_{j}: {parser._call_grammar(f['name'], f.get('parameters') or empty)}"
-             for j, f in enumerate(functions)]
+    rules = [f"call_{j}: {parser._call_grammar(function['name'], function.get('parameters') or empty)}"
+             for j, function in enumerate(functions)]
     many = parallel_tool_calls and tool_choice == "required"
     calls = f"call ({parser._list_sep} call)*" if many else "call"
-    start = " ".join(p for p in (parser._list_open, calls, parser._list_close) if p)
+    start = " ".join(part for part in (parser._list_open, calls, parser._list_close) if part)
     alternatives = " | ".join(f"call_{j}" for j in range(len(functions)))
     return "\n".join(["%llguidance {}", f"start: {start}", f"call: {alternatives}", *rules]) + "\n"

@@ -9,7 +9,6 @@ its text, and the request field it came from (so that a grammar that does not co
 
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
@@ -49,15 +48,16 @@ def _fail(message: str, field: str) -> StructuredOutputsError:
     return StructuredOutputsError(f"{field}: {message}", field)
 
 
-def _strict_schema(schema: Any) -> Any:
-    """OpenAI's strict mode: an object schema that does not say otherwise allows no other properties."""
+def strict_schema(schema: Any) -> Any:
+    """OpenAI's strict mode: an object schema that does not say otherwise allows no other properties
+    (a copy; the schema given is not changed)."""
     if isinstance(schema, dict):
-        out = {k: _strict_schema(v) for k, v in schema.items()}
+        out = {k: strict_schema(v) for k, v in schema.items()}
         if out.get("type") == "object" or "properties" in out:
             out.setdefault("additionalProperties", False)
         return out
     if isinstance(schema, list):
-        return [_strict_schema(v) for v in schema]
+        return [strict_schema(v) for v in schema]
     return schema
 
 
@@ -70,7 +70,7 @@ def _schema_text(schema: Any, field: str, strict: bool = False) -> str:
     if not isinstance(schema, dict):
         raise _fail(f"must be a JSON schema object, not {type(schema).__name__}", field)
     if strict:
-        schema = _strict_schema(copy.deepcopy(schema))
+        schema = strict_schema(schema)
     return json.dumps(schema, ensure_ascii=False)
 
 
