@@ -13,6 +13,7 @@ import json
 import os
 
 import pytest
+from pydantic import BaseModel, Field
 
 from engine_factory import BASE
 from gguf_checkpoints import smollm2_gguf
@@ -207,3 +208,40 @@ def test_hf_directory_saved_by_transformers_serves_the_same_tokens(llm, hf_model
     for a, b in zip(saved.generate(PROMPTS[:2], params, use_tqdm=False), llm.generate(PROMPTS[:2], params, use_tqdm=False)):
         assert a.prompt_token_ids == b.prompt_token_ids
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+class City(BaseModel):
+    city: str = Field(max_length=20)
+    country: str = Field(max_length=20)
+    population_millions: int = Field(ge=0, le=100)
+
+
+def test_openai_parse_and_a_tool_round_trip_on_the_real_model(llm):
+    """The openai client's parse(response_format=PydanticModel) and a whole tool round trip (a call forced by
+    tool_choice, the tool's result, the next turn) on SmolLM2, whose template knows nothing of tools."""
+    from openai import OpenAI
+
+    from server_harness import running_server
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}}}
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    with running_server("model=smollm2", engine=llm.engine) as (url, _):
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        parsed = client.beta.chat.completions.parse(
+            model="smollm2", messages=[{"role": "user", "content": "Describe Paris as JSON."}],
+            response_format=City, temperature=0, max_tokens=60)
+        assert parsed.choices[0].finish_reason == "stop"
+        assert isinstance(parsed.choices[0].message.parsed, City)
+        first = client.chat.completions.create(model="smollm2", messages=ask, tools=[weather], tool_choice="required",
+                                               parallel_tool_calls=False, temperature=0, max_tokens=60)
+        [call] = first.choices[0].message.tool_calls
+        assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert set(json.loads(call.function.arguments)) == {"city"}
+        history = ask + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 21}'}]
+        second = client.chat.completions.create(model="smollm2", messages=history, tools=[weather], temperature=0,
+                                                max_tokens=NUM_TOKENS)
+    assert second.choices[0].message.content and second.choices[0].finish_reason in ("stop", "length")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens

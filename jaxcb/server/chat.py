@@ -45,7 +45,9 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         if m.role == "tool" and m.tool_call_id is None:
             raise APIError(400, f"messages.{i} is a tool message without tool_call_id; say which call it answers",
                            param=f"messages.{i}.tool_call_id")
-        message: dict[str, Any] = {"role": m.role, "content": message_text(m)}
+        # content null (an assistant turn that only calls tools) reaches templates as "", as vLLM passes it:
+        # most templates concatenate the content.
+        message: dict[str, Any] = {"role": m.role, "content": message_text(m) or ""}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_call_id is not None:
@@ -98,8 +100,11 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
         if structured is not None:
             raise APIError(400, f"tool_choice={_choice_name(choice)} and a response format both constrain the reply; "
                                 "give one", param="tool_choice")
-        grammar = tool_call_grammar(parser, [_strict_tool(t) for t in tools],
-                                    choice if choice == "required" else choice.model_dump(), parallel)
+        try:
+            grammar = tool_call_grammar(parser, [_strict_tool(t) for t in tools],
+                                        choice if choice == "required" else choice.model_dump(), parallel)
+        except ValueError as e:  # a name or schema the parser's syntax cannot carry
+            raise APIError(400, f"tools: {e}", param="tools") from None
         structured = StructuredOutputs("lark", grammar, "tool_choice")
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message=true continues the last message, so add_generation_prompt must be "
