@@ -147,6 +147,9 @@ class EngineConfig:
     # Token masks and logit_bias (structured outputs, tool_choice, allowed_token_ids, bad_words): one more
     # compiled variant of every bucket, used only by steps with such a row; false refuses those fields.
     masked_sampling: bool = True
+    # prompt_logprobs (and echo with logprobs): a third variant of every bucket, computing each prompt
+    # row's logprobs 128 rows at a time; used only by steps that prefill such a request; false refuses them.
+    prompt_logprobs: bool = True
     max_logit_bias: int = 300  # most logit_bias entries per request (OpenAI's limit)
     max_grammar_compile_s: float = 10.0  # a schema or grammar that compiles for longer is refused (400)
     grammar_cache_size: int = 128  # compiled grammars kept (by schema text), least recently used dropped

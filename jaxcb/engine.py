@@ -109,6 +109,7 @@ class Engine:
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
             max_logit_bias=cfg.engine.max_logit_bias,
             masked_sampling=cfg.engine.masked_sampling,
+            prompt_logprobs=cfg.engine.prompt_logprobs,
             swap_space=swap_space,
             tp=self.tp,
         )
@@ -123,6 +124,7 @@ class Engine:
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill, max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids, num_eos_token_ids=len(self.eos_token_ids),
             max_logit_bias=cfg.engine.max_logit_bias, masked_sampling=cfg.engine.masked_sampling,
+            prompt_logprobs=cfg.engine.prompt_logprobs,
         )
         # Structured outputs: grammars compile (llguidance, loaded on first use) at most once per schema.
         self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, list(self.eos_token_ids),
@@ -312,6 +314,10 @@ class Engine:
         sched_out = handle.scheduled
         runner_out = self.runner.collect(handle)
         self._recent_steps.append((time.monotonic(), sched_out.num_scheduled_tokens))
+        for seq_id, entries in runner_out.prompt_logprobs.items():
+            seq = self.scheduler.requests.get(seq_id)
+            if seq is not None:
+                self.output.record_prompt_logprobs(seq.group_id, entries)
         outputs, stops = self.output.process(self.scheduler.update(sched_out, runner_out))
         for seq, status in stops:
             self.scheduler.finish(seq.request_id, status)

@@ -76,6 +76,8 @@ class RequestGroup:
     # (queue_timeout); at deadline it ends with what it has (timeout).
     queue_deadline: Optional[float] = None
     deadline: Optional[float] = None
+    # prompt_logprobs: per prompt position, {its token: logprob, top-n tokens: logprobs}; position 0 has none
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def num_generated(self) -> int:
@@ -125,6 +127,8 @@ class OutputProcessor:
             CompletionState(i, IncrementalDetokenizer(self.tokenizer, group.params.stop), [] if want_logprobs else None)
             for i in range(group.params.n)
         ]
+        if group.params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(group.prompt_token_ids)
         self.groups[group.request_id] = group
         if group.deadline is not None or group.queue_deadline is not None:
             self.timed_groups[group.request_id] = group
@@ -148,6 +152,13 @@ class OutputProcessor:
             outputs.append(self._output(group, True))
             del self.groups[group.request_id], self.timed_groups[group.request_id]
         return outputs, stops
+
+    def record_prompt_logprobs(self, request_id: str, entries: list[tuple[int, dict[int, float]]]) -> None:
+        """A prefill chunk's prompt logprobs (by position: a recomputed chunk writes the same again)."""
+        group = self.groups.get(request_id)
+        if group is not None and group.prompt_logprobs is not None:
+            for position, logprobs in entries:
+                group.prompt_logprobs[position] = logprobs
 
     def remove(self, request_id: str) -> Optional[RequestGroup]:
         """Forget a request (aborted): nothing more is reported for it."""
@@ -214,4 +225,5 @@ class OutputProcessor:
         finished_time = first.finished_time or (time.monotonic() if finished else None)
         metrics = RequestMetrics(first.arrival_time, first.first_scheduled_time, first.first_token_time, finished_time)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
-                             delta=delta, num_cached_tokens=first.num_cached_tokens or 0)
+                             delta=delta, num_cached_tokens=first.num_cached_tokens or 0,
+                             prompt_logprobs=group.prompt_logprobs)

@@ -42,6 +42,8 @@ class RequestOutput:
     # previous output (OutputKind.DELTA); False: everything so far.
     delta: bool = False
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (first admission)
+    # prompt_logprobs: per prompt token, {its id: logprob, top-n ids: logprobs}; None for the first token
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
 
 def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
@@ -63,4 +65,5 @@ def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
                                     lps.get(c.index) if c.logprobs is not None else None, c.num_generated)
                    for c in last.outputs]
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, completions, last.finished,
-                         last.metrics, delta=False, num_cached_tokens=last.num_cached_tokens)
+                         last.metrics, delta=False, num_cached_tokens=last.num_cached_tokens,
+                         prompt_logprobs=last.prompt_logprobs)

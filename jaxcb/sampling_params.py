@@ -36,6 +36,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these tokens may be generated
     bad_words: list[str] = field(default_factory=list)  # never generated (a word's last token banned after the rest)
     logit_bias: Optional[dict[int, float]] = None  # token id -> value in [-100, 100] added to its logit
+    prompt_logprobs: Optional[int] = None  # also the logprob of every prompt token (and the top-n at each position)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +56,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs={self.logprobs} must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+             f"prompt_logprobs={self.prompt_logprobs} must be >= 0"),
             (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
             (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
              "allowed_token_ids must not be empty (null allows every token)"),

@@ -32,6 +32,7 @@ class RequestLimits:
     num_eos_token_ids: int
     max_logit_bias: int = 300
     masked_sampling: bool = True
+    prompt_logprobs: bool = True  # the prompt-logprobs step variant is compiled
 
 
 def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
@@ -59,6 +60,14 @@ def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimi
         )
     if params.logprobs is not None and params.logprobs > limits.max_logprobs:
         raise InvalidRequestError(f"logprobs={params.logprobs} exceeds engine.max_logprobs={limits.max_logprobs}")
+    if params.prompt_logprobs is not None:
+        if params.prompt_logprobs > limits.max_logprobs:
+            raise InvalidRequestError(f"prompt_logprobs={params.prompt_logprobs} exceeds "
+                                      f"engine.max_logprobs={limits.max_logprobs}")
+        if not limits.prompt_logprobs:
+            raise InvalidRequestError("prompt_logprobs needs the prompt-logprobs step variant, which this engine did "
+                                      "not compile (engine.prompt_logprobs=false); start it with "
+                                      "engine.prompt_logprobs=true")
     num_banned = len(params.stop_token_ids) + limits.num_eos_token_ids
     if params.min_tokens and num_banned > limits.max_stop_token_ids:
         raise InvalidRequestError(

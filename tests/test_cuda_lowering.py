@@ -144,7 +144,7 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
     runner = ModelRunner(model, backend, KVCache(cache, cache), buckets, max_model_len=8192, max_logprobs=5,
                          max_stop_token_ids=8)
     assert [t for t, _, _ in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    for key in [(*b, False) for b in buckets.all()] + [(*buckets.all()[0], True)]:  # and one masked variant
+    for key in [(*b, 0) for b in buckets.all()] + [(*buckets.all()[0], 1), (*buckets.all()[0], 2)]:  # + masked, prompt
         num_tokens, num_seqs, _, _ = key
         x = abstract_step_inputs(*key, **runner._abstract)
         num_ints, num_floats = packed_sizes(x)

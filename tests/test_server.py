@@ -142,7 +142,7 @@ MALFORMED = [
     ("prompt too long", {"model": "tiny", "prompt": [1] * 300}, 400),
     ("prompt + max_tokens too long", {"model": "tiny", "prompt": [1] * 200, "max_tokens": 100}, 400),
     ("presence_penalty out of range", {"model": "tiny", "prompt": "x", "presence_penalty": 5}, 400),
-    ("echo unsupported", {"model": "tiny", "prompt": "x", "echo": True}, 400),
+    ("prompt_logprobs too many", {"model": "tiny", "prompt": "x", "prompt_logprobs": 50}, 400),
 ]
 MALFORMED_CHAT = [
     ("empty messages", {"model": "tiny", "messages": []}, 400),
@@ -150,6 +150,7 @@ MALFORMED_CHAT = [
     ("content wrong type", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400),
     ("image part", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
     ("top_logprobs without logprobs", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
+    ("echo is for completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}, 400),
 ]
 
 

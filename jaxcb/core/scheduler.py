@@ -240,7 +240,8 @@ class Scheduler:
             if share is None:  # a follower whose leader has not prefilled yet
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = self.kv.cached_prefix(request)
+            # prompt_logprobs needs every prompt row's logits: such a request computes its whole prompt.
+            cached = self.kv.cached_prefix(request) if request.sampling_params.prompt_logprobs is None else []
             if len(cached) > len(share):
                 share = cached
             start = len(share) * self.block_size
@@ -315,6 +316,9 @@ class Scheduler:
         if request.num_output_tokens < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
         samples = start + num_new == request.num_tokens
+        targets = None
+        if params.prompt_logprobs is not None and request.parent_id is None and start + 1 < request.num_prompt_tokens:
+            targets = request.prompt_token_ids[start + 1 : min(start + num_new + 1, request.num_prompt_tokens)]
         return ScheduledSequence(
             request_id=request.request_id,
             start_position=start,
@@ -329,6 +333,7 @@ class Scheduler:
             history=self.in_flight.token_ids_for_step(request, 0, request.num_tokens) if params.uses_penalties else None,
             in_flight_row=self.in_flight.row_for(request) if samples else -1,
             constraint=request.constraint,
+            prompt_logprob_targets=targets,
         )
 
     # --- applying a step's results -------------------------------------------------------------

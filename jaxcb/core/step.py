@@ -36,6 +36,9 @@ class ScheduledSequence:
     # Its token constraint (jaxcb.structured.TokenConstraint: grammar, allowed ids, bad words), or None;
     # the runner asks it for the row's bitmask when the sequence samples.
     constraint: Optional[Any] = None
+    # prompt_logprobs: for rows start_position.. of this chunk, the prompt token each predicts (the
+    # next one), while there is one; None when the sequence does not ask for its prompt's logprobs.
+    prompt_logprob_targets: Optional[list[int]] = None
 
 
 @dataclass
@@ -66,3 +69,5 @@ class SampledToken:
 @dataclass
 class RunnerOutput:
     sampled: dict[str, SampledToken]  # request_id -> token, for sequences with samples=True
+    # request_id -> [(prompt position, {its token: logprob, top tokens: logprobs})] of the step's chunk
+    prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)

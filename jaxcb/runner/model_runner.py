@@ -37,14 +37,25 @@ from jaxcb.kernels.attention.cache import gather_blocks
 from jaxcb.kv_cache import HostSwapSpace
 from jaxcb.model.llama import Llama, StepWeights, forward
 from jaxcb.runner.buckets import Buckets
-from jaxcb.runner.step_inputs import StepArgs, StepInputBuilder, abstract_step_inputs, packed_sizes, unpack_step_inputs
+from jaxcb.runner.step_inputs import (
+    MASKED,
+    PLAIN,
+    PROMPT_LOGPROBS,
+    VARIANT_NAMES,
+    StepArgs,
+    StepInputBuilder,
+    abstract_step_inputs,
+    packed_sizes,
+    unpack_step_inputs,
+)
 from jaxcb.sampling import needs_logits, sample
 from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
 
 log = logging.getLogger(__name__)
 
-BucketKey = tuple[int, int, int, bool]  # (tokens, sequences, block-table width, masked variant)
+BucketKey = tuple[int, int, int, int]  # (tokens, sequences, block-table width, variant: step_inputs.PLAIN...)
+PROMPT_LOGPROBS_CHUNK = 128  # prompt rows whose logits exist at once: [128, V] f32 bounds the variant's extra memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +76,31 @@ class StepHandle:
     logprobs: jax.Array  # f32[R, 1 + max_logprobs]: their logprobs
 
 
+def prompt_logprobs(backend: Backend, weights: StepWeights, hidden: jax.Array, targets: jax.Array, n: int
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Each token row's logprob of the prompt token after it, and its top-n: (i32[T, 1 + n] the target then
+    the top ids, f32[T, 1 + n] their logprobs). The logits are formed PROMPT_LOGPROBS_CHUNK rows at a time
+    (a loop, not one [T, V] array), so the variant costs at most [chunk, V] f32 more memory."""
+    num_rows, dim = hidden.shape
+    chunk = min(num_rows, PROMPT_LOGPROBS_CHUNK)
+    pad = -num_rows % chunk
+    hidden_chunks = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, dim)
+    target_chunks = jnp.pad(jnp.maximum(targets, 0), (0, pad)).reshape(-1, chunk)
+
+    def one_chunk(args):
+        h, t = args
+        logits = backend.logits(weights, h).astype(jnp.float32)  # f32[chunk, V]
+        row_max = logits.max(axis=-1, keepdims=True)
+        log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+        top_logits, top_ids = jax.lax.top_k(logits, n)
+        ids = jnp.concatenate([t[:, None], top_ids.astype(jnp.int32)], axis=1)
+        chosen = jnp.concatenate([jnp.take_along_axis(logits, t[:, None], axis=-1), top_logits], axis=1)
+        return ids, (chosen - row_max) - log_norm
+
+    ids, lps = jax.lax.map(one_chunk, (hidden_chunks, target_chunks))
+    return ids.reshape(-1, 1 + n)[:num_rows], lps.reshape(-1, 1 + n)[:num_rows]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -78,18 +114,20 @@ class ModelRunner:
         max_stop_token_ids: int,
         max_logit_bias: int = 1,
         masked_sampling: bool = False,
+        prompt_logprobs: bool = False,
         swap_space: Optional[HostSwapSpace] = None,
         tp: Optional[TensorParallel] = None,
     ):
         """Takes over `model`'s parameters: the backend prepares them into the step's weights.
-        `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias)."""
+        `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias);
+        `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk)."""
         self.backend = backend
         self.weights: StepWeights = backend.prepare(model, max_model_len, tp.replicated if tp is not None else None)
         self.tp = tp
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
-        self.masked_sampling = masked_sampling
+        self.variants = [PLAIN] + ([MASKED] if masked_sampling else []) + ([PROMPT_LOGPROBS] if prompt_logprobs else [])
         self.compiled: dict[BucketKey, object] = {}
         self.num_recompiles = 0
         self.num_steps = 0
@@ -132,6 +170,9 @@ class ModelRunner:
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
+            if x.prompt_targets is not None:  # rows R.. of the results: each token row's prompt logprobs
+                p_ids, p_lps = prompt_logprobs(backend, weights, hidden, x.prompt_targets, num_logprobs)
+                ids, lps = jnp.concatenate([ids, p_ids]), jnp.concatenate([lps, p_lps])
             next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)
             return ids, lps, next_prev, kv_cache
 
@@ -153,8 +194,7 @@ class ModelRunner:
     def compile_all(self, progress: bool = True) -> float:
         """Compile every bucket now; return the seconds it took."""
         start = time.perf_counter()
-        variants = (False, True) if self.masked_sampling else (False,)
-        keys = [(*bucket, masked) for masked in variants for bucket in self.buckets.all()]
+        keys = [(*bucket, variant) for variant in self.variants for bucket in self.buckets.all()]
         for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
             self.compiled[key] = self._compile(key)
         if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
@@ -164,7 +204,7 @@ class ModelRunner:
         elapsed = time.perf_counter() - start
         log.info("compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; %s; %s) in %.1f s",
                  len(keys), sorted({(t, r) for t, r, _, _ in keys}), list(self.buckets.widths),
-                 "plain and masked (engine.masked_sampling)" if self.masked_sampling else "plain only",
+                 "variants: " + ", ".join(VARIANT_NAMES[v] for v in self.variants),
                  self.backend.describe(), elapsed)
         return elapsed
 
@@ -210,7 +250,21 @@ class ModelRunner:
                 n = min(n, self.max_logprobs)
                 top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
             sampled[s.request_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
-        return RunnerOutput(sampled)
+        prompt = {}
+        if handle.bucket[3] == PROMPT_LOGPROBS:
+            num_rows, begin = handle.bucket[1], 0
+            for s in handle.scheduled.scheduled:
+                if s.prompt_logprob_targets:
+                    n = min(s.sampling_params.prompt_logprobs or 0, self.max_logprobs)
+                    rows = range(num_rows + begin, num_rows + begin + len(s.prompt_logprob_targets))
+                    prompt[s.request_id] = [
+                        (s.start_position + 1 + k, {int(ids[row, 0]): float(lps[row, 0]),
+                                                    **{int(t): float(lp) for t, lp in zip(ids[row, 1 : 1 + n],
+                                                                                          lps[row, 1 : 1 + n])}})
+                        for k, row in enumerate(rows)
+                    ]
+                begin += len(s.token_ids)
+        return RunnerOutput(sampled, prompt)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(out))

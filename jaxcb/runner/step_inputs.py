@@ -23,6 +23,11 @@ from jaxcb.sampling import SamplingArrays, TokenMasks
 from jaxcb.core.step import SchedulerOutput
 
 
+# Step variants, each a superset of the one before; the host picks the first that the step needs.
+PLAIN, MASKED, PROMPT_LOGPROBS = 0, 1, 2
+VARIANT_NAMES = ("plain", "masked", "prompt-logprobs")
+
+
 @dataclasses.dataclass
 class StepInputs:
     token_ids: jax.Array  # i32[T]
@@ -37,7 +42,8 @@ class StepInputs:
     prev_tokens: jax.Array  # i32[max_rows]: the previous step's sampled token of each of its rows
     prev_rows: jax.Array  # i32[T]: for an input token in flight, its row in the previous step; else -1
     history_fix: jax.Array  # i32[R, 2]: (position, previous row) of a token in flight in the history; -1: none
-    masks: Optional[TokenMasks] = None  # the masked variant only: token bitmask and logit bias of each row
+    masks: Optional[TokenMasks] = None  # variants >= MASKED: token bitmask and logit bias of each row
+    prompt_targets: Optional[jax.Array] = None  # i32[T], PROMPT_LOGPROBS only: the prompt token each row predicts; -1: none
 
 
 jax.tree_util.register_dataclass(
@@ -97,7 +103,7 @@ def unpack_step_inputs(like: StepInputs, ints: jax.Array, floats: jax.Array, his
     return dataclasses.replace(x, history=history, prev_tokens=prev_tokens)
 
 
-def abstract_step_inputs(t: int, r: int, w: int, masked: bool, *, max_banned: int, max_model_len: int,
+def abstract_step_inputs(t: int, r: int, w: int, variant: int, *, max_banned: int, max_model_len: int,
                          max_rows: int, vocab_size: int, max_logit_bias: int,
                          sharding: Optional[jax.sharding.Sharding] = None) -> StepInputs:
     """ShapeDtypeStructs of one bucket's inputs (what the step is compiled for)."""
@@ -121,7 +127,8 @@ def abstract_step_inputs(t: int, r: int, w: int, masked: bool, *, max_banned: in
         prev_rows=i32(t),
         history_fix=i32(r, 2),
         masks=TokenMasks(i32(r, (vocab_size + 31) // 32), i32(r, max_logit_bias), f32(r, max_logit_bias))
-        if masked else None,
+        if variant >= MASKED else None,
+        prompt_targets=i32(t) if variant >= PROMPT_LOGPROBS else None,
     )
     if sharding is None:
         return inputs
@@ -141,10 +148,11 @@ class StepInputBuilder:
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
     _zero_histories: dict = dataclasses.field(default_factory=dict)
 
-    def build(self, out: SchedulerOutput, prev_tokens: jax.Array) -> tuple[tuple[int, int, int, bool], StepArgs]:
+    def build(self, out: SchedulerOutput, prev_tokens: jax.Array) -> tuple[tuple[int, int, int, int], StepArgs]:
         """(the bucket and variant, the packed inputs) of one step. `prev_tokens`: the previous step's sampled
         tokens, on the device, which feed each sequence's token in flight (`ScheduledSequence.in_flight_row`).
-        The variant is masked when some sampling row has a token constraint or a logit bias."""
+        The variant: PROMPT_LOGPROBS when a sequence asks for its prompt's logprobs in this chunk, MASKED
+        when a sampling row has a token constraint or a logit bias, else PLAIN."""
         # Built with whole-array numpy operations over per-sequence columns gathered in one pass:
         # with async scheduling this host work shares the CPU with the step it overlaps, so every
         # Python operation per sequence and step costs device time (a loop of ~25 numpy element
@@ -155,8 +163,13 @@ class StepInputBuilder:
         num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, n)
         num_tokens = int(lens.sum())
         t, r, w = self.buckets.pick(num_tokens, n, int(num_blocks.max()))
-        masked = any(s.samples and s.sampling_params.uses_masked_step for s in seqs)
-        key = (t, r, w, masked)
+        if any(s.prompt_logprob_targets for s in seqs):
+            variant = PROMPT_LOGPROBS
+        elif any(s.samples and s.sampling_params.uses_masked_step for s in seqs):
+            variant = MASKED
+        else:
+            variant = PLAIN
+        key = (t, r, w, variant)
         bs = self.block_size
         ends = np.cumsum(lens)
         begins = ends - lens
@@ -247,7 +260,8 @@ class StepInputBuilder:
             prev_tokens=prev_tokens,
             prev_rows=prev_rows,
             history_fix=history_fix,
-            masks=self._token_masks(seqs, r) if masked else None,
+            masks=self._token_masks(seqs, r) if variant >= MASKED else None,
+            prompt_targets=self._prompt_targets(seqs, begins, t) if variant >= PROMPT_LOGPROBS else None,
         )
         args = pack_step_inputs(inputs)
         if self.sharding is not None:  # arrays already there (prev_tokens) are not copied
@@ -269,6 +283,14 @@ class StepInputBuilder:
                 bias_ids[i, : len(bias)] = list(bias.keys())
                 bias_values[i, : len(bias)] = list(bias.values())
         return TokenMasks(bitmask, bias_ids, bias_values)
+
+    @staticmethod
+    def _prompt_targets(seqs: list, begins: np.ndarray, t: int) -> np.ndarray:
+        targets = np.full(t, -1, np.int32)
+        for s, begin in zip(seqs, begins):
+            if s.prompt_logprob_targets:
+                targets[begin : begin + len(s.prompt_logprob_targets)] = s.prompt_logprob_targets
+        return targets
 
     def _zero_history(self, r: int) -> jax.Array:
         if r not in self._zero_histories:

@@ -168,12 +168,17 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(state, streams, completion_events(state, rid, req, streams, include_usage))
         finals = await collect_final_outputs(state, request, streams)
-        choices = []
+        tok, choices = state.engine.tokenizer, []
         for p_idx, out in enumerate(finals):
             for c in out.outputs:
-                logprobs = fmt.completion_logprobs(state.engine.tokenizer, c, 0, 0) if req.logprobs is not None else None
-                choices.append({"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
-                                "finish_reason": fmt.finish_reason(c)})
+                if req.echo:  # the prompt, then the completion, as one text (and one logprobs list)
+                    c = fmt.echo_output(tok, out, c).followed_by(c)
+                logprobs = fmt.completion_logprobs(tok, c, 0, 0) if req.logprobs is not None else None
+                choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
+                          "finish_reason": fmt.finish_reason(c)}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+                choices.append(choice)
         return fmt.completion_response(rid, state.model_name, choices, *usage_of(finals))
 
     @app.post("/v1/chat/completions")
@@ -198,11 +203,14 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         choices = []
         for c in out.outputs:
             message, finish = assistant_message(plan, c.text, fmt.finish_reason(c))
-            choices.append({
+            choice = {
                 "index": c.index, "message": message,
                 "logprobs": fmt.chat_logprobs(state.engine.tokenizer, c, 0, top_n) if req.logprobs else None,
                 "finish_reason": finish,
-            })
+            }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(state.engine.tokenizer, out)
+            choices.append(choice)
         return fmt.chat_response(rid, state.model_name, choices, *usage_of([out]))
 
     return app

@@ -42,6 +42,22 @@ def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_of
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs(tok: Tokenizer, out) -> list[Optional[dict[str, Any]]]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, decoded_token}}."""
+    return [None if entry is None else {
+        str(t): {"logprob": lp, "decoded_token": tok.decode([t], skip_special_tokens=False)} for t, lp in entry.items()
+    } for entry in out.prompt_logprobs]
+
+
+def echo_output(tok: Tokenizer, out, c: CompletionOutput) -> CompletionOutput:
+    """The request's prompt as a completion's leading part (echo): its text, tokens and, when computed, logprobs."""
+    text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+    logprobs = None
+    if out.prompt_logprobs is not None:
+        logprobs = [entry or {} for entry in out.prompt_logprobs]  # the first token has none
+    return CompletionOutput(c.index, text, list(out.prompt_token_ids), None, logprobs)
+
+
 def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, top_n: int) -> dict[str, Any]:
     content = []
     for token, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:]):

@@ -7,6 +7,7 @@ length against max_model_len) is checked by `Engine.add_request` and comes back 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -63,12 +64,14 @@ class _SamplingFields(_Strict):
     logit_bias: Optional[dict[str, Union[int, float]]] = None  # token id (as a string, as OpenAI sends it) -> bias
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and the top-n at its place
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs when logprobs is set)
 
 
 class FunctionCall(_Strict):
@@ -186,6 +189,12 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
     _check(top_k >= 0, f"top_k={req.top_k} must be >= 0 (0 or -1 disables it)", "top_k")
     if logprobs is not None:
         _check(0 <= logprobs <= max_logprobs, f"logprobs={logprobs} must be between 0 and {max_logprobs}", "logprobs")
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is not None:
+        _check(0 <= prompt_logprobs <= max_logprobs,
+               f"prompt_logprobs={prompt_logprobs} must be between 0 and {max_logprobs}", "prompt_logprobs")
+    if getattr(req, "echo", False) and logprobs is not None:  # the echoed prompt carries logprobs too
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     _check(len(stop) <= 16 and all(stop), "stop must be at most 16 non-empty strings", "stop")
     try:
@@ -209,9 +218,11 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
             logit_bias=_logit_bias(req),
             allowed_token_ids=req.allowed_token_ids,
             bad_words=list(req.bad_words or []),
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidRequestError as e:
-        raise APIError(400, str(e), param=str(e).split("=")[0]) from None
+        field = re.match(r"[a-z_]+", str(e))
+        raise APIError(400, str(e), param=field.group(0) if field else None) from None
 
 
 def message_text(message: ChatMessage) -> Optional[str]:

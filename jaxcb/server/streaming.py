@@ -152,10 +152,15 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
                 sent_done.add(key)
             if not c.text and not done and (req.logprobs is None or not c.token_ids):
                 continue
+            first = key not in sent_text
+            if first and req.echo:  # the prompt leads the choice's first chunk
+                c = fmt.echo_output(tok, out, c).followed_by(c)
             t0 = sent_text.get(key, 0)
             logprobs = fmt.completion_logprobs(tok, c, 0, t0) if req.logprobs is not None else None
             sent_text[key] = t0 + len(c.text)
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
+            if first and req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [choice]))
         if out.finished:
             finals[p_idx] = out
@@ -199,6 +204,7 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     held: dict[int, CompletionOutput] = {}  # tokens whose text is not out yet: their logprobs go with it
     streamers: dict = {}  # choice -> its tool-call streamer (jaxcb.server.tool_parsers)
     called: set[int] = set()  # choices that made tool calls: they finish with "tool_calls"
+    sent_prompt: set[int] = set()  # choices whose prompt_logprobs went out (with their first chunk)
     final = None
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -223,6 +229,9 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
                 continue  # held back by the tool-call streamer
             finish = "tool_calls" if done == "stop" and c.index in called else done
             choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if req.prompt_logprobs is not None and c.index not in sent_prompt:
+                sent_prompt.add(c.index)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
         if out.finished:
             final = out
