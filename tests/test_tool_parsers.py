@@ -1,4 +1,4 @@
-"""Tool call parsing, streaming and grammars (jaxcb/server/tool_parsers.py). No model, no jax:
+"""Tool call parsing, streaming and grammars (jaxcb/server/tool_parsers.py, tool_grammar.py). No model, no jax:
 grammars are walked with llguidance over a byte-level vocabulary, choosing allowed tokens at random."""
 
 import json
@@ -11,9 +11,8 @@ import llguidance.numpy
 import numpy as np
 import pytest
 
-from jaxcb.server.tool_parsers import (
-    TOOL_CALL_PARSERS, ParsedToolOutput, ToolCallDelta, get_tool_parser, tool_call_grammar,
-)
+from jaxcb.server.tool_grammar import tool_call_grammar
+from jaxcb.server.tool_parsers import TOOL_CALL_PARSERS, ParsedToolOutput, ToolCallDelta, get_tool_parser
 from jaxcb.tokenizer import TINY_CHAT_TEMPLATE
 
 SYNTAXES = ("hermes", "llama3_json", "pythonic")

@@ -21,7 +21,7 @@ which takes them from the block pool.
 
 `commit()` marks a dispatched step's computed tokens and, for every sampling sequence, a token
 in flight (`in_flight.py`: under async scheduling the next step is scheduled before it is
-known); `update()` applies the runner's sampled tokens and registers blocks that became full in
+known; a sequence whose token constraint needs that token sits the next step out); `update()` applies the runner's sampled tokens and registers blocks that became full in
 the prefix cache. Whether a sequence stops is decided by the output processor (`jaxcb.output`),
 which sees tokens and text; `finish()` then frees its blocks at once.
 """

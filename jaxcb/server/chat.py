@@ -16,7 +16,8 @@ from typing import Any, Optional
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.server.protocol import APIError, ChatCompletionRequest, message_text
-from jaxcb.server.tool_parsers import ParsedToolOutput, ToolParser, tool_call_grammar
+from jaxcb.server.tool_grammar import tool_call_grammar
+from jaxcb.server.tool_parsers import ParsedToolOutput, ToolParser
 from jaxcb.structured.spec import (
     StructuredOutputs,
     StructuredOutputsError,

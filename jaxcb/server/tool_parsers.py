@@ -1,13 +1,12 @@
-"""Tool calls in model output: parse them, stream them, and force them with a grammar.
+"""Tool calls in model output: parse them and stream them.
 
 Owns the syntaxes a model writes OpenAI-style tool calls in (`server.tool_call_parser`): `hermes`
 (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `llama3_json` (`{"name": ...,
 "parameters": {...}}`, `;`-separated, maybe after `<|python_tag|>`) and `pythonic` (`[f(a=1), g()]`).
 Each syntax has one `_scan` of the text so far: `parse` is its final reading, and a
 `ToolCallStreamer` sends what each new reading adds, so stream and non-stream agree by
-construction. `tool_call_grammar` writes the llguidance Lark grammar that makes a model write valid
-calls. Imports neither jax nor llguidance (a grammar is text); never raises on model output:
-malformed calls are content.
+construction. The grammars that make a model write valid calls are `tool_grammar`'s. Imports
+neither jax nor llguidance; never raises on model output: malformed calls are content.
 
 Canonical `arguments`: for the JSON syntaxes, the model's JSON text of the arguments object with
 the whitespace outside strings removed (key order, escapes, numbers as written; `json.loads` of it
@@ -24,14 +23,13 @@ from __future__ import annotations
 
 import ast
 import json
-import keyword
 import math
 import re
 import secrets
 import string
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 
 @dataclass
@@ -67,7 +65,7 @@ class _Scan:
 TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "pythonic")
 _ID_CHARS = string.ascii_letters + string.digits
 _JSON_WS = re.compile(r"[ \t\n\r]*")
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"  # also written by tool_grammar
 _PYTHON_TAG = "<|python_tag|>"
 # A JSON call's head, complete once its arguments object opens. JSON whitespace (not \s) so that
 # the head never matches an object that `_read_object` refuses.
@@ -80,9 +78,6 @@ _PY_TOKENS = re.compile(_JSON_STRING + r"|'[^'\\]*(?:\\.[^'\\]*)*(?:'|\\?\Z)|[\[
 _COMPACT = re.compile(f"({_JSON_STRING})|[ \\t\\n\\r]+", re.DOTALL)
 _LIST_START = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")  # where a pythonic call list begins
 _LIST_MAY_START = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?\Z")  # ... or may, once more text comes
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
-_PLAIN_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions",
-                      "title", "description", "$schema"}
 _PY_NAMES = {"true": True, "false": False, "null": None, "True": True, "False": False, "None": None}
 
 
@@ -218,9 +213,8 @@ class ToolCallStreamer:
 
 
 class ToolParser:
-    """One tool call syntax: how to read it, and how a grammar writes it."""
+    """One tool call syntax: how to read it. `tool_grammar` writes it, by `name`."""
     name: str = ""
-    _list_open, _list_sep, _list_close = "", "", ""  # Lark: how several calls are written
 
     def parse(self, text: str) -> ParsedToolOutput:
         """A finished completion as content and calls."""
@@ -234,49 +228,32 @@ class ToolParser:
     def _scan(self, text: str, final: bool) -> _Scan:
         raise NotImplementedError
 
-    def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
-        """The Lark expression for one call of function `name`."""
-        raise NotImplementedError
-
-
-def _json_rule(schema: Any) -> str:
-    """`%json` of `schema`, compact: llguidance allows any whitespace unless x-guidance says not."""
-    schema = schema if isinstance(schema, dict) else {}  # `true` as a schema: any value
-    options = {**schema.get("x-guidance", {}), "whitespace_flexible": False}
-    return "%json " + json.dumps({**schema, "x-guidance": options})
-
 
 class HermesToolParser(ToolParser):
     name = "hermes"
-    _list_sep = r'"\n"'
 
     def _scan(self, text: str, final: bool) -> _Scan:
         scan, pos = _Scan(), 0
-        while (start := text.find(_HERMES_OPEN, pos)) != -1:
+        while (start := text.find(HERMES_OPEN, pos)) != -1:
             scan.content.append(text[pos:start])
-            body_start = start + len(_HERMES_OPEN)
-            close = text.find(_HERMES_CLOSE, body_start)
+            body_start = start + len(HERMES_OPEN)
+            close = text.find(HERMES_CLOSE, body_start)
             if close == -1 and not final:  # the block is being written
-                body = text[body_start:_decided_end(text, _HERMES_CLOSE, final)]
+                body = text[body_start:_decided_end(text, HERMES_CLOSE, final)]
                 scan.partial = _partial_call(body, start)
                 return scan
-            pos = len(text) if close == -1 else close + len(_HERMES_CLOSE)
+            pos = len(text) if close == -1 else close + len(HERMES_CLOSE)
             call = _parse_call(text[body_start:len(text) if close == -1 else close])
             if call is None:
                 scan.content.append(text[start:pos])
             else:
                 scan.calls.append((start, *call))
-        scan.content.append(text[pos:max(pos, _decided_end(text, _HERMES_OPEN, final))])
+        scan.content.append(text[pos:max(pos, _decided_end(text, HERMES_OPEN, final))])
         return scan
-
-    def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
-        head = json.dumps(_HERMES_OPEN + '\n{"name":"' + name + '","arguments":')
-        return f'{head} {_json_rule(parameters)} {json.dumps("}\n" + _HERMES_CLOSE)}'
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
-    _list_sep = '";"'
 
     def _scan(self, text: str, final: bool) -> _Scan:
         first = _skip_ws(text, 0)
@@ -310,10 +287,6 @@ class Llama3JsonToolParser(ToolParser):
             pos += 1
         scan.content.append(text[resume:])
         return scan
-
-    def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
-        head = json.dumps('{"name":"' + name + '","parameters":')
-        return f'{head} {_json_rule(parameters)} "}}"'
 
 
 def _literal(node: ast.AST) -> Any:
@@ -357,7 +330,6 @@ def _parse_pythonic_list(text: str) -> Optional[list[tuple[str, str]]]:
 
 class PythonicToolParser(ToolParser):
     name = "pythonic"
-    _list_open, _list_sep, _list_close = '"["', '", "', '"]"'
 
     def _scan(self, text: str, final: bool) -> _Scan:
         scan, pos = _Scan(), 0
@@ -376,44 +348,13 @@ class PythonicToolParser(ToolParser):
         scan.content.append(text[pos:maybe.start() if maybe else len(text)])
         return scan
 
-    def _call_grammar(self, name: str, parameters: dict[str, Any]) -> str:
-        required = parameters.get("required") or []
-        properties = dict(parameters.get("properties") or {})
-        properties.update({key: {} for key in required if key not in properties})
-        defs = {key: parameters[key] for key in ("$defs", "definitions") if key in parameters}
-        for word in (name, *properties):
-            if not word.isidentifier() or keyword.iskeyword(word):
-                raise ValueError(f"tool {name!r}: {word!r} is not a Python identifier, so the pythonic "
-                                 "syntax cannot write it; choose another server.tool_call_parser")
-        if set(parameters) - _PLAIN_OBJECT_KEYS:  # a call writes keyword arguments, nothing more
-            raise ValueError(f"tool {name!r}: the pythonic syntax can only write parameters schemas "
-                             f"with the keys {sorted(_PLAIN_OBJECT_KEYS)}, not {sorted(set(parameters))}")
-        kwargs = [(f'"{key}=" ' + _json_rule({**schema, **defs} if isinstance(schema, dict) else schema),
-                   key in required) for key, schema in properties.items()]
-        inner = _first_kwargs(kwargs, 0)
-        return f'"{name}(" {inner} ")"' if inner else f'"{name}()"'
-
-
-def _first_kwargs(kwargs: list[tuple[str, bool]], i: int) -> str:
-    """Lark for kwargs[i:] when none is written yet: required ones always, optional ones
-    optional, in order, joined by ", "."""
-    if i == len(kwargs):
-        return ""
-    kwarg, required = kwargs[i]
-    later = " ".join(f'", " {kw}' if req else f'(", " {kw})?' for kw, req in kwargs[i + 1:])
-    written = f"{kwarg} {later}".strip()
-    if required:
-        return written
-    skipped = _first_kwargs(kwargs, i + 1)
-    return f"({written} | {skipped})" if skipped else f"({written})?"
-
 
 _PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
 
 
 def _detect_syntax(chat_template: str) -> str:
-    if _HERMES_OPEN in chat_template:
+    if HERMES_OPEN in chat_template:
         return "hermes"
     # Before llama3_json: pythonic Llama templates mention ipython and the python tag as well.
     if re.search(r"\[\s*func_name\d*\s*\(", chat_template):
@@ -431,41 +372,3 @@ def get_tool_parser(name: str, chat_template: Optional[str]) -> ToolParser:
         raise ValueError(f"server.tool_call_parser={name!r} is not a tool call syntax jaxcb knows; "
                          f"use one of {', '.join(TOOL_CALL_PARSERS)}")
     return _PARSERS[name]()
-
-
-def _chosen_functions(tools: list[dict], tool_choice: Union[str, dict]) -> list[dict]:
-    functions = [tool.get("function") if isinstance(tool, dict) else None for tool in tools]
-    for i, (tool, function) in enumerate(zip(tools, functions)):
-        parameters = (function.get("parameters") or {}) if isinstance(function, dict) else None
-        if not (isinstance(parameters, dict) and tool.get("type") == "function"
-                and _TOOL_NAME.fullmatch(str(function.get("name"))) and parameters.get("type", "object") == "object"):
-            raise ValueError(f'tools.{i} must be {{"type": "function", "function": {{"name": ..., "parameters": '
-                             f'{{"type": "object", ...}}}}}} with a name matching {_TOOL_NAME.pattern}')
-    names = ", ".join(function["name"] for function in functions) or "none"
-    if tool_choice == "required" and functions:
-        return functions
-    chosen = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    if not isinstance(chosen, dict):
-        raise ValueError(f'tool_choice={tool_choice!r} needs no grammar or is not one: only "required" '
-                         '(with tools) or {"type": "function", "function": {"name": ...}} is enforced')
-    named = [function for function in functions if function["name"] == chosen.get("name")]
-    if not named:
-        raise ValueError(f"tool_choice names function {chosen.get('name')!r}, which is not among the "
-                         f"tools ({names})")
-    return named[:1]
-
-
-def tool_call_grammar(parser: ToolParser, tools: list[dict], tool_choice: Union[str, dict],
-                      parallel_tool_calls: bool) -> str:
-    """An llguidance Lark grammar whose every output `parser.parse`s into calls of the chosen
-    tools and nothing else: one for a named function or parallel_tool_calls=False, else one or
-    more; arguments valid against each tool's "parameters" schema (absent: {}); JSON compact."""
-    functions = _chosen_functions(tools, tool_choice)
-    empty = {"type": "object", "properties": {}, "additionalProperties": False}
-    rules = [f"call_{j}: {parser._call_grammar(function['name'], function.get('parameters') or empty)}"
-             for j, function in enumerate(functions)]
-    many = parallel_tool_calls and tool_choice == "required"
-    calls = f"call ({parser._list_sep} call)*" if many else "call"
-    start = " ".join(part for part in (parser._list_open, calls, parser._list_close) if part)
-    alternatives = " | ".join(f"call_{j}" for j in range(len(functions)))
-    return "\n".join(["%llguidance {}", f"start: {start}", f"call: {alternatives}", *rules]) + "\n"
