@@ -18,7 +18,12 @@ BASE = (
     "engine.seq_buckets=[8]",
     "engine.context_buckets=[16]",
     f"engine.compilation_cache_dir={CACHE_DIR}",
+    # Most tests need only the plain step variant: the masked and prompt-logprobs ones (on by default)
+    # would triple every test engine's compiles. Tests of constraints and prompt logprobs add VARIANTS.
+    "engine.masked_sampling=false",
+    "engine.prompt_logprobs=false",
 )
+VARIANTS = ("engine.masked_sampling=true", "engine.prompt_logprobs=true")  # every step variant, as by default
 
 
 def make_engine(*overrides: str) -> Engine:

@@ -6,9 +6,13 @@ import json
 import numpy as np
 import pytest
 
-from engine_factory import shared_engine
+from engine_factory import VARIANTS, shared_engine as _shared_engine
 from jaxcb import SamplingParams
 from jaxcb.errors import InvalidRequestError
+
+
+def shared_engine(*overrides: str):
+    return _shared_engine(*VARIANTS, *overrides)
 
 
 def run(e, prompt, params):
@@ -66,7 +70,7 @@ def test_echo_and_prompt_logprobs_over_http_whole_and_streamed():
 
     from server_harness import running_server
 
-    with running_server() as (url, state):
+    with running_server(*VARIANTS) as (url, state):
         body = {"model": "tiny", "prompt": "echo me", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2,
                 "prompt_logprobs": 1}
         whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]

@@ -15,7 +15,7 @@ import os
 import pytest
 from pydantic import BaseModel, Field
 
-from engine_factory import BASE
+from engine_factory import BASE, VARIANTS
 from gguf_checkpoints import smollm2_gguf
 from jaxcb.config import compose_config
 from jaxcb.engine import LLM
@@ -81,7 +81,7 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(compose_config(BASE + ("model=smollm2",)), progress=False)
+    return LLM(compose_config(BASE + VARIANTS + ("model=smollm2",)), progress=False)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import re
 import jsonschema
 import pytest
 
-from engine_factory import shared_engine
+from engine_factory import VARIANTS, shared_engine as _shared_engine
 from jaxcb import SamplingParams
 from jaxcb.errors import InvalidRequestError
 from jaxcb.structured import StructuredOutputs, from_response_format, from_structured_outputs
@@ -24,6 +24,10 @@ PERSON = {
     },
     "required": ["name", "age", "role", "ok"],
 }
+
+
+def shared_engine(*overrides: str):
+    return _shared_engine(*VARIANTS, *overrides)
 
 
 def generate_first_completions(e, prompts: list, params: list) -> list:
@@ -205,3 +209,27 @@ def test_an_engine_without_masked_variants_refuses_constraints_by_name():
         with pytest.raises(InvalidRequestError, match=f"{name}.*engine.masked_sampling=true"):
             e.add_request("x", params)
     assert not e.has_unfinished_requests()
+
+
+def test_job_records_take_structured_outputs_and_report_a_bad_schema_as_an_error_record(tmp_path):
+    from jaxcb.engine import LLM
+    from jaxcb.jobs import generate_results, read_input
+
+    llm = LLM.__new__(LLM)
+    llm.engine = shared_engine()
+    records = [
+        {"id": "choice", "prompt": "x", "max_tokens": 12, "temperature": 1.0, "seed": 1,
+         "structured_outputs": {"choice": ["alpha", "beta"]}},
+        {"id": "schema", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 96, "temperature": 1.0,
+         "seed": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}},
+        {"id": "bias", "prompt": "x", "max_tokens": 3, "temperature": 0, "logit_bias": {str(ord("k")): 100}},
+        {"id": "bad", "prompt": "x", "structured_outputs": {"regex": "(unclosed"}},
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = {r["id"]: r for r in generate_results(llm, read_input(str(path)), max_in_flight=4)}
+    assert results["choice"]["text"] in ("alpha", "beta")
+    jsonschema.validate(json.loads(results["schema"]["text"]), PERSON)
+    assert results["bias"]["text"] == "kkk"
+    assert "structured_outputs.regex" in results["bad"]["error"]
+    assert not llm.engine.has_unfinished_requests()

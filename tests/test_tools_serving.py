@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel, Field
 
+from engine_factory import VARIANTS
 from server_harness import running_server
 
 WEATHER = {
@@ -43,7 +44,7 @@ class Person(BaseModel):
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("engine.max_model_len=1024") as (url, state):  # tools make the byte-level prompt long
+    with running_server(*VARIANTS, "engine.max_model_len=1024") as (url, state):  # tools make the byte-level prompt long
         yield url, state
 
 

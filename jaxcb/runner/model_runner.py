@@ -195,8 +195,11 @@ class ModelRunner:
         """Compile every bucket now; return the seconds it took."""
         start = time.perf_counter()
         keys = [(*bucket, variant) for variant in self.variants for bucket in self.buckets.all()]
+        seconds = dict.fromkeys(self.variants, 0.0)  # per variant, for the log
         for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
+            t0 = time.perf_counter()
             self.compiled[key] = self._compile(key)
+            seconds[key[3]] += time.perf_counter() - t0
         if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
             null = jnp.zeros(SWAP_CHUNK, jnp.int32)
             k, v = gather_blocks(self.kv_cache, null)
@@ -204,7 +207,8 @@ class ModelRunner:
         elapsed = time.perf_counter() - start
         log.info("compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; %s; %s) in %.1f s",
                  len(keys), sorted({(t, r) for t, r, _, _ in keys}), list(self.buckets.widths),
-                 "variants: " + ", ".join(VARIANT_NAMES[v] for v in self.variants),
+                 f"{len(self.buckets.all())} buckets x variants " + ", ".join(
+                     f"{VARIANT_NAMES[v]} {seconds[v]:.1f} s" for v in self.variants),
                  self.backend.describe(), elapsed)
         return elapsed
 

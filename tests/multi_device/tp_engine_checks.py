@@ -174,7 +174,7 @@ COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-s
 
 def test_step_communicates_two_activation_all_reduces_per_layer_and_never_gathers_cache_or_weights():
     e = engine(2)
-    ((tokens, rows, _, _), executable), = e.runner.compiled.items()
+    [((tokens, rows, _, _), executable)] = [(k, v) for k, v in e.runner.compiled.items() if k[3] == 0]  # plain
     collectives = [
         (kind, tuple(int(d) for d in dims.split(",") if d))
         for _, dims, kind in COLLECTIVE.findall(executable.as_text())
@@ -201,3 +201,24 @@ def test_swapped_blocks_come_back_into_the_split_cache():
     assert cache.k.sharding.spec == P(None, "tp")
     np.testing.assert_array_equal(np.asarray(cache.k[:, :, 4:6]), np.asarray(values[:, :, 2:4]))
     np.testing.assert_array_equal(np.asarray(cache.v[:, :, 4:6]), -np.asarray(values[:, :, 2:4]))
+
+
+def test_masked_and_prompt_logprobs_variants_under_tp2_match_one_device():
+    from engine_factory import VARIANTS
+    from jaxcb.structured import from_structured_outputs
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=8, logit_bias={ord("q"): 5.0, ord("z"): -100.0}, prompt_logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=from_structured_outputs({"regex": "[a-f]{6}"})),
+        SamplingParams(temperature=0.0, max_tokens=8, bad_words=["e"]),
+    ]
+    results = []
+    for tp in (1, 2):
+        outs = LLM(tp_config(tp, *VARIANTS), progress=False).generate(PROMPTS, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.prompt_logprobs) for o in outs])
+    one, two = results
+    for (ids1, p1), (ids2, p2) in zip(one, two, strict=True):
+        assert ids1 == ids2
+        if p1 is not None:
+            for a, b in zip(p1[1:], p2[1:], strict=True):
+                assert a.keys() == b.keys() and np.allclose(list(a.values()), [b[t] for t in a], atol=1e-4)
