@@ -32,7 +32,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # also return the top-n log-probabilities of each chosen token
     # Constraints, all through the step's token bitmask (jaxcb.structured) or its sparse bias list.
-    structured_outputs: Optional["StructuredOutputs"] = None  # output must match this JSON schema/regex/choice/grammar
+    # output must match this: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} (or a spec)
+    structured_outputs: Optional["StructuredOutputs"] = None
     allowed_token_ids: Optional[list[int]] = None  # only these tokens may be generated
     bad_words: list[str] = field(default_factory=list)  # never generated (a word's last token banned after the rest)
     logit_bias: Optional[dict[int, float]] = None  # token id -> value in [-100, 100] added to its logit
@@ -43,6 +44,10 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.logit_bias:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):  # vLLM's form: {"json": schema} / regex / choice / grammar
+            from jaxcb.structured.spec import from_structured_outputs
+
+            self.structured_outputs = from_structured_outputs(self.structured_outputs)
 
         checks = [
             (self.n >= 1, f"n={self.n} must be >= 1"),

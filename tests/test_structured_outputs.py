@@ -6,6 +6,7 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
 from engine_factory import VARIANTS, shared_engine as _shared_engine
@@ -233,3 +234,31 @@ def test_job_records_take_structured_outputs_and_report_a_bad_schema_as_an_error
     assert results["bias"]["text"] == "kkk"
     assert "structured_outputs.regex" in results["bad"]["error"]
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_eos_is_allowed_only_where_the_grammar_accepts():
+    from jaxcb.structured import TokenConstraint, bitmask_words
+
+    e = shared_engine()
+    [eos] = e.eos_token_ids
+    grammar = e.grammars.compile(from_structured_outputs({"choice": ["ab", "abc"]}))
+    c = TokenConstraint(e.model_config.vocab_size, grammar=grammar.matcher())
+    row = np.zeros(bitmask_words(e.model_config.vocab_size), np.int32)
+
+    def allowed() -> set[int]:
+        c.fill(row)
+        bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+        return set(np.nonzero(bits)[0].tolist())
+
+    assert allowed() == {ord("a")}  # not EOS: nothing is accepted yet
+    assert c.accept(ord("a")) is None and allowed() == {ord("b")}
+    assert c.accept(ord("b")) is None and allowed() == {ord("c"), eos}  # "ab" is complete: EOS allowed
+    assert c.accept(ord("c")) is None and c.is_terminated
+    assert c.accept(ord("x")) is not None  # a token the grammar never allowed is an error, not a silent pass
+
+
+def test_sampling_params_take_vllms_dict_form_of_structured_outputs():
+    params = SamplingParams(structured_outputs={"choice": ["a", "b"]})
+    assert params.structured_outputs == from_structured_outputs({"choice": ["a", "b"]})
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}, "regex": "a"})
