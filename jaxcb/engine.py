@@ -29,7 +29,14 @@ from tqdm import tqdm
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.errors import EngineOverloadedError
-from jaxcb.kv_cache import HostSwapSpace, allocate_planned_kv_cache, num_swap_blocks, plan_kv_cache
+from jaxcb.kv_cache import (
+    HostSwapSpace,
+    allocate_planned_kv_cache,
+    configure_device_memory,
+    num_swap_blocks,
+    plan_kv_cache,
+    step_activation_bytes,
+)
 from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
@@ -59,6 +66,7 @@ class Engine:
     def __init__(self, cfg: Config, *, compile_buckets: bool = True, progress: bool = True):
         self.cfg = cfg
         initialize_distributed(cfg.engine.distributed)  # several hosts: before anything touches a device
+        configure_device_memory(cfg.cache.memory_fraction)  # XLA's GPU pool: memory_fraction, not 75%
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
         # The mesh, checked against the architecture before any weight is read.
         self.tp = make_tensor_parallel(cfg.engine.tensor_parallel_size, resolve_llama_config(cfg.model))
@@ -72,6 +80,8 @@ class Engine:
         plan = plan_kv_cache(
             cfg.cache, model_cfg, max_model_len=self.max_model_len, max_num_seqs=cfg.scheduler.max_num_seqs,
             tensor_parallel_size=cfg.engine.tensor_parallel_size,
+            reserve_bytes=step_activation_bytes(model_cfg, cfg.scheduler.max_num_batched_tokens,
+                                                cfg.scheduler.max_num_seqs, cfg.engine.tensor_parallel_size),
         )
         self.cache_plan = plan
         backend.attention.check_cache_dtype(plan.dtype)

@@ -82,14 +82,68 @@ class KVCachePlan:
         )
 
 
-def _free_device_bytes(device: jax.Device, memory_fraction: float) -> Optional[tuple[int, str]]:
-    """Bytes the cache may take on an accelerator: fraction of its memory, minus what is already used
-    (the weights). None where the device reports no memory statistics (CPU)."""
+XLA_POOL_FRACTION_VAR = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+XLA_DEFAULT_POOL_FRACTION = 0.75  # what JAX's GPU allocator preallocates when the variable is unset
+
+
+def configure_device_memory(memory_fraction: float) -> float:
+    """Make XLA's GPU memory pool `cache.memory_fraction` of the device (JAX preallocates 75% by
+    default, which left the cache near two thirds of HBM); returns the pool fraction in effect.
+    Must run before JAX first touches a device; a value the user set is kept."""
+    if XLA_POOL_FRACTION_VAR not in os.environ:
+        if _backends_initialized():
+            log.warning("JAX's devices were in use before the engine started: XLA's memory pool stays at "
+                        "%s of each accelerator; set %s=%g before starting to give the cache cache.memory_fraction",
+                        XLA_DEFAULT_POOL_FRACTION, XLA_POOL_FRACTION_VAR, memory_fraction)
+        else:
+            os.environ[XLA_POOL_FRACTION_VAR] = f"{memory_fraction:g}"
+    return xla_pool_fraction()
+
+
+def xla_pool_fraction() -> float:
+    try:
+        return float(os.environ.get(XLA_POOL_FRACTION_VAR, XLA_DEFAULT_POOL_FRACTION))
+    except ValueError:
+        return XLA_DEFAULT_POOL_FRACTION
+
+
+def _backends_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except (ImportError, AttributeError):  # a JAX without the private registry: assume the worst
+        return True
+
+
+def _free_device_bytes(device: jax.Device, memory_fraction: float, pool_fraction: float
+                       ) -> Optional[tuple[int, str]]:
+    """Bytes the cache may take on an accelerator: `memory_fraction` of the device's total memory (XLA's
+    pool is `pool_fraction` of it), never more than the pool, minus what is in use (the weights).
+    None where the device reports no memory statistics (CPU)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         return None
-    budget = int(stats["bytes_limit"] * memory_fraction) - int(stats.get("bytes_in_use", 0))
-    return budget, f"cache.memory_fraction={memory_fraction} of {stats['bytes_limit'] / GIB:.1f} GiB on {device.platform}"
+    pool = int(stats["bytes_limit"])
+    total = pool / pool_fraction
+    usable = min(int(total * memory_fraction), pool)
+    source = f"cache.memory_fraction={memory_fraction} of {total / GIB:.1f} GiB on {device.platform}"
+    if usable < int(total * memory_fraction):
+        source += f", capped by XLA's pool of {pool / GIB:.1f} GiB ({XLA_POOL_FRACTION_VAR}={pool_fraction:g})"
+    return usable - int(stats.get("bytes_in_use", 0)), source
+
+
+def step_activation_bytes(model: LlamaConfig, max_num_tokens: int, max_num_seqs: int, tensor_parallel_size: int = 1
+                          ) -> int:
+    """What the largest step needs beside the weights and the cache, on each device, overestimated: the
+    residual stream and a layer's q/k/v, MLP and attention intermediates for every token (float32),
+    [rows, vocabulary] logits a few times over for sampling, the prompt-logprobs variant's
+    [128, vocabulary] chunk, and 256 MiB for XLA's own scratch. The cache is sized after it, so that the
+    first big step does not run out of memory where the cache took everything."""
+    per_token = 4 * model.hidden_size + 3 * model.intermediate_size // tensor_parallel_size + 3 * (
+        model.num_heads + 2 * model.num_kv_heads) * model.head_dim // tensor_parallel_size
+    logits = (4 * max_num_seqs + 128) * model.vocab_size
+    return 4 * (max_num_tokens * per_token + logits) + 256 * 2**20
 
 
 def _available_host_bytes() -> int:
@@ -108,11 +162,13 @@ def plan_kv_cache(
     reserve_bytes: int = 0,
     device: Optional[jax.Device] = None,
     tensor_parallel_size: int = 1,
+    pool_fraction: Optional[float] = None,
 ) -> KVCachePlan:
     """Size the cache from `cache.num_blocks`, or from the memory it may take.
 
-    On a GPU/TPU the cache takes `memory_fraction` of device memory minus what is in use
-    (load the weights first) and `reserve_bytes` (step activations). Under tensor
+    On a GPU/TPU the cache takes `memory_fraction` of the device's total memory minus what is in
+    use (load the weights first) and `reserve_bytes` (step activations); XLA's memory pool is
+    `pool_fraction` of the device (default: what `configure_device_memory` set). Under tensor
     parallelism every device holds 1/tensor_parallel_size of each block (its KV heads), so
     one device's free memory holds tensor_parallel_size times more blocks. On CPU, where JAX
     reports no memory statistics, it takes `cpu_kv_cache_gib` (as vLLM's CPU backend does),
@@ -127,7 +183,8 @@ def plan_kv_cache(
         num_blocks, source = cache.num_blocks, "cache.num_blocks"
     else:
         device = device or jax.local_devices()[0]  # on several hosts, one this process can query
-        free = _free_device_bytes(device, cache.memory_fraction)
+        free = _free_device_bytes(device, cache.memory_fraction,
+                                  pool_fraction if pool_fraction is not None else xla_pool_fraction())
         if free is not None:
             budget, source = free[0] - reserve_bytes, free[1]
             num_blocks = max(0, budget // (bytes_per_block // tensor_parallel_size))

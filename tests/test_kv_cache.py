@@ -1,5 +1,6 @@
 """The cache's device buffers: sized once from config or memory, written in place inside jit."""
 
+import os
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,14 +76,41 @@ def test_cpu_form_allocates_zeros_without_writing_them():
     assert float(jnp.abs(odd.astype(jnp.float32)).max()) == 0.0
 
 
-def test_gpu_size_comes_from_memory_fraction_minus_memory_in_use():
+def test_gpu_size_comes_from_memory_fraction_of_total_memory_minus_memory_in_use():
     bytes_per_block = TINY.kv_bytes_per_token(2) * 16
+    # XLA's pool set to memory_fraction (configure_device_memory): 1000 blocks' worth is half the device
     device = FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block)
     plan = plan_kv_cache(
         CacheConfig(block_size=16, memory_fraction=0.5, dtype="bfloat16"), TINY, max_model_len=64, max_num_seqs=4,
-        device=device,
+        device=device, pool_fraction=0.5,
     )
-    assert plan.num_blocks == 400 and "memory_fraction=0.5" in plan.source
+    assert plan.num_blocks == 900 and "memory_fraction=0.5 of" in plan.source
+    # A pool left at JAX's 75% default: 0.9 of the device would be 1,200 blocks, the pool holds 1,000
+    plan = plan_kv_cache(
+        CacheConfig(block_size=16, memory_fraction=0.9, dtype="bfloat16"), TINY, max_model_len=64, max_num_seqs=4,
+        device=FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block), pool_fraction=0.75,
+    )
+    assert plan.num_blocks == 900 and "capped by XLA's pool" in plan.source
+    # memory_fraction below the pool: the cache takes memory_fraction of the whole device
+    plan = plan_kv_cache(
+        CacheConfig(block_size=16, memory_fraction=0.6, dtype="bfloat16"), TINY, max_model_len=64, max_num_seqs=4,
+        device=FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block), pool_fraction=0.75,
+    )
+    assert plan.num_blocks == 800 - 100
+
+
+def test_the_engine_sets_xlas_pool_to_memory_fraction_unless_the_user_did(monkeypatch):
+    import jaxcb.kv_cache as kv
+
+    monkeypatch.delenv(kv.XLA_POOL_FRACTION_VAR, raising=False)
+    monkeypatch.setattr(kv, "_backends_initialized", lambda: False)
+    assert kv.configure_device_memory(0.92) == 0.92 and os.environ[kv.XLA_POOL_FRACTION_VAR] == "0.92"
+    monkeypatch.setenv(kv.XLA_POOL_FRACTION_VAR, "0.8")
+    assert kv.configure_device_memory(0.92) == 0.8  # the user's value stays
+    monkeypatch.delenv(kv.XLA_POOL_FRACTION_VAR)
+    monkeypatch.setattr(kv, "_backends_initialized", lambda: True)  # too late to change it: left alone
+    assert kv.configure_device_memory(0.92) == kv.XLA_DEFAULT_POOL_FRACTION
+    assert kv.XLA_POOL_FRACTION_VAR not in os.environ
 
 
 def test_tensor_parallel_cache_holds_tp_times_the_blocks_in_the_same_memory_per_device():
@@ -91,7 +119,7 @@ def test_tensor_parallel_cache_holds_tp_times_the_blocks_in_the_same_memory_per_
     device = FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block)
     plan = plan_kv_cache(
         CacheConfig(block_size=16, memory_fraction=0.5, dtype="bfloat16"), TINY, max_model_len=64, max_num_seqs=4,
-        device=device, tensor_parallel_size=2,
+        device=device, tensor_parallel_size=2, pool_fraction=1.0,
     )
     assert plan.num_blocks == 800
     assert plan.bytes_per_device == 400 * bytes_per_block
@@ -270,3 +298,20 @@ def test_swapping_blocks_in_writes_only_those_blocks_and_never_converts_the_cach
         want_k[:, :, d], want_v[:, :, d] = before_k[:, :, s], before_v[:, :, s]
     np.testing.assert_array_equal(np.asarray(out.k, np.float32), want_k)
     np.testing.assert_array_equal(np.asarray(out.v, np.float32), want_v)
+
+
+def test_the_cache_leaves_room_for_the_largest_steps_activations():
+    from cuda_variants import preset
+    from jaxcb.kv_cache import step_activation_bytes
+
+    llama8b = preset("llama8b")
+    reserve = step_activation_bytes(llama8b, max_num_tokens=2048, max_num_seqs=256)
+    assert 1 * 2**30 < reserve < 3 * 2**30  # a few percent of an H200's 141 GB, never zero
+    assert step_activation_bytes(llama8b, 2048, 256, tensor_parallel_size=8) < reserve
+    bytes_per_block = TINY.kv_bytes_per_token(2) * 16
+    plan = plan_kv_cache(
+        CacheConfig(block_size=16, memory_fraction=0.5, dtype="bfloat16"), TINY, max_model_len=64, max_num_seqs=4,
+        device=FakeGpu(limit=1000 * bytes_per_block, in_use=100 * bytes_per_block), pool_fraction=0.5,
+        reserve_bytes=300 * bytes_per_block,
+    )
+    assert plan.num_blocks == 600
