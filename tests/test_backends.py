@@ -16,7 +16,7 @@ from jaxcb.backends import select_backend
 from jaxcb.backends.cpu import PackedLayerWeights
 from jaxcb.config import AttentionConfig, ConfigError, ModelConfig, compose_config
 from jaxcb.model.config import resolve_llama_config
-from jaxcb.model.llama import LayerWeights
+from jaxcb.backends.base import FusedLayerWeights
 from jaxcb.sampling_params import SamplingParams
 
 PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
@@ -52,10 +52,40 @@ def test_the_cpu_backend_steps_on_packed_panels_and_run_no_xla_dot():
         assert text.count("jaxcb_packed_qkv") >= cfg.num_layers and "jaxcb_kv_cache_write" not in text
 
 
-def test_the_xla_backend_keeps_the_plain_weights():
+def test_the_xla_backend_fuses_qkv_and_gate_up_at_load_and_runs_two_fewer_matmuls_a_layer():
     e = shared_engine("model.backend=xla")
-    assert all(isinstance(layer, LayerWeights) for layer in e.runner.weights.layers)
-    assert e.runner.weights.head.shape == (e.model_config.hidden_size, e.model_config.vocab_size)
+    cfg = e.model_config
+    D, F, Hq, Hkv, K = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    for layer in e.runner.weights.layers:
+        assert isinstance(layer, FusedLayerWeights)
+        assert layer.qkv_proj.shape == (D, 1, Hq + 2 * Hkv, K) and layer.gate_up_proj.shape == (D, 1, 2, F)
+    assert e.runner.weights.head.shape == (cfg.hidden_size, cfg.vocab_size)
+    # The projections' dots read the fused weights: no dot has q_proj's, k_proj's or gate_proj's own width.
+    for executable in e.runner.compiled.values():
+        text = executable.as_text()
+        assert f"f32[{D},1,{Hq + 2 * Hkv},{K}]" in text and f"f32[{D},1,2,{F}]" in text
+        assert f"f32[{D},{Hq},{K}]" not in text and f"f32[{D},{F}]" not in text
+
+
+def test_fused_and_separate_projections_give_the_same_logits():
+    import numpy as np
+
+    from benchmarks.reference_generate import greedy_generate
+    from jaxcb.backends import Backend
+    from jaxcb.kernels.attention import select_attention
+    from jaxcb.model.llama import build_random_model
+
+    cfg = resolve_llama_config(compose_config(["model=tiny"]).model)
+    fused = greedy_generate(build_random_model(cfg, seed=0), PROMPTS[1], 6, backend=Backend(cfg, select_attention()))
+
+    class SeparateProjections(Backend):
+        def prepare_layers(self, layers):
+            return layers
+
+    separate = greedy_generate(build_random_model(cfg, seed=0), PROMPTS[1], 6,
+                               backend=SeparateProjections(cfg, select_attention()))
+    assert fused.token_ids == separate.token_ids
+    np.testing.assert_allclose(np.stack(fused.logits), np.stack(separate.logits), rtol=1e-5, atol=1e-5)
 
 
 def select(backend="auto", platform="cpu", dtype="float32", layer_loop="auto", mesh=None):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +28,52 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig
 from jaxcb.sampling import Argmax, xla_argmax
+from jaxcb.sharding import TP_AXIS
 from jaxcb.model.llama import LayerWeights, Llama, StepWeights, apply_rope, build_rope_table, rms_norm
+
+class FusedLayerWeights(NamedTuple):
+    """One layer's weights (or every layer's, stacked) with q/k/v and gate/up each one matrix, so that a
+    layer reads its input once for three projections and once for two. Under tensor parallelism the
+    fused axes are grouped by device (G = the mesh size): each device's own q, k and v heads and its
+    MLP columns stay side by side, and the split costs no communication."""
+
+    attn_norm: jax.Array  # [D]
+    qkv_proj: jax.Array  # [D, G, (Hq + 2 Hkv) / G, K]: a device group's q heads, then its k, then its v
+    o_proj: jax.Array  # [Hq, K, D]
+    mlp_norm: jax.Array  # [D]
+    gate_up_proj: jax.Array  # [D, G, 2, F / G]: a device group's gate columns, then its up columns
+    down_proj: jax.Array  # [F, D]
+
+
+def _tp_groups(w: LayerWeights) -> tuple[int, Optional[jax.sharding.Mesh]]:
+    """(device groups of the fused axes, the mesh): the mesh's size when q_proj is split over it."""
+    sharding = getattr(w.q_proj, "sharding", None)
+    if isinstance(sharding, NamedSharding) and any(axis is not None for axis in sharding.spec):
+        return sharding.mesh.size, sharding.mesh
+    return 1, None
+
+
+def fuse_layer_weights(w: LayerWeights) -> FusedLayerWeights:
+    """q/k/v and gate/up fused (`FusedLayerWeights`), for one layer or stacked layers, sharded as the
+    parts were (the fused axes split over the mesh by device group)."""
+    groups, mesh = _tp_groups(w)
+    lead = w.q_proj.ndim - 3  # 1 for stacked weights [L, ...], 0 for one layer's
+
+    def fuse(w: LayerWeights) -> FusedLayerWeights:
+        *outer, d, _, k = w.q_proj.shape
+        by_group = lambda p: p.reshape(*outer, d, groups, p.shape[-2] // groups, k)  # noqa: E731
+        qkv = jnp.concatenate([by_group(w.q_proj), by_group(w.k_proj), by_group(w.v_proj)], axis=-2)
+        f = w.gate_proj.shape[-1]
+        gate_up = jnp.stack([p.reshape(*outer, d, groups, f // groups) for p in (w.gate_proj, w.up_proj)], axis=-2)
+        return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj)
+
+    if mesh is None:
+        return jax.jit(fuse)(w)
+    split = NamedSharding(mesh, PartitionSpec(*([None] * (lead + 1)), TP_AXIS))  # the group axis after D
+    same = lambda a: a.sharding  # noqa: E731
+    out = FusedLayerWeights(same(w.attn_norm), split, same(w.o_proj), same(w.mlp_norm), split, same(w.down_proj))
+    return jax.jit(fuse, out_shardings=out)(w)
+
 
 def split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
     """[L, ...] -> L arrays [...], each split over the devices as its parent was, minus the layer axis."""
@@ -67,11 +112,19 @@ class Backend:
             del columns
         else:
             layers = stacked.weights()
+        layers = self.prepare_layers(layers)
         head = self.prepare_head(model)
         weights = StepWeights(model.embed.get_value(), layers, model.final_norm.get_value(), head,
                               build_rope_table(cfg, max_len, replicated))
         del model.embed, model.layers, model.final_norm
         return weights
+
+    def prepare_layers(self, layers):
+        """The layers' weights as this backend's operations read them: q/k/v and gate/up fused,
+        layer by layer (a list, unrolled) or all at once (stacked, scanned)."""
+        if isinstance(layers, list):
+            return [fuse_layer_weights(w) for w in layers]
+        return fuse_layer_weights(layers)
 
     def prepare_head(self, model: Llama) -> Optional[jax.Array]:
         """The LM head as `logits` reads it: [D, V], or None with tied embeddings (read from `embed`)."""
@@ -81,7 +134,7 @@ class Backend:
 
     def self_attention(
         self,
-        w: LayerWeights,
+        w: Union[FusedLayerWeights, LayerWeights],
         h: jax.Array,  # [T, D]: the residual stream
         rope: tuple[jax.Array, jax.Array],  # (cos, sin) f32[T, K // 2]
         cache: KVCache,
@@ -89,7 +142,13 @@ class Backend:
         md: AttentionMetadata,
     ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
         x = rms_norm(h, w.attn_norm, self.cfg.rms_norm_eps)
-        q, k, v = (jnp.einsum("td,dhk->thk", x, p) for p in (w.q_proj, w.k_proj, w.v_proj))
+        if isinstance(w, FusedLayerWeights):  # one matmul; each device group's q, k, v sliced out
+            qkv = jnp.einsum("td,dgnk->tgnk", x, w.qkv_proj)
+            groups, num_q, num_kv = qkv.shape[1], self.cfg.num_heads, self.cfg.num_kv_heads
+            q, k, v = (qkv[:, :, a // groups : b // groups].reshape(x.shape[0], b - a, -1)
+                       for a, b in ((0, num_q), (num_q, num_q + num_kv), (num_q + num_kv, num_q + 2 * num_kv)))
+        else:
+            q, k, v = (jnp.einsum("td,dhk->thk", x, p) for p in (w.q_proj, w.k_proj, w.v_proj))
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return self.attention.write_and_attend(q, k, v, cache, layer, md, self.sm_scale)
 
@@ -102,8 +161,12 @@ class Backend:
 
     def add_mlp(self, w: LayerWeights, h: jax.Array) -> jax.Array:
         x = rms_norm(h, w.mlp_norm, self.cfg.rms_norm_eps)
-        gate = jnp.einsum("td,df->tf", x, w.gate_proj)
-        up = jnp.einsum("td,df->tf", x, w.up_proj)
+        if isinstance(w, FusedLayerWeights):
+            gate_up = jnp.einsum("td,dgcf->tgcf", x, w.gate_up_proj)
+            gate, up = (gate_up[:, :, c].reshape(x.shape[0], -1) for c in (0, 1))
+        else:
+            gate = jnp.einsum("td,df->tf", x, w.gate_proj)
+            up = jnp.einsum("td,df->tf", x, w.up_proj)
         return h + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w.down_proj)
 
     def logits(self, w: StepWeights, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]

@@ -57,14 +57,13 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         return "backend cpu (the packed C++ matmul; layers unrolled)"
 
-    def prepare(self, model: Llama, max_len: int, replicated=None):
-        """Layer by layer, so that at most one layer's weights exist twice at a time."""
-        weights = super().prepare(model, max_len, replicated)  # unrolled: one LayerWeights per layer
-        layers, weights = list(weights.layers), weights._replace(layers=None)
+    def prepare_layers(self, layers: list[LayerWeights]) -> list[PackedLayerWeights]:
+        """Layer by layer (unrolled: one LayerWeights per layer), so that at most one layer's weights
+        exist twice at a time."""
         pack = jax.jit(PackedLayerWeights.pack)
         for i in range(len(layers)):
             layers[i] = pack(layers[i])
-        return weights._replace(layers=layers)
+        return layers
 
     def prepare_head(self, model: Llama) -> jax.Array:
         # The tied embedding stays as it is for the token lookup; its packed transpose is a copy.
