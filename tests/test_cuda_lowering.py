@@ -8,6 +8,7 @@ Compiling the Triton IR to machine code is tests/test_triton_resources.py (and, 
 scripts/gpu_check.py).
 """
 
+import functools
 import re
 
 import jax
@@ -18,6 +19,7 @@ from flax import nnx
 from cuda_variants import KERNEL_VARIANTS, LLAMA8B, KernelVariant, preset
 from benchmarks.reference_generate import forward_step
 from jaxcb.backends import Backend
+from jaxcb.backends.base import fuse_layer_weights
 from jaxcb.kernels.attention import AttentionMetadata, KVCache, pallas_form
 from jaxcb.kernels.triton_calls import gpu_mesh, lower_for_gpu, triton_calls
 from jaxcb.kv_cache import kv_cache_shape
@@ -86,8 +88,10 @@ def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs:
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, tp.params(state))
     params = nnx.to_pure_dict(state)
     rope_table = jax.ShapeDtypeStruct((2, 8192, cfg.head_dim // 2), jnp.float32, sharding=replicated)
-    weights = StepWeights(params["embed"], LayerWeights(**params["layers"]), params["final_norm"],
-                          params.get("lm_head"), rope_table)
+    # As the xla backend prepares them: q/k/v and gate/up fused, grouped by device under TP.
+    layers = jax.eval_shape(functools.partial(fuse_layer_weights, mesh=mesh if tp else None),
+                            LayerWeights(**params["layers"]))
+    weights = StepWeights(params["embed"], layers, params["final_norm"], params.get("lm_head"), rope_table)
     cache = jax.ShapeDtypeStruct(
         kv_cache_shape(cfg, num_seqs * width + 1, 16), jnp.bfloat16, sharding=tp.kv_cache if tp else None
     )

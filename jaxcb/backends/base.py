@@ -53,26 +53,27 @@ def _tp_groups(w: LayerWeights) -> tuple[int, Optional[jax.sharding.Mesh]]:
     return 1, None
 
 
-def fuse_layer_weights(w: LayerWeights) -> FusedLayerWeights:
+def fuse_layer_weights(w: LayerWeights, mesh: Optional[jax.sharding.Mesh] = None) -> FusedLayerWeights:
     """q/k/v and gate/up fused (`FusedLayerWeights`), for one layer or stacked layers, sharded as the
-    parts were (the fused axes split over the mesh by device group)."""
-    groups, mesh = _tp_groups(w)
+    parts were (the fused axes split over the mesh by device group). `mesh`: the tensor-parallel mesh
+    (default: the one q_proj is split over, if any)."""
+    groups, mesh = _tp_groups(w) if mesh is None else (mesh.size, mesh)
     lead = w.q_proj.ndim - 3  # 1 for stacked weights [L, ...], 0 for one layer's
 
-    def fuse(w: LayerWeights) -> FusedLayerWeights:
-        *outer, d, _, k = w.q_proj.shape
-        by_group = lambda p: p.reshape(*outer, d, groups, p.shape[-2] // groups, k)  # noqa: E731
-        qkv = jnp.concatenate([by_group(w.q_proj), by_group(w.k_proj), by_group(w.v_proj)], axis=-2)
-        f = w.gate_proj.shape[-1]
-        gate_up = jnp.stack([p.reshape(*outer, d, groups, f // groups) for p in (w.gate_proj, w.up_proj)], axis=-2)
-        return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj)
+    def fuse(q, k, v, gate, up) -> tuple[jax.Array, jax.Array]:
+        *outer, d, _, head_dim = q.shape
+        by_group = lambda p: p.reshape(*outer, d, groups, p.shape[-2] // groups, head_dim)  # noqa: E731
+        qkv = jnp.concatenate([by_group(q), by_group(k), by_group(v)], axis=-2)
+        f = gate.shape[-1]
+        return qkv, jnp.stack([p.reshape(*outer, d, groups, f // groups) for p in (gate, up)], axis=-2)
 
-    if mesh is None:
-        return jax.jit(fuse)(w)
-    split = NamedSharding(mesh, PartitionSpec(*([None] * (lead + 1)), TP_AXIS))  # the group axis after D
-    same = lambda a: a.sharding  # noqa: E731
-    out = FusedLayerWeights(same(w.attn_norm), split, same(w.o_proj), same(w.mlp_norm), split, same(w.down_proj))
-    return jax.jit(fuse, out_shardings=out)(w)
+    # The other weights are kept as they are (no copy); only the two fused ones are new arrays.
+    split = None if mesh is None else NamedSharding(mesh, PartitionSpec(*([None] * (lead + 1)), TP_AXIS))
+    fused = jax.jit(fuse, out_shardings=None if split is None else (split, split))
+    parts = (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)
+    abstract = any(isinstance(p, jax.ShapeDtypeStruct) for p in parts)  # an abstract model (lowering tests)
+    qkv, gate_up = jax.eval_shape(fused, *parts) if abstract else fused(*parts)
+    return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj)
 
 
 def split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
