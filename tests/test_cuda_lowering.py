@@ -12,6 +12,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 from flax import nnx
@@ -78,6 +79,12 @@ def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
 
 def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):
     """forward_step (layer scan, K/V writes, the kernel, logits) for `model` on an abstract mesh of H200s."""
+    backend, args, mesh = step_args(model, tensor_parallel_size, num_tokens, num_seqs, width)
+    return lower_for_gpu(forward_step, backend, *args, mesh=mesh)
+
+
+def step_args(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):
+    """(the xla backend over the pallas kernel, forward_step's abstract arguments, the mesh)."""
     cfg = preset(model)
     mesh = gpu_mesh(tensor_parallel_size, TP_AXIS)
     tp = TensorParallel(mesh) if tensor_parallel_size > 1 else None
@@ -97,10 +104,7 @@ def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs:
     )
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
     md = AttentionMetadata(i32(num_tokens), i32(num_seqs + 1), i32(num_seqs), i32(num_seqs, width), i32())
-    return lower_for_gpu(
-        forward_step, backend, weights, KVCache(cache, cache), i32(num_tokens), i32(num_tokens), md, i32(num_seqs),
-        mesh=mesh,
-    )
+    return backend, (weights, KVCache(cache, cache), i32(num_tokens), i32(num_tokens), md, i32(num_seqs)), mesh
 
 
 @pytest.mark.parametrize(
@@ -159,3 +163,21 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
         [call] = triton_calls(lowered)
         assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs), key
         assert "@jaxcb_" not in lowered.as_text()
+
+
+def _primitives(jaxpr, inside_scan: bool = False, found=None) -> dict[bool, set[str]]:
+    """Primitive names of a jaxpr, split by whether they run inside a scan (the layer loop)."""
+    found = found if found is not None else {False: set(), True: set()}
+    for eqn in jaxpr.eqns:
+        found[inside_scan].add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _primitives(sub, inside_scan or eqn.primitive.name == "scan", found)
+    return found
+
+
+def test_the_kernels_tile_table_is_built_once_per_step_outside_the_layer_scan():
+    backend, args, _ = step_args("llama8b", 1, 256, 64, 64)
+    jaxpr = jax.make_jaxpr(functools.partial(forward_step, backend))(*args)
+    found = _primitives(jaxpr.jaxpr)
+    assert "cumsum" in found[False]  # the tile table's running count of tiles per sequence: once
+    assert "cumsum" not in found[True] and "pallas_call" in found[True]  # every layer only reads it

@@ -172,6 +172,8 @@ def forward(
         h = ops.add_attention_output(lw, h, attn.astype(h.dtype))
         return (ops.add_mlp(lw, h), cache), None
 
+    # What attention derives from the step's metadata (the kernel's tile table) is built once, here.
+    md = ops.attention.prepare_step(md, token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads, cache.k.shape[3])
     h = jnp.take(w.embed, token_ids, axis=0)
     if isinstance(w.layers, list):
         for i, lw in enumerate(w.layers):

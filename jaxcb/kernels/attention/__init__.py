@@ -58,11 +58,14 @@ class AttentionMetadata:
     kv_lens: jax.Array  # i32[R]: context length of each sequence, new tokens included
     block_tables: jax.Array  # i32[R, W]: unused entries -> null block
     num_seqs: jax.Array  # i32[]: real sequences; rows past it are padding
+    # What a form derives from the above once per step, before the layer loop (`AttentionForm.prepare_step`),
+    # instead of in every layer: the pallas kernel's query-tile table i32[5, num_tiles]. None: not prepared.
+    tiles: Optional[jax.Array] = None
 
 
 jax.tree_util.register_dataclass(
     AttentionMetadata,
-    data_fields=["slot_mapping", "query_start_loc", "kv_lens", "block_tables", "num_seqs"],
+    data_fields=["slot_mapping", "query_start_loc", "kv_lens", "block_tables", "num_seqs", "tiles"],
     meta_fields=[],
 )
 
@@ -79,6 +82,14 @@ class AttentionForm:
     computes_in_cache_dtype: bool = True  # False: q keeps its dtype and the cache is read as it
     mesh: Optional[Mesh] = None  # tensor parallelism: runs per shard of heads on this mesh
     zeros_fn: Callable[..., jax.Array] = zeros_buffer  # (shape, dtype, sharding) -> a zero-filled cache buffer
+    # (md, num_tokens, group, block_size) -> md with what every layer's attention reads derived once per step
+    prepare_step_fn: Optional[Callable[..., "AttentionMetadata"]] = None
+
+    def prepare_step(self, md: AttentionMetadata, num_tokens: int, group: int, block_size: int) -> AttentionMetadata:
+        """The step's metadata with what this form derives from it once, outside the layer loop."""
+        if self.prepare_step_fn is None:
+            return md
+        return self.prepare_step_fn(md, num_tokens=num_tokens, group=group, block_size=block_size)
 
     def with_mesh(self, mesh: Optional[Mesh]) -> "AttentionForm":
         return dataclasses.replace(self, mesh=mesh)
@@ -105,9 +116,10 @@ class AttentionForm:
         sm_scale: float,
     ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
         q_in = q.astype(cache.k.dtype) if self.computes_in_cache_dtype else q
+        prepared = {} if md.tiles is None else {"tiles": md.tiles}
         out = self.attend_fn(
             q_in, cache.k, cache.v, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs, layer,
-            sm_scale=sm_scale,
+            sm_scale=sm_scale, **prepared,
         )
         return out.astype(q.dtype)
 
@@ -141,10 +153,10 @@ class AttentionForm:
 
 
 def pallas_form(interpret: bool = False) -> AttentionForm:
-    from jaxcb.kernels.attention.pallas import ragged_paged_attention
+    from jaxcb.kernels.attention.pallas import prepare_step, ragged_paged_attention
 
     fn = functools.partial(ragged_paged_attention, interpret=interpret)
-    return AttentionForm("pallas-interpret" if interpret else "pallas", fn)
+    return AttentionForm("pallas-interpret" if interpret else "pallas", fn, prepare_step_fn=prepare_step)
 
 
 def cpu_form() -> AttentionForm:

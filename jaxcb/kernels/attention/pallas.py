@@ -26,7 +26,9 @@ the model's layer scan passes the whole stacked cache, which is never copied.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +115,21 @@ def _kernel(
         plgpu.store(o_ref.at[head, rows, :], out.astype(o_ref.dtype), mask=row_valid[:, None])
 
 
+def step_tile_table(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, *, num_tokens: int,
+                    group: int, block_size: int, block_m: int = 16, kv_tile: int = 32) -> jax.Array:
+    """i32[5, num_tiles]: the kernel's query tiles for a step (`query_tile_table` at the kernel's tile size)."""
+    _, tokens_per_tile, _ = kernel_tile_sizes(group, block_size, block_m, kv_tile)
+    num_tiles = max_query_tiles(num_tokens, kv_lens.shape[0], tokens_per_tile)
+    return query_tile_table(query_start_loc, kv_lens, jnp.reshape(num_seqs, ()), num_tiles, tokens_per_tile)
+
+
+def prepare_step(md, *, num_tokens: int, group: int, block_size: int):
+    """AttentionForm.prepare_step: the tile table built once per step; every layer's kernel reads it."""
+    tiles = step_tile_table(md.query_start_loc, md.kv_lens, md.num_seqs, num_tokens=num_tokens, group=group,
+                            block_size=block_size)
+    return dataclasses.replace(md, tiles=tiles)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "kv_tile", "num_warps", "num_stages", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
@@ -130,6 +147,7 @@ def ragged_paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
+    tiles: Optional[jax.Array] = None,  # i32[5, num_tiles]: `step_tile_table`, built once per step; None: here
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
     check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -138,8 +156,9 @@ def ragged_paged_attention(
     block_m, tokens_per_tile, pages_per_tile = kernel_tile_sizes(group, block_size, block_m, kv_tile)
     num_seqs_max, width = block_tables.shape
     num_tiles = max_query_tiles(num_tokens, num_seqs_max, tokens_per_tile)
-
-    tiles = query_tile_table(query_start_loc, kv_lens, jnp.reshape(num_seqs, ()), num_tiles, tokens_per_tile)
+    if tiles is None:
+        tiles = query_tile_table(query_start_loc, kv_lens, jnp.reshape(num_seqs, ()), num_tiles, tokens_per_tile)
+    assert tiles.shape == (5, num_tiles), (tiles.shape, num_tiles)
     padded_width = pl.cdiv(width, pages_per_tile) * pages_per_tile
     block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - width)))
     # Rows (token, head-in-group) per kv head; block_m spare rows so the last tile's load stays in bounds.
