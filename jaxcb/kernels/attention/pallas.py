@@ -92,8 +92,8 @@ def _kernel(
             v = v_ref[pages].reshape(kv_tile, head_dim)
             key_pos = t * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
             key_valid = key_pos < kv_len
-            # Keys past kv_len may be stale or NaN: zero them so 0 * NaN cannot reach the output.
-            k = jnp.where(key_valid[:, None], k, jnp.zeros_like(k))
+            # Rows past kv_len may be stale or NaN. Their scores are replaced by MASK_VALUE below (a select,
+            # so a NaN score never survives); only V needs zeroing, where 0 * NaN would reach the output.
             v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
             s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [block_m, kv_tile]
             visible = key_valid[None, :] & (key_pos[None, :] <= row_pos[:, None])
