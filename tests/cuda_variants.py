@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxcb.config import compose_config
 from jaxcb.model.config import LlamaConfig, resolve_llama_config
 from jaxcb.kernels.attention.query_tiles import max_query_tiles
-from jaxcb.kernels.attention.pallas import kernel_tile_sizes, ragged_paged_attention
+from jaxcb.kernels.attention.pallas import choose_num_splits, kernel_tile_sizes, ragged_paged_attention
 
 
 @functools.cache
@@ -38,18 +38,23 @@ class KernelVariant:
     kv_tile: int = 32
     num_warps: int = 4
     num_stages: int = 2
+    num_splits: int | None = None  # split-KV programs per (tile, KV head); None: chosen by the kernel
 
     @property
     def group(self) -> int:
         return self.num_q_heads // self.num_kv_heads
 
     def kernel_kwargs(self) -> dict:
-        return dict(block_m=self.block_m, kv_tile=self.kv_tile, num_warps=self.num_warps, num_stages=self.num_stages)
+        return dict(block_m=self.block_m, kv_tile=self.kv_tile, num_warps=self.num_warps, num_stages=self.num_stages,
+                    num_splits=self.num_splits)
 
-    def expected_grid(self, num_tokens: int, num_seqs: int) -> tuple[int, int, int]:
-        """(query tiles, KV heads, 1): the tiles a batch of this many tokens and sequences can need."""
+    def expected_grid(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
+        """(query tiles, KV heads, KV splits): the tiles a batch of this many tokens and sequences can need,
+        and the split-KV programs each gets at a block-table width of `width` blocks."""
         _, tokens_per_tile, _ = kernel_tile_sizes(self.group, self.block_size, self.block_m, self.kv_tile)
-        return max_query_tiles(num_tokens, num_seqs, tokens_per_tile), self.num_kv_heads, 1
+        num_tiles = max_query_tiles(num_tokens, num_seqs, tokens_per_tile)
+        splits = self.num_splits or choose_num_splits(num_tiles, self.num_kv_heads, width * self.block_size)
+        return num_tiles, self.num_kv_heads, splits
 
     def args(self, num_tokens: int, num_seqs: int, width: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract kernel arguments: a cache of one full table per sequence plus the null block."""
@@ -78,6 +83,7 @@ KERNEL_VARIANTS = [
     KernelVariant("llama70b tp8", 8, 1, num_layers=80),
     KernelVariant("llama3_1b", 32, 8, head_dim=64, num_layers=16),
     *(KernelVariant(f"llama8b block {bs}", 32, 8, block_size=bs) for bs in (8, 32, 64)),
+    KernelVariant("llama8b split-KV x8", 32, 8, num_splits=8),
     *(KernelVariant(f"head dim 64 block {bs}", 32, 8, head_dim=64, block_size=bs) for bs in (8, 16, 32, 64)),
     KernelVariant("llama8b tile 16x16 1 stage", 32, 8, block_m=16, kv_tile=16, num_stages=1),
     KernelVariant("llama8b tile 32x64 3 stages", 32, 8, block_m=32, kv_tile=64, num_stages=3),

@@ -77,6 +77,15 @@ def test_implementation_equals_reference_in_fp32(impl, params):
     assert_matches(run(impl, batch), run("reference", batch), batch, 1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=ragged_batches(max_kv=160))
+def test_split_kv_kernel_equals_the_reference(num_splits, params):
+    """Split-KV: each (query tile, KV head)'s context in num_splits shares (some empty), merged after."""
+    batch = make_ragged_batch(**params)
+    assert_matches(run("pallas-interpret", batch, num_splits=num_splits), run("reference", batch), batch, 1e-5)
+
+
 @pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=24))
@@ -183,3 +192,62 @@ def test_batch_value_checks_catch_what_jit_cannot():
     bad_table[0, 0] = 999
     with pytest.raises(ValueError, match="block_tables entries"):
         check_batch_values(batch.kv_lens, bad_table, batch.query_start_loc, batch.num_seqs, **kw)
+
+
+def _form(name: str):
+    from jaxcb.kernels.attention import REFERENCE, XLA, cpu_form, pallas_form
+    from jaxcb.kernels.cpu import CpuKernelUnavailable
+
+    if name == "cpu":
+        try:
+            return cpu_form()
+        except CpuKernelUnavailable as e:
+            pytest.skip(f"the C++ kernel cannot be built here: {e}")
+    return {"reference": REFERENCE, "xla": XLA, "pallas-interpret": pallas_form(interpret=True)}[name]
+
+
+@pytest.mark.parametrize("b_first", [False, True], ids=["writer-first", "reader-first"])
+@pytest.mark.parametrize("form", ["reference", "xla", "cpu", "pallas-interpret"])
+def test_a_sequence_attends_to_blocks_another_sequence_writes_in_the_same_step(form, b_first):
+    """The attention protocol's invariant (prefix hits within a step rely on it): in each layer every
+    row's K/V write lands before any row reads the cache. Sequence A prefills 20 tokens into blocks
+    1, 2, 3; sequence B's table starts with A's blocks 1 and 2 (a prefix it found in the cache while
+    A's step was being built) and B computes its own 5 tokens after them, into block 4. Before the
+    step those blocks hold NaN; B must attend to A's fresh K/V, in either row order."""
+    from jaxcb.kernels.attention import REFERENCE, AttentionMetadata, KVCache
+    from jaxcb.kernels.attention.cache import scatter_kv_rows
+
+    bs, num_kv_heads, group, head_dim, num_layers, layer = 8, 2, 3, 16, 2, 1
+    rng = np.random.default_rng(11)
+    seqs = {"a": dict(table=[1, 2, 3], start=0, q_len=20), "b": dict(table=[1, 2, 4], start=16, q_len=5)}
+    order = ["b", "a"] if b_first else ["a", "b"]
+    slots, tables, kv_lens, qsl = [], [], [], [0]
+    for name in order:
+        s = seqs[name]
+        pos = np.arange(s["start"], s["start"] + s["q_len"])
+        slots += list(np.asarray(s["table"])[pos // bs] * bs + pos % bs)
+        tables.append(s["table"] + [0])
+        kv_lens.append(s["start"] + s["q_len"])
+        qsl.append(qsl[-1] + s["q_len"])
+    num_tokens, pad = qsl[-1], 3
+    slots += [0] * pad  # padding writes go to the null block
+    tables.append([0] * 4)
+    kv_lens.append(0)
+    qsl.append(num_tokens)
+    shape = (num_layers, num_kv_heads, 6, bs, head_dim)
+    cache = KVCache(jnp.full(shape, jnp.nan, jnp.float32), jnp.full(shape, jnp.nan, jnp.float32))
+    q = jnp.asarray(rng.standard_normal((num_tokens + pad, num_kv_heads * group, head_dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((num_tokens + pad, num_kv_heads, head_dim)), jnp.float32) for _ in "kv")
+    md = AttentionMetadata(jnp.asarray(slots, jnp.int32), jnp.asarray(qsl, jnp.int32), jnp.asarray(kv_lens, jnp.int32),
+                           jnp.asarray(tables, jnp.int32), jnp.int32(2))
+    with jax.default_matmul_precision("highest"):
+        # The ground truth: the reference attending over a cache that already holds every new K/V.
+        filled = scatter_kv_rows(cache, jnp.int32(layer), k, v, md.slot_mapping)
+        expected = np.asarray(REFERENCE.attend(q, filled, jnp.int32(layer), md, SM_SCALE))
+        out, new_cache = _form(form).write_and_attend(q, k, v, cache, jnp.int32(layer), md, SM_SCALE)
+    out = np.asarray(out)
+    assert np.isfinite(out[:num_tokens]).all(), "a row read a slot that was not written yet"
+    scale = np.abs(expected[:num_tokens]).max()
+    assert np.abs(out[:num_tokens] - expected[:num_tokens]).max() / scale <= 1e-5
+    for c, f in ((new_cache.k, filled.k), (new_cache.v, filled.v)):  # the step's writes, in every block
+        np.testing.assert_array_equal(np.asarray(c)[layer, :, 1:], np.asarray(f)[layer, :, 1:])

@@ -45,19 +45,27 @@ def test_lowering_without_a_gpu_reads_the_abstract_h200():
     "num_tokens, num_seqs, width, grid",
     [
         # decode: one token per sequence; 4 tokens x group 4 fill a 16-row tile, but a tile holds one sequence.
+        # Split-KV where a batch of 32 or fewer leaves the 132 SMs short of two programs each and the
+        # context (width x 16 tokens) is 2k or more: enough 512+-token splits to reach them.
         (1, 1, 64, (1, 8, 1)),
-        (32, 32, 128, (32, 8, 1)),
+        (1, 1, 256, (1, 8, 8)),
+        (1, 1, 8192, (1, 8, 64)),
+        (8, 8, 512, (8, 8, 8)),
+        (32, 32, 128, (32, 8, 2)),
+        (32, 32, 64, (32, 8, 1)),
         (128, 128, 64, (128, 8, 1)),
+        (128, 128, 8192, (128, 8, 1)),
         (256, 256, 256, (256, 8, 1)),
         # mixed and prefill: tiles of 4 tokens, plus at most one partial tile per sequence.
         (512, 64, 128, (192, 8, 1)),
         (2048, 1, 128, (513, 8, 1)),
     ],
-    ids=["decode-1", "decode-32-2k", "decode-128", "decode-256-4k", "mixed-512", "prefill-2048"],
+    ids=["decode-1", "decode-1-4k", "decode-1-128k", "decode-8-8k", "decode-32-2k", "decode-32-1k", "decode-128",
+         "decode-128-128k", "decode-256-4k", "mixed-512", "prefill-2048"],
 )
 def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width, grid):
     call = lower_kernel(LLAMA8B, num_tokens, num_seqs, width)
-    assert call.grid == grid == LLAMA8B.expected_grid(num_tokens, num_seqs)
+    assert call.grid == grid == LLAMA8B.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (4, 2)
     # q as rows of (token, head in group) per KV head, plus one tile of slack; the cache flattened to blocks.
     assert call.operand_types[3] == f"tensor<8x{num_tokens * 4 + 16}x128xbf16>"
@@ -68,7 +76,7 @@ def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width
 def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
     num_tokens, num_seqs, width = 256, 32, 32
     call = lower_kernel(variant, num_tokens, num_seqs, width)
-    assert call.grid == variant.expected_grid(num_tokens, num_seqs)
+    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
     block_m = max(variant.block_m, variant.group)
     rows = num_tokens * variant.group + block_m
@@ -124,7 +132,7 @@ def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
     [call] = triton_calls(lowered)
     cfg = preset(model)
     variant = KernelVariant(model, kv_heads_per_device * group, kv_heads_per_device, num_layers=cfg.num_layers)
-    assert call.grid == variant.expected_grid(num_tokens, num_seqs)
+    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (4, 2)
     # Each device sees its own share: query rows of its KV heads, and the cache blocks of its heads.
     block_m = max(16, group)
@@ -153,7 +161,7 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
                          max_stop_token_ids=8)
     assert [t for t, _, _ in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
     for key in [(*b, 0) for b in buckets.all()] + [(*buckets.all()[0], 1), (*buckets.all()[0], 2)]:  # + masked, prompt
-        num_tokens, num_seqs, _, _ = key
+        num_tokens, num_seqs, key_width, _ = key
         x = abstract_step_inputs(*key, **runner._abstract)
         num_ints, num_floats = packed_sizes(x)
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32)
@@ -161,7 +169,7 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
         weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner.weights)
         lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, key, ints, floats, x.history, x.prev_tokens)
         [call] = triton_calls(lowered)
-        assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs), key
+        assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs, key_width), key
         assert "@jaxcb_" not in lowered.as_text()
 
 

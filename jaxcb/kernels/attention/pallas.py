@@ -61,16 +61,17 @@ def _kernel(
     q_ref,  # [num_kv_heads, T * group + block_m, head_dim]
     k_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_ref,
-    o_ref,  # [num_kv_heads, T * group + block_m, head_dim]
-    *,
+    o_ref,  # [num_kv_heads, rows, head_dim]; split-KV: [num_splits, num_kv_heads, rows, head_dim] f32, unnormalised
+    *split_refs,  # split-KV only: m_ref, l_ref [num_splits, num_kv_heads, rows] f32 (running max, sum of exps)
     group: int,
     block_m: int,
     pages_per_tile: int,
     num_kv_heads: int,
     num_blocks: int,
     sm_scale: float,
+    num_splits: int,
 ):
-    tile, head = pl.program_id(0), pl.program_id(1)
+    tile, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq, q_start, q_count, pos0, kv_len = (tiles_ref[i, tile] for i in range(5))
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     kv_tile = pages_per_tile * block_size
@@ -84,6 +85,10 @@ def _kernel(
         row_pos = pos0 + row_tok  # causal limit of each row
         page_base = (layer_ref[0] * num_kv_heads + head) * num_blocks
         num_kv_tiles = pl.cdiv(jnp.minimum(kv_len, pos0 + q_count), kv_tile)
+        # Split-KV: this program takes its share of the tile's KV tiles (an empty share writes the identity).
+        per_split = pl.cdiv(num_kv_tiles, num_splits)
+        first_kv_tile = jnp.minimum(split * per_split, num_kv_tiles)
+        last_kv_tile = jnp.minimum(first_kv_tile + per_split, num_kv_tiles)
 
         def body(t, carry):
             acc, m_prev, l_prev = carry
@@ -110,9 +115,40 @@ def _kernel(
             jnp.full((block_m,), MASK_VALUE, jnp.float32),
             jnp.zeros((block_m,), jnp.float32),
         )
-        acc, _, l_sum = lax.fori_loop(0, num_kv_tiles, body, init)
-        out = acc / jnp.where(l_sum == 0, 1.0, l_sum)[:, None]
-        plgpu.store(o_ref.at[head, rows, :], out.astype(o_ref.dtype), mask=row_valid[:, None])
+        acc, m_max, l_sum = lax.fori_loop(first_kv_tile, last_kv_tile, body, init)
+        if num_splits == 1:
+            out = acc / jnp.where(l_sum == 0, 1.0, l_sum)[:, None]
+            plgpu.store(o_ref.at[head, rows, :], out.astype(o_ref.dtype), mask=row_valid[:, None])
+        else:  # partial results; `_combine_splits` merges them
+            m_ref, l_ref = split_refs
+            plgpu.store(o_ref.at[split, head, rows, :], acc, mask=row_valid[:, None])
+            plgpu.store(m_ref.at[split, head, rows], m_max, mask=row_valid)
+            plgpu.store(l_ref.at[split, head, rows], l_sum, mask=row_valid)
+
+
+NUM_SMS = 132  # H100 / H200: what split-KV aims to fill
+
+
+def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: int = NUM_SMS) -> int:
+    """How many programs share one (query tile, KV head)'s context: with fewer programs than two per SM
+    (small decode batches) and a context of 2k tokens or more, enough splits to reach two per SM, in
+    powers of two, each at least 512 tokens of context; otherwise 1. Static: from the bucket's shapes."""
+    programs = num_tiles * num_kv_heads
+    if max_context < 2048 or programs >= 2 * num_sms:
+        return 1
+    wanted = _next_pow2(-(-2 * num_sms // programs))
+    most = 1 << ((max_context // 512).bit_length() - 1)  # a power of two <= max_context / 512
+    return max(1, min(wanted, most))
+
+
+def _combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
+    """Merge split-KV partials: acc f32[S, H, rows, D] with each split's running max m and sum of exps
+    l_sum f32[S, H, rows] -> the normalised output f32[H, rows, D] (online softmax, split by split)."""
+    m_all = m.max(axis=0)
+    weight = jnp.exp(m - m_all[None])  # an empty split (m = MASK_VALUE) weighs 0
+    total = (l_sum * weight).sum(axis=0)
+    out = (acc * weight[..., None]).sum(axis=0)
+    return out / jnp.where(total == 0, 1.0, total)[..., None]
 
 
 def step_tile_table(query_start_loc: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, *, num_tokens: int,
@@ -130,7 +166,8 @@ def prepare_step(md, *, num_tokens: int, group: int, block_size: int):
     return dataclasses.replace(md, tiles=tiles)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "kv_tile", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "kv_tile", "num_warps", "num_stages", "interpret",
+                                             "num_splits"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
@@ -148,6 +185,7 @@ def ragged_paged_attention(
     num_stages: int = 2,
     interpret: bool = False,
     tiles: Optional[jax.Array] = None,  # i32[5, num_tiles]: `step_tile_table`, built once per step; None: here
+    num_splits: Optional[int] = None,  # split-KV programs per (tile, KV head); None: `choose_num_splits`
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
     check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -166,6 +204,8 @@ def ragged_paged_attention(
     q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, block_m), (0, 0)))
     flat = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
 
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, width * block_size)
     kernel = functools.partial(
         _kernel,
         group=group,
@@ -174,15 +214,25 @@ def ragged_paged_attention(
         num_kv_heads=num_kv_heads,
         num_blocks=num_blocks,
         sm_scale=sm_scale,
+        num_splits=num_splits,
     )
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
+    else:
+        rows = q_rows.shape[1]
+        out_shape = (jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32))
     out = pl.pallas_call(
         kernel,
-        grid=(num_tiles, num_kv_heads),
-        out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
+        grid=(num_tiles, num_kv_heads, num_splits),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(tiles, jnp.reshape(layer, (1,)), block_tables, q_rows, k_cache.reshape(flat), v_cache.reshape(flat))
+    if num_splits > 1:
+        out = _combine_splits(*out).astype(q.dtype)
     out = out[:, : num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
     real = jnp.arange(num_tokens) < query_start_loc[jnp.reshape(num_seqs, ())]
     # Rows of padding tokens were never written (uninitialised memory): define them as 0.
