@@ -188,7 +188,16 @@ class ServerConfig:
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted
     backend: str = "local"  # local: one engine in this process | ray: num_replicas engines on Ray behind this endpoint
-    num_replicas: int = 1  # ray: engine replicas; each request goes to the one with the fewest waiting tokens
+    num_replicas: int = 1  # ray: engine replicas; server.routing says which one takes each request
+    # ray: how the router picks a replica (distributed/routing.py): least_loaded (the fewest waiting
+    # tokens) | prefix_aware (the one whose recent prompts share the longest prefix of blocks with the
+    # request, unless its waiting tokens exceed routing_max_imbalance x the least loaded replica's
+    # + routing_imbalance_slack_tokens; then the least loaded). prefix_aware needs cache.enable_prefix_caching.
+    routing: str = "least_loaded"
+    # prefix_aware: block hashes remembered per replica, least recently used dropped; None: its KV-cache blocks
+    routing_index_blocks: Optional[int] = None
+    routing_max_imbalance: float = 2.0  # prefix_aware: see routing
+    routing_imbalance_slack_tokens: int = 2048  # prefix_aware: see routing (lets an idle cluster follow prefixes)
 
 
 @dataclass

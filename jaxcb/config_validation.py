@@ -197,6 +197,7 @@ def validate_replica_config(cfg: Config) -> None:
             knobs.backend == "ray" or knobs.num_replicas == 1,
             f"{group}.num_replicas={knobs.num_replicas} needs {group}.backend=ray (the local backend runs one engine)",
         )
+    validate_routing_config(cfg)
     j, r = cfg.job, cfg.ray
     require(j.batch_size >= 1, f"job.batch_size={j.batch_size} must be >= 1")
     require(j.batches_per_replica >= 1, f"job.batches_per_replica={j.batches_per_replica} must be >= 1")
@@ -215,6 +216,33 @@ def validate_replica_config(cfg: Config) -> None:
                     f"{group}.num_replicas={knobs.num_replicas} x ray.cpus_per_replica={r.cpus_per_replica} needs "
                     f"{needed:g} CPUs but ray.num_cpus={r.num_cpus}; lower ray.cpus_per_replica (fractions are fine)",
                 )
+
+
+def validate_routing_config(cfg: Config) -> None:
+    """server.routing and its knobs: how the Ray router picks a replica."""
+    srv = cfg.server
+    modes = ("least_loaded", "prefix_aware")  # = distributed/routing.py ROUTING_MODES (a test keeps them equal)
+    require(srv.routing in modes, f"server.routing={srv.routing!r} must be one of {', '.join(modes)}")
+    require(srv.routing_index_blocks is None or srv.routing_index_blocks >= 1,
+            f"server.routing_index_blocks={srv.routing_index_blocks} must be >= 1, or null for the replica's "
+            f"KV-cache blocks")
+    require(srv.routing_max_imbalance >= 1.0,
+            f"server.routing_max_imbalance={srv.routing_max_imbalance} must be >= 1 (a multiple of the least loaded "
+            f"replica's waiting tokens)")
+    require(srv.routing_imbalance_slack_tokens >= 0,
+            f"server.routing_imbalance_slack_tokens={srv.routing_imbalance_slack_tokens} must be >= 0")
+    defaults = type(srv)()  # ServerConfig's defaults: a knob moved from its default is one the user set
+    for knob in ("routing_index_blocks", "routing_max_imbalance", "routing_imbalance_slack_tokens"):
+        require(srv.routing == "prefix_aware" or getattr(srv, knob) == getattr(defaults, knob),
+                f"server.{knob}={getattr(srv, knob)} is used only by server.routing=prefix_aware "
+                f"(server.routing={srv.routing}): set server.routing=prefix_aware or drop it")
+    if srv.routing == "prefix_aware":
+        require(srv.backend == "ray",
+                f"server.routing=prefix_aware routes among Ray replicas: it needs server.backend=ray "
+                f"(server.backend={srv.backend} runs one engine)")
+        require(cfg.cache.enable_prefix_caching,
+                "server.routing=prefix_aware sends requests where their prefix is cached: it needs "
+                "cache.enable_prefix_caching=true (or use server.routing=least_loaded)")
 
 
 _ARCH_FIELDS = (

@@ -11,7 +11,6 @@ import openai
 import pytest
 
 from engine_factory import shared_engine
-from jaxcb.distributed.ray_server import RoutedReplica, pick_replica
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.tokenizer import chat_prompt_ids
 from ray_cluster import actor_pids, start_local_cluster
@@ -51,6 +50,13 @@ def metric(text: str, name: str, replica: int) -> float:
     return sum(values)
 
 
+def routed_by(text: str, reason: str, replica: int) -> float:
+    """jaxcb:router_route_decisions_total for one reason and replica."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("jaxcb:router_route_decisions_total{")
+               and f'replica="{replica}"' in line and f'reason="{reason}"' in line)
+
+
 def test_concurrent_requests_match_one_engine_and_use_both_replicas(client, server):
     prompts = [f"Request {i} says" + " hello" * (i % 4) for i in range(12)]
 
@@ -74,6 +80,8 @@ def test_concurrent_requests_match_one_engine_and_use_both_replicas(client, serv
     metrics = httpx.get(server[0] + "/metrics").text
     for replica in (0, 1):
         assert metric(metrics, "jaxcb:router_requests_routed", replica) >= 3, metrics
+        routed = metric(metrics, "jaxcb:router_route_decisions_total", replica)
+        assert routed >= 3 and routed_by(metrics, "load", replica) == routed  # routing=least_loaded: by load alone
         assert metric(metrics, "jaxcb:request_success_total", replica) >= 3
         assert f'jaxcb:num_requests_running{{model_name="tiny",replica="{replica}"}}' in metrics
         assert f'jaxcb:num_requests_waiting{{model_name="tiny",replica="{replica}"}}' in metrics
@@ -114,11 +122,3 @@ def test_a_killed_replica_is_routed_around_and_health_stays_ok(client, server):
     while not all(r.alive for r in state.async_engine.replicas):
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.5)
-
-
-def test_the_router_picks_the_replica_with_the_fewest_waiting_tokens():
-    busy, idle = RoutedReplica(0, None, waiting_tokens={"a": 50}), RoutedReplica(1, None, waiting_tokens={"b": 10, "c": 10})
-    assert pick_replica([busy, idle], turn=0, num_replicas=2) is idle
-    even = [RoutedReplica(0, None), RoutedReplica(1, None)]
-    assert [pick_replica(even, turn, 2).index for turn in range(4)] == [0, 1, 0, 1]  # ties take turns
-    assert pick_replica([], turn=0, num_replicas=2) is None

@@ -9,10 +9,13 @@
 actor running the same `AsyncEngine` loop as the local server; a request is one call of
 its `generate`, a Ray streaming generator that yields the request's outputs.
 
-- Routing: each request goes to the live replica with the fewest waiting tokens, as the
-  router counts them: for every request it sent there and that has not finished, its prompt
-  tokens until the first output, plus the output tokens it may still make (n x max_tokens
-  minus those made). Counting in the router costs no call and is never stale.
+- Routing (routing.py, server.routing): by default each request goes to the live replica with
+  the fewest waiting tokens, as the router counts them: for every request it sent there and
+  that has not finished, its prompt tokens until the first output, plus the output tokens it
+  may still make (n x max_tokens minus those made). Counting in the router costs no call and
+  is never stale. `prefix_aware` prefers the replica whose recent prompts share the longest
+  prefix of blocks with the request, within an imbalance bound; a replica found down or
+  restarted (a new `instance_id`) has its prefix index dropped.
 - Abort: closing a stream (client gone, stalled reader, shutdown) cancels the generator
   with `ray.cancel`; the cancellation reaches the replica's coroutine, whose `finally`
   aborts the request in its engine and frees its blocks.
@@ -22,13 +25,13 @@ its `generate`, a Ray streaming generator that yields the request's outputs.
   an error (503), new ones go to the others meanwhile.
 - Metrics: each replica keeps its own Prometheus metrics labelled `replica="i"`; /metrics
   fetches and merges them, with the router's own figures (`jaxcb:replica_up`,
-  `jaxcb:router_waiting_tokens`, `jaxcb:router_requests`) and rejections.
+  `jaxcb:router_waiting_tokens`, `jaxcb:router_requests`, `jaxcb:router_route_decisions`,
+  `jaxcb:router_matched_prefix_tokens`) and rejections.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -39,6 +42,7 @@ from typing import Any, Optional
 from jaxcb.config import Config
 from jaxcb.distributed.ray_cluster import check_room, connect, import_ray, replica_options, wait_until_ready
 from jaxcb.distributed.replica_metrics import QUERY_TIMEOUT_S, ReplicaDashboard, RouterMetrics, await_ref
+from jaxcb.distributed.routing import make_chooser
 from jaxcb.engine import Engine, PromptType
 from jaxcb.metrics import EngineMetrics
 from jaxcb.outputs import RequestOutput
@@ -56,6 +60,7 @@ class EngineReplica:
 
     def __init__(self, cfg: Config, index: int, model_name: str):
         self.index = index
+        self.instance_id = uuid.uuid4().hex  # new on every (re)start: the router drops its guess of our cache
         self.engine = Engine(cfg, progress=False)
         if cfg.server.admission_control:
             self.engine.enable_admission_control()
@@ -76,13 +81,20 @@ class EngineReplica:
 
     async def ready(self) -> dict:
         """What the front end needs to parse and check requests as the engine would."""
-        return {"tokenizer": self.engine.tokenizer, "max_model_len": self.engine.max_model_len, "pid": os.getpid()}
+        engine = self.engine
+        return {
+            "tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "pid": os.getpid(),
+            "instance_id": self.instance_id,
+            # What the router's prefix index hashes prompts with (routing=prefix_aware).
+            "block_size": engine.cache_plan.block_size, "num_blocks": engine.cache_plan.num_blocks,
+            "prefix_cache_root": getattr(engine, "prefix_cache_root", None),  # None: an engine without stable hashes
+        }
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                       deadlines: Optional[dict[str, float]] = None):
+                       deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None):
         """Streams None once the request is queued (or raises the engine's refusal), then its outputs."""
         stream = await self.async_engine.add(prompt, params, request_id=request_id, priority=priority,
-                                             deadlines=deadlines)
+                                             deadlines=deadlines, cache_salt=cache_salt)
         try:
             yield None
             async for out in stream:
@@ -92,7 +104,8 @@ class EngineReplica:
 
     async def load(self) -> dict:
         sched = self.engine.scheduler
-        return {"alive": self.async_engine.is_alive, "running": len(sched.running), "waiting": len(sched.waiting)}
+        return {"alive": self.async_engine.is_alive, "running": len(sched.running), "waiting": len(sched.waiting),
+                "instance_id": self.instance_id}
 
     async def metric_families(self) -> list:
         return list(self.metrics.registry.collect())
@@ -114,6 +127,7 @@ class RoutedReplica:
     index: int
     actor: Any
     alive: bool = True
+    instance_id: Optional[str] = None  # EngineReplica.instance_id last seen: another one means it restarted
     waiting_tokens: dict[str, int] = field(default_factory=dict)  # request id -> tokens still to compute
     num_served: int = 0  # requests sent here since start-up
 
@@ -227,10 +241,12 @@ class ReplicaRouter:
             raise
         log.info("engine replicas up, process ids %s", [info["pid"] for info in infos])
         self.model_info = ReplicaModelInfo(infos[0]["tokenizer"], infos[0]["max_model_len"])
+        for replica, info in zip(self.replicas, infos, strict=True):
+            replica.instance_id = info["instance_id"]
+        self.chooser = make_chooser(cfg.server, model_name, infos)
         self.streams: dict[str, RemoteRequestStream] = {}
         self.metrics = RouterMetrics(self, model_name)
         self.history = ReplicaDashboard(self)
-        self._tie_break = itertools.count()
 
     # --- the AsyncEngine interface ---------------------------------------------------------------
 
@@ -254,20 +270,23 @@ class ReplicaRouter:
 
     async def add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
-        deadlines: Optional[dict[str, float]] = None,
+        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None,
     ) -> RemoteRequestStream:
-        """Queue a request on the least loaded live replica; raises its refusal (InvalidRequestError, ...) here."""
+        """Queue a request on the replica server.routing picks; raises its refusal (InvalidRequestError, ...) here.
+        `cache_salt`: the tenant's, passed on to the engine and folded into the router's block hashes."""
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = self.model_info.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         cost = _Cost(len(prompt_ids), params.n * params.max_tokens)
         tried: set[int] = set()
         while True:  # a replica found dead here has generated nothing yet: the next one may take the request
-            replica = self._pick(exclude=tried)
-            if replica is None:
+            live = [r for r in self.replicas if r.alive and r.index not in tried]
+            choice = self.chooser.choose(live, prompt_ids, cache_salt)
+            if choice is None:
                 raise EngineDeadError("no engine replica is alive")
+            replica = choice.replica
             tried.add(replica.index)
             generator = replica.actor.generate.options(num_returns="streaming").remote(
-                request_id, prompt, params, priority, deadlines
+                request_id, prompt, params, priority, deadlines, cache_salt
             )
             replica.waiting_tokens[request_id] = cost.initial
             try:
@@ -284,6 +303,8 @@ class ReplicaRouter:
                 self.ray.cancel(generator)
                 raise
             replica.num_served += 1
+            self.chooser.record(choice)
+            self.metrics.request_routed(choice)
             stream = RemoteRequestStream(self, replica, request_id, generator, cost)
             self.streams[request_id] = stream
             return stream
@@ -295,14 +316,13 @@ class ReplicaRouter:
 
     # --- routing and liveness --------------------------------------------------------------------
 
-    def _pick(self, exclude: set[int]) -> Optional[RoutedReplica]:
-        live = [r for r in self.replicas if r.alive and r.index not in exclude]
-        return pick_replica(live, next(self._tie_break), len(self.replicas))
-
     def mark_down(self, replica: RoutedReplica) -> None:
         if replica.alive:
             log.warning("replica %d is down; routing around it until it answers again", replica.index)
         replica.alive = False
+        # Dropped even when the replica was only slow to answer: a guess of its cache that is
+        # too small costs a few misses, one that outlives a restart sends requests to an empty cache.
+        self.chooser.forget(replica.index)
 
     async def _poll(self) -> None:
         while True:
@@ -316,6 +336,11 @@ class ReplicaRouter:
             alive = bool(load["alive"])
         except Exception:  # noqa: BLE001 -- dead, restarting or stuck: all mean "send nothing there"
             alive = False
+        else:
+            if load["instance_id"] != replica.instance_id:  # restarted between two polls: its cache is empty
+                if replica.instance_id is not None:
+                    self.chooser.forget(replica.index)
+                replica.instance_id = load["instance_id"]
         if alive and not replica.alive:
             log.info("replica %d is up again", replica.index)
         if not alive:
@@ -329,10 +354,3 @@ class ReplicaRouter:
             if not stream.reading and now - stream.last_read > self.cfg.server.stream_stall_timeout_s:
                 log.warning("aborting %s: its reader stalled", stream.request_id)
                 stream.abort("slow_reader")
-
-
-def pick_replica(live: list[RoutedReplica], turn: int, num_replicas: int) -> Optional[RoutedReplica]:
-    """The replica with the fewest waiting tokens, then the fewest requests; equal ones take turns."""
-    if not live:
-        return None
-    return min(live, key=lambda r: (r.load, len(r.waiting_tokens), (r.index - turn) % num_replicas))

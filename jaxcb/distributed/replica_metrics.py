@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
     from jaxcb.distributed.ray_server import ReplicaRouter, RoutedReplica
+    from jaxcb.distributed.routing import RoutingChoice
 
+# Matched prefix lengths (tokens): 0 is its own bucket (a request no replica's index shared a block with).
+MATCHED_TOKENS_BUCKETS = (0, 16, 64, 256, 1024, 4096, 16384, 65536)
 QUERY_TIMEOUT_S = 5.0  # a replica that takes longer to answer is left out (and the router's poll marks it down)
 
 
@@ -36,9 +39,25 @@ class RouterMetrics:
                               names, registry=r)
         self.served = Gauge(f"{prefix}:router_requests_routed", "Requests the router has sent to each replica.", names,
                             registry=r)
+        self.route_decisions = Counter(
+            f"{prefix}:router_route_decisions",
+            "Requests routed, by replica and why: prefix (longest tracked prefix), imbalance (a prefix's replica "
+            "was too busy), load (no tracked prefix, or routing=least_loaded), only_replica.",
+            [*names, "reason"], registry=r,
+        )
+        self.matched_prefix_tokens = Histogram(
+            f"{prefix}:router_matched_prefix_tokens",
+            "Leading prompt tokens (whole blocks) the chosen replica's prefix index held (routing=prefix_aware).",
+            ["model_name"], buckets=MATCHED_TOKENS_BUCKETS, registry=r,
+        )
 
     def request_rejected(self, reason: str) -> None:
         self.rejected.labels(**self.labels, reason=reason).inc()
+
+    def request_routed(self, choice: RoutingChoice) -> None:
+        self.route_decisions.labels(**self.labels, replica=str(choice.replica.index), reason=choice.reason).inc()
+        if self.router.chooser.prefix_aware:
+            self.matched_prefix_tokens.labels(**self.labels).observe(choice.matched_tokens)
 
     def request_aborted(self, request_id: str) -> None:
         pass  # counted by the replica that ran the request
