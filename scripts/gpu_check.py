@@ -9,9 +9,10 @@ Stages, in order (scripts/gpu_stages.py; docs/gpu.md says what each prints and w
   preflight   versions, devices, imports, ptxas
   bandwidth   device copy bandwidth on random data: the roofline everything else is held against
   smoke       one kernel call; registers and spills of XLA's PTX for it (ptxas -v)
-  correctness kernel and XLA path vs the reference: decode/prefill/mixed, block sizes 16 and 32,
+  correctness kernel (also split 4 ways) and XLA path vs the reference: decode/prefill/mixed, block sizes 16 and 32,
               a cache over 4 GiB
-  decode      decode attention against the HBM roofline, JAX's own Pallas paged_attention beside it
+  decode      decode attention against the HBM roofline (with and without split-KV), JAX's own Pallas
+              paged_attention beside it
   step        the 8B jitted step at decode batches 16-256 and a prefill chunk: compile time, ms/step,
               tok/s, dispatch latency; the optimised HLO of one step dumped to --out-dir
   engine      if budget remains: the engine on 8B shapes with random weights, continuous vs static

@@ -198,7 +198,9 @@ def correctness(st) -> None:
                 with jax.default_matmul_precision("highest"):
                     ref = np.asarray(ragged_paged_attention_reference(*args, sm_scale=d**-0.5).astype(jnp.float32))
                 n = batch.num_real_tokens
-                for impl, fn in kernel_fns(st).items():
+                fns = dict(kernel_fns(st), **{"pallas 4 splits": functools.partial(kernel_fns(st)["pallas"],
+                                                                                      num_splits=4)})
+                for impl, fn in fns.items():
                     label = f"{name} block {block_size} {jnp.dtype(dtype).name} {impl}"
                     with st.row(label) as r, jax.default_matmul_precision("highest"):
                         out = np.asarray(fn(*args, sm_scale=d**-0.5).astype(jnp.float32))
@@ -265,7 +267,11 @@ def decode(st) -> None:
     iters, repeats = (2, 2) if st.dry_run else (30, 5)
     dtype = jnp.float32 if st.dry_run else jnp.bfloat16
     copy_bw = st.state.get("copy_bw")
-    impls = dict(kernel_fns(st), jax_paged_attention=functools.partial(jax_paged_attention, interpret=st.dry_run))
+    # "pallas" splits the context where a small batch would leave SMs idle (split-KV); "pallas 1 split" is the
+    # same kernel without, to read what the split buys.
+    unsplit = functools.partial(kernel_fns(st)["pallas"], num_splits=1)
+    impls = dict(kernel_fns(st), **{"pallas 1 split": unsplit},
+                 jax_paged_attention=functools.partial(jax_paged_attention, interpret=st.dry_run))
     log("| seqs | context | impl | time (us) | K/V read (MiB) | GB/s | % of copy bw |\n|---|---|---|---|---|---|---|")
     for ctx in contexts:
         for num_seqs in batches:
