@@ -168,3 +168,38 @@ def test_the_log_softmax_normaliser_runs_only_when_some_row_wants_a_logprob():
     np.testing.assert_allclose(full[1], expected[np.arange(4), full[0]], atol=1e-5)
     every_step, in_a_branch = runs_in(compiled_sample_hlo(arrays(2, temperature=[0, 0])), "exponential")
     assert in_a_branch and not every_step
+
+
+def _sorted_top_k_top_p(logits, top_k, top_p):
+    """The textbook filter, one descending sort: what the sort-free one must equal."""
+    vocab = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def test_top_k_top_p_without_a_sort_keep_exactly_what_a_sort_keeps():
+    from jaxcb.sampling import _filter_top_k_top_p
+
+    rng = np.random.default_rng(0)
+    rows, vocab = 48, 997
+    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * rng.uniform(0.1, 8, (rows, 1)).astype(np.float32)
+    logits[0, :50] = 3.0  # ties at the cut
+    logits[1] = np.round(logits[1])  # many ties
+    logits[2, 10:] = -np.inf  # a row already filtered
+    logits[3] = -1e30  # huge negative values
+    top_k = rng.integers(0, 60, rows).astype(np.int32)
+    top_k[:6] = [1, 0, 5, vocab, vocab + 7, 2]
+    top_p = rng.uniform(0.01, 1.0, rows).astype(np.float32)
+    top_p[6:10] = [1.0, 1e-6, 0.5, 0.999999]
+    s = arrays(rows, top_k=top_k, top_p=top_p)
+    ours = np.asarray(jax.jit(lambda x: _filter_top_k_top_p(x, s))(jnp.asarray(logits)))
+    theirs = np.asarray(_sorted_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))
+    np.testing.assert_array_equal(ours[~np.isneginf(ours)], logits[~np.isneginf(ours)])
