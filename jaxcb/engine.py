@@ -14,6 +14,7 @@ Life of a request (docs/architecture.md has the whole picture):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -26,6 +27,7 @@ from typing import Optional, Union
 import jax
 from tqdm import tqdm
 
+from jaxcb.core.block_hash import model_root
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.errors import EngineOverloadedError
@@ -38,7 +40,7 @@ from jaxcb.kv_cache import (
     step_activation_bytes,
 )
 from jaxcb.model.config import resolve_llama_config
-from jaxcb.model_setup import load_model_and_tokenizer
+from jaxcb.model_setup import load_model_and_tokenizer, weights_fingerprint
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
 from jaxcb.core.sequence import Sequence
@@ -86,6 +88,14 @@ class Engine:
         self.cache_plan = plan
         backend.attention.check_cache_dtype(plan.dtype)
         self.block_pool = BlockPool(plan.num_blocks)
+        # The root of every block hash: what the K/V depend on besides the tokens. Equal in every
+        # process, restart and host that serves the same model the same way, so a router computes a
+        # request's block hashes from it without the model: block_hash.block_hashes(token_ids,
+        # cache_plan.block_size, prefix_cache_root, cache_salt).
+        self.prefix_cache_root: bytes = model_root({
+            "architecture": dataclasses.asdict(model_cfg), "weights": weights_fingerprint(cfg.model),
+            "cache_dtype": plan.dtype.name, "block_size": plan.block_size,
+        })
         kv_cache = allocate_planned_kv_cache(
             model_cfg, plan, self.tp.kv_cache if self.tp is not None else None, backend.attention.zeros_fn
         )
@@ -104,7 +114,7 @@ class Engine:
             plan.block_size,
             self.max_model_len,
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
-            cache_salt=repr((cfg.model.name, cfg.model.checkpoint, cfg.model.seed, model_cfg, plan.dtype.name)),
+            root=self.prefix_cache_root,
             host_pool=host_pool,
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
@@ -172,6 +182,7 @@ class Engine:
         output_kind: Optional[OutputKind] = None,
         timeout_s: Optional[float] = None,
         queue_timeout_s: Optional[float] = None,
+        cache_salt: Optional[str] = None,
     ) -> str:
         """Queue a request; raise InvalidRequestError (nothing queued) if it can never be served.
 
@@ -180,8 +191,12 @@ class Engine:
         with the output), FINAL_ONLY once, when it finishes (`final_only=True` says the same).
         `queue_timeout_s`: with nothing generated that long after now, it ends with finish_reason
         "queue_timeout" (the server answers 503); `timeout_s`: that long after now it ends with what
-        it has, finish_reason "timeout". Either frees its blocks at once."""
+        it has, finish_reason "timeout". Either frees its blocks at once. `cache_salt` (a tenant's
+        non-empty string): it shares cached prefix blocks only with requests that give the same salt
+        (and no salt only with no salt)."""
         params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string, or left out")
         kind = output_kind or (OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
         if request_id is None:
             request_id = str(self._next_id)
@@ -211,6 +226,7 @@ class Engine:
                     seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
                     sample_index=i,
                     parent_id=group.seqs[0].request_id if i else None,
+                    cache_salt=cache_salt,
                     group_id=request_id,
                     constraint=new_constraint() if new_constraint is not None else None,
                 )

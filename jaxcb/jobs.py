@@ -41,7 +41,7 @@ SAMPLING_FIELDS = (
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
 )
 CONSTRAINT_FIELDS = ("structured_outputs", "response_format", "logit_bias", "allowed_token_ids", "bad_words")
-RECORD_FIELDS = frozenset({"id", "prompt", "messages", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS})
+RECORD_FIELDS = frozenset({"id", "prompt", "messages", "cache_salt", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS})
 MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 FSYNC_EVERY = 64
 
@@ -112,7 +112,8 @@ def repair_and_read_output(path: str) -> set[str]:
     return done
 
 
-def _request(llm: LLM, data: dict) -> tuple[Any, SamplingParams]:
+def _request(llm: LLM, data: dict) -> tuple[Any, SamplingParams, Optional[str]]:
+    """A record's prompt, sampling parameters and cache_salt (its tenant's), or InvalidRequestError."""
     data = check_fields(data, RECORD_FIELDS)
     if "messages" in data:
         if not isinstance(data["messages"], list) or not data["messages"]:
@@ -129,7 +130,7 @@ def _request(llm: LLM, data: dict) -> tuple[Any, SamplingParams]:
     kwargs = {k: data[k] for k in SAMPLING_FIELDS if k in data}
     kwargs.update(_constraints(data))
     try:
-        return prompt, SamplingParams(**kwargs)
+        return prompt, SamplingParams(**kwargs), data.get("cache_salt")
     except TypeError as e:
         raise InvalidRequestError(str(e)) from None
 
@@ -233,8 +234,8 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 yield {"id": rec.id, "line": rec.line, "error": rec.error}
                 continue
             try:
-                prompt, params = _request(llm, rec.data)
-                in_flight[engine.add_request(prompt, params, final_only=True)] = rec.id
+                prompt, params, cache_salt = _request(llm, rec.data)
+                in_flight[engine.add_request(prompt, params, final_only=True, cache_salt=cache_salt)] = rec.id
             except (InvalidRequestError, EngineOverloadedError) as e:
                 yield {"id": rec.id, "error": str(e)}
         for out in engine.step():  # final outputs only

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import logging
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from jaxcb.backends import Backend, select_backend
 from jaxcb.config import AttentionConfig, ModelConfig
 from jaxcb.model.config import choose_model_dtype, read_checkpoint_config
 from jaxcb.model.llama import Llama
-from jaxcb.model.loader import load_model
+from jaxcb.model.loader import ORBAX_PARAMS_DIR, is_orbax_checkpoint, load_model
 from jaxcb.sharding import TensorParallel
 from jaxcb.tokenizer import Tokenizer, load_tokenizer
 
@@ -27,6 +29,35 @@ def checkpoint_eos_token_ids(directory: str) -> set[int]:
                 value = json.load(f).get("eos_token_id")
             ids |= {value} if isinstance(value, int) else set(value or ())
     return ids
+
+
+def weights_fingerprint(m: ModelConfig) -> dict[str, Any]:
+    """What the weights are, cheaply (part of the prefix cache's root, `Engine.prefix_cache_root`):
+    random init by preset, seed and init; a checkpoint by each weight file's size, first MiB (the
+    safetensors header, the GGUF's metadata) and 16 windows of 4 KiB spread over it -- no full
+    read, and the same on every host that holds the same files, wherever they lie."""
+    if m.init == "random":
+        return {"init": "random", "preset": m.name, "seed": m.seed}
+    path = m.checkpoint
+    if os.path.isfile(path):  # GGUF
+        return {"init": m.init, "files": {"": _file_fingerprint(path)}}
+    if is_orbax_checkpoint(path):
+        root = os.path.join(path, ORBAX_PARAMS_DIR)
+        files = [f for f in glob.glob(os.path.join(root, "**", "*"), recursive=True) if os.path.isfile(f)]
+    else:  # HF directory
+        root, files = path, glob.glob(os.path.join(path, "*.safetensors"))
+    return {"init": m.init, "files": {os.path.relpath(f, root): _file_fingerprint(f) for f in sorted(files)}}
+
+
+def _file_fingerprint(path: str, head: int = 1 << 20, num_windows: int = 16, window: int = 4096) -> str:
+    size = os.path.getsize(path)
+    h = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        h.update(f.read(head))
+        for i in range(num_windows):
+            f.seek(size * i // num_windows)
+            h.update(f.read(window))
+    return h.hexdigest()
 
 
 def load_model_and_tokenizer(

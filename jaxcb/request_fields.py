@@ -30,7 +30,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "guided_whitespace_pattern": "guided_whitespace_pattern is vLLM's legacy field; JSON output is always compact",
     "functions": "functions (OpenAI's deprecated form of tools): " + _TOOLS,
     "function_call": "function_call (OpenAI's deprecated form of tool_choice): " + _TOOLS,
-    "cache_salt": "cache_salt is not supported yet: without it a shared prefix cache cannot separate tenants",
     "suffix": "suffix (insertion between a prompt and a suffix) is not supported",
     "best_of": "best_of is not supported; ask for n completions instead",
     "use_beam_search": "beam search is not supported",

@@ -15,7 +15,7 @@ from benchmarks.reference_generate import greedy_generate
 from jaxcb.backends import resolve_layer_loop
 from jaxcb.kernels.attention import select_attention
 from jaxcb.backends.base import Backend
-from jaxcb.model.llama import LayerWeights, build_random_model
+from jaxcb.model.llama import build_random_model
 from jaxcb.sampling_params import SamplingParams
 
 PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]

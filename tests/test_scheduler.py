@@ -210,21 +210,33 @@ def test_abort_frees_blocks_at_once_in_every_state():
     assert not sched.abort(running.request_id)
 
 
-def test_follower_of_n_shares_the_leaders_full_prompt_blocks():
-    sched = make_scheduler()
-    leader = make_request(10, max_tokens=3)
-    follower = Sequence(
-        "f", list(leader.prompt_token_ids), leader.sampling_params, parent_id=leader.request_id, sample_index=1
-    )
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_follower_of_n_shares_the_leaders_full_prompt_blocks_in_the_leaders_first_step(enable_prefix_caching):
+    sched = make_scheduler(enable_prefix_caching=enable_prefix_caching)
+    params = SamplingParams(n=2, max_tokens=3, temperature=0.8)
+    leader = Sequence("l", list(range(1, 11)), params)
+    follower = Sequence("f", list(leader.prompt_token_ids), params, parent_id="l", sample_index=1)
     sched.add_request(leader)
     sched.add_request(follower)
-    out = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == [leader.request_id]  # follower waits for the prefill
     out = run_step(sched)
     f = [s for s in out.scheduled if s.request_id == "f"][0]
     assert f.start_position == 8 and f.token_ids == [9, 10]  # shares 2 full blocks, recomputes the rest
     assert follower.block_ids[:2] == leader.block_ids[:2]
     assert sched.pool.ref_count(leader.block_ids[0]) == 2
+
+
+def test_with_prefix_caching_off_only_the_samples_of_one_request_share():
+    sched = make_scheduler(enable_prefix_caching=False, max_num_batched_tokens=64)
+    prompt = list(range(1, 11))
+    one = SamplingParams(n=2, max_tokens=2, temperature=0.8)
+    sched.add_request(Sequence(("a", 0), prompt, one))
+    sched.add_request(Sequence(("a", 1), prompt, one, parent_id=("a", 0), sample_index=1))
+    sched.add_request(Sequence(("b", 0), prompt, one))  # another request with the same prompt
+    sched.add_request(Sequence(("c", 0), prompt, SamplingParams(max_tokens=2, temperature=0)))
+    out = run_step(sched)
+    starts = {s.request_id: s.start_position for s in out.scheduled}
+    assert starts == {("a", 0): 0, ("a", 1): 8, ("b", 0): 0, ("c", 0): 0}
+    assert sched.prefix_cache_hits == 0  # the counters are the prefix cache's
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "static"])
@@ -242,7 +254,7 @@ def test_every_block_is_free_when_all_requests_are_done(policy):
     sched.pool.check_invariants()
 
 
-def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_them():
+def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_a_cached_block():
     sched = make_scheduler(num_blocks=40, enable_prefix_caching=True, max_num_batched_tokens=64)
     system = list(range(100, 113))  # 13 tokens: 3 full blocks of 4
     first = Sequence("first", system + [1, 2], SamplingParams(max_tokens=3, temperature=0))
@@ -252,11 +264,14 @@ def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_them():
     for r in later:
         sched.add_request(r)
     for _ in range(30):
+        cached = {b for b in range(1, sched.pool.num_blocks) if sched.pool.is_registered(b)}
         out = sched.schedule()
-        for s in out.scheduled:
+        writer = {}
+        for s in out.scheduled:  # a block the step writes was not in the cache before, and has one writer
             for pos in range(s.start_position, s.start_position + len(s.token_ids)):
                 block = s.block_ids[pos // BLOCK]
-                assert sched.pool.ref_count(block) == 1 and not sched.pool.is_registered(block), "write into a cached block"
+                assert block not in cached, "write into a cached block"
+                assert writer.setdefault(block, s.request_id) == s.request_id, "two writers of one block"
         sched.commit(out)
         update_and_stop(sched, out, {s.request_id: SampledToken(7) for s in out.scheduled if s.samples})
         if not sched.num_unfinished:

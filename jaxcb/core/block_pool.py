@@ -10,11 +10,11 @@ the scheduler calls it every step. Block 0 is the null block and is never handed
 - Each handed-out block has a reference count: 1 for its owner, +1 for every sequence
   that shares it (`fork`, for n > 1 samples now and shared prefixes later). It returns
   to the free queue when the count reaches 0.
-- Prefix caching: a full block can be registered under a hash of its contents (the
-  parent block's hash + its token ids). A freed registered block keeps its contents and
-  its hash while it waits in the free queue; `lookup` finds it and `touch` takes it back
-  out. It is evicted -- its hash forgotten -- only when `allocate` needs it as a fresh
-  block, least recently freed first. A block in use is never in the queue, so never evicted.
+- Prefix caching: a full block can be registered under the hash of its contents (a 16-byte
+  digest chained from the parent block's hash, `block_hash.py`). A freed registered block keeps
+  its contents and its hash while it waits in the free queue; `lookup` finds it and `touch`
+  takes it back out. It is evicted -- its hash forgotten -- only when `allocate` needs it as a
+  fresh block, least recently freed first. A block in use is never in the queue, so never evicted.
 - Every operation checks all of its arguments before it changes anything, so a bad call
   raises and leaves the pool as it was.
 """
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence
+
+from jaxcb.core.block_hash import BlockHash
 
 NULL_BLOCK = 0
 
@@ -60,9 +62,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self._hash_of_block: dict[int, int] = {}
-        self._block_of_hash: dict[int, int] = {}
-        self._key_of_block: dict[int, Hashable] = {}  # what the hash stands for: checked on lookup
+        self._hash_of_block: dict[int, BlockHash] = {}
+        self._block_of_hash: dict[BlockHash, int] = {}
         self.num_evictions = 0
 
     @property
@@ -93,25 +94,26 @@ class BlockPool:
 
     # --- prefix caching --------------------------------------------------------------------------
 
-    def register(self, block: int, block_hash: int, key: Hashable) -> None:
-        """Remember that held, full `block` holds `key` (parent hash + token ids). A hash already
-        registered keeps its first block: the same prefix computed twice is cached once."""
+    def register(self, block: int, block_hash: BlockHash) -> None:
+        """Remember that held `block` is (or, by the end of the step being built, will be) full of
+        the tokens `block_hash` stands for. A hash already registered keeps its first block: the
+        same prefix computed twice is cached once."""
         self._check_held([block])
         if block_hash in self._block_of_hash or block in self._hash_of_block:
             return
         self._block_of_hash[block_hash] = block
         self._hash_of_block[block] = block_hash
-        self._key_of_block[block] = key
 
     def is_registered(self, block: int) -> bool:
         return block in self._hash_of_block
 
-    def lookup(self, block_hash: int, key: Hashable) -> Optional[int]:
-        """The block caching `key`, in use or free, or None (a hash collision counts as a miss)."""
-        block = self._block_of_hash.get(block_hash)
-        if block is None or self._key_of_block[block] != key:
-            return None
-        return block
+    def hash_of(self, block: int) -> Optional[BlockHash]:
+        """The hash `block` is registered under, or None."""
+        return self._hash_of_block.get(block)
+
+    def lookup(self, block_hash: BlockHash) -> Optional[int]:
+        """The block caching `block_hash`, in use or free, or None."""
+        return self._block_of_hash.get(block_hash)
 
     def touch(self, blocks: Sequence[int]) -> list[int]:
         """Take cached blocks for one more holder: out of the free queue if unreferenced, count + 1."""
@@ -129,7 +131,6 @@ class BlockPool:
         block_hash = self._hash_of_block.pop(block, None)
         if block_hash is not None:
             del self._block_of_hash[block_hash]
-            del self._key_of_block[block]
             self.num_evictions += 1
 
     @property

@@ -12,6 +12,7 @@ it) but its value exists only on the device, in row `row` of step N's sampled to
                          that row from the device (`ScheduledSequence.in_flight_row`)
     resolve(seq, i, t)   step N's token t reached the host: output token i becomes it
     discard(seq)         the sequence stopped: a token drawn past its stop is dropped
+    num_known_tokens(seq) its tokens the host knows (the prefix cache hashes no other)
 
 Without async scheduling a step is resolved before the next is scheduled, so `row_for` is
 always -1. Nothing outside this module knows how an in-flight token is marked.
@@ -52,6 +53,14 @@ class InFlightTokens:
     def any_in_flight(token_ids: Iterable[int]) -> bool:
         """Whether some of these tokens are not known yet (a block holding one is not full yet)."""
         return _IN_FLIGHT in token_ids
+
+    @staticmethod
+    def num_known_tokens(seq: "Sequence") -> int:
+        """How many of `seq`'s tokens the host knows: all but those in flight, which are its last."""
+        out, num_in_flight = seq.output_token_ids, 0
+        while num_in_flight < len(out) and out[-1 - num_in_flight] == _IN_FLIGHT:
+            num_in_flight += 1
+        return seq.num_tokens - num_in_flight
 
     def resolve(self, seq: "Sequence", index: int, token_id: int) -> None:
         """Output token `index` of `seq`, in flight until now, is `token_id`."""

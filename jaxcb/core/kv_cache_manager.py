@@ -1,29 +1,45 @@
 """The KV-cache manager: which device (and host) blocks each sequence holds (no jax).
 
 Between the scheduler, which decides who computes what, and the block pool, which hands out
-blocks: the manager allocates a sequence's blocks as its tokens grow, frees them, finds the
-longest cached prefix of a new sequence's full blocks by their hashes (a chain of
-(parent hash, token ids), rooted in the model's identity), registers blocks that became full,
-and moves a preempted sequence's blocks to host memory and back (swap), recording the copies
-the runner makes before the next step.
+blocks: the manager allocates a sequence's blocks as its tokens grow, frees them, moves a
+preempted sequence's blocks to host memory and back (swap), recording the copies the runner
+makes before the next step, and keeps the prefix cache:
+
+- a full block is known by a stable digest of its tokens chained from its parent block's,
+  rooted in the model's identity (`root`) and the request's tenant `cache_salt`
+  (`block_hash.py`): requests with different salts never share a block;
+- `cached_prefix` finds the longest run of a new sequence's full blocks that some block holds;
+- `register_full_blocks` makes a sequence's full blocks findable from the moment the step that
+  fills them is built -- a later sequence of the same step attends to them, which is sound
+  because every attention form writes a step's K/V before any row reads the cache
+  (`jaxcb.kernels.attention`). A block is full only when the host knows all its tokens: one
+  whose last token is still in flight (async scheduling) waits until that token arrives, and
+  a token in flight is never hashed.
+
+With prefix caching off, the n sequences of one request (n > 1) still share their prompt's
+blocks through the same mechanism, in a chain rooted in their own group that nothing else finds.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from jaxcb.core.block_hash import BlockHash, chain_hash, salted_root
 from jaxcb.core.block_pool import BlockPool, NoFreeBlocksError
+from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.sequence import Sequence
+
+NO_ROOT = bytes(16)  # the root of a manager told nothing of its model (tests of the scheduler alone)
 
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, *, enable_prefix_caching: bool = False,
-                 cache_salt: str = "", host_pool: Optional[BlockPool] = None):
+                 root: BlockHash = NO_ROOT, host_pool: Optional[BlockPool] = None):
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.host_pool = host_pool  # swap space (preemption_mode=swap)
-        self._root_hash = hash(("jaxcb-prefix-cache", cache_salt))  # what else changes the K/V: the model
+        self.root = root  # the model's identity: what else the K/V depend on (Engine.prefix_cache_root)
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
         self.swap_in: list[tuple[int, int]] = []  # (host block, device block) copies before the next step
@@ -47,7 +63,7 @@ class KVCacheManager:
         return True
 
     def admit(self, request: Sequence, shared: list[int], num_new_blocks: int, num_cached_tokens: int) -> None:
-        """A waiting sequence starts: the shared (cached or the leader's) blocks, then fresh ones."""
+        """A waiting sequence starts: the blocks found in the prefix cache, then fresh ones."""
         if self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached_tokens
@@ -96,36 +112,56 @@ class KVCacheManager:
 
     # --- the prefix cache -----------------------------------------------------------------------
 
+    def _shares(self, request: Sequence) -> bool:
+        return self.enable_prefix_caching or request.sampling_params.n > 1
+
+    def _chain_root(self, request: Sequence) -> BlockHash:
+        root = salted_root(self.root, request.cache_salt)
+        if self.enable_prefix_caching:
+            return root
+        # Caching off: only the sequences of one request (n > 1) find each other's blocks.
+        leader = request.parent_id if request.parent_id is not None else request.request_id
+        return salted_root(root, f"jaxcb-n-group {leader!r}")
+
     def cached_prefix(self, request: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of the request's known tokens, leaving its last
         token (and with it the block it sits in) to compute."""
-        if not self.enable_prefix_caching:
+        if not self._shares(request):
             return []
+        num_blocks = min(request.num_tokens - 1, InFlightTokens.num_known_tokens(request)) // self.block_size
         hits = []
-        for block_hash, key in self._block_hashes(request, (request.num_tokens - 1) // self.block_size):
-            block = self.pool.lookup(block_hash, key)
+        for block_hash in self._block_hashes(request, num_blocks):
+            block = self.pool.lookup(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits
 
-    def _block_hashes(self, request: Sequence, num_blocks: int) -> list[tuple[int, tuple]]:
-        """(hash, key) of the request's first num_blocks full blocks; key = (parent hash, token ids)."""
+    def _block_hashes(self, request: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the request's first num_blocks full blocks, each computed once per sequence."""
         chain = request.block_hashes
         bs = self.block_size
         while len(chain) < num_blocks:
             i = len(chain)
-            parent = chain[-1][0] if chain else self._root_hash
-            key = (parent, tuple(request.token_ids(i * bs, (i + 1) * bs)))
-            chain.append((hash(key), key))
+            token_ids = request.token_ids(i * bs, (i + 1) * bs)
+            assert not InFlightTokens.any_in_flight(token_ids), f"{request.request_id}: hashing a token in flight"
+            chain.append(chain_hash(chain[-1] if chain else self._chain_root(request), token_ids))
         return chain[:num_blocks]
 
-    def register_full_blocks(self, request: Sequence) -> None:
-        """Make the sequence's blocks that its computed tokens filled findable by later sequences."""
-        num_full = request.num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:
+    def register_full_blocks(self, request: Sequence, num_tokens: int) -> None:
+        """Make findable the blocks that the sequence's first `num_tokens` tokens fill, stopping at
+        the first one that holds a token still in flight.
+
+        The caller guarantees those tokens' K/V are in the cache or will be written by the step
+        being built (whose SchedulerOutput is dispatched before any later step): the scheduler calls
+        this once a sequence's share of the step is final, and again when tokens in flight arrive."""
+        if not self._shares(request):
+            return
+        num_full = min(num_tokens, InFlightTokens.num_known_tokens(request)) // self.block_size
+        assert num_full <= len(request.block_ids), (request.request_id, num_tokens, request.block_ids)
+        if num_full <= request.num_registered_blocks:
             return
         chain = self._block_hashes(request, num_full)
         for i in range(request.num_registered_blocks, num_full):
-            self.pool.register(request.block_ids[i], *chain[i])
+            self.pool.register(request.block_ids[i], chain[i])
         request.num_registered_blocks = num_full

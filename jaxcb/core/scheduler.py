@@ -8,22 +8,33 @@ decode token or the next prefill chunk. `schedule()`:
        (a prefill chunk is capped by long_prefill_token_threshold); each gets the blocks its
        new tokens need -- if none are free, the running sequence that has computed the least
        is preempted (blocks freed, back to the head of the queue, recompute later) until it fits
-    2. unless step 1 preempted, waiting sequences are admitted in FCFS order while the
+    2. policy=priority: a waiting request that outranks a running one and cannot start
+       (max_num_seqs, or blocks) takes its place: the worst running one is preempted
+    3. the running sequences' shares of the step are final now -- nothing below preempts --
+       so the full blocks they fill become findable in the prefix cache
+    4. unless step 1 or 2 preempted, waiting sequences are admitted in FCFS order while the
        budget, max_num_seqs, max_num_partial_prefills and free blocks allow
        (policy=static: only when nothing runs, and with each member's worst-case blocks
        reserved up front, so a static batch never preempts). An admitted sequence first
-       takes the longest prefix of its full blocks found in the prefix cache and computes
-       only the rest -- always at least its last token, into a block of its own, so a
-       cached block is never written.
+       takes the longest prefix of its full blocks found in the prefix cache -- blocks filled
+       by earlier steps, or by this one (steps 3 and 4: the step's K/V are written before any
+       row attends) -- and computes only the rest: always at least its last token, into a
+       block of its own, so a cached block is never written. The blocks it fills become
+       findable at once, by the sequences admitted after it (the n > 1 samples of one
+       request, prompts sharing a system prompt).
+
+So a block is registered only once the step that fills it is sure to be dispatched with it,
+and a block found in the cache is filled by an earlier step or by the same one.
 
 Blocks come from the KV-cache manager (`kv_cache_manager.py`: allocation, prefix hashing, swap),
 which takes them from the block pool.
 
 `commit()` marks a dispatched step's computed tokens and, for every sampling sequence, a token
 in flight (`in_flight.py`: under async scheduling the next step is scheduled before it is
-known; a sequence whose token constraint needs that token sits the next step out); `update()` applies the runner's sampled tokens and registers blocks that became full in
-the prefix cache. Whether a sequence stops is decided by the output processor (`jaxcb.output`),
-which sees tokens and text; `finish()` then frees its blocks at once.
+known; a sequence whose token constraint needs that token sits the next step out); `update()`
+applies the runner's sampled tokens and registers the blocks that waited for a token in flight.
+Whether a sequence stops is decided by the output processor (`jaxcb.output`), which sees tokens
+and text; `finish()` then frees its blocks at once.
 """
 
 from __future__ import annotations
@@ -36,7 +47,8 @@ from typing import Callable, Optional
 from jaxcb.config import SchedulerConfig
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.core.in_flight import InFlightTokens
-from jaxcb.core.kv_cache_manager import KVCacheManager
+from jaxcb.core.block_hash import BlockHash
+from jaxcb.core.kv_cache_manager import NO_ROOT, KVCacheManager
 from jaxcb.core.sequence import RequestStatus, Sequence
 from jaxcb.core.step import RunnerOutput, ScheduledSequence, SchedulerOutput
 
@@ -52,14 +64,15 @@ class Scheduler:
         max_model_len: int,
         *,
         enable_prefix_caching: bool = False,
-        cache_salt: str = "",
+        root: BlockHash = NO_ROOT,
         clock: Callable[[], float] = time.monotonic,
         host_pool: Optional[BlockPool] = None,
     ):
         self.cfg = cfg
         self.pool = block_pool
+        # root: the model's identity, in which every block hash is rooted (Engine.prefix_cache_root)
         self.kv = KVCacheManager(block_pool, block_size, enable_prefix_caching=enable_prefix_caching,
-                                 cache_salt=cache_salt, host_pool=host_pool)
+                                 root=root, host_pool=host_pool)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.clock = clock  # of arrival times and priority aging
@@ -158,10 +171,12 @@ class Scheduler:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
                 budget -= num_new
 
-        if not preempted:
-            budget = self._admit(budget, scheduled)
         if not preempted and self.cfg.policy == "priority":
             preempted += self._preempt_for_priority(now, scheduled)
+        for seq in scheduled.values():  # final now: what they fill is findable by the admissions below
+            self.kv.register_full_blocks(self.requests[seq.request_id], seq.start_position + len(seq.token_ids))
+        if not preempted:
+            budget = self._admit(budget, scheduled)
 
         swap_in, swap_out = self.kv.take_swaps()
         out = SchedulerOutput(list(scheduled.values()), preempted, swap_in, swap_out)
@@ -200,8 +215,10 @@ class Scheduler:
         return len(returned.token_ids) if returned else 0
 
     def _preempt_for_priority(self, now: float, scheduled: dict[str, ScheduledSequence]) -> list[str]:
-        """A waiting request that could not be admitted but outranks a running one takes its place:
-        the worst running request is preempted now, and the waiting one is admitted next step."""
+        """A waiting request that cannot be admitted but outranks a running one takes its place:
+        the worst running request is preempted now, and the waiting one is admitted next step.
+        Called before any block of this step is registered, so a victim leaves no block findable
+        that the step will not fill."""
         if not self.waiting or not self.running:
             return []
         head = self.waiting[0]
@@ -227,7 +244,6 @@ class Scheduler:
         # not this step's budget reaches it; members the budget misses start in the next steps.
         static = self.cfg.policy == "static"
         num_partial = sum(1 for r in self.running if r.is_prefilling)
-        skipped: list[Sequence] = []
         while self.waiting and (budget > 0 or static) and len(self.running) < self.cfg.max_num_seqs:
             request = self.waiting[0]
             if request.host_block_ids:
@@ -236,14 +252,10 @@ class Scheduler:
                     break
                 budget -= admitted
                 continue
-            share = self._shareable_prefix(request)
-            if share is None:  # a follower whose leader has not prefilled yet
-                skipped.append(self.waiting.popleft())
-                continue
-            # prompt_logprobs needs every prompt row's logits: such a request computes its whole prompt.
-            cached = self.kv.cached_prefix(request) if request.sampling_params.prompt_logprobs is None else []
-            if len(cached) > len(share):
-                share = cached
+            # prompt_logprobs needs every prompt row's logits: such a request computes its whole prompt
+            # (its n > 1 followers report none: they share it).
+            wants_prompt_rows = request.sampling_params.prompt_logprobs is not None and request.parent_id is None
+            share = [] if wants_prompt_rows else self.kv.cached_prefix(request)
             start = len(share) * self.block_size
             if self.cfg.enable_chunked_prefill or request.num_preemptions or static:
                 num_new = min(request.num_tokens - start, budget)
@@ -273,24 +285,11 @@ class Scheduler:
             self.running.append(request)
             if num_new > 0:
                 scheduled[request.request_id] = self._scheduled(request, num_new)
+                self.kv.register_full_blocks(request, start + num_new)  # findable by the next admissions
                 budget -= num_new
             if partial:
                 num_partial += 1
-        self.waiting.extendleft(reversed(skipped))
         return budget
-
-    def _shareable_prefix(self, request: Sequence) -> Optional[list[int]]:
-        """The leader's full prompt blocks a follower (n > 1) can share; [] for none; None: wait."""
-        if request.parent_id is None or request.num_preemptions:
-            return []
-        leader = self.requests.get(request.parent_id)
-        if leader is None or leader.is_finished or leader.status is not RequestStatus.RUNNING:
-            return [] if leader is None or leader.is_finished else None
-        if leader.is_prefilling:
-            return None
-        # Full blocks before the block of the last prompt token: the follower recomputes that token
-        # (to sample its own first token) into a block of its own.
-        return leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
 
     def _admit_swapped(self, request: Sequence, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
         """Bring a swapped-out request back: fresh device blocks, its host blocks copied in; return
@@ -307,6 +306,7 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         scheduled[request.request_id] = self._scheduled(request, num_new)
+        self.kv.register_full_blocks(request, start + num_new)  # its swapped-in blocks, then this step's
         return num_new
 
     def _scheduled(self, request: Sequence, num_new: int) -> ScheduledSequence:
@@ -351,7 +351,8 @@ class Scheduler:
     def update(
         self, out: SchedulerOutput, runner_out: RunnerOutput
     ) -> list[tuple[Sequence, int, Optional[dict[int, float]]]]:
-        """Resolve the step's in-flight tokens to the sampled ones and register blocks that became full;
+        """Resolve the step's in-flight tokens to the sampled ones and register the blocks that were
+        full but for one of them (their K/V are computed, or computed by a step already dispatched);
         return (request, new token, its logprobs with the top ones, or None) of each sampling sequence."""
         touched = []
         now = time.monotonic()
@@ -369,8 +370,6 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 touched.append((request, sampled.token_id, top))
-            if request.status is RequestStatus.RUNNING and not self.in_flight.any_in_flight(request.token_ids(
-                request.num_registered_blocks * self.block_size, request.num_computed_tokens
-            )):
-                self.kv.register_full_blocks(request)
+            if request.status is RequestStatus.RUNNING:
+                self.kv.register_full_blocks(request, request.num_computed_tokens)
         return touched

@@ -1,7 +1,8 @@
 """The state of one sequence being generated, as the scheduler and engine see it (no jax).
 
-A request with `n` > 1 becomes n sequences: the first (its leader) prefills the prompt;
-the others wait for that and then share the leader's full prompt blocks.
+A request with `n` > 1 becomes n sequences: the first (its leader) prefills the prompt, and
+the others, admitted right behind it, find its full prompt blocks in the prefix cache from the
+step that fills them on (`kv_cache_manager.py`).
 """
 
 from __future__ import annotations
@@ -46,14 +47,15 @@ class Sequence:
     seed: int = 0  # resolved sampling seed (the params' seed, or one the engine drew)
     sample_index: int = 0  # which of the n completions this sequence is
     parent_id: Optional[Hashable] = None  # the leader whose prompt blocks this sequence shares (n > 1)
+    cache_salt: Optional[str] = None  # its tenant's: only sequences with the same salt share cached blocks
     group_id: Optional[str] = None  # the user's request this sequence belongs to (its output group)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
-    block_hashes: list[tuple[int, tuple]] = field(default_factory=list)  # (hash, key) of full blocks, in order
-    num_registered_blocks: int = 0  # leading blocks already registered in the prefix cache
+    block_hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks, in order (block_hash.py)
+    num_registered_blocks: int = 0  # leading blocks findable in the prefix cache (found there, or registered)
     host_block_ids: list[int] = field(default_factory=list)  # where its K/V wait while swapped out
     num_cached_tokens: Optional[int] = None  # prompt tokens found in the prefix cache when first admitted
     first_scheduled_time: Optional[float] = None

@@ -162,7 +162,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         structured = _completion_structured(req)
         await _compile_grammar(state, structured)
         params = _params(state, req, req.max_tokens, req.logprobs, structured)
-        streams = await _start(state, prompts, params, req.priority, _deadlines(state, req.timeout))
+        streams = await _start(state, prompts, params, req.priority, _deadlines(state, req.timeout),
+                              req.cache_salt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -194,7 +195,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         params = _params(state, req, max_tokens, max(top_n, 1) if req.logprobs else None, plan.structured)
-        streams = await _start(state, [plan.prompt_ids], params, req.priority, _deadlines(state, req.timeout))
+        streams = await _start(state, [plan.prompt_ids], params, req.priority, _deadlines(state, req.timeout),
+                              req.cache_salt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -324,8 +326,8 @@ def _deadlines(state: ServerState, timeout: Optional[float]) -> dict[str, float]
     return deadlines
 
 
-async def _start(state: ServerState, prompts: list, params, priority: int,
-                 deadlines: Optional[dict[str, float]] = None) -> list[RequestStream]:
+async def _start(state: ServerState, prompts: list, params, priority: int, deadlines: Optional[dict[str, float]] = None,
+                 cache_salt: Optional[str] = None) -> list[RequestStream]:
     """Queue every prompt; if one is refused, abort those already queued and answer with the refusal."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", type="server_error")
@@ -339,7 +341,8 @@ async def _start(state: ServerState, prompts: list, params, priority: int,
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
-            streams.append(await state.async_engine.add(prompt, params, priority=priority, deadlines=deadlines))
+            streams.append(await state.async_engine.add(prompt, params, priority=priority, deadlines=deadlines,
+                                                        cache_salt=cache_salt))
     except InvalidRequestError as e:
         close_streams(streams)
         state.metrics.request_rejected("invalid")

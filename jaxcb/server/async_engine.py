@@ -121,15 +121,15 @@ class AsyncEngine:
 
     async def add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
-        deadlines: Optional[dict[str, float]] = None,
+        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None,
     ) -> "RequestStream":
         """Queue a request; raises the engine's refusal (InvalidRequestError, EngineOverloadedError) here.
-        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s."""
+        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s; `cache_salt`: its tenant's."""
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await self._call(self._add, prompt, params, request_id, priority, deadlines or {})
+            await self._call(self._add, prompt, params, request_id, priority, deadlines or {}, cache_salt)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -150,10 +150,10 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(self.engine.abort, request_id)
 
-    def _add(self, prompt, params, request_id, priority, deadlines):
+    def _add(self, prompt, params, request_id, priority, deadlines, cache_salt):
         # Deltas: what a stream sends is what is new, and a step's cost does not grow with the stream.
         return self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
-                                       output_kind=OutputKind.DELTA, **deadlines)
+                                       output_kind=OutputKind.DELTA, cache_salt=cache_salt, **deadlines)
 
     def _abort_from_any_thread(self, request_id: str, reason: str) -> None:
         self._commands.put((self._abort, (request_id, reason), None, None))

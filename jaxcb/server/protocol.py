@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jaxcb.request_fields import RefusedFieldError, check_fields
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
@@ -58,6 +58,8 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
+    # vLLM's: the tenant's salt; only requests with the same salt share cached prefix blocks
+    cache_salt: Optional[str] = Field(default=None, min_length=1)
     timeout: Optional[Union[int, float]] = None  # seconds: end with what it has by then (never past server.request_timeout_s)
     # constraints (jaxcb.structured): vLLM's structured_outputs, and the token-level fields
     structured_outputs: Optional[dict[str, Any]] = None

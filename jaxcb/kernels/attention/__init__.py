@@ -14,9 +14,14 @@ attention only through an `AttentionForm`, chosen once from `attention.impl`:
 Every attend function takes q [T, Hq, D], the stacked caches, kv_lens [R], block_tables
 [R, W], query_start_loc [R + 1], num_seqs, layer and sm_scale, and returns [T, Hq, D].
 
-Invariant of every form: in each layer the new K/V rows are written before attention reads
-the cache (`write_and_attend`), so a sequence attends to its own new tokens, and may attend
-to blocks another sequence fills in the same step.
+Invariant of every form (and of every backend that writes the cache itself): in each layer,
+every row's new K/V is written before any row's attention reads the cache (`write_and_attend`:
+the whole step's write, then the attend). So a sequence attends to its own new tokens, and
+to blocks that another sequence of the same step fills: the prefix cache makes a block
+findable from the step that fills it (`jaxcb.core.kv_cache_manager`), so sequences sharing a
+prefix and admitted together compute it once. A form that fuses the write into its attention
+kernel must still finish every row's write before any row reads, whatever the rows' order
+(`tests/test_attention.py::test_a_sequence_attends_to_blocks_another_sequence_writes_in_the_same_step`).
 
 Under tensor parallelism the form carries the mesh and `write_and_attend` runs per shard of
 heads in `shard_map`: each device writes and reads the cache of its own KV heads with its own
