@@ -105,13 +105,10 @@ def test_greedy_outputs_under_tensor_parallelism_equal_one_device_with_no_recomp
     assert engine(tp).num_recompiles == 0 and engine(1).num_recompiles == 0
 
 
-LAYER_SPECS = {  # one layer's weights, without the layer axis
-    "q_proj": P(None, "tp", None),  # [D, Hq, K]: heads
-    "k_proj": P(None, "tp", None),
-    "v_proj": P(None, "tp", None),
+LAYER_SPECS = {  # one layer's weights as the xla backend prepares them (fused), without the layer axis
+    "qkv_proj": P(None, "tp"),  # [D, G, (Hq + 2 Hkv) / G, K]: each device's q, k and v heads
     "o_proj": P("tp", None, None),  # [Hq, K, D]: heads
-    "gate_proj": P(None, "tp"),  # [D, F]: MLP columns
-    "up_proj": P(None, "tp"),
+    "gate_up_proj": P(None, "tp"),  # [D, G, 2, F / G]: each device's gate and up columns
     "down_proj": P("tp", None),  # [F, D]: MLP rows
     "attn_norm": P(),
     "mlp_norm": P(),
@@ -130,7 +127,8 @@ def test_parameters_are_split_megatron_style(tp):
     assert w.head.sharding.spec == P(None, "tp")  # [D, V]: vocabulary
     assert w.embed.sharding.spec == P() and w.final_norm.sharding.spec == P()
     # Each device holds its share of the heads, not a copy.
-    assert layers[0].q_proj.addressable_shards[0].data.shape == (96, 8 // tp, 16)
+    assert layers[0].qkv_proj.addressable_shards[0].data.shape == (96, 1, (8 + 2 * 4) // tp, 16)
+    assert layers[1].gate_up_proj.addressable_shards[0].data.shape == (96, 1, 2, 200 // tp)
     assert layers[2].down_proj.addressable_shards[0].data.shape == (200 // tp, 96)
 
 
@@ -140,7 +138,7 @@ def test_stacked_parameters_of_scanned_layers_are_split_on_the_same_axes(tp):
     for name, spec in LAYER_SPECS.items():
         stacked_spec = P(None, *spec) if spec else P()  # [L, ...]
         assert getattr(layers, name).sharding.spec == stacked_spec, name
-    assert layers.q_proj.addressable_shards[0].data.shape == (3, 96, 8 // tp, 16)
+    assert layers.qkv_proj.addressable_shards[0].data.shape == (3, 96, 1, (8 + 2 * 4) // tp, 16)
 
 
 def test_scanned_layers_under_tp2_give_one_device_logits():
