@@ -170,21 +170,8 @@ def test_the_log_softmax_normaliser_runs_only_when_some_row_wants_a_logprob():
     assert in_a_branch and not every_step
 
 
-def _sorted_top_k_top_p(logits, top_k, top_p):
-    """The textbook filter, one descending sort: what the sort-free one must equal."""
-    vocab = logits.shape[-1]
-    sorted_desc = -jnp.sort(-logits, axis=-1)
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-    sorted_desc = jnp.where(jnp.arange(vocab)[None, :] < k[:, None], sorted_desc, -jnp.inf)
-    probs = jax.nn.softmax(sorted_desc, axis=-1)
-    keep = (jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]
-    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < cutoff, -jnp.inf, logits)
-
-
 def test_top_k_top_p_without_a_sort_keep_exactly_what_a_sort_keeps():
+    from benchmarks.sampling_filter import sorted_filter  # the textbook filter: one descending sort
     from jaxcb.sampling import _filter_top_k_top_p
 
     rng = np.random.default_rng(0)
@@ -200,6 +187,6 @@ def test_top_k_top_p_without_a_sort_keep_exactly_what_a_sort_keeps():
     top_p[6:10] = [1.0, 1e-6, 0.5, 0.999999]
     s = arrays(rows, top_k=top_k, top_p=top_p)
     ours = np.asarray(jax.jit(lambda x: _filter_top_k_top_p(x, s))(jnp.asarray(logits)))
-    theirs = np.asarray(_sorted_top_k_top_p(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
+    theirs = np.asarray(sorted_filter(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
     np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))
     np.testing.assert_array_equal(ours[~np.isneginf(ours)], logits[~np.isneginf(ours)])
