@@ -196,13 +196,9 @@ def test_batch_value_checks_catch_what_jit_cannot():
 
 def _form(name: str):
     from jaxcb.kernels.attention import REFERENCE, XLA, cpu_form, pallas_form
-    from jaxcb.kernels.cpu import CpuKernelUnavailable
 
-    if name == "cpu":
-        try:
-            return cpu_form()
-        except CpuKernelUnavailable as e:
-            pytest.skip(f"the C++ kernel cannot be built here: {e}")
+    if name == "cpu":  # built with the system compiler, as every other cpu test here builds it
+        return cpu_form()
     return {"reference": REFERENCE, "xla": XLA, "pallas-interpret": pallas_form(interpret=True)}[name]
 
 

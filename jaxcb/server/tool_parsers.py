@@ -21,6 +21,8 @@ sent, and its text also arrives as content, as `parse` has it.
 
 from __future__ import annotations
 
+import abc
+
 import ast
 import json
 import math
@@ -212,7 +214,7 @@ class ToolCallStreamer:
         return deltas
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """One tool call syntax: how to read it. `tool_grammar` writes it, by `name`."""
     name: str = ""
 
@@ -225,8 +227,9 @@ class ToolParser:
     def streamer(self) -> ToolCallStreamer:
         return ToolCallStreamer(self)
 
+    @abc.abstractmethod
     def _scan(self, text: str, final: bool) -> _Scan:
-        raise NotImplementedError
+        """The text read so far: its content pieces, its finished calls, and a call being written."""
 
 
 class HermesToolParser(ToolParser):
