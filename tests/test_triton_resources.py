@@ -12,36 +12,49 @@ The table in docs/gpu.md comes from this test:
 """
 
 import os
+import re
+import tempfile
 
 import pytest
 
 from cuda_variants import KERNEL_VARIANTS
+from jaxcb.kernels.attention.pallas import query_tiles
 from jaxcb.kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, lower_for_gpu, ptxas_resources, triton_calls
+from test_cuda_lowering import ENGINE_LLAMA8B, PREFILL_TILE_VARIANTS, prefill_block_m
 
 if os.environ.get("JAXCB_REQUIRE_TRITON") != "1":
     pytest.importorskip("triton")
 
+# (variant, bucket of T tokens and R sequences): a bucket of 64 tokens and 16 sequences compiles both
+# tile classes; one of 4 tokens cannot hold a prefill and compiles the decode tiles alone.
+BUCKET = (64, 16)
+DECODE_ONLY_BUCKET = (4, 4)
+VARIANTS = [(v, BUCKET) for v in KERNEL_VARIANTS + PREFILL_TILE_VARIANTS] + [
+    (ENGINE_LLAMA8B, DECODE_ONLY_BUCKET),
+]
 
-def resources_of(variant):
-    [call] = triton_calls(lower_for_gpu(variant.kernel(), *variant.args(64, 16, 16)))
-    return ptxas_resources(call, arch=90)
+
+def triton_call(variant, bucket):
+    [call] = triton_calls(lower_for_gpu(variant.kernel(), *variant.args(*bucket, 16)))
+    return call
 
 
 def test_every_kernel_variant_fits_the_h200_without_spills(tmp_path):
     lines = [
-        "| variant | dtype | head dim | block | group | block_m x kv_tile | warps | stages | registers | spills "
-        "(store/load B) | shared KiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | dtype | head dim | block | group | rows (decode+prefill) x kv_tile | bucket T/R | warps | stages "
+        "| registers | spills (store/load B) | shared KiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     problems = []
     toolchain = ""
-    for v in KERNEL_VARIANTS:
-        r = resources_of(v)
+    for v, bucket in VARIANTS:
+        r = ptxas_resources(triton_call(v, bucket))
         toolchain = r.toolchain
-        block_m = max(v.block_m, v.group)
+        plan = query_tiles(*bucket, v.group, v.block_size, v.block_m, prefill_block_m(v), v.kv_tile)
         lines.append(
-            f"| {v.name} | {v.dtype} | {v.head_dim} | {v.block_size} | {v.group} | {block_m} x {v.kv_tile} | "
-            f"{v.num_warps} | {v.num_stages} | {r.registers} | {r.spill_store_bytes}/{r.spill_load_bytes} | "
+            f"| {v.name} | {v.dtype} | {v.head_dim} | {v.block_size} | {v.group} | "
+            f"{'+'.join(map(str, plan.classes))} x {v.kv_tile} | {bucket[0]}/{bucket[1]} | {v.num_warps} | "
+            f"{v.num_stages} | {r.registers} | {r.spill_store_bytes}/{r.spill_load_bytes} | "
             f"{r.shared_bytes / 1024:.0f} |"
         )
         if r.spill_store_bytes or r.spill_load_bytes:
@@ -56,3 +69,31 @@ def test_every_kernel_variant_fits_the_h200_without_spills(tmp_path):
         f.write(report)
     print(report)
     assert not problems, "\n".join(problems) + "\n" + report
+
+
+def kv_loops(call) -> list[str]:
+    """The K/V loops of the kernel after Triton's software pipeliner: the TTGIR of each scf.for body."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(call.ir_text())
+        kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=call.num_warps, num_stages=call.num_stages))
+    ttgir = kernel.asm["ttgir"]
+    return [body.split("scf.yield")[0] for body in ttgir.split("scf.for ")[1:]]
+
+
+@pytest.mark.parametrize("bucket", [BUCKET, DECODE_ONLY_BUCKET], ids=["both classes", "decode only"])
+def test_each_kv_loop_loads_the_next_tile_while_it_computes_this_one(bucket):
+    """The engine's kernel, pipelined by Triton at num_stages=3: in every tile class's loop the K and V
+    copies are asynchronous, and the wait at the top of an iteration leaves the 2 newest copy groups (the
+    next tile's K and V) in flight while this tile's dots run."""
+    loops = kv_loops(triton_call(ENGINE_LLAMA8B, bucket))
+    assert len(loops) == (2 if bucket == BUCKET else 1)
+    for body in loops:
+        assert body.count("ttg.async_copy_global_to_local") == 2  # the next tile's K and V
+        assert re.search(r"ttg\.async_wait .*\{num = 2 : i32\}", body), "the next tile's copies must stay in flight"
+        assert "dot" in body.split("async_copy_global_to_local")[0]  # this tile's dots before the next copies

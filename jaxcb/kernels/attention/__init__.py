@@ -64,7 +64,7 @@ class AttentionMetadata:
     block_tables: jax.Array  # i32[R, W]: unused entries -> null block
     num_seqs: jax.Array  # i32[]: real sequences; rows past it are padding
     # What a form derives from the above once per step, before the layer loop (`AttentionForm.prepare_step`),
-    # instead of in every layer: the pallas kernel's query-tile table i32[5, num_tiles]. None: not prepared.
+    # instead of in every layer: the pallas kernel's query-tile table i32[6, num_tiles]. None: not prepared.
     tiles: Optional[jax.Array] = None
 
 
