@@ -404,13 +404,13 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
     with record_steps(runner) as recorded:
         run_offline(llm, make_workload(cfg.bench, llm.engine.model_config.vocab_size, cfg.engine.max_model_len),
                     cfg.scheduler.policy)
-    keys = sorted({key for key, _ in recorded})
+    keys = sorted({key for key, _, _ in recorded})
     ours = {key: runner.compiled[key] for key in keys}
     # Traced again, through a new function (no trace cached from ours), with the targets renamed.
     traced, names = runner._step, {const: getattr(cpu_kernels, const) for const in KERNEL_SYMBOLS}
     inner = traced.__wrapped__
-    runner._step = jax.jit(lambda weights, cache, key, *rest: inner(weights, cache, key, *rest),
-                           donate_argnums=(1,), static_argnums=(2,))
+    runner._step = jax.jit(lambda weights, cache, state, key, *rest: inner(weights, cache, state, key, *rest),
+                           donate_argnums=(1, 2), static_argnums=(3,))
     import jaxcb.kernels.attention.cpu as attention_cpu
     import jaxcb.kernels.row_argmax as argmax_module
 

@@ -17,14 +17,14 @@ import numpy as np
 
 @contextlib.contextmanager
 def record_steps(runner) -> Iterator[list]:
-    """Within the block, every step's (bucket, packed inputs) is appended to the list it yields."""
+    """Within the block, every step's (bucket, packed inputs, slot writes) is appended to the list it yields."""
     recorded: list = []
     build = runner.build_inputs
 
     def recording(out):
-        key, args = build(out)
-        recorded.append((key, args))
-        return key, args
+        key, args, writes = build(out)
+        recorded.append((key, args, writes))
+        return key, args, writes
 
     runner.build_inputs = recording
     try:
@@ -35,16 +35,19 @@ def record_steps(runner) -> Iterator[list]:
 
 def replay(runner, recorded: list, executables: Optional[dict] = None,
            on_step: Optional[Callable[[tuple, float], None]] = None, wait_each: bool = False) -> float:
-    """Run the recorded steps again on the runner's cache (donated and carried); seconds it took.
-    `executables`: bucket -> compiled step (default: the runner's own); `wait_each`: time each step
-    on its own, reporting it to `on_step(bucket, seconds)`."""
+    """Run the recorded steps again on the runner's cache and slot state (donated and carried), with
+    the slot writes the engine made before them; seconds it took. `executables`: bucket -> compiled
+    step (default: the runner's own); `wait_each`: time each step on its own, reporting it to
+    `on_step(bucket, seconds)`."""
     cache = runner.kv_cache
     start = time.perf_counter()
     ids = None
-    for key, args in recorded:
+    for key, args, writes in recorded:
         t0 = time.perf_counter()
+        if writes is not None:
+            runner.write_slots(writes)
         exe = (executables or {}).get(key) or runner.executable(key)
-        ids, _, _, cache = exe(runner.weights, cache, *args)
+        ids, _, _, cache, runner.slot_state = exe(runner.weights, cache, runner.slot_state, *args)
         if wait_each:
             jax.block_until_ready(ids)
             if on_step is not None:

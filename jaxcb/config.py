@@ -144,6 +144,10 @@ class EngineConfig:
     context_buckets: Optional[list[int]] = None  # block-table widths; None: 16 blocks and all (xla), all (pallas)
     max_logprobs: int = 20  # most top logprobs a request may ask for (OpenAI: top_logprobs <= 20); computed only in steps that ask
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
+    # Sampling levels compiled for every bucket (jaxcb.sampling): greedy (argmax only), random
+    # (temperature, min_tokens), full (penalties, top-k/top-p/min-p, logprobs); a step runs the least
+    # compiled one that serves all its rows. full must be there: it serves every request.
+    sampling_variants: list[str] = dataclasses.field(default_factory=lambda: ["greedy", "random", "full"])
     # Token masks and logit_bias (structured outputs, tool_choice, allowed_token_ids, bad_words): one more
     # compiled variant of every bucket, used only by steps with such a row; false refuses those fields.
     masked_sampling: bool = True

@@ -108,6 +108,10 @@ def validate_config(cfg: Config) -> None:
         )
     require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
     require(e.max_logit_bias >= 1, f"engine.max_logit_bias={e.max_logit_bias} must be >= 1")
+    levels = ("greedy", "random", "full")
+    require(set(e.sampling_variants) <= set(levels) and "full" in e.sampling_variants,
+            f"engine.sampling_variants={list(e.sampling_variants)} must list some of {list(levels)}, full included "
+            f"(full serves every request; the others only make some steps cheaper)")
     require(e.max_grammar_compile_s > 0, f"engine.max_grammar_compile_s={e.max_grammar_compile_s} must be > 0 seconds")
     require(e.grammar_cache_size >= 1, f"engine.grammar_cache_size={e.grammar_cache_size} must be >= 1")
     require(

@@ -128,6 +128,7 @@ class Engine:
             max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids,
             max_logit_bias=cfg.engine.max_logit_bias,
+            sampling_variants=tuple(cfg.engine.sampling_variants),
             masked_sampling=cfg.engine.masked_sampling,
             prompt_logprobs=cfg.engine.prompt_logprobs,
             swap_space=swap_space,

@@ -138,12 +138,15 @@ def step_activation_bytes(model: LlamaConfig, max_num_tokens: int, max_num_seqs:
     """What the largest step needs beside the weights and the cache, on each device, overestimated: the
     residual stream and a layer's q/k/v, MLP and attention intermediates for every token (float32),
     [rows, vocabulary] logits a few times over for sampling, the prompt-logprobs variant's
-    [128, vocabulary] chunk, and 256 MiB for XLA's own scratch. The cache is sized after it, so that the
-    first big step does not run out of memory where the cache took everything."""
+    [128, vocabulary] chunk, the penalty counts kept per slot (2 x max_num_seqs slots x vocabulary x 5
+    bytes, runner/slots.py; their block tables fit in the scratch), and 256 MiB for XLA's own scratch.
+    The cache is sized after it, so that the first big step does not run out of memory where the cache
+    took everything."""
     per_token = 4 * model.hidden_size + 3 * model.intermediate_size // tensor_parallel_size + 3 * (
         model.num_heads + 2 * model.num_kv_heads) * model.head_dim // tensor_parallel_size
     logits = (4 * max_num_seqs + 128) * model.vocab_size
-    return 4 * (max_num_tokens * per_token + logits) + 256 * 2**20
+    slot_counts = 2 * max_num_seqs * 5 * model.vocab_size
+    return 4 * (max_num_tokens * per_token + logits) + slot_counts + 256 * 2**20
 
 
 def _available_host_bytes() -> int:

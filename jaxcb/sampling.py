@@ -10,19 +10,33 @@ Order of operations, as in vLLM: penalties on the raw logits, logit_bias, banned
 then top-k / top-p / min-p filtering, then the draw. Logprobs are those of the raw model
 distribution (log-softmax of the logits before any of it).
 
-The bitmask and the bias exist only in the masked variant of the step (`TokenMasks`, chosen by
-the host when some row has a constraint): other steps never pay for them.
+What a step computes is fixed when it is compiled, never chosen by a `lax.cond` on a device
+value (on a GPU each such branch waits for the device to tell the host which way to go). The
+host knows what its rows ask for and picks the least of three sampling levels that serves
+them all (`sampling_level`), each a superset of the one before:
+
+    GREEDY  every row greedy and nothing else: the logits' row argmax (a backend may take it
+            inside the head's matmul and never write the logits)
+    RANDOM  + temperature and the Gumbel draw, + banned ids (min_tokens)
+    FULL    + penalties, top-k / top-p / min-p, logprobs (the chosen token's and the top-n)
+
+The bitmask and the bias (`TokenMasks`) exist only in the masked step variants, which sample
+at FULL. Penalties read counts that the step keeps on the device (`PenaltyCounts`, one row per
+slot of the runner's `SlotTable`), never a history shipped from the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 import jax
 import jax.numpy as jnp
 
 Argmax = Callable[[jax.Array], jax.Array]  # f32[R, V] -> i32[R], jnp.argmax's indices
+
+GREEDY, RANDOM, FULL = 0, 1, 2  # sampling levels, each a superset of the one before
+LEVEL_NAMES = ("greedy", "random", "full")
 
 
 def xla_argmax(x: jax.Array) -> jax.Array:
@@ -41,16 +55,6 @@ class SamplingArrays:
     seeds: jax.Array  # u32[R]
     counters: jax.Array  # i32[R]: tokens the row has generated so far (the step of its own stream)
     banned_token_ids: jax.Array  # i32[R, max_banned]; vocab_size (out of range) pads
-    any_penalty: jax.Array  # bool[]: skip the penalty pass when no row asks for one
-    any_filter: jax.Array  # bool[]: skip the sort when no row uses top-k / top-p
-    # On a small model these two cost as much as the layers: skip them when no row needs them.
-    any_random: jax.Array = True  # bool[]: skip drawing noise when every row is greedy
-    any_logprobs: jax.Array = True  # bool[]: skip the top-n logprobs when no row asks for them
-    # bool[]: skip the log-softmax normaliser (a max and a sum of exps over [R, V]) when no row
-    # wants even its chosen token's logprob (every row's `logprobs` is None); those rows' are 0.
-    any_token_logprob: jax.Array = True
-
-    FLAGS = ("any_penalty", "any_filter", "any_random", "any_logprobs", "any_token_logprob")  # the bool[] fields
 
 
 jax.tree_util.register_dataclass(
@@ -58,6 +62,30 @@ jax.tree_util.register_dataclass(
     data_fields=[f.name for f in dataclasses.fields(SamplingArrays)],
     meta_fields=[],
 )
+
+
+def sampling_level(params: Iterable, any_banned: bool) -> int:
+    """The least level that serves every row: `params` the SamplingParams of every scheduled
+    sequence (a sequence with penalties needs FULL even in a chunk that does not sample: its
+    tokens are counted), `any_banned` whether a sampling row has banned ids this step."""
+    level = RANDOM if any_banned else GREEDY
+    for p in params:
+        if p.logprobs is not None or p.top_k > 0 or p.top_p < 1 or p.min_p > 0 or p.uses_penalties:
+            return FULL
+        if p.temperature > 0:
+            level = RANDOM
+    return level
+
+
+@dataclasses.dataclass
+class PenaltyCounts:
+    """Tokens so far, per row (or per slot, as the runner keeps them on the device between steps)."""
+
+    seen: jax.Array  # bool[R, V]: in the prompt or the output
+    output_counts: jax.Array  # i32[R, V]: times in the output
+
+
+jax.tree_util.register_dataclass(PenaltyCounts, data_fields=["seen", "output_counts"], meta_fields=[])
 
 
 @dataclasses.dataclass
@@ -80,31 +108,27 @@ def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
     return jnp.unpackbits(as_bytes, axis=-1, bitorder="little")[:, :vocab].astype(jnp.bool_)
 
 
-def token_counts(
-    history: jax.Array,  # i32[R, L]: each row's tokens, prompt then outputs
-    num_prompt: jax.Array,  # i32[R]
-    num_known: jax.Array,  # i32[R]: valid length of each history row
-    vocab_size: int,
-) -> tuple[jax.Array, jax.Array]:  # (bool[R, V] seen in prompt or output, i32[R, V] output counts)
-    pos = jnp.arange(history.shape[1])[None, :]
-    valid = pos < num_known[:, None]
-    is_output = valid & (pos >= num_prompt[:, None])
-    rows = jnp.arange(history.shape[0])[:, None]
-    tokens = jnp.where(valid, history, vocab_size)  # out of range -> dropped
-    seen = jnp.zeros((history.shape[0], vocab_size), jnp.bool_).at[rows, tokens].set(True, mode="drop")
-    out_counts = jnp.zeros((history.shape[0], vocab_size), jnp.int32).at[rows, tokens].add(
-        is_output.astype(jnp.int32), mode="drop"
+def record_tokens(
+    counts: PenaltyCounts,  # over slots: bool[S, V], i32[S, V]
+    slots: jax.Array,  # i32[N]: each token's slot; S or more (out of range) -> not recorded
+    tokens: jax.Array,  # i32[N]
+    is_output: jax.Array,  # bool[N]: an output token (counted) or a prompt token (only seen)
+) -> PenaltyCounts:
+    """Add tokens to their slots' counts: each token of a sequence is recorded once, by the step
+    that computes it (or, for a sequence new to its slot, by the runner before its first step)."""
+    return PenaltyCounts(
+        counts.seen.at[slots, tokens].set(True, mode="drop"),
+        counts.output_counts.at[slots, tokens].add(is_output.astype(jnp.int32), mode="drop"),
     )
-    return seen, out_counts
 
 
-def apply_penalties(logits, seen, out_counts, s: SamplingArrays):
+def apply_penalties(logits, counts: PenaltyCounts, s: SamplingArrays):
     """HF repetition penalty on every seen token; OpenAI presence/frequency on generated ones."""
     rep = s.repetition_penalty[:, None]
     penalised = jnp.where(logits > 0, logits / rep, logits * rep)
-    logits = jnp.where(seen, penalised, logits)
-    logits = logits - s.frequency_penalty[:, None] * out_counts
-    return logits - s.presence_penalty[:, None] * (out_counts > 0)
+    logits = jnp.where(counts.seen, penalised, logits)
+    logits = logits - s.frequency_penalty[:, None] * counts.output_counts
+    return logits - s.presence_penalty[:, None] * (counts.output_counts > 0)
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
@@ -115,14 +139,15 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
 
 def _largest_key_where(keys: jax.Array, holds: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """i32[R]: per row, the largest key t among the row's range for which `holds(t)` (bool[R], true at
-    the row's smallest key and false past some point) is true: 32 halvings of the int32 range, exact."""
+    the row's smallest key and false past some point) is true: 32 halvings of the int32 range, exact.
+    Unrolled: a loop XLA cannot see the end of asks the device for its predicate on every turn."""
     def halve(_, bounds):
         lo, hi = bounds
         mid = (lo >> 1) + (hi >> 1) + (((lo & 1) + (hi & 1) + 1) >> 1)  # ceil((lo + hi) / 2), no overflow
         ok = holds(mid)
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
-    lo, _ = jax.lax.fori_loop(0, 32, halve, (keys.min(axis=-1), keys.max(axis=-1)))
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (keys.min(axis=-1), keys.max(axis=-1)), unroll=True)
     return lo
 
 
@@ -144,110 +169,65 @@ def _filter_top_k_top_p(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jnp.where(keys < cutoff[:, None], -jnp.inf, logits)
 
 
-def any_banned(s: SamplingArrays, vocab: int) -> jax.Array:
-    return jnp.any(s.banned_token_ids < vocab)  # ids past the vocab pad
+def _draw(x: jax.Array, s: SamplingArrays, filtered: bool, argmax: Argmax) -> jax.Array:
+    """i32[R]: temperature, (top-k / top-p / min-p,) then Gumbel-argmax; greedy rows' draws are not used."""
+    greedy = s.temperature == 0
+    x = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
+    if filtered:
+        x = _filter_top_k_top_p(x, s)
+        probs = jax.nn.softmax(x, axis=-1)
+        x = jnp.where(probs < s.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x)
+
+    def row_noise(seed, counter):
+        key = jax.random.fold_in(jax.random.key(seed), counter)
+        return jax.random.gumbel(key, (x.shape[-1],), jnp.float32)
+
+    return argmax(x + jax.vmap(row_noise)(s.seeds, s.counters))
 
 
-def needs_logits(s: SamplingArrays, vocab: int) -> jax.Array:
-    """bool[]: whether `sample` reads the logits themselves; where not, every row takes the plain
-    argmax of its logits (greedy, no penalty, no banned id, no logprobs)."""
-    return s.any_random | s.any_penalty | any_banned(s, vocab) | s.any_logprobs | s.any_token_logprob
+def _logprobs(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(f32[R] the chosen tokens' logprobs, i32[R, n] top ids, f32[R, n] their logprobs), of the raw logits.
+    log_softmax's own steps, kept apart so that only the chosen entries and the top-n are ever
+    formed: neither the shifted logits nor the logprobs are a full [R, V] array (the shift fuses
+    into the sum of exps), and each entry is still (logit - max) - log_norm, log_softmax's arithmetic."""
+    row_max = logits.max(axis=-1, keepdims=True)
+    log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+    at = lambda ids: (jnp.take_along_axis(logits, ids, axis=-1) - row_max) - log_norm  # noqa: E731
+    _, top_ids = jax.lax.top_k(logits, n)  # the same order as the logprobs'
+    return at(token[:, None])[:, 0], top_ids.astype(jnp.int32), at(top_ids)
 
 
 def sample(
-    logits: jax.Array,  # f32[R, V]
+    logits: Optional[jax.Array],  # f32[R, V]; None at GREEDY when `logits_argmax` is given
     s: SamplingArrays,
-    history: jax.Array,  # i32[R, L]
-    num_prompt: jax.Array,  # i32[R]
-    num_known: jax.Array,  # i32[R]
+    level: int,
     num_logprobs: int,
     argmax: Argmax = xla_argmax,
-    logits_argmax: jax.Array | None = None,  # i32[R]: the logits' row argmax, computed on the way
-    history_fix: tuple[jax.Array, jax.Array] | None = None,  # (position i32[R], token i32[R])
-    masks: TokenMasks | None = None,
+    logits_argmax: Optional[jax.Array] = None,  # i32[R]: the logits' row argmax, computed on the way
+    counts: Optional[PenaltyCounts] = None,  # FULL: the rows' counts, this step's tokens included
+    masks: Optional[TokenMasks] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n]); the logprobs
-    are 0 when no row asks for them. With `logits_argmax`, a step that does not need the logits
-    (`needs_logits` false) takes it as its tokens and never reads `logits`, which may then be
-    undefined. `history_fix` puts one token into each row's history (a position outside it:
-    none) before the penalties read it: the token the previous step sampled, which the host
-    knew only as in flight. It is done only when a row has a penalty, and as a select: an
-    in-place write made XLA copy the whole history (a step input, not donated) on every step,
-    ~0.15 ms at 64 rows of 1,024 on CPU. With `masks` (the masked variant) every row's logits
-    get its bias and its bitmask before the choice, and `logits_argmax` is not used."""
-    num_rows, vocab = logits.shape
-    greedy = s.temperature == 0
-
-    def draw(x):  # temperature, top-k / top-p / min-p, then Gumbel-argmax; greedy rows ignore it
-        x_scaled = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
-        x_scaled = jax.lax.cond(s.any_filter, lambda v: _filter_top_k_top_p(v, s), lambda v: v, x_scaled)
-        probs = jax.nn.softmax(x_scaled, axis=-1)
-        x_scaled = jnp.where(probs < s.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x_scaled)
-
-        def row_noise(seed, counter):
-            key = jax.random.fold_in(jax.random.key(seed), counter)
-            return jax.random.gumbel(key, (vocab,), jnp.float32)
-
-        return argmax(x_scaled + jax.vmap(row_noise)(s.seeds, s.counters))
-
-    def choose(x):  # i32[R]: greedy rows take the argmax, the others a draw
-        # With every row greedy (the common offline case) the draw is skipped whole.
-        drawn = jax.lax.cond(s.any_random, draw, lambda x: jnp.zeros((num_rows,), jnp.int32), x)
-        return jnp.where(greedy, argmax(x), drawn).astype(jnp.int32)
-
-    def penalise(x):
-        known = history
-        if history_fix is not None:
-            at = jnp.arange(history.shape[1])[None, :] == history_fix[0][:, None]
-            known = jnp.where(at, history_fix[1][:, None], history)
-        seen, out_counts = token_counts(known, num_prompt, num_known, vocab)
-        return apply_penalties(x, seen, out_counts, s)
-
-    def adjust_then_choose(x):  # penalties, then the banned ids (min_tokens), then choose
-        x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, x)
-        rows = jnp.arange(num_rows)[:, None]
-        return choose(x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop"))
-
-    def masked_choose(x):  # the masked variant: penalties, bias, banned ids, bitmask, then choose
-        x = jax.lax.cond(s.any_penalty, penalise, lambda x: x, x)
-        rows = jnp.arange(num_rows)[:, None]
-        x = x.at[rows, masks.bias_ids].add(masks.bias_values, mode="drop")
-        x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
-        return choose(jnp.where(allowed_tokens(masks.bitmask, vocab), x, -jnp.inf))
-
-
-    # The branches return only the [R] tokens: a branch that returned the [R, V] logits (even
-    # unchanged) would copy them, ~1 ms at 64 rows of a 32k vocab on CPU, on every step.
-    def from_logits(x):
-        return jax.lax.cond(s.any_penalty | any_banned(s, vocab), adjust_then_choose, choose, x)
-
+    """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n]) at a sampling
+    `level` (static); below FULL the logprobs are zeros. With `masks` every row's logits get its
+    bias and its bitmask before the choice (the masked variants sample at FULL)."""
+    num_rows = s.temperature.shape[0]
+    no_logprobs = (jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, num_logprobs), jnp.int32),
+                   jnp.zeros((num_rows, num_logprobs), jnp.float32))
+    if level == GREEDY:
+        token = logits_argmax if logits_argmax is not None else argmax(logits)
+        return (token.astype(jnp.int32), *no_logprobs)
+    vocab = logits.shape[-1]
+    rows = jnp.arange(num_rows)[:, None]
+    x = logits
+    if level >= FULL:
+        x = apply_penalties(x, counts, s)
     if masks is not None:
-        token = masked_choose(logits)
-    elif logits_argmax is None:
-        token = from_logits(logits)
-    else:
-        token = jax.lax.cond(needs_logits(s, vocab), from_logits, lambda x: logits_argmax.astype(jnp.int32), logits)
-
-    def with_logprobs():
-        # log_softmax's own steps, kept apart so that only the rows' chosen entries (and the
-        # top-n, when asked for) are ever formed: neither the shifted logits nor the logprobs
-        # are ever a full [R, V] array (the shift fuses into the sum of exps), and each entry is
-        # still (logit - max) - log_norm, the very arithmetic of log_softmax.
-        row_max = logits.max(axis=-1, keepdims=True)
-        log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
-
-        def logprobs_at(ids: jax.Array) -> jax.Array:  # i32[R, n] -> f32[R, n]
-            return (jnp.take_along_axis(logits, ids, axis=-1) - row_max) - log_norm
-
-        def top_logprobs():
-            _, ids = jax.lax.top_k(logits, num_logprobs)  # the same order as the logprobs'
-            return logprobs_at(ids), ids
-
-        top_lp, top_ids = jax.lax.cond(s.any_logprobs, top_logprobs, lambda: no_top)
-        return logprobs_at(token[:, None])[:, 0], top_lp, top_ids
-
-    no_top = (jnp.zeros((num_rows, num_logprobs), jnp.float32), jnp.zeros((num_rows, num_logprobs), jnp.int32))
-    token_logprob, top_lp, top_ids = jax.lax.cond(
-        s.any_token_logprob | s.any_logprobs, with_logprobs, lambda: (jnp.zeros((num_rows,), jnp.float32), *no_top)
-    )
-    return token, token_logprob, top_ids.astype(jnp.int32), top_lp
+        x = x.at[rows, masks.bias_ids].add(masks.bias_values, mode="drop")
+    x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
+    if masks is not None:
+        x = jnp.where(allowed_tokens(masks.bitmask, vocab), x, -jnp.inf)
+    token = jnp.where(s.temperature == 0, argmax(x), _draw(x, s, level >= FULL, argmax)).astype(jnp.int32)
+    if level < FULL:
+        return (token, *no_logprobs)
+    token_lp, top_ids, top_lp = _logprobs(logits, token, num_logprobs)
+    return token, token_lp, top_ids, top_lp

@@ -18,12 +18,15 @@ BASE = (
     "engine.seq_buckets=[8]",
     "engine.context_buckets=[16]",
     f"engine.compilation_cache_dir={CACHE_DIR}",
-    # Most tests need only the plain step variant: the masked and prompt-logprobs ones (on by default)
-    # would triple every test engine's compiles. Tests of constraints and prompt logprobs add VARIANTS.
+    # Most tests need only two step variants: greedy (what most run, through the backend's fused
+    # argmax) and full (serves any sampling). The random level, masks and prompt logprobs (on by
+    # default) would more than double every test engine's compiles; tests of them add VARIANTS.
+    "engine.sampling_variants=[greedy,full]",
     "engine.masked_sampling=false",
     "engine.prompt_logprobs=false",
 )
-VARIANTS = ("engine.masked_sampling=true", "engine.prompt_logprobs=true")  # every step variant, as by default
+VARIANTS = ("engine.sampling_variants=[greedy,random,full]", "engine.masked_sampling=true",
+            "engine.prompt_logprobs=true")  # every step variant, as by default
 
 
 def make_engine(*overrides: str) -> Engine:

@@ -8,6 +8,7 @@ Compiling the Triton IR to machine code is tests/test_triton_resources.py (and, 
 scripts/gpu_check.py).
 """
 
+import dataclasses
 import functools
 import re
 
@@ -22,10 +23,55 @@ from benchmarks.reference_generate import forward_step
 from jaxcb.backends import Backend
 from jaxcb.backends.base import fuse_layer_weights
 from jaxcb.kernels.attention import AttentionMetadata, KVCache, pallas_form
+from jaxcb.kernels.attention.pallas import choose_num_splits, query_tiles
 from jaxcb.kernels.triton_calls import gpu_mesh, lower_for_gpu, triton_calls
 from jaxcb.kv_cache import kv_cache_shape
 from jaxcb.model.llama import LayerWeights, StepWeights, build_abstract_model
 from jaxcb.sharding import TP_AXIS, TensorParallel
+
+
+# The kernel as the engine launches it: its default tiles (16-row decode, 64-row prefill), warps and stages.
+ENGINE_LLAMA8B = dataclasses.replace(LLAMA8B, name="llama8b engine (3 stages)", num_stages=3)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillTileVariant(KernelVariant):
+    """A variant whose prefill tiles have `prefill_block_m` rows (the kernel's default: 64)."""
+
+    prefill_block_m: int = 64
+
+    def kernel_kwargs(self) -> dict:
+        return dict(super().kernel_kwargs(), prefill_block_m=self.prefill_block_m)
+
+
+# The prefill tile sizes and stage counts beside the engine's: 128-row prefill tiles want 8 warps.
+PREFILL_TILE_VARIANTS = [
+    ENGINE_LLAMA8B,
+    PrefillTileVariant("llama8b prefill 32 rows", 32, 8, num_stages=3, prefill_block_m=32),
+    PrefillTileVariant("llama8b prefill 128 rows 8 warps", 32, 8, num_warps=8, num_stages=3, prefill_block_m=128),
+    dataclasses.replace(ENGINE_LLAMA8B, name="llama70b tp2 3 stages", num_kv_heads=4, num_layers=80),
+    dataclasses.replace(ENGINE_LLAMA8B, name="llama3_1b 3 stages", head_dim=64, num_layers=16),
+]
+
+
+def prefill_block_m(variant: KernelVariant) -> int:
+    return getattr(variant, "prefill_block_m", 64)
+
+
+def expected_grid(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
+    """(query tiles, KV heads, KV splits): the tiles of both classes a bucket can need, and the split-KV
+    programs each gets at a block-table width of `width` blocks."""
+    plan = query_tiles(num_tokens, num_seqs, variant.group, variant.block_size, variant.block_m,
+                       prefill_block_m(variant), variant.kv_tile)
+    splits = variant.num_splits or choose_num_splits(plan.num_tiles, variant.num_kv_heads, width * variant.block_size)
+    return plan.num_tiles, variant.num_kv_heads, splits
+
+
+def spare_rows(variant: KernelVariant, num_tokens: int, num_seqs: int) -> int:
+    """q's padding past the last token: the largest tile class's rows, so its last tile loads in bounds."""
+    plan = query_tiles(num_tokens, num_seqs, variant.group, variant.block_size, variant.block_m,
+                       prefill_block_m(variant), variant.kv_tile)
+    return max(plan.classes)
 
 
 def lower_kernel(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
@@ -56,19 +102,23 @@ def test_lowering_without_a_gpu_reads_the_abstract_h200():
         (128, 128, 64, (128, 8, 1)),
         (128, 128, 8192, (128, 8, 1)),
         (256, 256, 256, (256, 8, 1)),
-        # mixed and prefill: tiles of 4 tokens, plus at most one partial tile per sequence.
-        (512, 64, 128, (192, 8, 1)),
-        (2048, 1, 128, (513, 8, 1)),
+        # mixed and prefill: 64-row prefill tiles of 16 tokens, plus at most one partial tile per sequence
+        # (a decode sequence's one 16-row tile counts as that).
+        (512, 64, 128, (96, 8, 1)),
+        (2048, 1, 128, (129, 8, 1)),
+        (2048, 256, 512, (384, 8, 1)),
     ],
     ids=["decode-1", "decode-1-4k", "decode-1-128k", "decode-8-8k", "decode-32-2k", "decode-32-1k", "decode-128",
-         "decode-128-128k", "decode-256-4k", "mixed-512", "prefill-2048"],
+         "decode-128-128k", "decode-256-4k", "mixed-512", "prefill-2048", "mixed-2048-256"],
 )
 def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width, grid):
-    call = lower_kernel(LLAMA8B, num_tokens, num_seqs, width)
-    assert call.grid == grid == LLAMA8B.expected_grid(num_tokens, num_seqs, width)
-    assert (call.num_warps, call.num_stages) == (4, 2)
-    # q as rows of (token, head in group) per KV head, plus one tile of slack; the cache flattened to blocks.
-    assert call.operand_types[3] == f"tensor<8x{num_tokens * 4 + 16}x128xbf16>"
+    call = lower_kernel(ENGINE_LLAMA8B, num_tokens, num_seqs, width)
+    assert call.grid == grid == expected_grid(ENGINE_LLAMA8B, num_tokens, num_seqs, width)
+    assert (call.num_warps, call.num_stages) == (4, 3)
+    # q as rows of (token, head in group) per KV head, plus one prefill tile of slack (a decode tile's where a
+    # bucket of at most 4 tokens cannot hold a prefill); the cache flattened to blocks.
+    slack = 16 if num_tokens <= 4 else 64
+    assert call.operand_types[3] == f"tensor<8x{num_tokens * 4 + slack}x128xbf16>"
     assert call.operand_types[4] == f"tensor<{32 * 8 * (num_seqs * width + 1)}x16x128xbf16>"
 
 
@@ -76,13 +126,25 @@ def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width
 def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
     num_tokens, num_seqs, width = 256, 32, 32
     call = lower_kernel(variant, num_tokens, num_seqs, width)
-    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
+    assert call.grid == expected_grid(variant, num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
-    block_m = max(variant.block_m, variant.group)
-    rows = num_tokens * variant.group + block_m
+    rows = num_tokens * variant.group + spare_rows(variant, num_tokens, num_seqs)
     dtype = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[variant.dtype]
     assert call.operand_types[3] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}x{dtype}>"
     assert re.search(r"tt\.dot", call.ir_text())  # the two matmuls reach Triton as dots (tensor cores)
+
+
+@pytest.mark.parametrize("variant", PREFILL_TILE_VARIANTS, ids=lambda v: v.name)
+def test_prefill_tile_variants_lower_with_both_tile_classes(variant):
+    """A bucket that can hold a prefill compiles both classes: a decode tile's two dots and a prefill tile's."""
+    num_tokens, num_seqs, width = 512, 64, 128
+    call = lower_kernel(variant, num_tokens, num_seqs, width)
+    assert call.grid == expected_grid(variant, num_tokens, num_seqs, width)
+    assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
+    rows = num_tokens * variant.group + prefill_block_m(variant)
+    assert call.operand_types[3] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}xbf16>"
+    dots = re.findall(r"tt\.dot %\S+, %\S+, %\S+.*-> tensor<(\d+)x", call.ir_text())
+    assert sorted(map(int, dots)) == sorted([16, 16, prefill_block_m(variant), prefill_block_m(variant)])
 
 
 def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):
@@ -132,11 +194,11 @@ def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
     [call] = triton_calls(lowered)
     cfg = preset(model)
     variant = KernelVariant(model, kv_heads_per_device * group, kv_heads_per_device, num_layers=cfg.num_layers)
-    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
-    assert (call.num_warps, call.num_stages) == (4, 2)
-    # Each device sees its own share: query rows of its KV heads, and the cache blocks of its heads.
-    block_m = max(16, group)
-    assert call.operand_types[3] == f"tensor<{kv_heads_per_device}x{num_tokens * group + block_m}x128xbf16>"
+    assert call.grid == expected_grid(variant, num_tokens, num_seqs, width)
+    assert (call.num_warps, call.num_stages) == (4, 3)
+    # Each device sees its own share: query rows of its KV heads (+ a 64-row prefill tile of slack), and the
+    # cache blocks of its heads.
+    assert call.operand_types[3] == f"tensor<{kv_heads_per_device}x{num_tokens * group + 64}x128xbf16>"
     blocks = cfg.num_layers * kv_heads_per_device * (num_seqs * width + 1)
     assert call.operand_types[4] == f"tensor<{blocks}x16x128xbf16>"
 
@@ -160,16 +222,20 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
     runner = ModelRunner(model, backend, KVCache(cache, cache), buckets, max_model_len=8192, max_logprobs=5,
                          max_stop_token_ids=8)
     assert [t for t, _, _ in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    for key in [(*b, 0) for b in buckets.all()] + [(*buckets.all()[0], 1), (*buckets.all()[0], 2)]:  # + masked, prompt
+    from jaxcb.runner.step_inputs import FULL, GREEDY, MASKED, PROMPT_LOGPROBS, RANDOM
+
+    first = buckets.all()[0]
+    for key in [(*b, GREEDY) for b in buckets.all()] + [(*first, v) for v in (RANDOM, FULL, MASKED, PROMPT_LOGPROBS)]:
         num_tokens, num_seqs, key_width, _ = key
         x = abstract_step_inputs(*key, **runner._abstract)
         num_ints, num_floats = packed_sizes(x)
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32)
         floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32)
         weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner.weights)
-        lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, key, ints, floats, x.history, x.prev_tokens)
+        lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, runner.slot_state, key, ints, floats,
+                                x.prev_tokens)
         [call] = triton_calls(lowered)
-        assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs, key_width), key
+        assert call.grid == expected_grid(LLAMA8B, num_tokens, num_seqs, key_width), key
         assert "@jaxcb_" not in lowered.as_text()
 
 

@@ -26,7 +26,7 @@ def test_next_step_reads_each_token_in_flight_from_its_row_of_the_step_before():
         s = by_id[seq.request_id]
         assert s.in_flight_row == rows[seq.request_id] and s.token_ids == [0]  # carried as 0, read on the device
         assert seq.num_tokens == seq.num_prompt_tokens + 1  # the token in flight counts
-    assert by_id["b"].history == [4, 5, 0]
+    assert by_id["b"].prior_token_ids() == [4, 5]  # what the runner counts for its penalties, if new to a slot
     sched.commit(second)
     touched = sched.update(first, sampled(first, 7))  # the first step's tokens arrive
     assert [(seq.request_id, token) for seq, token, _ in touched] == [("a", 7), ("b", 7)]

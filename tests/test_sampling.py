@@ -1,12 +1,12 @@
 """In-jit sampling: each parameter does what it says, and a row's draw depends only on its own key."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.sampling import SamplingArrays, sample
+from jaxcb.sampling import (FULL, GREEDY, LEVEL_NAMES, RANDOM, PenaltyCounts, SamplingArrays, record_tokens,
+                            sample, sampling_level)
+from jaxcb.sampling_params import SamplingParams
 
 VOCAB = 11
 
@@ -20,20 +20,24 @@ def arrays(rows, **overrides):
         banned_token_ids=np.full((rows, 2), VOCAB, np.int32),
     )
     base.update({k: np.asarray(v, base[k].dtype) for k, v in overrides.items()})
-    any_penalty = bool(np.any(base["repetition_penalty"] != 1) or np.any(base["presence_penalty"] != 0)
-                       or np.any(base["frequency_penalty"] != 0))
-    any_filter = bool(np.any(base["top_k"] > 0) or np.any(base["top_p"] < 1))
-    return SamplingArrays(**{k: jnp.asarray(v) for k, v in base.items()},
-                          any_penalty=jnp.asarray(any_penalty), any_filter=jnp.asarray(any_filter))
+    return SamplingArrays(**{k: jnp.asarray(v) for k, v in base.items()})
 
 
-def draw(logits, s, history=None, num_prompt=None, num_known=None):
+def counts_of(rows, prompt=(), output=()):
+    """PenaltyCounts of `rows` rows that all saw the same prompt and output tokens."""
+    seen = np.zeros((rows, VOCAB), bool)
+    out = np.zeros((rows, VOCAB), np.int32)
+    for t in list(prompt) + list(output):
+        seen[:, t] = True
+    for t in output:
+        out[:, t] += 1
+    return PenaltyCounts(jnp.asarray(seen), jnp.asarray(out))
+
+
+def draw(logits, s, counts=None, level=FULL):
     rows = logits.shape[0]
-    history = np.zeros((rows, 8), np.int32) if history is None else history
-    num_prompt = np.zeros(rows, np.int32) if num_prompt is None else num_prompt
-    num_known = np.zeros(rows, np.int32) if num_known is None else num_known
-    tok, lp, top_ids, top_lp = sample(jnp.asarray(logits, jnp.float32), s, jnp.asarray(history),
-                                      jnp.asarray(num_prompt), jnp.asarray(num_known), 3)
+    counts = counts_of(rows) if counts is None else counts
+    tok, lp, top_ids, top_lp = sample(jnp.asarray(logits, jnp.float32), s, level, 3, counts=counts)
     return np.asarray(tok), np.asarray(lp), np.asarray(top_ids), np.asarray(top_lp)
 
 
@@ -79,95 +83,78 @@ def test_banned_tokens_are_never_drawn():
 
 
 def test_repetition_penalty_applies_to_prompt_and_output_presence_only_to_output():
-    history = np.array([[2, 3, 0, 0, 0, 0, 0, 0]], np.int32)  # prompt token 2, output token 3
-    rep = arrays(1, temperature=[0.0], repetition_penalty=[2.0])
-    tok, *_ = draw(LOGITS, rep, history, num_prompt=np.array([1]), num_known=np.array([2]))
+    counts = counts_of(1, prompt=[2], output=[3])
+    tok, *_ = draw(LOGITS, arrays(1, temperature=[0.0], repetition_penalty=[2.0]), counts)
     assert tok[0] == 4  # 3.0 -> 1.5 and 2.9 -> 1.45: 2.8 wins
-    presence = arrays(1, temperature=[0.0], presence_penalty=[0.15])
-    tok, *_ = draw(LOGITS, presence, history, num_prompt=np.array([1]), num_known=np.array([2]))
+    tok, *_ = draw(LOGITS, arrays(1, temperature=[0.0], presence_penalty=[0.15]), counts)
     assert tok[0] == 2  # only the output token 3 is penalised; 2 is still best
-    freq = arrays(1, temperature=[0.0], frequency_penalty=[2.0])
-    history2 = np.array([[5, 2, 0, 0, 0, 0, 0, 0]], np.int32)
-    tok, *_ = draw(LOGITS, freq, history2, num_prompt=np.array([1]), num_known=np.array([2]))
+    tok, *_ = draw(LOGITS, arrays(1, temperature=[0.0], frequency_penalty=[2.0]), counts_of(1, prompt=[5], output=[2]))
     assert tok[0] == 3
 
 
-def test_skipping_noise_and_top_logprobs_changes_no_greedy_token():
-    """The runner clears any_random when every row is greedy and any_logprobs when no row asks
-    for logprobs; the tokens and their logprobs must be the same as with both on."""
+def test_recorded_tokens_are_seen_and_only_outputs_counted():
+    counts = PenaltyCounts(jnp.zeros((3, VOCAB), bool), jnp.zeros((3, VOCAB), jnp.int32))
+    counts = record_tokens(counts, jnp.array([1, 1, 1, 3, 0]), jnp.array([4, 5, 5, 6, 7]),
+                           jnp.array([False, True, True, True, False]))  # slot 3 is out of range: dropped
+    assert np.flatnonzero(counts.seen[1]).tolist() == [4, 5] and np.flatnonzero(counts.seen[0]).tolist() == [7]
+    assert counts.output_counts[1, 5] == 2 and counts.output_counts[1, 4] == 0 and not counts.seen[2].any()
+
+
+def test_a_row_draws_the_same_token_at_every_level_that_serves_it():
+    """A step's level follows the other rows (one top_p row lifts it to FULL), so a row's token must
+    not depend on it: greedy rows match at all three levels, unfiltered random ones at RANDOM and FULL."""
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((64, VOCAB)).astype(np.float32) * 3
+    greedy = arrays(64, temperature=np.zeros(64))
+    by_level = [draw(logits, greedy, level=level)[0] for level in (GREEDY, RANDOM, FULL)]
+    np.testing.assert_array_equal(by_level[0], logits.argmax(axis=1))
+    np.testing.assert_array_equal(by_level[0], by_level[1])
+    np.testing.assert_array_equal(by_level[0], by_level[2])
+    random = arrays(64, temperature=rng.uniform(0.2, 2, 64), seeds=np.arange(64) * 7, counters=np.arange(64))
+    np.testing.assert_array_equal(draw(logits, random, level=RANDOM)[0], draw(logits, random, level=FULL)[0])
+    banned = arrays(64, temperature=np.zeros(64), banned_token_ids=np.tile([[2, 3]], (64, 1)))
+    np.testing.assert_array_equal(draw(LOGITS.repeat(64, 0), banned, level=RANDOM)[0], 4)
+
+
+def test_below_full_no_logprobs_are_computed_and_greedy_takes_the_given_argmax():
     logits = np.random.default_rng(0).standard_normal((4, VOCAB)).astype(np.float32)
-    full = draw(logits, arrays(4, temperature=[0, 0, 0, 0]))
     s = arrays(4, temperature=[0, 0, 0, 0])
-    lean = draw(logits, SamplingArrays(**{**vars(s), "any_random": jnp.asarray(False), "any_logprobs": jnp.asarray(False)}))
-    np.testing.assert_array_equal(full[0], lean[0])
-    np.testing.assert_array_equal(full[1], lean[1])
-    assert np.all(lean[2] == 0) and np.all(lean[3] == 0)
-
-
-def compiled_sample_hlo(s) -> str:  # the optimised HLO of `sample` over 2 rows
-    zeros = jnp.zeros((2,), jnp.int32)
-    return (
-        jax.jit(lambda lg, s: sample(lg, s, jnp.zeros((2, 8), jnp.int32), zeros, zeros, 3))
-        .lower(jnp.zeros((2, VOCAB), jnp.float32), s)
-        .compile()
-        .as_text()
-    )
-
-
-def test_no_conditional_of_the_step_returns_the_whole_logits():
-    """A conditional that returns the [R, V] logits copies them even from the branch that leaves
-    them unchanged (~1 ms at 64 rows of a 32k vocab on CPU). The step's conditionals must
-    return only per-row results; the penalties and the ban rewrite the logits inside a branch."""
-    s = arrays(2, temperature=[0.0, 1.0])
-    hlo = compiled_sample_hlo(s)
-    entry = re.search(r"^ENTRY [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S).group(1)
-    conditionals = re.findall(r"= (.*?) conditional\(", entry)
-    assert conditionals, "the step has no conditional at all"
-    assert not [shape for shape in conditionals if f"f32[2,{VOCAB}]" in shape], conditionals
-
-
-def runs_in(hlo: str, op: str) -> tuple[bool, bool]:
-    """(whether `op` runs in the step's straight-line code, whether some conditional's branch runs it)."""
-    bodies = {m.group(1): m.group(2) for m in re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S)}
-    branches = set()
-    for body in bodies.values():
-        for m in re.finditer(r"conditional\(.*?branch_computations=\{([^}]*)\}", body):
-            branches.update(name.strip().lstrip("%") for name in m.group(1).split(","))
-
-    def reaches(name, seen=()):
-        body = bodies.get(name, "")
-        if f" {op}(" in body:
-            return True
-        called = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", body)
-        return any(reaches(c, seen + (name,)) for c in called if c not in seen and c not in branches)
-
-    entry = re.search(r"^ENTRY %?([\w.\-]+)", hlo, re.M).group(1)
-    return reaches(entry), any(reaches(b) for b in branches)
-
-
-def test_banning_runs_only_in_a_branch_taken_when_some_row_bans_a_token():
-    """The ban's scatter copies the whole [R, V] logits, so it must sit in a conditional's
-    branch (taken only when some row bans an id), never in the step's straight-line code."""
-    every_step, in_a_branch = runs_in(compiled_sample_hlo(arrays(2, temperature=[0.0, 0.0])), "scatter")
-    assert in_a_branch, "no branch bans tokens"
-    assert not every_step, "the ban's scatter runs on every step"
-
-
-def test_the_log_softmax_normaliser_runs_only_when_some_row_wants_a_logprob():
-    """The normaliser is a max and a sum of exps over the whole [R, V] logits (~1.5 ms a
-    64-row step of a 32k vocab on CPU). With no row asking for logprobs it is skipped: the
-    tokens are the same and the logprobs 0; with it on, they are log_softmax's."""
-    logits = np.random.default_rng(1).standard_normal((4, VOCAB)).astype(np.float32)
-    s = arrays(4, temperature=[0, 0, 0, 0])
+    tok, lp, top_ids, top_lp = (np.asarray(a) for a in sample(jnp.asarray(logits), s, RANDOM, 3))
+    assert np.all(lp == 0) and np.all(top_ids == 0) and np.all(top_lp == 0)
+    given = jnp.array([5, 6, 7, 8], jnp.int32)  # what a backend's fused matmul-argmax found
+    tok, *_ = sample(None, s, GREEDY, 3, logits_argmax=given)
+    np.testing.assert_array_equal(tok, given)
     full = draw(logits, s)
-    lean = draw(logits, SamplingArrays(**{**vars(s), "any_logprobs": jnp.asarray(False),
-                                          "any_token_logprob": jnp.asarray(False)}))
-    np.testing.assert_array_equal(full[0], lean[0])
-    assert np.all(lean[1] == 0) and np.all(lean[2] == 0) and np.all(lean[3] == 0)
     expected = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
     np.testing.assert_allclose(full[1], expected[np.arange(4), full[0]], atol=1e-5)
-    every_step, in_a_branch = runs_in(compiled_sample_hlo(arrays(2, temperature=[0, 0])), "exponential")
-    assert in_a_branch and not every_step
+
+
+def optimised_hlo(level: int, rows: int = 2) -> str:
+    s = arrays(rows, temperature=np.linspace(0, 1, rows))
+    counts = counts_of(rows)
+    return jax.jit(lambda lg, s, c: sample(lg, s, level, 3, counts=c)).lower(
+        jnp.zeros((rows, VOCAB), jnp.float32), s, counts).compile().as_text()
+
+
+def test_no_level_branches_or_loops_on_a_device_value():
+    """On a GPU a conditional (or a loop whose end XLA cannot see) waits for the device to tell the
+    host which way to go: no level has one, its work fixed when compiled (the random bits' own
+    loops have a trip count XLA knows)."""
+    for level in (GREEDY, RANDOM, FULL):
+        hlo = optimised_hlo(level)
+        assert " conditional(" not in hlo, LEVEL_NAMES[level]
+        loops = [line for line in hlo.splitlines() if " while(" in line]
+        assert all('"known_trip_count"' in line for line in loops), LEVEL_NAMES[level]
+
+
+def test_the_host_picks_the_least_level_that_serves_every_row():
+    p = lambda **kw: SamplingParams(**{"max_tokens": 4, **kw})  # noqa: E731
+    assert sampling_level([p(temperature=0), p(temperature=0)], any_banned=False) == GREEDY
+    assert sampling_level([p(temperature=0)], any_banned=True) == RANDOM
+    assert sampling_level([p(temperature=0), p(temperature=0.7)], any_banned=False) == RANDOM
+    for asks in (dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(logprobs=0), dict(presence_penalty=0.1),
+                 dict(repetition_penalty=1.1, temperature=0)):
+        assert sampling_level([p(temperature=0), p(**{"temperature": 0.7, **asks})], any_banned=False) == FULL, asks
 
 
 def test_top_k_top_p_without_a_sort_keep_exactly_what_a_sort_keeps():

@@ -22,12 +22,18 @@ blocks through the same mechanism, in a chain rooted in their own group that not
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Optional
 
 from jaxcb.core.block_hash import BlockHash, chain_hash, salted_root
 from jaxcb.core.block_pool import BlockPool, NoFreeBlocksError
 from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.sequence import Sequence
+
+# Unique across requests and managers: a request id may come back (a client reusing it) and must
+# not find the table the runner kept for the last request of that name.
+_block_epochs = itertools.count(1)
 
 NO_ROOT = bytes(16)  # the root of a manager told nothing of its model (tests of the scheduler alone)
 
@@ -68,6 +74,7 @@ class KVCacheManager:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached_tokens
         request.block_ids = self.pool.touch(shared) + self.pool.allocate(num_new_blocks)
+        request.block_epoch = next(_block_epochs)
         request.num_registered_blocks = len(shared)
 
     def free(self, request: Sequence) -> None:
@@ -75,6 +82,7 @@ class KVCacheManager:
         if request.block_ids:
             self.pool.free(request.block_ids)
             request.block_ids = []
+            request.block_epoch = next(_block_epochs)
         if request.host_block_ids:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
@@ -92,6 +100,7 @@ class KVCacheManager:
         self.swap_out += list(zip(victim.block_ids[:num_kept], host))
         self.pool.free(victim.block_ids)
         victim.block_ids = []
+        victim.block_epoch = next(_block_epochs)
         victim.host_block_ids = host
         self.num_swap_outs += 1
         return True
@@ -99,6 +108,7 @@ class KVCacheManager:
     def swap_in_blocks(self, request: Sequence, num_blocks: int) -> None:
         """Fresh device blocks for a swapped-out sequence, its host blocks copied in before the next step."""
         request.block_ids = self.pool.allocate(num_blocks)
+        request.block_epoch = next(_block_epochs)
         self.swap_in += list(zip(request.host_block_ids, request.block_ids))
         self.host_pool.free(request.host_block_ids)
         request.host_block_ids = []

@@ -39,6 +39,8 @@ and text; `finish()` then frees its blocks at once.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import time
 from collections import deque
@@ -324,13 +326,14 @@ class Scheduler:
             start_position=start,
             token_ids=self.in_flight.token_ids_for_step(request, start, start + num_new),
             block_ids=list(request.block_ids),
+            block_epoch=request.block_epoch,
             samples=samples,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             sampling_params=params,
             seed=request.seed,
             banned_token_ids=banned,
-            history=self.in_flight.token_ids_for_step(request, 0, request.num_tokens) if params.uses_penalties else None,
+            prior_token_ids=functools.partial(request.token_ids, 0, start) if params.uses_penalties else None,
             in_flight_row=self.in_flight.row_for(request) if samples else -1,
             constraint=request.constraint,
             prompt_logprob_targets=targets,

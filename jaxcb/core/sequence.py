@@ -53,6 +53,9 @@ class Sequence:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)
+    # Bumped whenever block_ids is replaced rather than extended (admission, preemption, swap), so
+    # the runner knows when the table it keeps on the device for this sequence is stale.
+    block_epoch: int = 0
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks, in order (block_hash.py)
     num_registered_blocks: int = 0  # leading blocks findable in the prefix cache (found there, or registered)

@@ -9,7 +9,7 @@ once the step is collected, returns a `RunnerOutput` (the sampled tokens), which
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 from jaxcb.sampling_params import SamplingParams
 
@@ -22,15 +22,18 @@ class ScheduledSequence:
     start_position: int  # num_computed_tokens before the step
     token_ids: list[int]  # the tokens to compute, positions start_position...
     block_ids: list[int]  # the sequence's whole block table
+    block_epoch: int  # changes when block_ids is replaced rather than extended (Sequence.block_epoch)
     samples: bool  # the step reaches its last known token, so it samples the next one
     num_prompt_tokens: int
     num_output_tokens: int
     sampling_params: SamplingParams
     seed: int
     banned_token_ids: tuple[int, ...] = ()  # EOS / stop ids while min_tokens is not reached
-    history: Optional[list[int]] = None  # all known tokens, only when the params use penalties
+    # Only when the params use penalties: its tokens before start_position, for the runner to count
+    # when the sequence is new to its slot (a callable: most steps never need them).
+    prior_token_ids: Optional[Callable[[], list[int]]] = None
     # Async scheduling: the row of the previous step that draws this sequence's last token (it is
-    # the last of token_ids and of history, carried there as 0); the step reads it from the
+    # the last of token_ids, carried there as 0); the step reads it from the
     # device. -1: every token is known on the host.
     in_flight_row: int = -1
     # Its token constraint (jaxcb.structured.TokenConstraint: grammar, allowed ids, bad words), or None;

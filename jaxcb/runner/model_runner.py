@@ -29,6 +29,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from jaxcb.backends import Backend
@@ -37,24 +38,31 @@ from jaxcb.kernels.attention.cache import gather_blocks
 from jaxcb.kv_cache import HostSwapSpace
 from jaxcb.model.llama import Llama, StepWeights, forward
 from jaxcb.runner.buckets import Buckets
+from jaxcb.kernels.attention import AttentionMetadata
+from jaxcb.runner.slots import SlotState, SlotTable, empty_slot_state, write_slots
 from jaxcb.runner.step_inputs import (
+    FULL,
+    GREEDY,
     MASKED,
-    PLAIN,
     PROMPT_LOGPROBS,
+    RANDOM,
     VARIANT_NAMES,
+    WRITE_CHUNK,
+    SlotWrites,
     StepArgs,
     StepInputBuilder,
     abstract_step_inputs,
     packed_sizes,
     unpack_step_inputs,
 )
-from jaxcb.sampling import needs_logits, sample
+from jaxcb.sampling import PenaltyCounts, record_tokens, sample
 from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
 
 log = logging.getLogger(__name__)
 
-BucketKey = tuple[int, int, int, int]  # (tokens, sequences, block-table width, variant: step_inputs.PLAIN...)
+BucketKey = tuple[int, int, int, int]  # (tokens, sequences, block-table width, variant: step_inputs.GREEDY...)
+SAMPLING_LEVELS = {"greedy": GREEDY, "random": RANDOM, "full": FULL}
 PROMPT_LOGPROBS_CHUNK = 128  # prompt rows whose logits exist at once: [128, V] f32 bounds the variant's extra memory
 
 
@@ -113,12 +121,14 @@ class ModelRunner:
         max_logprobs: int,
         max_stop_token_ids: int,
         max_logit_bias: int = 1,
+        sampling_variants: tuple[str, ...] = ("greedy", "random", "full"),
         masked_sampling: bool = False,
         prompt_logprobs: bool = False,
         swap_space: Optional[HostSwapSpace] = None,
         tp: Optional[TensorParallel] = None,
     ):
         """Takes over `model`'s parameters: the backend prepares them into the step's weights.
+        `sampling_variants`: the sampling levels compiled for every bucket (full among them);
         `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias);
         `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk)."""
         self.backend = backend
@@ -127,46 +137,65 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
-        self.variants = [PLAIN] + ([MASKED] if masked_sampling else []) + ([PROMPT_LOGPROBS] if prompt_logprobs else [])
+        self.variants = sorted(SAMPLING_LEVELS[name] for name in set(sampling_variants)) + (
+            [MASKED] if masked_sampling else []) + ([PROMPT_LOGPROBS] if prompt_logprobs else [])
         self.compiled: dict[BucketKey, object] = {}
         self.num_recompiles = 0
         self.num_steps = 0
         self.last_step = StepStats(0, 0, 0, 0)
         self.swap_space = swap_space
         self.max_rows = max(r for _, r, _ in buckets.all())
+        # Twice the most rows a step has: a sequence keeps its slot while it runs, and the least
+        # recently scheduled is never one of the step's own (slots.py).
+        self.num_slots = 2 * self.max_rows
+        replicated = tp.replicated if tp is not None else None
         self.inputs = StepInputBuilder(
-            buckets, kv_cache.block_size, backend.cfg.vocab_size, max_model_len, max_stop_token_ids, max_logit_bias,
-            tp.replicated if tp is not None else None,
+            buckets, kv_cache.block_size, backend.cfg.vocab_size, max_stop_token_ids, max_logit_bias,
+            tuple(self.variants), SlotTable(self.num_slots), replicated,
         )
-        self._abstract = dict(max_banned=max_stop_token_ids, max_model_len=max_model_len, max_rows=self.max_rows,
+        self.slot_state: SlotState = empty_slot_state(self.num_slots, max(buckets.widths), backend.cfg.vocab_size,
+                                                      replicated)
+        self._abstract = dict(max_banned=max_stop_token_ids, block_size=kv_cache.block_size, max_rows=self.max_rows,
                               vocab_size=backend.cfg.vocab_size, max_logit_bias=max_logit_bias,
-                              sharding=self.inputs.sharding)
+                              sharding=replicated)
         step = self._make_step()
         if tp is None:
-            self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(2,))
+            self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(3,))
+            self._write_slots = jax.jit(write_slots, donate_argnums=(0,))
         else:
-            replicated = tp.replicated
-            self._step = jax.jit(step, donate_argnums=(1,), static_argnums=(2,),
-                                 out_shardings=(replicated, replicated, replicated, tp.kv_cache))
+            self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(3,),
+                                 out_shardings=(replicated, replicated, replicated, tp.kv_cache, replicated))
+            self._write_slots = jax.jit(write_slots, donate_argnums=(0,), out_shardings=replicated)
         # The last dispatched step's sampled tokens, left on the device for the next step's tokens in flight.
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self.inputs.sharding)
 
     def _make_step(self):
         backend, num_logprobs, max_rows, abstract = self.backend, self.max_logprobs, self.max_rows, self._abstract
+        num_slots = self.num_slots
 
-        def step(weights: StepWeights, kv_cache: KVCache, key: BucketKey, ints, floats, history, prev_tokens):
-            x = unpack_step_inputs(abstract_step_inputs(*key, **abstract), ints, floats, history, prev_tokens)
+        def step(weights: StepWeights, kv_cache: KVCache, state: SlotState, key: BucketKey, ints, floats,
+                 prev_tokens):
+            x = unpack_step_inputs(abstract_step_inputs(*key, **abstract), ints, floats, prev_tokens)
+            width, variant = key[2], key[3]
+            level = min(variant, FULL)
             from_prev = x.prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
             token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
-            fix_pos, fix_row = x.history_fix[:, 0], x.history_fix[:, 1]
-            history_fix = (fix_pos, x.prev_tokens[jnp.clip(fix_row, 0, max_rows - 1)])  # -1: none
-            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, x.md)
-            masked = x.masks is not None  # the masked variant always reads the logits
-            want_logits = jnp.bool_(True) if masked else needs_logits(x.sampling, backend.cfg.vocab_size)
-            logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], want_logits)
+            slot, col, block = x.table_updates
+            tables = state.block_tables.at[slot, col].set(block, mode="drop")
+            md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, tables[x.row_slots, :width],
+                                   x.num_seqs)
+            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md)
+            counts, row_counts = state.counts, None
+            if level >= FULL:  # the penalties' counts: this step's tokens recorded, then each row's read
+                pad = jnp.array([num_slots], jnp.int32)
+                token_slots = jnp.concatenate([x.row_slots, pad])[x.token_rows]  # padding tokens: dropped
+                is_output = x.positions >= jnp.concatenate([x.num_prompt, pad])[x.token_rows]
+                counts = record_tokens(counts, token_slots, token_ids, is_output)
+                row_counts = PenaltyCounts(counts.seen[x.row_slots], counts.output_counts[x.row_slots])
+            logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], level > GREEDY)
             token, token_lp, top_ids, top_lp = sample(
-                logits, x.sampling, x.history, x.num_prompt, x.num_known, num_logprobs, backend.argmax,
-                None if masked else logits_argmax, history_fix=history_fix, masks=x.masks,
+                logits, x.sampling, level, num_logprobs, backend.argmax,
+                logits_argmax if level == GREEDY else None, counts=row_counts, masks=x.masks,
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
@@ -174,7 +203,7 @@ class ModelRunner:
                 p_ids, p_lps = prompt_logprobs(backend, weights, hidden, x.prompt_targets, num_logprobs)
                 ids, lps = jnp.concatenate([ids, p_ids]), jnp.concatenate([lps, p_lps])
             next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)
-            return ids, lps, next_prev, kv_cache
+            return ids, lps, next_prev, kv_cache, SlotState(tables, counts)
 
         return step
 
@@ -188,8 +217,8 @@ class ModelRunner:
         num_ints, num_floats = packed_sizes(x)
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32, sharding=self.inputs.sharding)
         floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32, sharding=self.inputs.sharding)
-        return self._step.lower(jax.tree.map(abstract, self.weights), jax.tree.map(abstract, self.kv_cache), key,
-                                ints, floats, x.history, x.prev_tokens).compile()
+        return self._step.lower(jax.tree.map(abstract, self.weights), jax.tree.map(abstract, self.kv_cache),
+                                jax.tree.map(abstract, self.slot_state), key, ints, floats, x.prev_tokens).compile()
 
     def compile_all(self, progress: bool = True) -> float:
         """Compile every bucket now; return the seconds it took."""
@@ -200,6 +229,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             self.compiled[key] = self._compile(key)
             seconds[key[3]] += time.perf_counter() - t0
+        self._write_slots_compiled = self._compile_slot_writer()
         if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
             null = jnp.zeros(SWAP_CHUNK, jnp.int32)
             k, v = gather_blocks(self.kv_cache, null)
@@ -212,8 +242,30 @@ class ModelRunner:
                  self.backend.describe(), elapsed)
         return elapsed
 
+    def _compile_slot_writer(self):
+        sharding = self.inputs.sharding
+        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding if sharding else None)  # noqa: E731
+        chunk = jax.ShapeDtypeStruct((3, WRITE_CHUNK), jnp.int32, sharding=sharding)
+        resets = jax.ShapeDtypeStruct((self.buckets.max_num_seqs,), jnp.int32, sharding=sharding)
+        return self._write_slots.lower(jax.tree.map(abstract, self.slot_state), chunk, resets, chunk).compile()
+
+    def write_slots(self, writes: SlotWrites) -> None:
+        """Put on the device what a step's own updates could not carry (slots.write_slots), in chunks."""
+        writer = getattr(self, "_write_slots_compiled", None) or self._compile_slot_writer()
+        self._write_slots_compiled = writer
+        empty = np.full((3, WRITE_CHUNK), self.num_slots, np.int32)
+        no_resets = np.full_like(writes.reset_slots, self.num_slots)
+        for i in range(max(1, len(writes.table_updates), len(writes.counted))):
+            table = writes.table_updates[i] if i < len(writes.table_updates) else empty
+            counted = writes.counted[i] if i < len(writes.counted) else empty
+            args = (table, writes.reset_slots if i == 0 else no_resets, counted)
+            if self.inputs.sharding is not None:
+                args = jax.device_put(args, self.inputs.sharding)
+            self.slot_state = writer(self.slot_state, *args)
+
     def executable(self, key: BucketKey):
-        """The compiled step of a bucket: (weights, cache, *StepArgs) -> (ids, logprobs, prev_tokens, cache)."""
+        """The compiled step of a bucket: (weights, cache, slot state, *StepArgs) -> (ids, logprobs,
+        prev_tokens, cache, slot state)."""
         exe = self.compiled.get(key)
         if exe is None:
             self.num_recompiles += 1
@@ -223,7 +275,7 @@ class ModelRunner:
 
     # --- one step ------------------------------------------------------------------------------
 
-    def build_inputs(self, out: SchedulerOutput) -> tuple[BucketKey, StepArgs]:
+    def build_inputs(self, out: SchedulerOutput) -> tuple[BucketKey, StepArgs, Optional[SlotWrites]]:
         return self.inputs.build(out, self._prev_tokens)
 
     def dispatch(self, out: SchedulerOutput) -> StepHandle:
@@ -234,8 +286,11 @@ class ModelRunner:
                 self.kv_cache = jax.device_put(self.kv_cache, self.tp.kv_cache)
         if out.swap_out:
             self.swap_space.swap_out(self.kv_cache, out.swap_out)
-        key, args = self.build_inputs(out)
-        ids, lps, self._prev_tokens, self.kv_cache = self.executable(key)(self.weights, self.kv_cache, *args)
+        key, args, writes = self.build_inputs(out)
+        if writes is not None:
+            self.write_slots(writes)
+        ids, lps, self._prev_tokens, self.kv_cache, self.slot_state = self.executable(key)(
+            self.weights, self.kv_cache, self.slot_state, *args)
         num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
         self.last_step = StepStats(out.num_scheduled_tokens, key[0], num_prefill, out.num_scheduled_tokens - num_prefill)
         self.num_steps += 1
