@@ -102,6 +102,26 @@ def test_max_num_partial_prefills_keeps_a_second_long_prompt_waiting():
     assert [s.request_id for s in out.scheduled] == [first.request_id]
 
 
+def test_the_step_that_finishes_a_prompt_starts_the_next_one():
+    # 20-token prompts at 16 tokens a step, one partial prefill at a time: the step that runs the
+    # first prompt's last 4 tokens fills its budget with the second prompt's first 12.
+    sched = make_scheduler(max_num_batched_tokens=16, max_num_partial_prefills=1)
+    first, second = make_request(20), make_request(20)
+    sched.add_request(first)
+    sched.add_request(second)
+    assert [len(s.token_ids) for s in run_step(sched).scheduled] == [16]
+    out = run_step(sched)
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [(first.request_id, 4),
+                                                                         (second.request_id, 12)]
+    # and the step that finishes the second starts a third
+    third = make_request(20)
+    sched.add_request(third)
+    out = run_step(sched)
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [(first.request_id, 1),
+                                                                         (second.request_id, 8),
+                                                                         (third.request_id, 7)]
+
+
 def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
     sched = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
     a, b = make_request(10), make_request(10)

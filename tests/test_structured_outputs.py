@@ -4,6 +4,7 @@ unconstrained ones give each row's solo output; async scheduling changes nothing
 
 import json
 import re
+import threading
 
 import jsonschema
 import numpy as np
@@ -181,18 +182,25 @@ def test_a_schema_that_does_not_compile_is_refused_naming_its_field_with_nothing
     assert not e.has_unfinished_requests() and not e.scheduler.waiting
 
 
-def test_a_grammar_compiling_past_the_limit_is_refused():
+def test_a_grammar_compiling_past_the_limit_is_refused(monkeypatch):
     e = shared_engine()
-    limit = e.grammars.max_compile_s
-    e.grammars.max_compile_s = 1e-9
+    compile_one = e.grammars._compile
+    released = threading.Event()
+
+    def slow_compile(spec):  # a compile that outlasts the limit on any machine, however fast
+        released.wait(30)
+        return compile_one(spec)
+
+    monkeypatch.setattr(e.grammars, "_compile", slow_compile)
+    monkeypatch.setattr(e.grammars, "max_compile_s", 0.05)
+    big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}x"}
+                                            for i in range(60)}}
     try:
-        big = {"type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{{i}}}x"}
-                                                for i in range(60)}}
         with pytest.raises(InvalidRequestError, match="engine.max_grammar_compile_s"):
             e.add_request("x", constrained(from_structured_outputs({"json": big}), 0))
     finally:
-        e.grammars.max_compile_s = limit
-    assert not e.has_unfinished_requests()
+        released.set()
+    assert not e.has_unfinished_requests() and not e.scheduler.waiting
 
 
 def test_compiled_grammars_are_cached_by_schema():
