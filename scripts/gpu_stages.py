@@ -323,6 +323,7 @@ def step(st) -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from benchmarks.hlo_weights import layer_shapes_of, layer_weight_copies
     from benchmarks.reference_generate import forward_step
     from benchmarks.timing import time_calls
     from jaxcb.backends import Backend
@@ -374,6 +375,7 @@ def step(st) -> None:
     log("| step | tokens | compile (s) | ms/step | tokens/s | dispatch (ms) | roofline ms | % of roofline |")
     log("|---|---|---|---|---|---|---|---|")
     shapes = [(f"decode x{b} @ {ctx}", b, 1, ctx) for b in batches] + [(f"prefill {prefill}", 1, prefill, prefill)]
+    notes: list[str] = []  # what the dumped HLO shows, printed after the table
     for i, (name, num_seqs, q_len, kv_len) in enumerate(shapes):
         with st.row(name) as r:
             ids, pos, md, logits_idx = inputs(num_seqs, q_len, kv_len)
@@ -382,9 +384,17 @@ def step(st) -> None:
             r["compile_s"] = round(time.perf_counter() - start, 2)
             if i == 0 or q_len > 1:  # the optimised HLO of one decode and one prefill step
                 path = os.path.join(st.check.out_dir, f"step_{name.split()[0]}_hlo.txt")
+                text = compiled.as_text()
                 with open(path, "w") as f:
-                    f.write(compiled.as_text())
+                    f.write(text)
                 r["hlo"] = path
+                # the scanned layers read their weights in place: no layer-shaped buffer written outside a fusion
+                copies = layer_weight_copies(text, layer_shapes_of(weights.layers))
+                r.update(layer_weight_copies=copies.num_copies,
+                         copied=sorted(f"{op} {shape}" for op, shape in copies.top_level),
+                         sliced_in_fusions=sorted(f"{op} {shape}" for op, shape in copies.in_fusions))
+                notes.append(f"{name}: layer-weight copies outside fusions {copies.num_copies} {r['copied']}; "
+                             f"layer-weight-shaped values inside fusions {sum(copies.in_fusions.values())}")
 
             def run_step():
                 # the backend is static: compiled in, not an argument of the compiled step
@@ -403,6 +413,71 @@ def step(st) -> None:
                      pct_of_roofline=100 * roof_s / t.median_s)
             log(f"| {name} | {tokens} | {r['compile_s']} | {t.median_ms:.2f} | {tokens / t.median_s:,.0f} | "
                 f"{r['dispatch_ms']:.2f} | {roof_s * 1e3:.2f} | {r['pct_of_roofline']:.0f}% |")
+    for note in notes:
+        log(note)
+    holder.clear()
+    gc.collect()
+    projection_rows(st, cfg, weights.layers, copy_bw)
+
+
+def projection_rows(st, cfg, layers, copy_bw) -> None:
+    """The engine's fused projections (q/k/v one matmul, gate/up one) against the five separate ones
+    they replace, over all layers (scanned, as the step runs them) with o_proj and down_proj, and no
+    attention: each layer adds every output of q, k and v into its input, so none can be dropped and
+    the two forms compute the same function. Device time per stack, against reading its weights once."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.timing import time_in_loop
+
+    num_q, num_kv = cfg.num_heads, cfg.num_kv_heads
+    qkv = layers.qkv_proj[:, :, 0]  # [L, D, Hq + 2 Hkv, K] (one device group)
+    gate_up = layers.gate_up_proj[:, :, 0]  # [L, D, 2, F]
+    fused = (qkv, layers.o_proj, gate_up, layers.down_proj)
+    separate = (qkv[:, :, :num_q], qkv[:, :, num_q:num_q + num_kv], qkv[:, :, num_q + num_kv:], layers.o_proj,
+                gate_up[:, :, 0], gate_up[:, :, 1], layers.down_proj)
+    separate = jax.block_until_ready(jax.tree.map(jnp.copy, separate))  # arrays of their own, as loaded unfused
+    weight_bytes = sum(x.nbytes for x in fused)
+
+    def attend_mlp(h, q, k, v, o, gate, up, down):
+        # every q/k/v output feeds the next layer: k + v joins each query head of its group
+        kv = jnp.repeat(k + v, num_q // num_kv, axis=1)
+        h = h + jnp.einsum("thk,hkd->td", q + kv, o)
+        return h + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, down)
+
+    def stack_fused(h, w):
+        def layer(h, lw):
+            wqkv, o, wgu, down = lw
+            y = jnp.einsum("td,dnk->tnk", h, wqkv)
+            gu = jnp.einsum("td,dcf->tcf", h, wgu)
+            return attend_mlp(h, y[:, :num_q], y[:, num_q:num_q + num_kv], y[:, num_q + num_kv:], o,
+                              gu[:, 0], gu[:, 1], down), None
+        return jax.lax.scan(layer, h, w)[0]
+
+    def stack_separate(h, w):
+        def layer(h, lw):
+            wq, wk, wv, o, wg, wu, down = lw
+            proj = lambda p: jnp.einsum("td,dnk->tnk", h, p)  # noqa: E731
+            return attend_mlp(h, proj(wq), proj(wk), proj(wv), o, h @ wg, h @ wu, down), None
+        return jax.lax.scan(layer, h, w)[0]
+
+    log("| projections (all layers, no attention) | tokens | separate ms | fused ms | separate / fused "
+        "| fused % of weight-read roofline |")
+    log("|---|---|---|---|---|---|")
+    for tokens in ((4, 16) if st.dry_run else (32, 128, 2048)):
+        with st.row(f"projections x{tokens}") as r:
+            h = jax.random.normal(jax.random.key(tokens), (tokens, cfg.hidden_size), qkv.dtype) * 0.01
+            iters, repeats = (2, 2) if st.dry_run else (10, 5)
+            t_sep = time_in_loop(stack_separate, h, separate, iters=iters, repeats=repeats)
+            t_fused = time_in_loop(stack_fused, h, fused, iters=iters, repeats=repeats)
+            roof_s = weight_bytes / copy_bw if copy_bw else float("nan")
+            r.update(tokens=tokens, separate_ms=t_sep.median_ms, fused_ms=t_fused.median_ms,
+                     separate_over_fused=t_sep.median_s / t_fused.median_s,
+                     pct_of_roofline=100 * roof_s / t_fused.median_s)
+            log(f"| x{tokens} | {tokens} | {t_sep.median_ms:.2f} | {t_fused.median_ms:.2f} | "
+                f"{r['separate_over_fused']:.2f}x | {r['pct_of_roofline']:.0f}% |")
+    del separate
+    gc.collect()
 
 
 # engine ------------------------------------------------------------------------------------------

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 
 from jaxcb.config import compose_config
 from jaxcb.model.config import LlamaConfig, resolve_llama_config
-from jaxcb.kernels.attention.query_tiles import max_query_tiles
-from jaxcb.kernels.attention.pallas import choose_num_splits, kernel_tile_sizes, ragged_paged_attention
+from jaxcb.kernels.attention.pallas import choose_num_splits, query_tiles, ragged_paged_attention
 
 
 @functools.cache
@@ -34,7 +33,8 @@ class KernelVariant:
     block_size: int = 16
     dtype: str = "bfloat16"
     num_layers: int = 32
-    block_m: int = 16
+    block_m: int = 16  # decode tiles' rows
+    prefill_block_m: int = 64  # prefill tiles' rows
     kv_tile: int = 32
     num_warps: int = 4
     num_stages: int = 2
@@ -45,14 +45,18 @@ class KernelVariant:
         return self.num_q_heads // self.num_kv_heads
 
     def kernel_kwargs(self) -> dict:
-        return dict(block_m=self.block_m, kv_tile=self.kv_tile, num_warps=self.num_warps, num_stages=self.num_stages,
-                    num_splits=self.num_splits)
+        return dict(block_m=self.block_m, prefill_block_m=self.prefill_block_m, kv_tile=self.kv_tile,
+                    num_warps=self.num_warps, num_stages=self.num_stages, num_splits=self.num_splits)
+
+    def tile_plan(self, num_tokens: int, num_seqs: int):
+        """The query tiles of both classes (decode, prefill) a bucket of this many tokens and sequences can need."""
+        return query_tiles(num_tokens, num_seqs, self.group, self.block_size, self.block_m, self.prefill_block_m,
+                           self.kv_tile)
 
     def expected_grid(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
-        """(query tiles, KV heads, KV splits): the tiles a batch of this many tokens and sequences can need,
-        and the split-KV programs each gets at a block-table width of `width` blocks."""
-        _, tokens_per_tile, _ = kernel_tile_sizes(self.group, self.block_size, self.block_m, self.kv_tile)
-        num_tiles = max_query_tiles(num_tokens, num_seqs, tokens_per_tile)
+        """(query tiles, KV heads, KV splits): the tiles a bucket can need, and the split-KV programs each
+        gets at a block-table width of `width` blocks."""
+        num_tiles = self.tile_plan(num_tokens, num_seqs).num_tiles
         splits = self.num_splits or choose_num_splits(num_tiles, self.num_kv_heads, width * self.block_size)
         return num_tiles, self.num_kv_heads, splits
 
@@ -75,6 +79,8 @@ class KernelVariant:
 # llama8b: 32 query / 8 KV heads; llama70b: 64 / 8, per device under TP=2: 32 / 4, TP=8: 8 / 1;
 # llama3_1b: 32 / 8 at head dim 64.
 LLAMA8B = KernelVariant("llama8b", 32, 8)
+# The kernel as the engine launches it: its default tiles (16-row decode, 64-row prefill), warps and stages.
+ENGINE_LLAMA8B = dataclasses.replace(LLAMA8B, name="llama8b engine (3 stages)", num_stages=3)
 KERNEL_VARIANTS = [
     LLAMA8B,
     KernelVariant("llama8b f16", 32, 8, dtype="float16"),
@@ -88,4 +94,13 @@ KERNEL_VARIANTS = [
     KernelVariant("llama8b tile 16x16 1 stage", 32, 8, block_m=16, kv_tile=16, num_stages=1),
     KernelVariant("llama8b tile 32x64 3 stages", 32, 8, block_m=32, kv_tile=64, num_stages=3),
     KernelVariant("llama8b tile 64x128 8 warps", 32, 8, block_m=64, kv_tile=128, num_warps=8, num_stages=3),
+]
+
+# The prefill tile sizes and stage counts beside the engine's: 128-row prefill tiles want 8 warps.
+PREFILL_TILE_VARIANTS = [
+    ENGINE_LLAMA8B,
+    KernelVariant("llama8b prefill 32 rows", 32, 8, num_stages=3, prefill_block_m=32),
+    KernelVariant("llama8b prefill 128 rows 8 warps", 32, 8, num_warps=8, num_stages=3, prefill_block_m=128),
+    dataclasses.replace(ENGINE_LLAMA8B, name="llama70b tp2 3 stages", num_kv_heads=4, num_layers=80),
+    dataclasses.replace(ENGINE_LLAMA8B, name="llama3_1b 3 stages", head_dim=64, num_layers=16),
 ]

@@ -8,7 +8,6 @@ Compiling the Triton IR to machine code is tests/test_triton_resources.py (and, 
 scripts/gpu_check.py).
 """
 
-import dataclasses
 import functools
 import re
 
@@ -18,60 +17,20 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from cuda_variants import KERNEL_VARIANTS, LLAMA8B, KernelVariant, preset
+from cuda_variants import ENGINE_LLAMA8B, KERNEL_VARIANTS, LLAMA8B, PREFILL_TILE_VARIANTS, KernelVariant, preset
 from benchmarks.reference_generate import forward_step
 from jaxcb.backends import Backend
 from jaxcb.backends.base import fuse_layer_weights
 from jaxcb.kernels.attention import AttentionMetadata, KVCache, pallas_form
-from jaxcb.kernels.attention.pallas import choose_num_splits, query_tiles
 from jaxcb.kernels.triton_calls import gpu_mesh, lower_for_gpu, triton_calls
 from jaxcb.kv_cache import kv_cache_shape
 from jaxcb.model.llama import LayerWeights, StepWeights, build_abstract_model
 from jaxcb.sharding import TP_AXIS, TensorParallel
 
 
-# The kernel as the engine launches it: its default tiles (16-row decode, 64-row prefill), warps and stages.
-ENGINE_LLAMA8B = dataclasses.replace(LLAMA8B, name="llama8b engine (3 stages)", num_stages=3)
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillTileVariant(KernelVariant):
-    """A variant whose prefill tiles have `prefill_block_m` rows (the kernel's default: 64)."""
-
-    prefill_block_m: int = 64
-
-    def kernel_kwargs(self) -> dict:
-        return dict(super().kernel_kwargs(), prefill_block_m=self.prefill_block_m)
-
-
-# The prefill tile sizes and stage counts beside the engine's: 128-row prefill tiles want 8 warps.
-PREFILL_TILE_VARIANTS = [
-    ENGINE_LLAMA8B,
-    PrefillTileVariant("llama8b prefill 32 rows", 32, 8, num_stages=3, prefill_block_m=32),
-    PrefillTileVariant("llama8b prefill 128 rows 8 warps", 32, 8, num_warps=8, num_stages=3, prefill_block_m=128),
-    dataclasses.replace(ENGINE_LLAMA8B, name="llama70b tp2 3 stages", num_kv_heads=4, num_layers=80),
-    dataclasses.replace(ENGINE_LLAMA8B, name="llama3_1b 3 stages", head_dim=64, num_layers=16),
-]
-
-
-def prefill_block_m(variant: KernelVariant) -> int:
-    return getattr(variant, "prefill_block_m", 64)
-
-
-def expected_grid(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
-    """(query tiles, KV heads, KV splits): the tiles of both classes a bucket can need, and the split-KV
-    programs each gets at a block-table width of `width` blocks."""
-    plan = query_tiles(num_tokens, num_seqs, variant.group, variant.block_size, variant.block_m,
-                       prefill_block_m(variant), variant.kv_tile)
-    splits = variant.num_splits or choose_num_splits(plan.num_tiles, variant.num_kv_heads, width * variant.block_size)
-    return plan.num_tiles, variant.num_kv_heads, splits
-
-
 def spare_rows(variant: KernelVariant, num_tokens: int, num_seqs: int) -> int:
     """q's padding past the last token: the largest tile class's rows, so its last tile loads in bounds."""
-    plan = query_tiles(num_tokens, num_seqs, variant.group, variant.block_size, variant.block_m,
-                       prefill_block_m(variant), variant.kv_tile)
-    return max(plan.classes)
+    return max(variant.tile_plan(num_tokens, num_seqs).classes)
 
 
 def lower_kernel(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
@@ -113,7 +72,7 @@ def test_lowering_without_a_gpu_reads_the_abstract_h200():
 )
 def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width, grid):
     call = lower_kernel(ENGINE_LLAMA8B, num_tokens, num_seqs, width)
-    assert call.grid == grid == expected_grid(ENGINE_LLAMA8B, num_tokens, num_seqs, width)
+    assert call.grid == grid == ENGINE_LLAMA8B.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (4, 3)
     # q as rows of (token, head in group) per KV head, plus one prefill tile of slack (a decode tile's where a
     # bucket of at most 4 tokens cannot hold a prefill); the cache flattened to blocks.
@@ -126,7 +85,7 @@ def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width
 def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
     num_tokens, num_seqs, width = 256, 32, 32
     call = lower_kernel(variant, num_tokens, num_seqs, width)
-    assert call.grid == expected_grid(variant, num_tokens, num_seqs, width)
+    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
     rows = num_tokens * variant.group + spare_rows(variant, num_tokens, num_seqs)
     dtype = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[variant.dtype]
@@ -139,12 +98,12 @@ def test_prefill_tile_variants_lower_with_both_tile_classes(variant):
     """A bucket that can hold a prefill compiles both classes: a decode tile's two dots and a prefill tile's."""
     num_tokens, num_seqs, width = 512, 64, 128
     call = lower_kernel(variant, num_tokens, num_seqs, width)
-    assert call.grid == expected_grid(variant, num_tokens, num_seqs, width)
+    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
-    rows = num_tokens * variant.group + prefill_block_m(variant)
+    rows = num_tokens * variant.group + variant.prefill_block_m
     assert call.operand_types[3] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}xbf16>"
     dots = re.findall(r"tt\.dot %\S+, %\S+, %\S+.*-> tensor<(\d+)x", call.ir_text())
-    assert sorted(map(int, dots)) == sorted([16, 16, prefill_block_m(variant), prefill_block_m(variant)])
+    assert sorted(map(int, dots)) == sorted([16, 16, variant.prefill_block_m, variant.prefill_block_m])
 
 
 def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):
@@ -194,7 +153,7 @@ def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
     [call] = triton_calls(lowered)
     cfg = preset(model)
     variant = KernelVariant(model, kv_heads_per_device * group, kv_heads_per_device, num_layers=cfg.num_layers)
-    assert call.grid == expected_grid(variant, num_tokens, num_seqs, width)
+    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (4, 3)
     # Each device sees its own share: query rows of its KV heads (+ a 64-row prefill tile of slack), and the
     # cache blocks of its heads.
@@ -235,7 +194,7 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
         lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, runner.slot_state, key, ints, floats,
                                 x.prev_tokens)
         [call] = triton_calls(lowered)
-        assert call.grid == expected_grid(LLAMA8B, num_tokens, num_seqs, key_width), key
+        assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs, key_width), key
         assert "@jaxcb_" not in lowered.as_text()
 
 

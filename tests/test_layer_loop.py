@@ -2,7 +2,6 @@
 step takes each layer's weights as arrays of their own, with no stacked weight left to slice."""
 
 import gc
-import re
 import weakref
 
 import jax
@@ -11,6 +10,7 @@ import numpy as np
 from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
 from jaxcb.config import compose_config
 from jaxcb.model.config import resolve_llama_config
+from benchmarks.hlo_weights import layer_weight_copies
 from benchmarks.reference_generate import greedy_generate
 from jaxcb.backends import resolve_layer_loop
 from jaxcb.kernels.attention import select_attention
@@ -19,8 +19,6 @@ from jaxcb.model.llama import build_random_model
 from jaxcb.sampling_params import SamplingParams
 
 PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
-# A dynamic-slice that cuts one layer [1, ...] out of a stacked f32 array, as the body of the scan does.
-LAYER_SLICE = re.compile(r"= f32\[1,([\d,]+)\]\{[\d,]*\} dynamic-slice\(")
 
 
 def engine(layer_loop: str):
@@ -37,8 +35,10 @@ def layer_weight_shapes(e) -> set[tuple[int, ...]]:
     return {(D,), (D, 1, Hq + 2 * Hkv, K), (Hq, K, D), (D, 1, 2, F), (F, D)}
 
 
-def sliced_layer_shapes(executable) -> set[tuple[int, ...]]:
-    return {tuple(int(d) for d in dims.split(",")) for dims in LAYER_SLICE.findall(executable.as_text())}
+def copied_layer_shapes(executable, shapes) -> set[tuple[int, ...]]:
+    """The layer-weight shapes (without a leading 1) that the optimised step writes to buffers of their own."""
+    copies = layer_weight_copies(executable.as_text(), shapes)
+    return {shape[1:] if shape[0] == 1 and shape[1:] in shapes else shape for _, shape in copies.top_level}
 
 
 def test_auto_unrolls_on_cpu_and_scans_on_accelerators():
@@ -72,7 +72,17 @@ def test_unrolled_step_takes_one_array_per_layer_and_slices_no_weight():
     assert set(shapes) == layer_weight_shapes(e)
     assert e.runner.compiled
     for executable in e.runner.compiled.values():
-        assert not sliced_layer_shapes(executable) & layer_weight_shapes(e)
+        assert not copied_layer_shapes(executable, layer_weight_shapes(e))
+
+
+def test_the_default_cpu_step_copies_no_layer_weight():
+    """The engine as a CPU user gets it (model.backend=auto: packed matmuls, layers unrolled): no
+    step of any bucket or sampling variant writes a copy of any layer's weights."""
+    e = shared_engine()
+    shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.weights.layers) if leaf.ndim > 1}
+    assert shapes and len(e.runner.compiled) > 1
+    for key, executable in e.runner.compiled.items():
+        assert layer_weight_copies(executable.as_text(), shapes).num_copies == 0, key
 
 
 def test_scanned_step_slices_each_layer_out_of_stacked_weights():
@@ -81,7 +91,9 @@ def test_scanned_step_slices_each_layer_out_of_stacked_weights():
     shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.weights.layers)}
     assert shapes == {(cfg.num_layers, *s) for s in layer_weight_shapes(e)}
     for executable in e.runner.compiled.values():
-        assert sliced_layer_shapes(executable) >= layer_weight_shapes(e) - {(cfg.hidden_size,)}
+        copies = layer_weight_copies(executable.as_text(), layer_weight_shapes(e))
+        assert {shape[1:] for op, shape in copies.top_level if op == "dynamic-slice"} >= (
+            layer_weight_shapes(e) - {(cfg.hidden_size,)})
 
 
 def test_unrolling_frees_the_stacked_weights_and_keeps_every_value():

@@ -17,10 +17,8 @@ import tempfile
 
 import pytest
 
-from cuda_variants import KERNEL_VARIANTS
-from jaxcb.kernels.attention.pallas import query_tiles
+from cuda_variants import ENGINE_LLAMA8B, KERNEL_VARIANTS, PREFILL_TILE_VARIANTS
 from jaxcb.kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, lower_for_gpu, ptxas_resources, triton_calls
-from test_cuda_lowering import ENGINE_LLAMA8B, PREFILL_TILE_VARIANTS, prefill_block_m
 
 if os.environ.get("JAXCB_REQUIRE_TRITON") != "1":
     pytest.importorskip("triton")
@@ -50,7 +48,7 @@ def test_every_kernel_variant_fits_the_h200_without_spills(tmp_path):
     for v, bucket in VARIANTS:
         r = ptxas_resources(triton_call(v, bucket))
         toolchain = r.toolchain
-        plan = query_tiles(*bucket, v.group, v.block_size, v.block_m, prefill_block_m(v), v.kv_tile)
+        plan = v.tile_plan(*bucket)
         lines.append(
             f"| {v.name} | {v.dtype} | {v.head_dim} | {v.block_size} | {v.group} | "
             f"{'+'.join(map(str, plan.classes))} x {v.kv_tile} | {bucket[0]}/{bucket[1]} | {v.num_warps} | "
