@@ -81,27 +81,28 @@ def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width
     assert call.operand_types[4] == f"tensor<{32 * 8 * (num_seqs * width + 1)}x16x128xbf16>"
 
 
-@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: v.name)
-def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
-    num_tokens, num_seqs, width = 256, 32, 32
+def lower_and_check_launch(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
+    """The kernel's custom call, checked for the variant's grid, warps, stages and padded q operand."""
     call = lower_kernel(variant, num_tokens, num_seqs, width)
     assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
     assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
     rows = num_tokens * variant.group + spare_rows(variant, num_tokens, num_seqs)
     dtype = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[variant.dtype]
     assert call.operand_types[3] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}x{dtype}>"
+    return call
+
+
+@pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: v.name)
+def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
+    call = lower_and_check_launch(variant, 256, 32, 32)
     assert re.search(r"tt\.dot", call.ir_text())  # the two matmuls reach Triton as dots (tensor cores)
 
 
 @pytest.mark.parametrize("variant", PREFILL_TILE_VARIANTS, ids=lambda v: v.name)
 def test_prefill_tile_variants_lower_with_both_tile_classes(variant):
     """A bucket that can hold a prefill compiles both classes: a decode tile's two dots and a prefill tile's."""
-    num_tokens, num_seqs, width = 512, 64, 128
-    call = lower_kernel(variant, num_tokens, num_seqs, width)
-    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
-    assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
-    rows = num_tokens * variant.group + variant.prefill_block_m
-    assert call.operand_types[3] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}xbf16>"
+    call = lower_and_check_launch(variant, 512, 64, 128)
+    assert spare_rows(variant, 512, 64) == variant.prefill_block_m  # q padded for a whole prefill tile
     dots = re.findall(r"tt\.dot %\S+, %\S+, %\S+.*-> tensor<(\d+)x", call.ir_text())
     assert sorted(map(int, dots)) == sorted([16, 16, variant.prefill_block_m, variant.prefill_block_m])
 
