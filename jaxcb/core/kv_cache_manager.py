@@ -165,8 +165,8 @@ class KVCacheManager:
         The caller guarantees those tokens' K/V are in the cache or will be written by the step
         being built (whose SchedulerOutput is dispatched before any later step): the scheduler calls
         this once a sequence's share of the step is final, and again when tokens in flight arrive."""
-        if not self._shares(request):
-            return
+        if num_tokens // self.block_size <= request.num_registered_blocks or not self._shares(request):
+            return  # the common case first: a decode token that fills no block
         num_full = min(num_tokens, InFlightTokens.num_known_tokens(request)) // self.block_size
         assert num_full <= len(request.block_ids), (request.request_id, num_tokens, request.block_ids)
         if num_full <= request.num_registered_blocks:
