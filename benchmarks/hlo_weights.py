@@ -23,8 +23,10 @@ _NOT_A_COPY = {"parameter", "get-tuple-element", "bitcast", "tuple", "reshape", 
 
 @dataclass(frozen=True)
 class LayerWeightCopies:
-    top_level: Counter  # (op, shape) -> count: layer-weight-shaped buffers written outside fusions
-    in_fusions: Counter  # (op, shape) -> count: layer-weight-shaped values inside fused computations
+    # (op, one layer's weight shape) -> count, a leading 1 dropped: buffers written outside fusions,
+    # and values inside fused computations
+    top_level: Counter
+    in_fusions: Counter
 
     @property
     def num_copies(self) -> int:
@@ -50,8 +52,10 @@ def _computations(hlo_text: str) -> dict[str, list[str]]:
 
 def layer_weight_copies(hlo_text: str, layer_shapes: set[tuple[int, ...]]) -> LayerWeightCopies:
     """The instructions of `hlo_text` whose result has one layer's weight shape (with or without a
-    leading 1), other than parameters and views, split by whether a fusion contains them."""
-    wanted = set(layer_shapes) | {(1, *s) for s in layer_shapes}
+    leading 1), other than parameters and views, split by whether a fusion contains them. Vectors
+    are left out: a hidden-sized vector is also every one-token activation."""
+    layer_shapes = {s for s in layer_shapes if len(s) > 1}
+    wanted = layer_shapes | {(1, *s) for s in layer_shapes}
     comps = _computations(hlo_text)
     fused = {m.group(1) for lines in comps.values() for line in lines for m in [_FUSION_CALLS.search(line)] if m}
     top, inner = Counter(), Counter()
@@ -62,13 +66,13 @@ def layer_weight_copies(hlo_text: str, layer_shapes: set[tuple[int, ...]]) -> La
                 continue
             shape = tuple(int(d) for d in m.group(2).split(",") if d)
             if shape in wanted:
-                (inner if name in fused else top)[(m.group(3), shape)] += 1
+                layer_shape = shape if shape in layer_shapes else shape[1:]
+                (inner if name in fused else top)[(m.group(3), layer_shape)] += 1
     return LayerWeightCopies(top, inner)
 
 
 def layer_shapes_of(stacked_layers) -> set[tuple[int, ...]]:
-    """One layer's weight shapes, from weights stacked on [L] (vectors left out: a hidden-sized vector
-    is every activation's row too)."""
+    """One layer's weight shapes, from weights stacked on [L]."""
     import jax
 
-    return {tuple(leaf.shape[1:]) for leaf in jax.tree.leaves(stacked_layers) if leaf.ndim > 2}
+    return {tuple(leaf.shape[1:]) for leaf in jax.tree.leaves(stacked_layers)}

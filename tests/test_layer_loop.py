@@ -35,12 +35,6 @@ def layer_weight_shapes(e) -> set[tuple[int, ...]]:
     return {(D,), (D, 1, Hq + 2 * Hkv, K), (Hq, K, D), (D, 1, 2, F), (F, D)}
 
 
-def copied_layer_shapes(executable, shapes) -> set[tuple[int, ...]]:
-    """The layer-weight shapes (without a leading 1) that the optimised step writes to buffers of their own."""
-    copies = layer_weight_copies(executable.as_text(), shapes)
-    return {shape[1:] if shape[0] == 1 and shape[1:] in shapes else shape for _, shape in copies.top_level}
-
-
 def test_auto_unrolls_on_cpu_and_scans_on_accelerators():
     assert resolve_layer_loop("auto", "cpu") == "unrolled"
     assert resolve_layer_loop("auto", "gpu") == "scan" and resolve_layer_loop("auto", "tpu") == "scan"
@@ -72,14 +66,14 @@ def test_unrolled_step_takes_one_array_per_layer_and_slices_no_weight():
     assert set(shapes) == layer_weight_shapes(e)
     assert e.runner.compiled
     for executable in e.runner.compiled.values():
-        assert not copied_layer_shapes(executable, layer_weight_shapes(e))
+        assert layer_weight_copies(executable.as_text(), layer_weight_shapes(e)).num_copies == 0
 
 
 def test_the_default_cpu_step_copies_no_layer_weight():
     """The engine as a CPU user gets it (model.backend=auto: packed matmuls, layers unrolled): no
     step of any bucket or sampling variant writes a copy of any layer's weights."""
     e = shared_engine()
-    shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.weights.layers) if leaf.ndim > 1}
+    shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.weights.layers)}
     assert shapes and len(e.runner.compiled) > 1
     for key, executable in e.runner.compiled.items():
         assert layer_weight_copies(executable.as_text(), shapes).num_copies == 0, key
@@ -92,7 +86,7 @@ def test_scanned_step_slices_each_layer_out_of_stacked_weights():
     assert shapes == {(cfg.num_layers, *s) for s in layer_weight_shapes(e)}
     for executable in e.runner.compiled.values():
         copies = layer_weight_copies(executable.as_text(), layer_weight_shapes(e))
-        assert {shape[1:] for op, shape in copies.top_level if op == "dynamic-slice"} >= (
+        assert {shape for op, shape in copies.top_level if op == "dynamic-slice"} >= (
             layer_weight_shapes(e) - {(cfg.hidden_size,)})
 
 
