@@ -118,6 +118,37 @@ def run_offline(llm: LLM, items: list[WorkItem], policy: str) -> OfflineResult:
     )
 
 
+@dataclass
+class PolicyPair:
+    """fcfs and static run one right after the other on the same requests, in `order`."""
+
+    order: tuple[str, str]
+    runs: dict[str, OfflineResult]
+
+    @property
+    def fcfs_over_static(self) -> float:
+        return self.runs["fcfs"].output_tokens_per_s / self.runs["static"].output_tokens_per_s
+
+
+def run_policy_pairs(engines: dict[str, LLM], items: list[WorkItem], repeats: int, vocab_size: int,
+                     seed: int) -> list[PolicyPair]:
+    """`repeats` pairs of fcfs and static runs, the order swapped from one pair to the next and each
+    pair on fresh prompts of the same lengths (the first on `items`). A slow spell of a shared machine
+    then lands on both runs of a pair, or on the first run as often as on the second; no prompt is
+    ever cached from an earlier pair; and the median pair's ratio is the comparison to quote."""
+    pairs = []
+    for i in range(repeats):
+        prompts = items if i == 0 else with_fresh_prompts(items, vocab_size, seed + i)
+        order = ("fcfs", "static") if i % 2 == 0 else ("static", "fcfs")
+        pairs.append(PolicyPair(order, {p: run_offline(engines[p], prompts, p) for p in order}))
+    return pairs
+
+
+def median_pair(pairs: list[PolicyPair]) -> PolicyPair:
+    """The pair of the median ratio (the lower middle one of an even count)."""
+    return sorted(pairs, key=lambda p: p.fcfs_over_static)[(len(pairs) - 1) // 2]
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"mean": float("nan"), "p50": float("nan"), "p95": float("nan"), "p99": float("nan")}

@@ -265,7 +265,7 @@ class BenchConfig:
     output_sigma: float = 0.8
     scale: float = 0.25  # shrinks every length, for small machines
     seed: int = 0
-    repeats: int = 1  # task=flops: runs on fresh prompts of the same lengths, between ceiling readings; median reported
+    repeats: int = 1  # task=flops: runs between ceiling readings; task=policies: fcfs/static pairs, order swapped each pair; fresh prompts, median reported
 
 
 @dataclass

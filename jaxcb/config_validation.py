@@ -166,8 +166,10 @@ def validate_config(cfg: Config) -> None:
     require(b.num_requests >= 1, f"bench.num_requests={b.num_requests} must be >= 1")
     require(b.scale > 0, f"bench.scale={b.scale} must be > 0")
     require(b.repeats >= 1, f"bench.repeats={b.repeats} must be >= 1")
-    require(b.repeats == 1 or b.task == "flops",
-             f"bench.repeats={b.repeats} repeats bench.task=flops only; drop it for bench.task={b.task}")
+    require(b.repeats == 1 or b.task in ("flops", "policies"),
+             f"bench.repeats={b.repeats} repeats bench.task=flops or policies only; drop it for bench.task={b.task}")
+    require(b.repeats == 1 or b.mode == "offline",
+            f"bench.repeats={b.repeats} repeats offline runs only; drop it for bench.mode={b.mode}")
     require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
 
 

@@ -2,6 +2,7 @@
 
     python scripts/bench.py                                   # offline throughput (fcfs)
     python scripts/bench.py bench.task=policies               # fcfs vs static on the same workload
+    python scripts/bench.py bench.task=policies bench.repeats=3  # ... 3 pairs, order swapped each pair; the median
     python scripts/bench.py bench.task=overhead               # engine vs a replay of its compiled steps
     python scripts/bench.py bench.task=async                  # engine.async_scheduling on vs off
     python scripts/bench.py bench.task=flops                  # model FLOP/s against a matmul measured here
@@ -23,8 +24,10 @@ from hydra.core.hydra_config import HydraConfig
 from jaxcb.benchmark import (
     ideal_static_ratio,
     make_workload,
+    median_pair,
     model_flops,
     run_offline,
+    run_policy_pairs,
     run_serving,
     with_async,
     with_fresh_prompts,
@@ -56,6 +59,10 @@ def describe_serving(name: str, r: dict) -> str:
         f"{r['goodput_requests_per_s']:.2f} req/s; TTFT p50/p99 {1e3 * r['ttft_s']['p50']:.0f}/"
         f"{1e3 * r['ttft_s']['p99']:.0f} ms, TPOT mean {1e3 * r['tpot_s']['mean']:.1f} ms"
     )
+
+
+def as_json(r) -> dict:
+    return dict(vars(r), output_tokens_per_s=r.output_tokens_per_s)
 
 
 def describe(r) -> str:
@@ -114,16 +121,26 @@ def main(cfg: Config) -> None:
         print("replayed time by bucket (tokens x seqs x width): " + "; ".join(
             f"{key}: {v['steps']} steps, median {v['median_ms']:.1f} ms, {v['total_s']:.1f} s"
             for key, v in o["per_bucket"].items()))
+    elif b.task == "policies":
+        pairs = run_policy_pairs(engines, items, b.repeats, first.model_config.vocab_size, b.seed)
+        for i, pair in enumerate(pairs):
+            for p in pair.order:
+                print(("" if b.repeats == 1 else f"pair {i + 1}, ") + describe(pair.runs[p]))
+        middle = median_pair(pairs)
+        result["runs"] = {p: as_json(r) for p, r in middle.runs.items()}
+        result["pairs"] = [{"order": list(pair.order), "fcfs_over_static": pair.fcfs_over_static,
+                            "runs": {p: as_json(r) for p, r in pair.runs.items()}} for pair in pairs]
+        ideal = ideal_static_ratio(items, cfg.scheduler.max_num_seqs)
+        result.update(fcfs_over_static=middle.fcfs_over_static, ideal_ratio=ideal)
+        each = "" if b.repeats == 1 else (f", the median of {b.repeats} pairs: "
+                                          + ", ".join(f"{pair.fcfs_over_static:.2f}x" for pair in pairs))
+        print(f"fcfs / static throughput: {middle.fcfs_over_static:.2f}x{each} "
+              f"(ideal ratio the lengths allow: {ideal:.2f}x)")
     else:
         runs = {p: run_offline(llm, items, p) for p, llm in engines.items()}
         for r in runs.values():
             print(describe(r))
-        result["runs"] = {p: dict(vars(r), output_tokens_per_s=r.output_tokens_per_s) for p, r in runs.items()}
-        if b.task == "policies":
-            ratio = runs["fcfs"].output_tokens_per_s / runs["static"].output_tokens_per_s
-            ideal = ideal_static_ratio(items, cfg.scheduler.max_num_seqs)
-            result.update(fcfs_over_static=ratio, ideal_ratio=ideal)
-            print(f"fcfs / static throughput: {ratio:.2f}x (ideal ratio the lengths allow: {ideal:.2f}x)")
+        result["runs"] = {p: as_json(r) for p, r in runs.items()}
         if b.task == "async":
             ratio = runs["async"].output_tokens_per_s / runs["sync"].output_tokens_per_s
             result["async_over_sync"] = ratio

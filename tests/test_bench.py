@@ -36,7 +36,7 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench.py"), f"bench.task={task}", "bench.num_requests=12",
          "scheduler.max_num_batched_tokens=64", "scheduler.max_num_seqs=8", "engine.max_model_len=256",
-         "engine.token_buckets=[16]", f"hydra.run.dir={tmp_path}", *(["bench.repeats=3"] if task == "flops" else [])],
+         "engine.token_buckets=[16]", f"hydra.run.dir={tmp_path}", *(["bench.repeats=3"] if task in ("flops", "policies") else [])],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, JAX_PLATFORMS="cpu"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -70,6 +70,15 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
     assert all(r["num_recompiles"] == 0 for r in result["runs"].values())
     if task == "policies":
         assert result["ideal_ratio"] >= 1
+        # Three pairs, the order swapped from one to the next, each on its own prompts (none cached from the
+        # pair before: every pair takes as many steps as the first); the median pair is the one reported.
+        pairs = result["pairs"]
+        assert [p["order"] for p in pairs] == [["fcfs", "static"], ["static", "fcfs"], ["fcfs", "static"]]
+        assert all(len({p["runs"][policy]["num_steps"] for p in pairs}) == 1 for policy in runs)
+        ratios = [p["fcfs_over_static"] for p in pairs]
+        assert result["fcfs_over_static"] == sorted(ratios)[1]
+        assert result["runs"] == pairs[ratios.index(sorted(ratios)[1])]["runs"]
+        assert "the median of 3 pairs" in proc.stdout
 
 
 def test_fresh_prompts_keep_every_requests_lengths_and_share_no_first_block():
