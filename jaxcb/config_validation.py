@@ -45,6 +45,10 @@ def validate_config(cfg: Config) -> None:
         f"cache.cpu_kv_cache_gib={c.cpu_kv_cache_gib} must be > 0",
     )
     require(
+        c.block_growth is None or c.block_growth >= 1,
+        f"cache.block_growth={c.block_growth} must be >= 1, or null (4 with attention.impl=cpu, else 1)",
+    )
+    require(
         c.dtype == "auto" or c.dtype in DTYPES,
         f"cache.dtype={c.dtype!r} must be 'auto' or one of {list(DTYPES)}",
     )

@@ -34,6 +34,7 @@ from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import (
     HostSwapSpace,
     allocate_planned_kv_cache,
+    cache_block_growth,
     configure_device_memory,
     num_swap_blocks,
     plan_kv_cache,
@@ -116,6 +117,7 @@ class Engine:
             enable_prefix_caching=cfg.cache.enable_prefix_caching,
             root=self.prefix_cache_root,
             host_pool=host_pool,
+            block_growth=cache_block_growth(cfg.cache, backend.attention.name),
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
         buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, backend.attention.name)

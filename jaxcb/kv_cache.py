@@ -277,5 +277,16 @@ class HostSwapSpace:
         return cache
 
 
+CPU_BLOCK_GROWTH = 4  # cache.block_growth's default with the CPU attention kernel
+
+
+def cache_block_growth(cache_cfg: CacheConfig, attention_impl: str) -> int:
+    """Blocks a decoding sequence takes at once (cache.block_growth; null: 4 for the CPU kernel,
+    which reads runs of consecutive blocks faster, and 1 where a kernel reads whole blocks anyway)."""
+    if cache_cfg.block_growth is not None:
+        return cache_cfg.block_growth
+    return CPU_BLOCK_GROWTH if attention_impl == "cpu" else 1
+
+
 def num_swap_blocks(cache_cfg: CacheConfig, plan: "KVCachePlan") -> int:
     return int(cache_cfg.swap_space_gib * GIB // plan.bytes_per_block)

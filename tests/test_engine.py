@@ -348,3 +348,20 @@ def test_a_final_only_request_is_reported_once_when_it_finishes_with_the_same_ou
     assert len(seen["streamed"]) == 12 and [o.finished for o in seen["final"]] == [True]
     final, streamed = seen["final"][0].outputs[0], seen["streamed"][-1].outputs[0]
     assert (final.token_ids, final.text, final.finish_reason) == (streamed.token_ids, streamed.text, "length")
+
+
+def test_sequences_growing_by_runs_of_blocks_generate_the_same_tokens_and_return_every_block():
+    from engine_factory import generate_first_completions
+    from jaxcb.config import CacheConfig
+    from jaxcb.kv_cache import cache_block_growth
+
+    assert cache_block_growth(CacheConfig(), "cpu") == 4 and cache_block_growth(CacheConfig(), "pallas") == 1
+    assert cache_block_growth(CacheConfig(block_growth=2), "pallas") == 2
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 70))] for _ in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    runs, single = shared_engine(), shared_engine("cache.block_growth=1")  # the CPU kernel's default: runs of 4
+    assert (runs.scheduler.kv.block_growth, single.scheduler.kv.block_growth) == (4, 1)
+    grown = generate_first_completions(runs, prompts, params)
+    assert [c.token_ids for c in grown] == [c.token_ids for c in generate_first_completions(single, prompts, params)]
+    assert runs.block_pool.num_free_blocks == runs.block_pool.num_blocks - 1

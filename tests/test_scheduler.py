@@ -415,3 +415,56 @@ def test_static_batch_is_formed_whole_even_when_the_first_prompt_takes_the_budge
     for _ in range(30):
         run_step(sched)
     assert all(r.is_finished for r in reqs)
+
+
+def make_growing_scheduler(num_blocks=64, max_num_seqs=2, block_growth=4):
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16), BlockPool(num_blocks),
+                     BLOCK, 256, block_growth=block_growth)
+
+
+def test_a_decoding_sequence_grows_by_a_run_of_consecutive_blocks():
+    sched = make_growing_scheduler()
+    a = make_request(BLOCK, max_tokens=40)
+    sched.add_request(a)
+    run_step(sched)  # the prompt: exactly the one block it needs
+    assert len(a.block_ids) == 1
+    run_step(sched)  # its first decode needs a second block: it takes four, ascending
+    assert len(a.block_ids) == 5 and a.block_ids[1:] == list(range(a.block_ids[1], a.block_ids[1] + 4))
+    free = sched.pool.num_free_blocks
+    while a.num_computed_tokens < 5 * BLOCK:  # the run holds the next 15 tokens: nothing more is taken
+        run_step(sched)
+        assert sched.pool.num_free_blocks == free
+    run_step(sched)
+    assert len(a.block_ids) == 9  # the 21st token starts the next run
+    while sched.num_unfinished:
+        run_step(sched)
+    assert sched.pool.num_free_blocks == 63  # the spare blocks went back with the rest
+
+
+def test_a_run_stops_at_the_last_block_the_sequence_can_reach():
+    sched = make_growing_scheduler()
+    a = make_request(BLOCK, max_tokens=5)  # at most 9 tokens: 3 blocks
+    sched.add_request(a)
+    run_step(sched)
+    run_step(sched)
+    assert len(a.block_ids) == 3
+
+
+def test_no_spare_blocks_are_taken_unless_every_running_sequence_could_still_take_a_run():
+    # 11 usable blocks; 2 sequences x 4 = 8 must stay free before spares are taken
+    sched = make_growing_scheduler(num_blocks=12)
+    a = make_request(BLOCK, max_tokens=40)
+    sched.add_request(a)
+    run_step(sched)
+    run_step(sched)  # 10 free: a run of 4 would leave 6
+    assert len(a.block_ids) == 2
+
+
+def test_prefill_chunks_take_only_the_blocks_they_fill():
+    sched = make_growing_scheduler()
+    a = make_request(30, max_tokens=40)
+    sched.add_request(a)
+    run_step(sched)  # a 16-token chunk
+    assert len(a.block_ids) == 4
+    run_step(sched)  # the other 14, and its first sampled token
+    assert len(a.block_ids) == 8

@@ -79,7 +79,7 @@ class BlockPool:
         return self._ref_counts[block]
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """`num_blocks` blocks with reference count 1, or NoFreeBlocksError and no change."""
+        """`num_blocks` blocks with reference count 1, ascending, or NoFreeBlocksError and no change."""
         if num_blocks < 0:
             raise BlockPoolError(f"cannot allocate {num_blocks} blocks")
         if num_blocks > len(self._free):
@@ -90,7 +90,10 @@ class BlockPool:
             self._evict(block)
             self._ref_counts[block] = 1
             blocks.append(block)
-        return blocks
+        # Which blocks are taken follows the eviction order; the order they are handed out in does
+        # not matter to it. Ascending, a run of consecutive free blocks -- a sequence freed last
+        # block first comes back as one -- is read forwards through memory.
+        return sorted(blocks)
 
     # --- prefix caching --------------------------------------------------------------------------
 

@@ -69,12 +69,15 @@ class Scheduler:
         root: BlockHash = NO_ROOT,
         clock: Callable[[], float] = time.monotonic,
         host_pool: Optional[BlockPool] = None,
+        block_growth: int = 1,
     ):
         self.cfg = cfg
         self.pool = block_pool
-        # root: the model's identity, in which every block hash is rooted (Engine.prefix_cache_root)
+        # root: the model's identity, in which every block hash is rooted (Engine.prefix_cache_root).
+        # Spare blocks are taken only while every running sequence could still take a run of its own.
         self.kv = KVCacheManager(block_pool, block_size, enable_prefix_caching=enable_prefix_caching,
-                                 root=root, host_pool=host_pool)
+                                 root=root, host_pool=host_pool, block_growth=block_growth,
+                                 growth_reserve=cfg.max_num_seqs * block_growth, max_model_len=max_model_len)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.clock = clock  # of arrival times and priority aging
