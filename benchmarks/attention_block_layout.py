@@ -10,8 +10,8 @@ the rounds interleave the layouts (medians):
 
   contiguous    each sequence's blocks consecutive, ascending (a fresh pool, one prompt at a time)
   reversed      consecutive, descending (a pool whose sequences were freed last block first)
-  runs of 8     ascending runs of 8 blocks, the runs anywhere in the cache
-  runs of 8 rev the same runs, descending
+  runs of 8, 4  ascending runs of 8 or 4 blocks (cache.block_growth), the runs anywhere
+  runs of 4 rev the same runs of 4, descending
   interleaved   the sequences took one block each in turn (decodes growing side by side)
   random        every block anywhere (a pool churned by many sequences)
 """
@@ -38,13 +38,17 @@ LAYERS, KV_HEADS, Q_HEADS, BLOCK, HEAD_DIM, NUM_BLOCKS = 3, 2, 6, 16, 16, 8193  
 def layouts(rows: int, blocks_per_seq: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """[rows, blocks_per_seq] block ids of each layout."""
     n = rows * blocks_per_seq
-    runs = 1 + 8 * rng.permutation((NUM_BLOCKS - 1) // 8)[: -(-n // 8)]
+    def runs(length: int, step: int) -> np.ndarray:
+        starts = 1 + length * rng.permutation((NUM_BLOCKS - 1) // length)[: -(-n // length)]
+        return (starts[:, None] + np.arange(length)[::step]).reshape(-1)[:n].reshape(rows, blocks_per_seq)
+
     ascending = np.arange(1, 1 + n).reshape(rows, blocks_per_seq)
     return {
         "contiguous": ascending,
         "reversed": ascending[:, ::-1],
-        "runs of 8": (runs[:, None] + np.arange(8)).reshape(-1)[:n].reshape(rows, blocks_per_seq),
-        "runs of 8 rev": (runs[:, None] + np.arange(8)[::-1]).reshape(-1)[:n].reshape(rows, blocks_per_seq),
+        "runs of 8": runs(8, 1),
+        "runs of 4": runs(4, 1),
+        "runs of 4 rev": runs(4, -1),
         "interleaved": 1 + np.arange(n).reshape(blocks_per_seq, rows).T,
         "random": 1 + rng.permutation(NUM_BLOCKS - 1)[:n].reshape(rows, blocks_per_seq),
     }
