@@ -80,7 +80,7 @@ class KVCacheManager:
         """Blocks a decoding sequence takes beyond those it needs now, to grow by a run of
         block_growth: decodes that grow side by side, a block each in turn, would otherwise
         scatter every table over the whole cache, and the CPU attention kernel reads scattered
-        blocks up to 1.5x slower than consecutive ones (`benchmarks/attention_block_layout.py`).
+        blocks up to 1.6x slower than consecutive ones (`benchmarks/attention_block_layout.py`).
         None past the last block the sequence can reach, and none unless more than growth_reserve
         blocks stay free: spare blocks never cost another sequence its place."""
         if needed >= self.block_growth or request.is_prefilling:
