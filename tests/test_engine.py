@@ -365,3 +365,23 @@ def test_sequences_growing_by_runs_of_blocks_generate_the_same_tokens_and_return
     grown = generate_first_completions(runs, prompts, params)
     assert [c.token_ids for c in grown] == [c.token_ids for c in generate_first_completions(single, prompts, params)]
     assert runs.block_pool.num_free_blocks == runs.block_pool.num_blocks - 1
+
+
+def test_the_step_width_follows_the_longest_context_not_the_blocks_held():
+    # A static batch holds its whole outputs' blocks from admission (8 blocks here), but its
+    # first steps' contexts fit the narrow width of 4 blocks.
+    from engine_factory import make_engine
+
+    e = make_engine("scheduler.policy=static", "engine.context_buckets=[4]")
+    assert e.runner.buckets.widths == (4, 16)
+    keys = []
+    build = e.runner.build_inputs
+    e.runner.build_inputs = lambda out: keys.append(build(out)) or keys[-1]
+    e.add_request(list(range(20)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    e.step()
+    e.step()
+    assert len(e.scheduler.running[0].block_ids) == 8
+    assert [k[0][2] for k in keys] == [4, 4]
+    while e.has_unfinished_requests():
+        e.step()
+    assert keys[-1][0][2] == 16  # 119 tokens of context: the full width

@@ -66,7 +66,8 @@ class KVCacheManager:
         return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
 
     def allocate(self, request: Sequence, num_new: int) -> bool:
-        """Give `request` the blocks its next `num_new` tokens need; False (nothing taken) if too few are free."""
+        """Give `request` the blocks its next `num_new` tokens need (a decoding sequence: up to a run of
+        block_growth); False (nothing taken) if too few are free."""
         needed = self.num_blocks_needed(request, request.num_computed_tokens + num_new)
         if needed == 0:
             return True

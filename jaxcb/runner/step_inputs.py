@@ -199,15 +199,16 @@ class StepInputBuilder:
         seqs = out.scheduled
         n = len(seqs)
         lens = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
-        num_blocks = np.fromiter((len(s.block_ids) for s in seqs), np.int64, n)
+        starts = np.fromiter((s.start_position for s in seqs), np.int64, n)
         num_tokens = int(lens.sum())
-        t, r, w = self.buckets.pick(num_tokens, n, int(num_blocks.max()))
+        bs = self.block_size
+        # The width follows the longest context, not the blocks held: a static batch reserves its
+        # whole outputs' blocks at admission, and a decoding sequence may hold a run ahead.
+        t, r, w = self.buckets.pick(num_tokens, n, int(-(-(starts + lens).max() // bs)))
         variant = self.variant(seqs)
         key = (t, r, w, variant)
-        bs = self.block_size
         ends = np.cumsum(lens)
         begins = ends - lens
-        starts = np.fromiter((s.start_position for s in seqs), np.int64, n)
         flat = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, num_tokens)
         row_of_token = np.repeat(np.arange(n), lens)
         pos = np.arange(num_tokens) - np.repeat(begins - starts, lens)
