@@ -189,6 +189,9 @@ class ServerConfig:
     max_n: int = 16  # most completions per request
     # How tool calls are read from the model's text: auto (from the chat template) | hermes | llama3_json | pythonic.
     tool_call_parser: str = "auto"
+    # Tools for chat templates that do not render them: written into the conversation in the parser's
+    # syntax (server/tool_prompt.py); false: a request whose tools the template would drop is refused.
+    tool_prompt_fallback: bool = True
     stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted

@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import logging
 import math
+import numbers
 import os
 import random
 import time
@@ -147,7 +148,7 @@ class Engine:
             enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill, max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids, num_eos_token_ids=len(self.eos_token_ids),
             max_logit_bias=cfg.engine.max_logit_bias, masked_sampling=cfg.engine.masked_sampling,
-            prompt_logprobs=cfg.engine.prompt_logprobs,
+            prompt_logprobs=cfg.engine.prompt_logprobs, max_n=cfg.server.max_n, scheduler_policy=cfg.scheduler.policy,
         )
         # Structured outputs: grammars compile (llguidance, loaded on first use) at most once per schema.
         self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, list(self.eos_token_ids),
@@ -199,7 +200,7 @@ class Engine:
         (and no salt only with no salt)."""
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string, or left out")
+            raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string, or left out", "cache_salt")
         kind = output_kind or (OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
         if request_id is None:
             request_id = str(self._next_id)
@@ -207,8 +208,13 @@ class Engine:
         if request_id in self.output.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
+        if not isinstance(prompt, str) and not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        validate_request(ids, params, self.limits)
+        validate_request(ids, params, self.limits, priority)
         self._admission_control(len(ids), params.n)
         new_constraint = self._constraint_factory(params)
         base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(32)

@@ -12,9 +12,17 @@ class UserError(Exception):
 
 
 class InvalidRequestError(ValueError):
-    """A request that can never be served as given; the message names the field and the limit."""
+    """A request that can never be served as given; the message names the field and the limit.
+
+    `field` is the request field at fault as a path ("temperature", "messages.0.content"), or
+    None when no one field is (an empty prompt); the server returns it as the error's `param`
+    and a job's error record carries it."""
 
     retryable = False
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class EngineOverloadedError(RuntimeError):

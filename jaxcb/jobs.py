@@ -1,12 +1,14 @@
 """Offline generation from the command line: JSONL jobs (JSONL in, JSONL out, crash-safe and exactly
 once per id), and the configured prompts (`generate_prompts`). In Python, use `jaxcb.LLM`.
 
-Input: one JSON object a line, with `id`, and `prompt` (text or token ids) or `messages`
-(a chat), plus optional sampling fields (max_tokens, temperature, top_p, top_k, min_p,
-repetition/presence/frequency_penalty, seed, stop, stop_token_ids, ignore_eos, min_tokens) and
-constraints (structured_outputs, response_format, logit_bias, allowed_token_ids, bad_words).
-Output: one line per id with `id`, `text`, `token_ids`, `finish_reason`, `usage` -- or `id`
-and `error` for a record that failed validation (the job goes on).
+Input: one JSON object a line, with `id` and either the fields of a /v1/completions body
+(`prompt`: text, token ids, or a list of them) or those of a /v1/chat/completions body
+(`messages`, tools included); `model` may be left out. A record is read by the same code as an
+HTTP body (`server/requests.py`), so it is served or refused exactly as the HTTP API would.
+Output: one line per id with `id`, `text`, `token_ids`, `finish_reason`, `usage` (plus
+`logprobs`, `prompt_logprobs`, `tool_calls` when asked for or made); with several completions
+(`n` > 1 or several prompts) the completions go in `choices`, as a completions response has
+them. A record that cannot be served gets `id`, `error` and `field` (the job goes on).
 
 Crash safety: each result is appended and flushed as it finishes. A rerun of the same
 command first cuts a torn last line (a write interrupted by a crash), then skips every id
@@ -22,7 +24,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 from tqdm import tqdm
 
@@ -30,19 +32,15 @@ from jaxcb.config import Config
 from jaxcb.engine import LLM
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError, UserError
 from jaxcb.outputs import RequestOutput
+from jaxcb.request_fields import reject_non_finite
 from jaxcb.sampling_params import SamplingParams
-from jaxcb.request_fields import check_fields, reject_non_finite
-from jaxcb.structured.spec import from_response_format, from_structured_outputs
-from jaxcb.tokenizer import chat_prompt_ids
+from jaxcb.server import openai_format as fmt
+from jaxcb.server.chat import assistant_message
+from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, served_model_name
+from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
+from jaxcb.server.tool_parsers import get_tool_parser
 
 log = logging.getLogger(__name__)
-SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-)
-CONSTRAINT_FIELDS = ("structured_outputs", "response_format", "logit_bias", "allowed_token_ids", "bad_words")
-RECORD_FIELDS = frozenset({"id", "prompt", "messages", "cache_salt", *SAMPLING_FIELDS, *CONSTRAINT_FIELDS})
-MESSAGE_FIELDS = frozenset({"role", "content", "name"})
 FSYNC_EVERY = 64
 
 
@@ -112,55 +110,86 @@ def repair_and_read_output(path: str) -> set[str]:
     return done
 
 
-def _request(llm: LLM, data: dict) -> tuple[Any, SamplingParams, Optional[str]]:
-    """A record's prompt, sampling parameters and cache_salt (its tenant's), or InvalidRequestError."""
-    data = check_fields(data, RECORD_FIELDS)
+class CompletionRecord(CompletionRequest):
+    id: Union[str, int]
+    model: Optional[str] = None
+
+
+class ChatRecord(ChatCompletionRequest):
+    id: Union[str, int]
+    model: Optional[str] = None
+
+
+def plan_record(llm: LLM, data: dict) -> tuple[Union[CompletionRecord, ChatRecord], PlannedRequest]:
+    """A record as engine requests, through the HTTP API's own path; InvalidRequestError naming the field."""
     if "messages" in data:
-        if not isinstance(data["messages"], list) or not data["messages"]:
-            raise InvalidRequestError("messages must be a non-empty list of {role, content}")
-        messages = [check_fields(m, MESSAGE_FIELDS, f"messages.{i}.") if isinstance(m, dict) else m
-                    for i, m in enumerate(data["messages"])]
-        prompt: Any = chat_prompt_ids(llm.tokenizer, messages)
+        req = parse_request(ChatRecord, data)
     elif "prompt" in data:
-        prompt = data["prompt"]
-        if not isinstance(prompt, (str, list)) or not prompt:
-            raise InvalidRequestError("prompt must be a non-empty string or list of token ids")
+        req = parse_request(CompletionRecord, data)
     else:
-        raise InvalidRequestError("the record has neither 'prompt' nor 'messages'")
-    kwargs = {k: data[k] for k in SAMPLING_FIELDS if k in data}
-    kwargs.update(_constraints(data))
-    try:
-        return prompt, SamplingParams(**kwargs), data.get("cache_salt")
-    except TypeError as e:
-        raise InvalidRequestError(str(e)) from None
+        raise InvalidRequestError("the record has neither 'prompt' nor 'messages'", "prompt")
+    cfg = llm.engine.cfg
+    if isinstance(req, ChatRecord):
+        parser = get_tool_parser(cfg.server.tool_call_parser, llm.tokenizer.chat_template)
+        planned = plan_chat_completion(req, llm.tokenizer, parser, llm.engine.max_model_len,
+                                       cfg.server.tool_prompt_fallback)
+    else:
+        planned = plan_completion(req)
+    if req.model is not None and req.model != served_model_name(cfg):
+        raise InvalidRequestError(f"model {req.model!r} is not the model of this job ({served_model_name(cfg)!r}); "
+                                  "drop model or give that name", "model")
+    if req.stream or req.stream_options is not None:
+        raise InvalidRequestError("stream: a job writes each result whole; drop stream and stream_options",
+                                  "stream" if req.stream else "stream_options")
+    return req, planned
 
 
-def _constraints(data: dict) -> dict[str, Any]:
-    """SamplingParams' constraint fields from a record (the server's names and forms)."""
-    out: dict[str, Any] = {}
-    if "structured_outputs" in data and "response_format" in data:
-        raise InvalidRequestError("structured_outputs and response_format both constrain the output; give one")
-    if data.get("structured_outputs") is not None:
-        out["structured_outputs"] = from_structured_outputs(data["structured_outputs"])
-    if data.get("response_format") is not None:
-        out["structured_outputs"] = from_response_format(data["response_format"])
-    bias = data.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict) or not all(str(k).lstrip("-").isdigit() and isinstance(v, (int, float))
-                                                 for k, v in bias.items()):
-            raise InvalidRequestError("logit_bias must map token ids to numbers, e.g. {\"42\": -100}")
-        out["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
-    ids = data.get("allowed_token_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidRequestError("allowed_token_ids must be a list of token ids")
-        out["allowed_token_ids"] = ids
-    words = data.get("bad_words")
-    if words is not None:
-        if not isinstance(words, list):
-            raise InvalidRequestError("bad_words must be a list of strings")
-        out["bad_words"] = words
-    return out
+@dataclass
+class _PendingRecord:
+    id: str
+    req: Union[CompletionRecord, ChatRecord]
+    planned: PlannedRequest
+    outputs: list[Optional[RequestOutput]]  # one per prompt, as they finish
+
+    @property
+    def done(self) -> bool:
+        return all(o is not None for o in self.outputs)
+
+
+def result_record(llm: LLM, rec: _PendingRecord) -> dict[str, Any]:
+    """A finished record's result line: as the completions (or chat) response would carry it."""
+    tok, req, chat = llm.tokenizer, rec.req, rec.planned.chat
+    choices = []
+    for p_idx, out in enumerate(rec.outputs):
+        for c in out.outputs:
+            shown = fmt.echo_output(tok, out, c).followed_by(c) if getattr(req, "echo", False) else c
+            choice: dict[str, Any] = {"index": p_idx * req.n + c.index, "text": shown.text,
+                                      "token_ids": c.token_ids, "finish_reason": fmt.finish_reason(c)}
+            if chat is not None:
+                message, choice["finish_reason"] = assistant_message(chat, c.text, fmt.finish_reason(c))
+                choice["text"] = message["content"]
+                if "tool_calls" in message:
+                    choice["tool_calls"] = message["tool_calls"]
+                if req.logprobs:
+                    choice["logprobs"] = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0)
+            elif req.logprobs is not None:
+                choice["logprobs"] = fmt.completion_logprobs(tok, shown, 0, 0)
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+            choices.append(choice)
+    usage = {"prompt_tokens": sum(len(o.prompt_token_ids) for o in rec.outputs),
+             "completion_tokens": sum(len(c.token_ids) for o in rec.outputs for c in o.outputs)}
+    if len(choices) == 1:
+        del choices[0]["index"]
+        return {"id": rec.id, **choices[0], "usage": usage}
+    return {"id": rec.id, "choices": choices, "usage": usage}
+
+
+def _error_record(record_id: Optional[str], error: Exception) -> dict[str, Any]:
+    record = {"id": record_id, "error": str(error)}
+    if getattr(error, "field", None) is not None:
+        record["field"] = error.field
+    return record
 
 
 class _Writer:
@@ -223,28 +252,41 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
     """Result records of `records` in the order they finish: one engine, continuously batched.
 
     A record that cannot be read or fails validation yields an `error` record at once and the
-    rest go on; at most `max_in_flight` requests are queued in the engine at a time."""
+    rest go on; at most `max_in_flight` engine requests are queued at a time."""
     engine = llm.engine
     queue = deque(records)
-    in_flight: dict[str, str] = {}  # engine request id -> record id
+    in_flight: dict[str, tuple[_PendingRecord, int]] = {}  # engine request id -> (its record, prompt index)
     while queue or in_flight:
         while queue and len(in_flight) < max_in_flight:
             rec = queue.popleft()
             if rec.id is None or rec.error:  # unreadable line: report it, keyed by its line
                 yield {"id": rec.id, "line": rec.line, "error": rec.error}
                 continue
+            added: list[str] = []
+            planned: Optional[PlannedRequest] = None
             try:
-                prompt, params, cache_salt = _request(llm, rec.data)
-                in_flight[engine.add_request(prompt, params, final_only=True, cache_salt=cache_salt)] = rec.id
+                req, planned = plan_record(llm, rec.data)
+                pending = _PendingRecord(rec.id, req, planned, [None] * len(planned.prompts))
+                for i, prompt in enumerate(planned.prompts):
+                    rid = engine.add_request(prompt, planned.params, priority=planned.priority, final_only=True,
+                                             cache_salt=planned.cache_salt, timeout_s=planned.timeout)
+                    added.append(rid)
+                    in_flight[rid] = (pending, i)
             except (InvalidRequestError, EngineOverloadedError) as e:
-                yield {"id": rec.id, "error": str(e)}
+                for rid in added:  # a record is served whole or not at all
+                    engine.abort(rid)
+                    in_flight.pop(rid, None)
+                if planned is not None and isinstance(e, InvalidRequestError):
+                    e = planned.refusal(e)  # the record's own name for the field (chat's top_logprobs)
+                yield _error_record(rec.id, e)
         for out in engine.step():  # final outputs only
-            c = out.outputs[0]
-            yield {
-                "id": in_flight.pop(out.request_id), "text": c.text, "token_ids": c.token_ids,
-                "finish_reason": c.finish_reason,
-                "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(c.token_ids)},
-            }
+            entry = in_flight.pop(out.request_id, None)
+            if entry is None:  # a request aborted above, after its record was refused
+                continue
+            pending, i = entry
+            pending.outputs[i] = out
+            if pending.done:
+                yield result_record(llm, pending)
 
 
 def max_in_flight(cfg: Config) -> int:

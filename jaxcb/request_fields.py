@@ -53,8 +53,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
     "request_id": "a client-chosen request_id is not supported",
-    "tool_calls": "tool calls in messages are read by /v1/chat/completions, not by job records",
-    "tool_call_id": "tool messages are read by /v1/chat/completions, not by job records",
     "continuous_usage_stats": "continuous_usage_stats is not supported; include_usage sends usage in the last chunk",
 }
 # Fields accepted when their value is what jaxcb does anyway (the OpenAI and vLLM defaults).
@@ -73,10 +71,6 @@ HONOURED_VALUES: dict[str, tuple[Any, ...]] = {
 
 class RefusedFieldError(InvalidRequestError):
     """A request field jaxcb does not honour; `field` is its path (e.g. "messages.0.tool_calls")."""
-
-    def __init__(self, message: str, field: str):
-        super().__init__(message)
-        self.field = field
 
 
 def check_fields(data: Mapping[str, Any], implemented: frozenset[str] | set[str], where: str = "") -> dict[str, Any]:

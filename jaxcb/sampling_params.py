@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from jaxcb.errors import InvalidRequestError
 
@@ -12,6 +13,10 @@ if TYPE_CHECKING:
     from jaxcb.structured.spec import StructuredOutputs
 
 MAX_LOGIT_BIAS = 100.0  # |value| of a logit_bias entry at most, as OpenAI allows
+MAX_TEMPERATURE = 2.0  # as OpenAI allows
+MAX_STOP_STRINGS = 16
+# Far past any useful value; large enough that the penalty's float math stays finite.
+MAX_REPETITION_PENALTY = 1e4
 
 
 @dataclass
@@ -20,7 +25,7 @@ class SamplingParams:
     max_tokens: int = 16  # generated tokens at most
     min_tokens: int = 0  # EOS and stop tokens are ignored until this many are generated
     temperature: float = 1.0  # 0: greedy
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 (or -1, vLLM's form): off
     top_p: float = 1.0  # 1: off
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off; >1 discourages tokens of the prompt and output (HF rule)
@@ -40,39 +45,69 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None  # also the logprob of every prompt token (and the top-n at each position)
 
     def __post_init__(self) -> None:
+        """Every range of every request field is checked here, once, whichever door the request came
+        in by (HTTP, a job record, `LLM.generate`); what depends on the engine is `jaxcb.validation`'s."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.logit_bias:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.top_k == -1 and type(self.top_k) is int:  # vLLM's "no limit"
+            self.top_k = 0
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not (value is None and name in _OPTIONAL) and not _is_int(value):
+                raise InvalidRequestError(f"{name}={value!r} must be an integer", name)
+            if value is not None:
+                setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise InvalidRequestError(f"{name}={value!r} must be a number", name)
+            setattr(self, name, float(value))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be true or false", "ignore_eos")
+        self.stop = _list_of(self.stop, "stop", lambda s: isinstance(s, str) and s, "a non-empty string")
+        self.stop_token_ids = _list_of(self.stop_token_ids, "stop_token_ids", _is_int, "a token id")
+        self.bad_words = _list_of(self.bad_words, "bad_words", lambda w: isinstance(w, str) and w.strip(),
+                                  "a non-empty string")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _list_of(self.allowed_token_ids, "allowed_token_ids", _is_int, "a token id")
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if isinstance(self.structured_outputs, dict):  # vLLM's form: {"json": schema} / regex / choice / grammar
             from jaxcb.structured.spec import from_structured_outputs
 
             self.structured_outputs = from_structured_outputs(self.structured_outputs)
+        elif self.structured_outputs is not None and not hasattr(self.structured_outputs, "kind"):
+            raise InvalidRequestError("structured_outputs must be an object such as {\"json\": schema}, "
+                                      f"not {type(self.structured_outputs).__name__}", "structured_outputs")
 
         checks = [
-            (self.n >= 1, f"n={self.n} must be >= 1"),
-            (self.max_tokens >= 1, f"max_tokens={self.max_tokens} must be >= 1"),
-            (0 <= self.min_tokens <= self.max_tokens, f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]"),
-            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0"),
-            (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 disables it)"),
-            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
-            (0 <= self.min_p <= 1, f"min_p={self.min_p} must be in [0, 1]"),
-            (self.repetition_penalty > 0, f"repetition_penalty={self.repetition_penalty} must be > 0"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty={self.presence_penalty} must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty={self.frequency_penalty} must be in [-2, 2]"),
-            (self.logprobs is None or self.logprobs >= 0, f"logprobs={self.logprobs} must be >= 0"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            (self.n >= 1, "n", f"n={self.n} must be >= 1"),
+            (self.max_tokens >= 1, "max_tokens", f"max_tokens={self.max_tokens} must be >= 1"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]"),
+            (0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
+             f"temperature={self.temperature:g} must be between 0 and {MAX_TEMPERATURE:g} (0: greedy)"),
+            (self.top_k >= 0, "top_k", f"top_k={self.top_k} must be >= 1, or 0 or -1 for no limit"),
+            (0 < self.top_p <= 1, "top_p", f"top_p={self.top_p:g} must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p", f"min_p={self.min_p:g} must be in [0, 1]"),
+            (0 < self.repetition_penalty <= MAX_REPETITION_PENALTY, "repetition_penalty",
+             f"repetition_penalty={self.repetition_penalty:g} must be in (0, {MAX_REPETITION_PENALTY:g}] (1: off)"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty",
+             f"presence_penalty={self.presence_penalty:g} must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             f"frequency_penalty={self.frequency_penalty:g} must be in [-2, 2]"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs={self.logprobs} must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
              f"prompt_logprobs={self.prompt_logprobs} must be >= 0"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
-            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+            (len(self.stop) <= MAX_STOP_STRINGS, "stop",
+             f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS}"),
+            (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "stop_token_ids must be >= 0"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0, "allowed_token_ids",
              "allowed_token_ids must not be empty (null allows every token)"),
-            (all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings"),
-            (all(math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS for v in (self.logit_bias or {}).values()),
-             f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"),
         ]
-        for ok, message in checks:
+        for ok, name, message in checks:
             if not ok:
-                raise InvalidRequestError(message)
+                raise InvalidRequestError(message, name)
 
     @property
     def is_greedy(self) -> bool:
@@ -91,3 +126,42 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _is_int(value: Any) -> bool:
+    # bool is an int to Python, never to a request: `n: true` is refused, as JSON Schema would.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _list_of(value: Any, name: str, ok: Callable[[Any], Any], what: str) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise InvalidRequestError(f"{name} must be a list, not {type(value).__name__}", name)
+    for i, item in enumerate(value):
+        if not ok(item):
+            raise InvalidRequestError(f"{name}.{i}={item!r} must be {what}", f"{name}.{i}")
+    return [int(v) if _is_int(v) else v for v in value]
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """token id (an int, or its decimal string as OpenAI sends it) -> a bias in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"logit_bias must map token ids to numbers, not be a {type(value).__name__}",
+                                  "logit_bias")
+    bias = {}
+    for key, v in value.items():
+        if not (_is_int(key) or (isinstance(key, str) and key.lstrip("-").isdigit())):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
+        if not _is_number(v) or abs(v) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias[{key}]={v!r} must be a number between -{MAX_LOGIT_BIAS:g} and "
+                                      f"{MAX_LOGIT_BIAS:g}", "logit_bias")
+        bias[int(key)] = float(v)
+    return bias

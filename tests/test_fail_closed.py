@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from jaxcb.errors import InvalidRequestError
-from jaxcb.jobs import _request, read_input
+from jaxcb.jobs import plan_record, read_input
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest
 from jaxcb.request_fields import HONOURED_VALUES, IGNORED, NOT_SUPPORTED, check_fields
 from server_harness import running_server
@@ -115,13 +115,20 @@ def test_priority_under_a_policy_that_ignores_it_names_the_policy_that_uses_it(s
 
 
 def test_job_records_are_refused_by_the_same_table(tmp_path):
-    llm = None  # _request refuses before it needs the model
-    with pytest.raises(InvalidRequestError, match="guided_json is vLLM's legacy field"):
-        _request(llm, {"id": "a", "prompt": "hi", "guided_json": {"type": "object"}})
+    from types import SimpleNamespace
+
+    from jaxcb.config import compose_config
+
+    # No model: these records are refused before a tokenizer or an engine is needed.
+    llm = SimpleNamespace(engine=SimpleNamespace(cfg=compose_config(()), max_model_len=64), tokenizer=None)
+    with pytest.raises(InvalidRequestError, match="guided_json is vLLM's legacy field") as e:
+        plan_record(llm, {"id": "a", "prompt": "hi", "guided_json": {"type": "object"}})
+    assert e.value.field == "guided_json"
     with pytest.raises(InvalidRequestError, match="structured_outputs.backend"):
-        _request(llm, {"id": "a", "prompt": "hi", "structured_outputs": {"json": {}, "backend": "xgrammar"}})
-    with pytest.raises(InvalidRequestError, match="messages.0.tool_calls: tool calls in messages are read by"):
-        _request(llm, {"id": "a", "messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]})
+        plan_record(llm, {"id": "a", "prompt": "hi", "structured_outputs": {"json": {}, "backend": "xgrammar"}})
+    with pytest.raises(InvalidRequestError, match="messages.0.tool_calls.0.id") as e:  # a chat body's own types
+        plan_record(llm, {"id": "a", "messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]})
+    assert e.value.field == "messages.0.tool_calls.0.id"
     assert check_fields({"id": "a", "user": "u", "prompt": "x"}, {"id", "prompt"}) == {"id": "a", "prompt": "x"}
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": "deep", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}\n"

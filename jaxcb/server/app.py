@@ -28,8 +28,9 @@ from jaxcb.metrics import EngineMetrics
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.dashboard import DashboardHistory, dashboard_html
 from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from jaxcb.server.chat import assistant_message, plan_chat
-from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request, sampling_params
+from jaxcb.server.chat import assistant_message
+from jaxcb.server.protocol import APIError, served_model_name, ChatCompletionRequest, CompletionRequest, parse_request
+from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
 from jaxcb.server.streaming import (
     chat_events,
     close_streams,
@@ -40,17 +41,9 @@ from jaxcb.server.streaming import (
 )
 from jaxcb.request_fields import reject_non_finite
 from jaxcb.server.tool_parsers import get_tool_parser
-from jaxcb.structured.spec import StructuredOutputs, StructuredOutputsError, from_structured_outputs
+from jaxcb.structured.spec import StructuredOutputs
 
 log = logging.getLogger(__name__)
-
-
-def served_model_name(cfg: Config) -> str:
-    if cfg.server.served_model_name:
-        return cfg.server.served_model_name
-    if cfg.model.name == "hf" and cfg.model.checkpoint:
-        return os.path.basename(os.path.normpath(cfg.model.checkpoint))
-    return cfg.model.name
 
 
 class ServerState:
@@ -122,6 +115,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def api_error(_: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(_: Request, e: InvalidRequestError):
+        return JSONResponse(APIError(400, str(e), param=e.field).body(), status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
@@ -158,12 +155,9 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def completions(request: Request):
         req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
-        prompts = _completion_prompts(req.prompt)
-        structured = _completion_structured(req)
-        await _compile_grammar(state, structured)
-        params = _params(state, req, req.max_tokens, req.logprobs, structured)
-        streams = await _start(state, prompts, params, req.priority, _deadlines(state, req.timeout),
-                              req.cache_salt)
+        planned = plan_completion(req)
+        await _compile_grammar(state, planned.params.structured_outputs)
+        streams = await _start(state, planned)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -186,17 +180,12 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
-        plan = plan_chat(req, state.engine.tokenizer, state.tool_parser())
+        planned = plan_chat_completion(req, state.engine.tokenizer, state.tool_parser(), state.engine.max_model_len,
+                                       cfg.server.tool_prompt_fallback)
+        plan = planned.chat
         await _compile_grammar(state, plan.structured)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, state.engine.max_model_len - len(plan.prompt_ids))
         top_n = req.top_logprobs or 0
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        params = _params(state, req, max_tokens, max(top_n, 1) if req.logprobs else None, plan.structured)
-        streams = await _start(state, [plan.prompt_ids], params, req.priority, _deadlines(state, req.timeout),
-                              req.cache_salt)
+        streams = await _start(state, planned)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -269,42 +258,13 @@ def _check_model(state: ServerState, model: str) -> None:
                        param="model", type="not_found_error", code="model_not_found")
 
 
-def _completion_prompts(prompt) -> list:
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
-        prompts = [prompt]
-    else:
-        prompts = list(prompt)
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise APIError(400, "prompt is empty; give a non-empty string or list of token ids", param="prompt")
-    return prompts
-
-
-def _params(state: ServerState, req, max_tokens, logprobs, structured: Optional[StructuredOutputs] = None):
-    return sampling_params(
-        req, max_tokens, logprobs, max_n=state.cfg.server.max_n, max_model_len=state.engine.max_model_len,
-        max_logprobs=state.cfg.engine.max_logprobs, structured_outputs=structured,
-    )
-
-
-def _completion_structured(req: CompletionRequest) -> Optional[StructuredOutputs]:
-    try:
-        return from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None
-    except StructuredOutputsError as e:
-        raise APIError(400, str(e), param=e.field) from None
-
-
 async def _compile_grammar(state: ServerState, spec: Optional[StructuredOutputs]) -> None:
     """Compile the request's grammar off the engine's thread (cached: the engine then finds it compiled);
     a grammar that does not compile, or not in time, is a 400 naming its field and nothing is queued."""
     grammars = getattr(state.engine, "grammars", None)  # Ray replicas compile their own
     if spec is None or grammars is None:
         return
-    try:
-        await asyncio.to_thread(grammars.compile, spec)
-    except StructuredOutputsError as e:
-        raise APIError(400, str(e), param=e.field) from None
+    await asyncio.to_thread(grammars.compile, spec)  # StructuredOutputsError: a 400 naming its field
 
 
 def _deadlines(state: ServerState, timeout: Optional[float]) -> dict[str, float]:
@@ -312,8 +272,6 @@ def _deadlines(state: ServerState, timeout: Optional[float]) -> dict[str, float]
     server.request_timeout_s and the request's own `timeout` (which may ask for less, never more)."""
     srv = state.cfg.server
     if timeout is not None:
-        if not timeout > 0:
-            raise APIError(400, f"timeout={timeout} must be a number of seconds > 0", param="timeout")
         if srv.request_timeout_s is not None and timeout > srv.request_timeout_s:
             raise APIError(400, f"timeout={timeout} is longer than this server allows "
                                 f"(server.request_timeout_s={srv.request_timeout_s:g})", param="timeout")
@@ -326,27 +284,20 @@ def _deadlines(state: ServerState, timeout: Optional[float]) -> dict[str, float]
     return deadlines
 
 
-async def _start(state: ServerState, prompts: list, params, priority: int, deadlines: Optional[dict[str, float]] = None,
-                 cache_salt: Optional[str] = None) -> list[RequestStream]:
+async def _start(state: ServerState, planned: PlannedRequest) -> list[RequestStream]:
     """Queue every prompt; if one is refused, abort those already queued and answer with the refusal."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", type="server_error")
-    policy = state.cfg.scheduler.policy
-    if priority != 0 and policy != "priority":
-        raise APIError(
-            400, f"priority={priority} is used only by scheduler.policy=priority; this server runs "
-                 f"scheduler.policy={policy}, so drop priority or start the server with scheduler.policy=priority",
-            param="priority",
-        )
+    deadlines = _deadlines(state, planned.timeout)
     streams: list[RequestStream] = []
     try:
-        for prompt in prompts:
-            streams.append(await state.async_engine.add(prompt, params, priority=priority, deadlines=deadlines,
-                                                        cache_salt=cache_salt))
+        for prompt in planned.prompts:
+            streams.append(await state.async_engine.add(prompt, planned.params, priority=planned.priority,
+                                                        deadlines=deadlines, cache_salt=planned.cache_salt))
     except InvalidRequestError as e:
         close_streams(streams)
         state.metrics.request_rejected("invalid")
-        raise APIError(400, str(e), param=getattr(e, "field", None)) from None
+        raise planned.refusal(e) from None
     except EngineOverloadedError as e:
         close_streams(streams)
         state.metrics.request_rejected("overloaded")

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from jaxcb.errors import InvalidRequestError
-from jaxcb.server.protocol import APIError, ChatCompletionRequest, message_text
+from jaxcb.server.protocol import ChatCompletionRequest, message_text
 from jaxcb.server.tool_grammar import tool_call_grammar
 from jaxcb.server.tool_parsers import ParsedToolOutput, ToolParser
+from jaxcb.server.tool_prompt import template_ignores_tools, with_tools_in_messages
 from jaxcb.structured.spec import (
     StructuredOutputs,
-    StructuredOutputsError,
     from_response_format,
     from_structured_outputs,
     strict_schema,
@@ -41,11 +41,11 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(req.messages):
         if m.content is None and not (m.role == "assistant" and m.tool_calls):
-            raise APIError(400, f"messages.{i}.content is null; only an assistant message with tool_calls may "
-                                "omit its content", param=f"messages.{i}.content")
+            raise InvalidRequestError(f"messages.{i}.content is null; only an assistant message with tool_calls may "
+                                "omit its content", f"messages.{i}.content")
         if m.role == "tool" and m.tool_call_id is None:
-            raise APIError(400, f"messages.{i} is a tool message without tool_call_id; say which call it answers",
-                           param=f"messages.{i}.tool_call_id")
+            raise InvalidRequestError(f"messages.{i} is a tool message without tool_call_id; say which call it answers",
+                           f"messages.{i}.tool_call_id")
         # content null (an assistant turn that only calls tools) reaches templates as "", as vLLM passes it:
         # most templates concatenate the content.
         message: dict[str, Any] = {"role": m.role, "content": message_text(m) or ""}
@@ -65,61 +65,86 @@ def _template_call(call, where: str) -> dict[str, Any]:
     except json.JSONDecodeError:
         arguments = None
     if not isinstance(arguments, dict):
-        raise APIError(400, f"{where}.function.arguments must be a JSON object as a string",
-                       param=f"{where}.function.arguments")
+        raise InvalidRequestError(f"{where}.function.arguments must be a JSON object as a string",
+                       f"{where}.function.arguments")
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}}
 
 
 def _structured(req: ChatCompletionRequest) -> Optional[StructuredOutputs]:
-    try:
-        from_format = from_response_format(req.response_format) if req.response_format is not None else None
-        from_vllm = from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None
-    except StructuredOutputsError as e:
-        raise APIError(400, str(e), param=e.field) from None
+    from_format = from_response_format(req.response_format) if req.response_format is not None else None
+    from_vllm = from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None
     if from_format is not None and from_vllm is not None:
-        raise APIError(400, "response_format and structured_outputs both constrain the reply; give one",
-                       param="structured_outputs")
+        raise InvalidRequestError("response_format and structured_outputs both constrain the reply; give one",
+                       "structured_outputs")
     return from_format or from_vllm
 
 
-def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser) -> ChatPlan:
-    """The prompt and constraints of a chat request, or APIError(400) naming the field at fault."""
+def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser,
+              tool_prompt_fallback: bool = True) -> ChatPlan:
+    """The prompt and constraints of a chat request, or InvalidRequestError naming the field at fault.
+    `tool_prompt_fallback` (server.tool_prompt_fallback): tools, calls and results that the chat
+    template does not render are written into the conversation (`tool_prompt`); off, they are refused."""
     if not req.messages:
-        raise APIError(400, "messages is empty; give at least one message", param="messages")
+        raise InvalidRequestError("messages is empty; give at least one message", "messages")
     structured = _structured(req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
-        raise APIError(400, f"tool_choice={_choice_name(choice)} needs tools; give tools or drop tool_choice",
-                       param="tool_choice")
+        raise InvalidRequestError(f"tool_choice={_choice_name(choice)} needs tools; give tools or drop tool_choice",
+                       "tool_choice")
     names = [t["function"]["name"] for t in tools]
     if not isinstance(choice, str) and choice.function.name not in names:
-        raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not among the tools "
-                            f"({', '.join(names)})", param="tool_choice")
+        raise InvalidRequestError(f"tool_choice names function {choice.function.name!r}, which is not among the tools "
+                            f"({', '.join(names)})", "tool_choice")
     parallel = req.parallel_tool_calls is not False
     if choice == "required" or not isinstance(choice, str):
         if structured is not None:
-            raise APIError(400, f"tool_choice={_choice_name(choice)} and a response format both constrain the reply; "
-                                "give one", param="tool_choice")
+            raise InvalidRequestError(f"tool_choice={_choice_name(choice)} and a response format both constrain the reply; "
+                                "give one", "tool_choice")
         try:
             grammar = tool_call_grammar(parser, [_strict_tool(t) for t in tools],
                                         choice if choice == "required" else choice.model_dump(), parallel)
         except ValueError as e:  # a name or schema the parser's syntax cannot carry
-            raise APIError(400, f"tools: {e}", param="tools") from None
+            raise InvalidRequestError(f"tools: {e}", "tools") from None
         structured = StructuredOutputs("lark", grammar, "tool_choice")
     if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(400, "continue_final_message=true continues the last message, so add_generation_prompt must be "
-                            "false", param="add_generation_prompt")
+        raise InvalidRequestError("continue_final_message=true continues the last message, so add_generation_prompt must be "
+                            "false", "add_generation_prompt")
+    try:
+        messages, template_tools = _messages_with_tools(req, tokenizer, parser, tools, tool_prompt_fallback)
+    except InvalidRequestError as e:
+        raise _naming_messages(e) from None
     try:
         prompt_ids = chat_prompt_ids(
-            tokenizer, template_messages(req), req.add_generation_prompt, tools or None,
+            tokenizer, messages, req.add_generation_prompt, template_tools,
             continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),
         )
-    except InvalidRequestError as e:  # no chat template, or one that refuses the conversation
-        raise APIError(400, str(e), param="messages") from None
+    except InvalidRequestError as e:
+        raise _naming_messages(e) from None
     except TypeError as e:  # a chat_template_kwargs key that clashes with the template's own arguments
-        raise APIError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+        raise InvalidRequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
     return ChatPlan(prompt_ids, structured, parser if choice != "none" else None, None if parallel else 1)
+
+
+def _naming_messages(e: InvalidRequestError) -> InvalidRequestError:
+    """A template's refusal (no chat template, one that refuses the conversation) names `messages`."""
+    return e if e.field is not None else InvalidRequestError(str(e), "messages")
+
+
+def _messages_with_tools(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser,
+                         tools: list[dict[str, Any]], fallback: bool) -> tuple[list[dict[str, Any]], Optional[list]]:
+    """(messages, tools) to render: as given when the template renders the request's tool use, else
+    with the tools written into the conversation; InvalidRequestError when that is off."""
+    messages = template_messages(req)
+    dropped = template_ignores_tools(tokenizer, messages, tools or None)
+    if dropped is None:
+        return messages, tools or None
+    if not fallback:
+        raise InvalidRequestError(
+            f"{dropped}: this model's chat template does not render tools, so the model would never see them; "
+            "start the server with a chat template that does (server.chat_template=FILE) or with "
+            "server.tool_prompt_fallback=true, or send the request without them", dropped)
+    return with_tools_in_messages(parser.name, messages, tools or None), None
 
 
 def _strict_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -136,13 +161,15 @@ def _choice_name(choice) -> str:
 
 def assistant_message(plan: ChatPlan, text: str, finish_reason: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
     """(OpenAI's assistant message, finish reason) of a finished reply: with tool calls read out of it
-    (finish_reason "tool_calls") when the plan has a parser and the reply makes calls."""
+    (finish_reason "tool_calls") when the plan has a parser and the reply makes calls. A reply cut
+    short (by max_tokens, a timeout) keeps its finished calls, and a call it was still writing is
+    dropped rather than left as markup in the content; finish_reason then says why it was cut."""
     if plan.tool_parser is None:
         return {"role": "assistant", "content": text}, finish_reason
-    parsed: ParsedToolOutput = plan.tool_parser.parse(text)
+    parsed: ParsedToolOutput = plan.tool_parser.parse(text, cut=finish_reason != "stop")
     calls = parsed.tool_calls[: plan.max_tool_calls] if plan.max_tool_calls else parsed.tool_calls
     if not calls:
-        return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": parsed.content if finish_reason != "stop" else text}, finish_reason
     message = {"role": "assistant", "content": parsed.content, "tool_calls": [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
     ]}

@@ -1,19 +1,32 @@
-"""OpenAI request bodies, checked before anything reaches the engine, and OpenAI-style errors.
+"""OpenAI request bodies -- from HTTP, or a JSONL job record, which takes the same fields -- parsed
+into the engine's terms, and OpenAI-style errors.
 
-Types are strict (a string where a number belongs is refused, not coerced); ranges are
-checked here with messages that name the field; what only the engine knows (the prompt's
-length against max_model_len) is checked by `Engine.add_request` and comes back as a 400.
+This module reads the wire format only: types are strict (a string where a number belongs is
+refused, not coerced) and unknown fields are refused by name. It checks no range: every range
+is `SamplingParams`'s and every engine limit `jaxcb.validation`'s, so that HTTP, jobs and
+`LLM.generate` give the same answer. Every refusal is an `InvalidRequestError` naming its field.
 """
 
 from __future__ import annotations
 
-import re
+import os
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
-from jaxcb.request_fields import RefusedFieldError, check_fields
-from jaxcb.sampling_params import InvalidRequestError, SamplingParams
+from jaxcb.errors import InvalidRequestError
+from jaxcb.request_fields import check_fields
+from jaxcb.sampling_params import SamplingParams
+
+
+def served_model_name(cfg) -> str:
+    """The model name requests must give (`model`): server.served_model_name, else the preset's name,
+    else (model=hf) the checkpoint's folder."""
+    if cfg.server.served_model_name:
+        return cfg.server.served_model_name
+    if cfg.model.name == "hf" and cfg.model.checkpoint:
+        return os.path.basename(os.path.normpath(cfg.model.checkpoint))
+    return cfg.model.name
 
 
 class APIError(Exception):
@@ -59,7 +72,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
     # vLLM's: the tenant's salt; only requests with the same salt share cached prefix blocks
-    cache_salt: Optional[str] = Field(default=None, min_length=1)
+    cache_salt: Optional[str] = None
     timeout: Optional[Union[int, float]] = None  # seconds: end with what it has by then (never past server.request_timeout_s)
     # constraints (jaxcb.structured): vLLM's structured_outputs, and the token-level fields
     structured_outputs: Optional[dict[str, Any]] = None
@@ -132,99 +145,69 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def _known_fields(body: dict[str, Any], cls: type[_Strict]) -> dict[str, Any]:
-    """The body with ignored fields dropped; APIError(400) naming a field jaxcb does not honour."""
-    try:
-        body = check_fields(body, frozenset(cls.model_fields))
-        if isinstance(body.get("messages"), list):
-            body["messages"] = [
-                check_fields(m, frozenset(ChatMessage.model_fields), f"messages.{i}.") if isinstance(m, dict) else m
-                for i, m in enumerate(body["messages"])
-            ]
-        if isinstance(body.get("stream_options"), dict):
-            body["stream_options"] = check_fields(body["stream_options"], frozenset(StreamOptions.model_fields),
-                                                  "stream_options.")
-    except RefusedFieldError as e:
-        raise APIError(400, str(e), param=e.field) from None
+    """The body with ignored fields dropped; InvalidRequestError naming a field jaxcb does not honour."""
+    body = check_fields(body, frozenset(cls.model_fields))
+    if isinstance(body.get("messages"), list):
+        body["messages"] = [
+            check_fields(m, frozenset(ChatMessage.model_fields), f"messages.{i}.") if isinstance(m, dict) else m
+            for i, m in enumerate(body["messages"])
+        ]
+    if isinstance(body.get("stream_options"), dict):
+        body["stream_options"] = check_fields(body["stream_options"], frozenset(StreamOptions.model_fields),
+                                              "stream_options.")
     return body
 
 
 def parse_request(cls: type[_Strict], body: Any) -> Any:
+    """`body` (a decoded JSON object) as a `cls`, or InvalidRequestError naming the first field at fault."""
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, not {type(body).__name__}")
+        raise InvalidRequestError(f"the request body must be a JSON object, not {type(body).__name__}")
     body = _known_fields(body, cls)
     try:
         return cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err["loc"]) or None
-        raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
+        param = ".".join(str(p) for p in err["loc"] if not _is_union_member(p)) or None
+        raise InvalidRequestError(f"{param}: {err['msg']}" if param else err["msg"], param) from None
 
 
-def _check(ok: bool, message: str, param: str) -> None:
-    if not ok:
-        raise APIError(400, message, param=param)
+def _is_union_member(loc_part: Any) -> bool:
+    """Pydantic's error path names the member of a Union it tried ("stop.list[str].0"); a body has no such field."""
+    return isinstance(loc_part, str) and (loc_part in ("str", "int", "float", "bool") or "[" in loc_part
+                                          or loc_part[:1].isupper())
 
 
-def _logit_bias(req: _SamplingFields) -> Optional[dict[int, float]]:
-    if not req.logit_bias:
-        return None
-    bias = {}
-    for key, value in req.logit_bias.items():
-        _check(key.lstrip("-").isdigit(), f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
-        _check(-100 <= value <= 100, f"logit_bias[{key}]={value} must be between -100 and 100", "logit_bias")
-        bias[int(key)] = float(value)
-    return bias
-
-
-def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int], *, max_n: int,
-                    max_model_len: int, max_logprobs: int, structured_outputs=None) -> SamplingParams:
-    """The engine's SamplingParams for a request, or APIError(400) naming the field.
-    `structured_outputs`: the request's spec (jaxcb.structured), already read from its fields."""
-    _check(1 <= req.n <= max_n, f"n={req.n} must be between 1 and {max_n}", "n")
-    if max_tokens is not None:
-        _check(1 <= max_tokens <= max_model_len, f"max_tokens={max_tokens} must be between 1 and {max_model_len}", "max_tokens")
-    t = 1.0 if req.temperature is None else req.temperature
-    _check(0 <= t <= 2, f"temperature={t} must be between 0 and 2", "temperature")
-    top_p = 1.0 if req.top_p is None else req.top_p
-    _check(0 < top_p <= 1, f"top_p={top_p} must be in (0, 1]", "top_p")
-    top_k = req.top_k if req.top_k not in (None, -1) else 0
-    _check(top_k >= 0, f"top_k={req.top_k} must be >= 0 (0 or -1 disables it)", "top_k")
-    if logprobs is not None:
-        _check(0 <= logprobs <= max_logprobs, f"logprobs={logprobs} must be between 0 and {max_logprobs}", "logprobs")
+def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
+                    structured_outputs=None) -> SamplingParams:
+    """The engine's SamplingParams for a request body: its fields under the engine's names (null: the
+    default), every range checked by SamplingParams itself. `structured_outputs`: the request's spec
+    (jaxcb.structured), already read from its fields."""
     prompt_logprobs = req.prompt_logprobs
-    if prompt_logprobs is not None:
-        _check(0 <= prompt_logprobs <= max_logprobs,
-               f"prompt_logprobs={prompt_logprobs} must be between 0 and {max_logprobs}", "prompt_logprobs")
-    if getattr(req, "echo", False) and logprobs is not None:  # the echoed prompt carries logprobs too
-        prompt_logprobs = max(prompt_logprobs or 0, logprobs)
+    if getattr(req, "echo", False) and logprobs is not None and isinstance(logprobs, int):
+        prompt_logprobs = max(prompt_logprobs or 0, logprobs)  # the echoed prompt carries logprobs too
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    _check(len(stop) <= 16 and all(stop), "stop must be at most 16 non-empty strings", "stop")
-    try:
-        return SamplingParams(
-            n=req.n,
-            max_tokens=max_tokens if max_tokens is not None else 16,
-            min_tokens=req.min_tokens,
-            temperature=t,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=req.min_p or 0.0,
-            repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            seed=req.seed,
-            stop=stop,
-            stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            structured_outputs=structured_outputs,
-            logit_bias=_logit_bias(req),
-            allowed_token_ids=req.allowed_token_ids,
-            bad_words=list(req.bad_words or []),
-            prompt_logprobs=prompt_logprobs,
-        )
-    except InvalidRequestError as e:
-        field = re.match(r"[a-z_]+", str(e))
-        raise APIError(400, str(e), param=field.group(0) if field else None) from None
+    return SamplingParams(
+        n=req.n,
+        max_tokens=max_tokens if max_tokens is not None else 16,
+        min_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=0 if req.top_k is None else req.top_k,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        structured_outputs=structured_outputs,
+        logit_bias=req.logit_bias,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=list(req.bad_words or []),
+        prompt_logprobs=prompt_logprobs,
+    )
 
 
 def message_text(message: ChatMessage) -> Optional[str]:
@@ -233,6 +216,6 @@ def message_text(message: ChatMessage) -> Optional[str]:
     parts = []
     for part in message.content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(400, "only text content parts ({'type': 'text', 'text': ...}) are supported", param="messages")
+            raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages")
         parts.append(part["text"])
     return "".join(parts)

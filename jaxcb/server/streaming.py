@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -179,15 +179,16 @@ def _tool_call_delta(d) -> dict:
     return entry
 
 
-def _chat_delta(plan, streamers: dict, index: int, text: str, done: bool) -> tuple[dict, bool]:
+def _chat_delta(plan, streamers: dict, index: int, text: str, done: Optional[str]) -> tuple[dict, bool]:
     """(the delta of one choice, whether it carries tool calls): plain content, or what the choice's
-    tool-call streamer lets out (text that may start a call is held back until it is known)."""
+    tool-call streamer lets out (text that may start a call is held back until it is known).
+    `done`: the choice's finish reason once it has one; a choice cut short lets out no unfinished call."""
     if plan is None or plan.tool_parser is None:
         return ({"content": text} if text else {}), False
     streamer = streamers.setdefault(index, plan.tool_parser.streamer())
     content, calls = streamer.feed(text)
     if done:
-        more_content, more_calls = streamer.finish()
+        more_content, more_calls = streamer.finish(cut=done != "stop")
         content, calls = content + more_content, calls + more_calls
     if plan.max_tool_calls is not None:
         calls = [d for d in calls if d.index < plan.max_tool_calls]
@@ -221,7 +222,7 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             if not c.text and not done:
                 held[c.index] = c
                 continue
-            delta, calls = _chat_delta(plan, streamers, c.index, c.text, bool(done))
+            delta, calls = _chat_delta(plan, streamers, c.index, c.text, done)
             if calls:
                 called.add(c.index)
             logprobs = fmt.chat_logprobs(tok, c, 0, top_n) if req.logprobs else None

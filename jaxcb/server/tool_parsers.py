@@ -15,8 +15,9 @@ add up to exactly the non-streamed string; grammar-forced JSON is compact alread
 For pythonic, `json.dumps(args, ensure_ascii=False, separators=(",", ":"))`, each call sent whole.
 
 What a stream cannot avoid: it announces a JSON call once its head (`{"name": "f", "arguments": `)
-is read; if the call then turns out malformed (say, cut by max_tokens) that partial call stays
-sent, and its text also arrives as content, as `parse` has it.
+is read; if the call then turns out malformed, that partial call stays sent, and its text also
+arrives as content, as `parse` has it. A call cut short (max_tokens, a timeout: `cut=True`) is
+dropped from the content instead, in both forms: its markup never reaches the client as text.
 """
 
 from __future__ import annotations
@@ -185,9 +186,9 @@ class ToolCallStreamer:
         self._text += delta_text
         return self._update(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
-        """At the end of the output: what was held back."""
-        return self._update(final=True)
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """At the end of the output: what was held back -- unless the output was `cut` short (as `parse`)."""
+        return self._update(final=not cut)
 
     def _update(self, final: bool) -> tuple[str, list[ToolCallDelta]]:
         scan = self._parser._scan(self._text, final)
@@ -218,9 +219,11 @@ class ToolParser(abc.ABC):
     """One tool call syntax: how to read it. `tool_grammar` writes it, by `name`."""
     name: str = ""
 
-    def parse(self, text: str) -> ParsedToolOutput:
-        """A finished completion as content and calls."""
-        scan = self._scan(text, final=True)
+    def parse(self, text: str, cut: bool = False) -> ParsedToolOutput:
+        """A finished completion as content and calls. `cut`: it ended before the model finished (max_tokens,
+        a timeout), so a call being written is dropped, not read as content, and so is a last piece of text
+        that may begin one -- the markup of an unfinished call never reaches the content."""
+        scan = self._scan(text, final=not cut)
         calls = [ToolCall(_new_call_id(), name, arguments) for _, name, arguments in scan.calls]
         return ParsedToolOutput("".join(scan.content).strip() or None, calls)
 

@@ -1,0 +1,103 @@
+"""A completions or chat body in the engine's terms: the one path that HTTP requests and JSONL job
+records share, so that the same field with the same value gets the same answer from both (and from
+`LLM.generate`, which starts at `SamplingParams`).
+
+body -> `protocol.parse_request` (wire types, unknown fields refused) -> `plan_completion` /
+`plan_chat_completion` (prompts, constraints, chat template, tools) -> `SamplingParams` (every
+range) -> `Engine.add_request` (`jaxcb.validation`: every engine limit). Each step raises
+`InvalidRequestError` naming the field; `PlannedRequest.body_field` turns the engine's name for
+a field back into the body's (chat's `top_logprobs` is the engine's `logprobs`). No jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from jaxcb.errors import InvalidRequestError
+from jaxcb.sampling_params import SamplingParams
+from jaxcb.server.chat import ChatPlan, plan_chat
+from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from jaxcb.server.tool_parsers import ToolParser
+from jaxcb.structured.spec import StructuredOutputs, from_structured_outputs
+from jaxcb.tokenizer import Tokenizer
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class PlannedRequest:
+    prompts: list[Prompt]  # one engine request each (a completions body may carry several)
+    params: SamplingParams
+    priority: int = 0
+    cache_salt: Optional[str] = None
+    timeout: Optional[float] = None  # the body's own deadline in seconds, if it gave one
+    chat: Optional[ChatPlan] = None  # a chat request's plan: how tool calls are read back out of the reply
+    renamed_fields: dict[str, str] = field(default_factory=dict)  # the engine's field name -> the body's
+
+    def body_field(self, name: Optional[str]) -> Optional[str]:
+        return self.renamed_fields.get(name, name) if name is not None else None
+
+    def refusal(self, error: InvalidRequestError) -> InvalidRequestError:
+        """`error` (from the engine) naming the body's field rather than the engine's."""
+        return _renamed(error, self.renamed_fields)
+
+
+def _renamed(error: InvalidRequestError, renamed: dict[str, str]) -> InvalidRequestError:
+    if error.field not in renamed:
+        return error
+    name = renamed[error.field]
+    return InvalidRequestError(str(error).replace(error.field, name, 1), name)
+
+
+def _prompts(prompt: Any) -> list[Prompt]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise InvalidRequestError("prompt is empty; give a non-empty string or list of token ids", "prompt")
+    return prompts
+
+
+def _check_timeout(timeout: Optional[float]) -> None:
+    if timeout is not None and not timeout > 0:
+        raise InvalidRequestError(f"timeout={timeout} must be a number of seconds > 0", "timeout")
+
+
+def plan_completion(req: CompletionRequest) -> PlannedRequest:
+    """A /v1/completions body (or a job record with `prompt`) as engine requests."""
+    prompts = _prompts(req.prompt)
+    structured: Optional[StructuredOutputs] = (
+        from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
+    _check_timeout(req.timeout)
+    params = sampling_params(req, req.max_tokens, req.logprobs, structured)
+    return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout)
+
+
+def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,
+                         tool_prompt_fallback: bool = True) -> PlannedRequest:
+    """A /v1/chat/completions body (or a job record with `messages`) as one engine request."""
+    plan = plan_chat(req, tokenizer, parser, tool_prompt_fallback)
+    renamed = {}
+    if req.max_completion_tokens is not None:
+        max_tokens, renamed["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens = req.max_tokens
+    if max_tokens is None:  # as OpenAI: as many as the context leaves
+        max_tokens = max(1, max_model_len - len(plan.prompt_ids))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
+    top_n = req.top_logprobs or 0
+    if req.logprobs:
+        renamed["logprobs"] = "top_logprobs"
+    _check_timeout(req.timeout)
+    # logprobs=true alone is the chosen token's logprob: the engine's logprobs=1 carries it
+    logprobs = (max(top_n, 1) if top_n >= 0 else top_n) if req.logprobs else None
+    try:
+        params = sampling_params(req, max_tokens, logprobs, plan.structured)
+    except InvalidRequestError as e:
+        raise _renamed(e, renamed) from None
+    return PlannedRequest([plan.prompt_ids], params, req.priority, req.cache_salt, req.timeout, plan, renamed)
