@@ -81,7 +81,8 @@ CONVERSATIONS = {
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(compose_config(BASE + VARIANTS + ("model=smollm2",)), progress=False)
+    # Room for tool definitions, which SmolLM2's prompts carry in the conversation (the tool prompt fallback).
+    return LLM(compose_config(BASE + VARIANTS + ("model=smollm2", "engine.max_model_len=512")), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +246,72 @@ def test_openai_parse_and_a_tool_round_trip_on_the_real_model(llm):
                                                 max_tokens=NUM_TOKENS)
     assert second.choices[0].message.content and second.choices[0].finish_reason in ("stop", "length")
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+                   "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def _chat_prompt_text(llm, body: dict, fallback: bool = True) -> str:
+    from jaxcb.server.chat import plan_chat
+    from jaxcb.server.protocol import ChatCompletionRequest, parse_request
+    from jaxcb.server.tool_parsers import get_tool_parser
+
+    req = parse_request(ChatCompletionRequest, {"model": "smollm2", **body})
+    parser = get_tool_parser("auto", llm.tokenizer.chat_template)
+    return llm.tokenizer.decode(plan_chat(req, llm.tokenizer, parser, fallback).prompt_ids, skip_special_tokens=False)
+
+
+def test_tools_reach_smollm2_whose_template_never_renders_them(llm):
+    """SmolLM2's template ignores `tools`: the fallback writes the definitions, an assistant turn's calls and
+    the tool's result into the conversation, in the hermes syntax the reply is read in."""
+    plain = _chat_prompt_text(llm, {"messages": ASK})
+    with_tools = _chat_prompt_text(llm, {"messages": ASK, "tools": [WEATHER], "tool_choice": "auto"})
+    assert with_tools != plain
+    assert '"name": "get_weather"' in with_tools and "The current weather of a city" in with_tools
+    assert "<tool_call>" in with_tools and "What is the weather like in Paris today?" in with_tools
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "sunny"}'}]
+    turn = _chat_prompt_text(llm, {"messages": history, "tools": [WEATHER]})
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in turn
+    assert '<tool_response>\n{"sky": "sunny"}\n</tool_response>' in turn
+    # Without tools offered any more, the earlier call is still written out rather than dropped.
+    assert '"arguments": {"city": "Paris"}' in _chat_prompt_text(llm, {"messages": history})
+
+
+def test_tools_the_template_would_drop_are_a_400_naming_tools_with_the_fallback_off(llm):
+    import httpx
+
+    from server_harness import running_server
+
+    with running_server("model=smollm2", "server.tool_prompt_fallback=false", engine=llm.engine) as (url, _):
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "smollm2", "messages": ASK, "tools": [WEATHER], "max_tokens": 4})
+        plain = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": "smollm2", "messages": ASK, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    message = r.json()["error"]["message"]
+    assert "server.chat_template" in message and "server.tool_prompt_fallback" in message
+    assert plain.status_code == 200
+
+
+def test_a_tool_call_cut_by_max_tokens_leaves_no_markup_in_content(llm):
+    from openai import OpenAI
+
+    from server_harness import running_server
+
+    with running_server("model=smollm2", engine=llm.engine) as (url, _):
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        whole = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                               temperature=0, max_tokens=8)
+        chunks = list(client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER],
+                                                     tool_choice="required", temperature=0, max_tokens=8, stream=True))
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and not choice.message.tool_calls
+    assert "<tool" not in (choice.message.content or "") and "get_weather" not in (choice.message.content or "")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool" not in streamed and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
