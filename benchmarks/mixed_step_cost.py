@@ -68,6 +68,12 @@ def record_with_schedule(runner):
         del runner.build_inputs
 
 
+def padded_tokens(key) -> int:
+    """A recorded step's token bucket (`BucketKey.num_tokens`; in revisions before named bucket keys,
+    a plain tuple's first entry)."""
+    return key.num_tokens if hasattr(key, "num_tokens") else key[0]
+
+
 def composition(out) -> tuple[int, int, int]:
     """(decode rows, prefill tokens, prefill rows) of a scheduled step."""
     decodes = sum(1 for s in out.scheduled if s.start_position >= s.num_prompt_tokens)
@@ -208,9 +214,9 @@ def trace(overrides: list[str]) -> None:
             row[0] += 1
             row[1] += decodes
             row[2] += prefill_tokens
-            row[3] += key[0]
+            row[3] += padded_tokens(key)
             row[4] += took
-            buckets[name][key[0]] += 1
+            buckets[name][padded_tokens(key)] += 1
         replayed = sum(r[4] for r in rows.values())
         print(f"\n{policy}: engine {result.seconds:.2f} s, {len(recorded)} steps; replayed alone {replayed:.2f} s "
               f"(host share {1 - replayed / result.seconds:.0%}); {result.output_tokens_per_s:,.0f} out tok/s")

@@ -12,22 +12,25 @@ distribution (log-softmax of the logits before any of it).
 
 What a step computes is fixed when it is compiled, never chosen by a `lax.cond` on a device
 value (on a GPU each such branch waits for the device to tell the host which way to go). The
-host knows what its rows ask for and picks the least of three sampling levels that serves
-them all (`sampling_level`), each a superset of the one before:
+host knows what its rows ask for and picks the least step variant (`StepVariant`) that serves
+them all, each a superset of the one before. The first three are the sampling levels
+(`sampling_level` picks one, `sample` runs one):
 
-    GREEDY  every row greedy and nothing else: the logits' row argmax (a backend may take it
-            inside the head's matmul and never write the logits)
-    RANDOM  + temperature and the Gumbel draw, + banned ids (min_tokens)
-    FULL    + penalties, top-k / top-p / min-p, logprobs (the chosen token's and the top-n)
+    GREEDY           every row greedy and nothing else: the logits' row argmax (a backend may
+                     take it inside the head's matmul and never write the logits)
+    RANDOM           + temperature and the Gumbel draw, + banned ids (min_tokens)
+    FULL             + penalties, top-k / top-p / min-p, logprobs (the chosen token's and the top-n)
+    MASKED           + the token bitmask and the logit bias (`TokenMasks`); samples at FULL
+    PROMPT_LOGPROBS  + every prompt row's logprobs (the runner's); samples at FULL, masked
 
-The bitmask and the bias (`TokenMasks`) exist only in the masked step variants, which sample
-at FULL. Penalties read counts that the step keeps on the device (`PenaltyCounts`, one row per
+Penalties read counts that the step keeps on the device (`PenaltyCounts`, one row per
 slot of the runner's `SlotTable`), never a history shipped from the host.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Callable, Iterable, Optional
 
 import jax
@@ -35,8 +38,29 @@ import jax.numpy as jnp
 
 Argmax = Callable[[jax.Array], jax.Array]  # f32[R, V] -> i32[R], jnp.argmax's indices
 
-GREEDY, RANDOM, FULL = 0, 1, 2  # sampling levels, each a superset of the one before
-LEVEL_NAMES = ("greedy", "random", "full")
+
+class StepVariant(enum.IntEnum):
+    """What a compiled step computes, each variant a superset of the one before (the order matters:
+    a step runs the least compiled variant at or above the one it needs)."""
+
+    GREEDY = 0
+    RANDOM = 1
+    FULL = 2
+    MASKED = 3
+    PROMPT_LOGPROBS = 4
+
+    @property
+    def label(self) -> str:
+        """Its name in configs and logs: greedy, random, full, masked, prompt-logprobs."""
+        return self.name.lower().replace("_", "-")
+
+    @property
+    def sampling_level(self) -> "StepVariant":
+        """The level it samples at: GREEDY, RANDOM or FULL (the masked variants sample at FULL)."""
+        return min(self, StepVariant.FULL)
+
+
+SAMPLING_LEVELS = (StepVariant.GREEDY, StepVariant.RANDOM, StepVariant.FULL)  # what `sample` runs
 
 
 def xla_argmax(x: jax.Array) -> jax.Array:
@@ -64,16 +88,16 @@ jax.tree_util.register_dataclass(
 )
 
 
-def sampling_level(params: Iterable, any_banned: bool) -> int:
+def sampling_level(params: Iterable, any_banned: bool) -> StepVariant:
     """The least level that serves every row: `params` the SamplingParams of every scheduled
     sequence (a sequence with penalties needs FULL even in a chunk that does not sample: its
     tokens are counted), `any_banned` whether a sampling row has banned ids this step."""
-    level = RANDOM if any_banned else GREEDY
+    level = StepVariant.RANDOM if any_banned else StepVariant.GREEDY
     for p in params:
         if p.logprobs is not None or p.top_k > 0 or p.top_p < 1 or p.min_p > 0 or p.uses_penalties:
-            return FULL
+            return StepVariant.FULL
         if p.temperature > 0:
-            level = RANDOM
+            level = StepVariant.RANDOM
     return level
 
 
@@ -200,7 +224,7 @@ def _logprobs(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, j
 def sample(
     logits: Optional[jax.Array],  # f32[R, V]; None at GREEDY when `logits_argmax` is given
     s: SamplingArrays,
-    level: int,
+    level: StepVariant,  # GREEDY, RANDOM or FULL (static)
     num_logprobs: int,
     argmax: Argmax = xla_argmax,
     logits_argmax: Optional[jax.Array] = None,  # i32[R]: the logits' row argmax, computed on the way
@@ -208,26 +232,26 @@ def sample(
     masks: Optional[TokenMasks] = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n]) at a sampling
-    `level` (static); below FULL the logprobs are zeros. With `masks` every row's logits get its
+    `level`; below FULL the logprobs are zeros. With `masks` every row's logits get its
     bias and its bitmask before the choice (the masked variants sample at FULL)."""
     num_rows = s.temperature.shape[0]
     no_logprobs = (jnp.zeros((num_rows,), jnp.float32), jnp.zeros((num_rows, num_logprobs), jnp.int32),
                    jnp.zeros((num_rows, num_logprobs), jnp.float32))
-    if level == GREEDY:
+    if level == StepVariant.GREEDY:
         token = logits_argmax if logits_argmax is not None else argmax(logits)
         return (token.astype(jnp.int32), *no_logprobs)
     vocab = logits.shape[-1]
     rows = jnp.arange(num_rows)[:, None]
     x = logits
-    if level >= FULL:
+    if level >= StepVariant.FULL:
         x = apply_penalties(x, counts, s)
     if masks is not None:
         x = x.at[rows, masks.bias_ids].add(masks.bias_values, mode="drop")
     x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
     if masks is not None:
         x = jnp.where(allowed_tokens(masks.bitmask, vocab), x, -jnp.inf)
-    token = jnp.where(s.temperature == 0, argmax(x), _draw(x, s, level >= FULL, argmax)).astype(jnp.int32)
-    if level < FULL:
+    token = jnp.where(s.temperature == 0, argmax(x), _draw(x, s, level >= StepVariant.FULL, argmax)).astype(jnp.int32)
+    if level < StepVariant.FULL:
         return (token, *no_logprobs)
     token_lp, top_ids, top_lp = _logprobs(logits, token, num_logprobs)
     return token, token_lp, top_ids, top_lp

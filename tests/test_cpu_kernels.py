@@ -142,16 +142,16 @@ def test_greedy_steps_on_cpu_take_their_tokens_from_the_cpu_argmax():
     assert _cpu_row_argmax("cpu", one_device=False) is xla_argmax
     assert _cpu_row_argmax("gpu", one_device=True) is xla_argmax
     assert _cpu_row_argmax("cpu", one_device=True) is row_argmax
-    from jaxcb.runner.step_inputs import GREEDY
+    from jaxcb.sampling import StepVariant
 
     compiled = shared_engine().runner.compiled
-    assert {key[3] for key in compiled} > {GREEDY}  # both kinds below were compiled
-    for (_, _, _, variant), executable in compiled.items():
+    assert {key.variant for key in compiled} > {StepVariant.GREEDY}  # both kinds below were compiled
+    for key, executable in compiled.items():
         text = executable.as_text()
         assert "jaxcb_packed_matmul_argmax" in text  # the LM head, with the argmax of an all-greedy step
         # a step that reads its logits (sampling, penalties, bans, logprobs) takes their argmax on the CPU
         # kernel too; an all-greedy step has its argmax from the head already and never writes logits
-        assert ("jaxcb_row_argmax" in text) == (variant != GREEDY)
+        assert ("jaxcb_row_argmax" in text) == (key.variant != StepVariant.GREEDY)
 
 
 def cpu_flags() -> set[str]:

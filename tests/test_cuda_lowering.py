@@ -169,7 +169,9 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
     from jaxcb.backends import select_backend
     from jaxcb.config import compose_config
     from jaxcb.runner import ModelRunner, make_buckets
+    from jaxcb.runner.buckets import BucketKey
     from jaxcb.runner.step_inputs import abstract_step_inputs, packed_sizes
+    from jaxcb.sampling import StepVariant
 
     cfg = compose_config(["model=llama8b", "model.init=random", "scheduler.max_num_seqs=256",
                           "scheduler.max_num_batched_tokens=2048", "engine.max_model_len=8192"])
@@ -181,13 +183,13 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
     buckets = make_buckets(cfg.engine, cfg.scheduler, width, "pallas", platform="gpu")
     runner = ModelRunner(model, backend, KVCache(cache, cache), buckets, max_model_len=8192, max_logprobs=5,
                          max_stop_token_ids=8)
-    assert [t for t, _, _ in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
-    from jaxcb.runner.step_inputs import FULL, GREEDY, MASKED, PROMPT_LOGPROBS, RANDOM
+    assert [b.num_tokens for b in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
 
     first = buckets.all()[0]
-    for key in [(*b, GREEDY) for b in buckets.all()] + [(*first, v) for v in (RANDOM, FULL, MASKED, PROMPT_LOGPROBS)]:
-        num_tokens, num_seqs, key_width, _ = key
-        x = abstract_step_inputs(*key, **runner._abstract)
+    keys = [BucketKey(*b, StepVariant.GREEDY) for b in buckets.all()]
+    keys += [BucketKey(*first, v) for v in StepVariant if v != StepVariant.GREEDY]
+    for key in keys:
+        x = abstract_step_inputs(key, **runner._abstract)
         num_ints, num_floats = packed_sizes(x)
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32)
         floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32)
@@ -195,7 +197,7 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
         lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, runner.slot_state, key, ints, floats,
                                 x.prev_tokens)
         [call] = triton_calls(lowered)
-        assert call.grid == LLAMA8B.expected_grid(num_tokens, num_seqs, key_width), key
+        assert call.grid == LLAMA8B.expected_grid(key.num_tokens, key.num_seqs, key.table_width), key
         assert "@jaxcb_" not in lowered.as_text()
 
 

@@ -381,7 +381,8 @@ def test_the_step_width_follows_the_longest_context_not_the_blocks_held():
     e.step()
     e.step()
     assert len(e.scheduler.running[0].block_ids) == 8
-    assert [k[0][2] for k in keys] == [4, 4]
+    assert [key.table_width for key, _, _ in keys] == [4, 4]
     while e.has_unfinished_requests():
         e.step()
-    assert keys[-1][0][2] == 16  # 119 tokens of context: the full width
+    last_key, _, _ = keys[-1]
+    assert last_key.table_width == 16  # 119 tokens of context: the full width

@@ -4,11 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.sampling import (FULL, GREEDY, LEVEL_NAMES, RANDOM, PenaltyCounts, SamplingArrays, record_tokens,
-                            sample, sampling_level)
+from jaxcb.sampling import (SAMPLING_LEVELS, PenaltyCounts, SamplingArrays, StepVariant, record_tokens, sample,
+                            sampling_level)
 from jaxcb.sampling_params import SamplingParams
 
 VOCAB = 11
+GREEDY, RANDOM, FULL = StepVariant.GREEDY, StepVariant.RANDOM, StepVariant.FULL
 
 
 def arrays(rows, **overrides):
@@ -106,7 +107,7 @@ def test_a_row_draws_the_same_token_at_every_level_that_serves_it():
     rng = np.random.default_rng(3)
     logits = rng.standard_normal((64, VOCAB)).astype(np.float32) * 3
     greedy = arrays(64, temperature=np.zeros(64))
-    by_level = [draw(logits, greedy, level=level)[0] for level in (GREEDY, RANDOM, FULL)]
+    by_level = [draw(logits, greedy, level=level)[0] for level in SAMPLING_LEVELS]
     np.testing.assert_array_equal(by_level[0], logits.argmax(axis=1))
     np.testing.assert_array_equal(by_level[0], by_level[1])
     np.testing.assert_array_equal(by_level[0], by_level[2])
@@ -129,7 +130,7 @@ def test_below_full_no_logprobs_are_computed_and_greedy_takes_the_given_argmax()
     np.testing.assert_allclose(full[1], expected[np.arange(4), full[0]], atol=1e-5)
 
 
-def optimised_hlo(level: int, rows: int = 2) -> str:
+def optimised_hlo(level: StepVariant, rows: int = 2) -> str:
     s = arrays(rows, temperature=np.linspace(0, 1, rows))
     counts = counts_of(rows)
     return jax.jit(lambda lg, s, c: sample(lg, s, level, 3, counts=c)).lower(
@@ -140,11 +141,11 @@ def test_no_level_branches_or_loops_on_a_device_value():
     """On a GPU a conditional (or a loop whose end XLA cannot see) waits for the device to tell the
     host which way to go: no level has one, its work fixed when compiled (the random bits' own
     loops have a trip count XLA knows)."""
-    for level in (GREEDY, RANDOM, FULL):
+    for level in SAMPLING_LEVELS:
         hlo = optimised_hlo(level)
-        assert " conditional(" not in hlo, LEVEL_NAMES[level]
+        assert " conditional(" not in hlo, level.label
         loops = [line for line in hlo.splitlines() if " while(" in line]
-        assert all('"known_trip_count"' in line for line in loops), LEVEL_NAMES[level]
+        assert all('"known_trip_count"' in line for line in loops), level.label
 
 
 def test_the_host_picks_the_least_level_that_serves_every_row():

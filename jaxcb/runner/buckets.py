@@ -1,19 +1,40 @@
 """Step sizes: the short lists of token, sequence and block-table-width buckets compiled at start-up.
 
-A step has three static sizes: tokens T, sequences R and block-table width W. Each comes from
-a short list (config, or `default_token_buckets` -- denser on CPU, where padding costs
-compute -- up to the limits; the token budget is always a bucket, so a step never pads past
-it), and every (T, R, W) combination is compiled ahead of time.
+A step has three static sizes: tokens T, sequences R and block-table width W (a `Bucket`). Each
+comes from a short list (config, or `default_token_buckets` -- denser on CPU, where padding
+costs compute -- up to the limits; the token budget is always a bucket, so a step never pads
+past it), and every (T, R, W) combination is compiled ahead of time, once per step variant
+(`BucketKey`: the bucket and its `jaxcb.sampling.StepVariant`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 
 from jaxcb.config import EngineConfig, SchedulerConfig
 from jaxcb.kernels.attention.xla import GATHER_MAX_WIDTH
+from jaxcb.sampling import StepVariant
+
+
+class Bucket(NamedTuple):
+    """One step size: a step's arrays are padded up to these."""
+
+    num_tokens: int  # T: token rows (token_ids[T], positions[T], ...)
+    num_seqs: int  # R: sequence rows (kv_lens[R], the sampling arrays [R], ...)
+    table_width: int  # W: block-table columns, in blocks (block_tables[R, W])
+
+
+class BucketKey(NamedTuple):
+    """One compiled step: a bucket's sizes and the variant compiled for them (a jit's static argument)."""
+
+    num_tokens: int  # T
+    num_seqs: int  # R
+    table_width: int  # W, in blocks
+    variant: StepVariant
+
 
 def powers_up_to(limit: int, base: int, start: int) -> list[int]:
     out, b = [], start
@@ -35,14 +56,15 @@ class Buckets:
             return [min(num_tokens_bucket, self.max_num_seqs)]
         return sorted({min(r, num_tokens_bucket) for r in self.seqs})
 
-    def all(self) -> list[tuple[int, int, int]]:
-        return [(t, r, w) for t in self.tokens for r in self.seqs_for(t) for w in self.widths]
+    def all(self) -> list[Bucket]:
+        return [Bucket(t, r, w) for t in self.tokens for r in self.seqs_for(t) for w in self.widths]
 
-    def pick(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
+    def pick(self, num_tokens: int, num_seqs: int, width: int) -> Bucket:
+        """The smallest bucket that holds a step of these sizes (`width`: its longest table, in blocks)."""
         t = next(b for b in self.tokens if b >= num_tokens)
         r = next(b for b in self.seqs_for(t) if b >= num_seqs)
         w = next(b for b in self.widths if b >= width)
-        return t, r, w
+        return Bucket(t, r, w)
 
 
 def default_token_buckets(budget: int, platform: str) -> list[int]:

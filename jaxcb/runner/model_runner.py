@@ -37,16 +37,10 @@ from jaxcb.kernels.attention import SWAP_CHUNK, KVCache
 from jaxcb.kernels.attention.cache import gather_blocks
 from jaxcb.kv_cache import HostSwapSpace
 from jaxcb.model.llama import Llama, StepWeights, forward
-from jaxcb.runner.buckets import Buckets
+from jaxcb.runner.buckets import BucketKey, Buckets
 from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.slots import SlotState, SlotTable, empty_slot_state, write_slots
 from jaxcb.runner.step_inputs import (
-    FULL,
-    GREEDY,
-    MASKED,
-    PROMPT_LOGPROBS,
-    RANDOM,
-    VARIANT_NAMES,
     WRITE_CHUNK,
     SlotWrites,
     StepArgs,
@@ -55,14 +49,13 @@ from jaxcb.runner.step_inputs import (
     packed_sizes,
     unpack_step_inputs,
 )
-from jaxcb.sampling import PenaltyCounts, record_tokens, sample
+from jaxcb.sampling import SAMPLING_LEVELS, PenaltyCounts, StepVariant, record_tokens, sample
 from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
 
 log = logging.getLogger(__name__)
 
-BucketKey = tuple[int, int, int, int]  # (tokens, sequences, block-table width, variant: step_inputs.GREEDY...)
-SAMPLING_LEVELS = {"greedy": GREEDY, "random": RANDOM, "full": FULL}
+LEVELS_BY_LABEL = {level.label: level for level in SAMPLING_LEVELS}  # engine.sampling_variants' names
 PROMPT_LOGPROBS_CHUNK = 128  # prompt rows whose logits exist at once: [128, V] f32 bounds the variant's extra memory
 
 
@@ -137,14 +130,15 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
-        self.variants = sorted(SAMPLING_LEVELS[name] for name in set(sampling_variants)) + (
-            [MASKED] if masked_sampling else []) + ([PROMPT_LOGPROBS] if prompt_logprobs else [])
+        levels = sorted(LEVELS_BY_LABEL[name] for name in set(sampling_variants))
+        self.variants: list[StepVariant] = levels + ([StepVariant.MASKED] if masked_sampling else []) + (
+            [StepVariant.PROMPT_LOGPROBS] if prompt_logprobs else [])
         self.compiled: dict[BucketKey, object] = {}
         self.num_recompiles = 0
         self.num_steps = 0
         self.last_step = StepStats(0, 0, 0, 0)
         self.swap_space = swap_space
-        self.max_rows = max(r for _, r, _ in buckets.all())
+        self.max_rows = max(bucket.num_seqs for bucket in buckets.all())
         # Twice the most rows a step has: a sequence keeps its slot while it runs, and the least
         # recently scheduled is never one of the step's own (slots.py).
         self.num_slots = 2 * self.max_rows
@@ -175,27 +169,27 @@ class ModelRunner:
 
         def step(weights: StepWeights, kv_cache: KVCache, state: SlotState, key: BucketKey, ints, floats,
                  prev_tokens):
-            x = unpack_step_inputs(abstract_step_inputs(*key, **abstract), ints, floats, prev_tokens)
-            width, variant = key[2], key[3]
-            level = min(variant, FULL)
+            x = unpack_step_inputs(abstract_step_inputs(key, **abstract), ints, floats, prev_tokens)
+            level = key.variant.sampling_level
             from_prev = x.prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
             token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
             slot, col, block = x.table_updates
             tables = state.block_tables.at[slot, col].set(block, mode="drop")
-            md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, tables[x.row_slots, :width],
-                                   x.num_seqs)
+            block_tables = tables[x.row_slots, : key.table_width]  # i32[R, W]
+            md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, block_tables, x.num_seqs)
             hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md)
             counts, row_counts = state.counts, None
-            if level >= FULL:  # the penalties' counts: this step's tokens recorded, then each row's read
+            if level >= StepVariant.FULL:  # the penalties' counts: this step's tokens recorded, then each row's read
                 pad = jnp.array([num_slots], jnp.int32)
                 token_slots = jnp.concatenate([x.row_slots, pad])[x.token_rows]  # padding tokens: dropped
                 is_output = x.positions >= jnp.concatenate([x.num_prompt, pad])[x.token_rows]
                 counts = record_tokens(counts, token_slots, token_ids, is_output)
                 row_counts = PenaltyCounts(counts.seen[x.row_slots], counts.output_counts[x.row_slots])
-            logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], level > GREEDY)
+            greedy = level == StepVariant.GREEDY
+            logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], not greedy)
             token, token_lp, top_ids, top_lp = sample(
                 logits, x.sampling, level, num_logprobs, backend.argmax,
-                logits_argmax if level == GREEDY else None, counts=row_counts, masks=x.masks,
+                logits_argmax if greedy else None, counts=row_counts, masks=x.masks,
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
@@ -213,7 +207,7 @@ class ModelRunner:
         # Under TP the abstract weights and cache carry the shardings of the real arrays.
         sharding = (lambda a: a.sharding) if self.tp is not None else (lambda a: None)
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a))  # noqa: E731
-        x = abstract_step_inputs(*key, **self._abstract)
+        x = abstract_step_inputs(key, **self._abstract)
         num_ints, num_floats = packed_sizes(x)
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32, sharding=self.inputs.sharding)
         floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32, sharding=self.inputs.sharding)
@@ -223,12 +217,12 @@ class ModelRunner:
     def compile_all(self, progress: bool = True) -> float:
         """Compile every bucket now; return the seconds it took."""
         start = time.perf_counter()
-        keys = [(*bucket, variant) for variant in self.variants for bucket in self.buckets.all()]
+        keys = [BucketKey(*bucket, variant) for variant in self.variants for bucket in self.buckets.all()]
         seconds = dict.fromkeys(self.variants, 0.0)  # per variant, for the log
         for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
             t0 = time.perf_counter()
             self.compiled[key] = self._compile(key)
-            seconds[key[3]] += time.perf_counter() - t0
+            seconds[key.variant] += time.perf_counter() - t0
         self._write_slots_compiled = self._compile_slot_writer()
         if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
             null = jnp.zeros(SWAP_CHUNK, jnp.int32)
@@ -236,9 +230,9 @@ class ModelRunner:
             self.kv_cache = self.swap_space.write_blocks(self.kv_cache, null, k, v)
         elapsed = time.perf_counter() - start
         log.info("compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; %s; %s) in %.1f s",
-                 len(keys), sorted({(t, r) for t, r, _, _ in keys}), list(self.buckets.widths),
+                 len(keys), sorted({(key.num_tokens, key.num_seqs) for key in keys}), list(self.buckets.widths),
                  f"{len(self.buckets.all())} buckets x variants " + ", ".join(
-                     f"{VARIANT_NAMES[v]} {seconds[v]:.1f} s" for v in self.variants),
+                     f"{v.label} {seconds[v]:.1f} s" for v in self.variants),
                  self.backend.describe(), elapsed)
         return elapsed
 
@@ -292,7 +286,8 @@ class ModelRunner:
         ids, lps, self._prev_tokens, self.kv_cache, self.slot_state = self.executable(key)(
             self.weights, self.kv_cache, self.slot_state, *args)
         num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
-        self.last_step = StepStats(out.num_scheduled_tokens, key[0], num_prefill, out.num_scheduled_tokens - num_prefill)
+        self.last_step = StepStats(out.num_scheduled_tokens, key.num_tokens, num_prefill,
+                                   out.num_scheduled_tokens - num_prefill)
         self.num_steps += 1
         return StepHandle(out, key, ids, lps)
 
@@ -310,8 +305,8 @@ class ModelRunner:
                 top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
             sampled[s.request_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
         prompt = {}
-        if handle.bucket[3] == PROMPT_LOGPROBS:
-            num_rows, begin = handle.bucket[1], 0
+        if handle.bucket.variant == StepVariant.PROMPT_LOGPROBS:
+            num_rows, begin = handle.bucket.num_seqs, 0
             for s in handle.scheduled.scheduled:
                 if s.prompt_logprob_targets:
                     n = min(s.sampling_params.prompt_logprobs or 0, self.max_logprobs)

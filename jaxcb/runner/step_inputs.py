@@ -17,17 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcb.runner.buckets import Buckets
+from jaxcb.runner.buckets import BucketKey, Buckets
 from jaxcb.runner.slots import SlotTable
-from jaxcb.sampling import SamplingArrays, TokenMasks, sampling_level
-from jaxcb.core.step import SchedulerOutput
+from jaxcb.sampling import SamplingArrays, StepVariant, TokenMasks, sampling_level
+from jaxcb.core.step import ScheduledSequence, SchedulerOutput
 
-
-# Step variants, each a superset of the one before: the three sampling levels (jaxcb.sampling), then
-# the token bitmask and logit bias, then prompt logprobs; the host picks the least compiled one that
-# the step needs.
-GREEDY, RANDOM, FULL, MASKED, PROMPT_LOGPROBS = 0, 1, 2, 3, 4
-VARIANT_NAMES = ("greedy", "random", "full", "masked", "prompt-logprobs")
 WRITE_CHUNK = 1024  # entries per call of the slot writer (what a step's own updates cannot hold)
 
 
@@ -55,7 +49,7 @@ class StepInputs:
     # Async scheduling: tokens the previous step drew, still on the device, for the tokens in flight.
     prev_tokens: jax.Array  # i32[max_rows]: the previous step's sampled token of each of its rows
     prev_rows: jax.Array  # i32[T]: for an input token in flight, its row in the previous step; else -1
-    masks: Optional[TokenMasks] = None  # variants >= MASKED: token bitmask and logit bias of each row
+    masks: Optional[TokenMasks] = None  # variants from MASKED on: token bitmask and logit bias of each row
     prompt_targets: Optional[jax.Array] = None  # i32[T], PROMPT_LOGPROBS only: the prompt token each row predicts; -1: none
 
 
@@ -115,10 +109,10 @@ def unpack_step_inputs(like: StepInputs, ints: jax.Array, floats: jax.Array, pre
     return dataclasses.replace(x, prev_tokens=prev_tokens)
 
 
-def abstract_step_inputs(t: int, r: int, w: int, variant: int, *, max_banned: int, block_size: int,
-                         max_rows: int, vocab_size: int, max_logit_bias: int,
-                         sharding: Optional[jax.sharding.Sharding] = None) -> StepInputs:
+def abstract_step_inputs(key: BucketKey, *, max_banned: int, block_size: int, max_rows: int, vocab_size: int,
+                         max_logit_bias: int, sharding: Optional[jax.sharding.Sharding] = None) -> StepInputs:
     """ShapeDtypeStructs of one bucket's inputs (what the step is compiled for)."""
+    t, r, variant = key.num_tokens, key.num_seqs, key.variant
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
     inputs = StepInputs(
@@ -141,8 +135,8 @@ def abstract_step_inputs(t: int, r: int, w: int, variant: int, *, max_banned: in
         prev_tokens=i32(max_rows),
         prev_rows=i32(t),
         masks=TokenMasks(i32(r, (vocab_size + 31) // 32), i32(r, max_logit_bias), f32(r, max_logit_bias))
-        if variant >= MASKED else None,
-        prompt_targets=i32(t) if variant >= PROMPT_LOGPROBS else None,
+        if variant >= StepVariant.MASKED else None,
+        prompt_targets=i32(t) if variant >= StepVariant.PROMPT_LOGPROBS else None,
     )
     if sharding is None:
         return inputs
@@ -168,25 +162,25 @@ class StepInputBuilder:
     vocab_size: int
     max_banned: int  # engine.max_stop_token_ids
     max_logit_bias: int  # engine.max_logit_bias
-    variants: tuple[int, ...]  # the compiled ones, ascending
+    variants: tuple[StepVariant, ...]  # the compiled ones, ascending
     slots: SlotTable
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
 
-    def variant(self, seqs: list) -> int:
+    def variant(self, seqs: list[ScheduledSequence]) -> StepVariant:
         """The least compiled variant that serves the step: PROMPT_LOGPROBS when a sequence asks for its
         prompt's logprobs in this chunk, MASKED when a sampling row has a token constraint or a logit bias,
         else the sampling level its rows need (`jaxcb.sampling.sampling_level`)."""
         if any(s.prompt_logprob_targets for s in seqs):
-            needed = PROMPT_LOGPROBS
+            needed = StepVariant.PROMPT_LOGPROBS
         elif any(s.samples and s.sampling_params.uses_masked_step for s in seqs):
-            needed = MASKED
+            needed = StepVariant.MASKED
         else:
             needed = sampling_level((s.sampling_params for s in seqs),
                                     any(s.samples and s.banned_token_ids for s in seqs))
         return next(v for v in self.variants if v >= needed)
 
     def build(self, out: SchedulerOutput, prev_tokens: jax.Array
-              ) -> tuple[tuple[int, int, int, int], StepArgs, Optional[SlotWrites]]:
+              ) -> tuple[BucketKey, StepArgs, Optional[SlotWrites]]:
         """(the bucket and variant, the packed inputs, what the slot writer must write first, or None)
         of one step. `prev_tokens`: the previous step's sampled tokens, on the device, which feed each
         sequence's token in flight (`ScheduledSequence.in_flight_row`)."""
@@ -204,9 +198,10 @@ class StepInputBuilder:
         bs = self.block_size
         # The width follows the longest context, not the blocks held: a static batch reserves its
         # whole outputs' blocks at admission, and a decoding sequence may hold a run ahead.
-        t, r, w = self.buckets.pick(num_tokens, n, int(-(-(starts + lens).max() // bs)))
+        bucket = self.buckets.pick(num_tokens, n, int(-(-(starts + lens).max() // bs)))
         variant = self.variant(seqs)
-        key = (t, r, w, variant)
+        key = BucketKey(*bucket, variant)
+        t, r = bucket.num_tokens, bucket.num_seqs
         ends = np.cumsum(lens)
         begins = ends - lens
         flat = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in seqs), np.int32, num_tokens)
@@ -285,15 +280,15 @@ class StepInputBuilder:
             num_prompt=num_prompt,
             prev_tokens=prev_tokens,
             prev_rows=prev_rows,
-            masks=self._token_masks(seqs, r) if variant >= MASKED else None,
-            prompt_targets=self._prompt_targets(seqs, begins, t) if variant >= PROMPT_LOGPROBS else None,
+            masks=self._token_masks(seqs, r) if variant >= StepVariant.MASKED else None,
+            prompt_targets=self._prompt_targets(seqs, begins, t) if variant >= StepVariant.PROMPT_LOGPROBS else None,
         )
         args = pack_step_inputs(inputs)
         if self.sharding is not None:  # arrays already there (prev_tokens) are not copied
             args = jax.device_put(args, self.sharding)
         return key, args, writes
 
-    def _slot_updates(self, seqs: list, row_slots: np.ndarray, t: int, r: int
+    def _slot_updates(self, seqs: list[ScheduledSequence], row_slots: np.ndarray, t: int, r: int
                       ) -> tuple[np.ndarray, Optional[SlotWrites]]:
         """Each sequence's slot (into `row_slots`), the block-table entries the step writes itself
         (i32[3, U]), and what the writer must write before it: tables too long for the step's own
@@ -328,7 +323,7 @@ class StepInputBuilder:
         counted_all = np.concatenate(counted, axis=1) if counted else np.zeros((3, 0), np.int32)
         return in_step, SlotWrites(_chunks(table, num_slots), reset_slots, _chunks(counted_all, num_slots))
 
-    def _token_masks(self, seqs: list, r: int) -> TokenMasks:
+    def _token_masks(self, seqs: list[ScheduledSequence], r: int) -> TokenMasks:
         """Each sampling row's allowed tokens (its constraint's bitmask; all, for rows without one) and bias."""
         bitmask = np.full((r, (self.vocab_size + 31) // 32), -1, np.int32)
         bias_ids = np.full((r, self.max_logit_bias), self.vocab_size, np.int32)
@@ -345,7 +340,7 @@ class StepInputBuilder:
         return TokenMasks(bitmask, bias_ids, bias_values)
 
     @staticmethod
-    def _prompt_targets(seqs: list, begins: np.ndarray, t: int) -> np.ndarray:
+    def _prompt_targets(seqs: list[ScheduledSequence], begins: np.ndarray, t: int) -> np.ndarray:
         targets = np.full(t, -1, np.int32)
         for s, begin in zip(seqs, begins):
             if s.prompt_logprob_targets:
