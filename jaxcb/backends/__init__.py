@@ -5,7 +5,8 @@
     auto  cpu where it applies and its C++ kernels build; xla elsewhere
 
 Only this package and `jaxcb.kernels` know which backend runs or import the C++ kernels;
-the model calls `Backend` methods, and the runner hands the backend to the step.
+the model calls the layer operations a backend provides (`jaxcb.model.llama.LayerOps`), and the
+runner hands the backend to the step.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A backend is chosen once at start-up (`jaxcb.backends.select_backend`). It prepares the
 model's parameters once (`prepare`: per-layer arrays, packed or fused matrices, the rotary
-table) and provides the operations the model's one forward pass calls:
+table) and provides the operations the model's one forward pass calls (the protocol
+`jaxcb.model.llama.LayerOps`), and the LM head, which the runner's step calls:
 
     self_attention        norm, project q/k/v, rope, write the new K/V, attend
     add_attention_output  h + attn @ o_proj

@@ -7,8 +7,8 @@ decoder layers' weights stacked on a leading `num_layers` axis. Before serving, 
 (`StepWeights`): per-layer arrays, packed or fused matrices, the rotary table.
 
 `forward` is the model's code, and the only place it is written: it calls the backend's
-layer operations -- attention (project q/k/v, write the cache, attend), output projection
-plus residual, MLP plus residual -- and never asks which backend runs. It takes what the
+layer operations (`LayerOps`) -- attention (project q/k/v, write the cache, attend), output
+projection plus residual, MLP plus residual -- and never asks which backend runs. It takes what the
 engine's step has -- `token_ids[T]`, `positions[T]`, the paged cache and its
 `AttentionMetadata` -- and returns the final-normed hidden states `[T, hidden]` and the
 updated cache. Linear layers see the flat token batch; only attention knows which token
@@ -26,14 +26,14 @@ Axis letters in einsums: t tokens, d hidden, h heads, k head_dim, f MLP width, v
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxcb.kernels.attention import AttentionMetadata, KVCache
+from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig, RopeScaling
 
 INIT_STD = 0.02
@@ -153,8 +153,56 @@ def build_rope_table(cfg: LlamaConfig, max_len: int, sharding: jax.sharding.Shar
                    out_shardings=sharding)()
 
 
+@runtime_checkable
+class LayerOps(Protocol):
+    """The layer operations `forward` calls; a backend (`jaxcb.backends.Backend`) provides them.
+
+    `w` is one layer's weights in the form the backend prepared them (an entry of
+    `StepWeights.layers`, or all layers stacked, sliced by the scan): only the backend reads them.
+    The LM head is not here: the runner's step calls it (`Backend.logits_and_argmax`), not the model.
+    Axes: T tokens, D hidden, Hq query heads, K head_dim.
+    """
+
+    @property
+    def cfg(self) -> LlamaConfig:
+        """The architecture: layers, heads, norm epsilon."""
+        ...
+
+    @property
+    def attention(self) -> AttentionForm:
+        """The attention form: `forward` calls its `prepare_step` once, before the layers."""
+        ...
+
+    def self_attention(
+        self,
+        w: Any,  # one layer's weights
+        h: jax.Array,  # [T, D]: the residual stream
+        rope: tuple[jax.Array, jax.Array],  # (cos, sin) f32[T, K // 2]
+        cache: KVCache,
+        layer: jax.Array,  # i32[]
+        md: AttentionMetadata,
+    ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
+        """Norm, project q/k/v, rope, write every row's new K/V, then attend."""
+        ...
+
+    def add_attention_output(
+        self,
+        w: Any,  # one layer's weights
+        h: jax.Array,  # [T, D]
+        attn: jax.Array,  # [T, Hq, K], in h's dtype
+    ) -> jax.Array:  # [T, D]: h + attn @ o_proj
+        ...
+
+    def add_mlp(
+        self,
+        w: Any,  # one layer's weights
+        h: jax.Array,  # [T, D]
+    ) -> jax.Array:  # [T, D]: h + SwiGLU(norm(h))
+        ...
+
+
 def forward(
-    ops: Any,  # a jaxcb.backends.Backend: the layer operations
+    ops: LayerOps,  # the backend's layer operations
     w: StepWeights,
     token_ids: jax.Array,  # i32[T]
     positions: jax.Array,  # i32[T]
