@@ -1,0 +1,322 @@
+"""Ragged paged attention for mixed prefill/decode batches, as a Pallas (Triton backend) kernel.
+
+A step's query tokens are one flat ragged batch: sequence r owns tokens
+`query_start_loc[r]:query_start_loc[r+1]` (one token for a decode, a chunk for a prefill),
+sits at the end of a context of `kv_lens[r]` tokens -- which already include its new tokens --
+held in the blocks `block_tables[r]`, and attends causally to it: the i-th of its q_len new
+tokens sits at position `kv_lens[r] - q_len + i` and sees keys 0..that position. Tokens past
+`query_start_loc[num_seqs]` are padding and return 0. `ragged_paged_attention_reference` is
+the definition; the kernel is tested against it.
+
+Cache layout: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`, so one
+block of one head is a contiguous [block_size, head_dim] tile. The layer is an argument:
+a model's layer scan passes the whole stacked cache, which is never copied.
+
+Work decomposition (after vLLM's Triton "unified attention"):
+
+    grid = (query tile, kv head, kv split)
+
+    query tile: consecutive tokens of ONE sequence, times the `group` query heads that
+    share the kv head -> a [block_m, head_dim] matrix whose rows are (token, head-in-group)
+    pairs, so a decode token of an 8B model (group 4) still gives the matrix unit several
+    rows. Two static tile classes share the launch (`QueryTiles`): a sequence with at most
+    `decode_tokens` query tokens takes one 16-row decode tile; a longer one (a prefill
+    chunk) is cut into 64-row prefill tiles, which read its context 4x less often.
+    kv loop: the sequence's context in tiles of `pages_per_tile` blocks, gathered from the
+    cache through the block table; online softmax; stops at the tile's last causal key;
+    software-pipelined (the next tile's K/V loads while this one is computed).
+    kv split: for small decode batches, the context shared among programs (`choose_num_splits`).
+
+The wrapper turns the ragged batch into a per-tile table (which sequence, first token,
+number of tokens, position of the first token, context length, tile class; `query_tiles.py`)
+with a few cheap jnp ops, so the kernel never searches. Padding tiles (past the real ones) do
+no work.
+
+In this file: the reference, the shape and dtype checks, the kernel, the jitted wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.query_tiles import choose_num_splits, query_tiles, two_class_tile_table
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    kv_lens: jax.Array,  # i32[R]
+    block_tables: jax.Array,  # i32[R, max_blocks_per_seq]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    num_seqs: jax.Array,  # i32[]
+    layer: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
+    """The definition, written for clarity, not speed: it gathers every sequence's whole block table and
+    then every token's sequence, which is O(T x context). Blocks outside a sequence's `kv_lens` never
+    contribute, even if they hold NaN."""
+    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = k_cache.shape
+    num_seqs_max, max_blocks = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    num_seqs = jnp.reshape(num_seqs, ())
+    ctx_len = max_blocks * block_size
+
+    # Per-sequence contexts [R, C, Hkv, D], with everything past kv_lens zeroed so NaN cannot leak.
+    key_idx = jnp.arange(ctx_len)
+    in_ctx = key_idx[None, :] < kv_lens[:, None]  # bool[R, C]
+
+    def contexts(cache):
+        x = cache[layer][:, block_tables]  # [Hkv, R, W, S, D]
+        x = jnp.moveaxis(x, 0, 3).reshape(num_seqs_max, ctx_len, num_kv_heads, head_dim)
+        return jnp.where(in_ctx[:, :, None, None], x, 0)
+
+    k_seq, v_seq = contexts(k_cache), contexts(v_cache)
+
+    # Which sequence each token belongs to, and its position in that sequence.
+    tok = jnp.arange(num_tokens)
+    seq = jnp.searchsorted(query_start_loc[1:], tok, side="right")
+    seq = jnp.minimum(seq, num_seqs_max - 1)
+    is_real = tok < query_start_loc[num_seqs]
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    q_pos = kv_lens[seq] - q_len + (tok - query_start_loc[seq])  # [T]
+
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32)
+    k_tok = k_seq[seq].astype(jnp.float32)  # [T, C, Hkv, D]
+    v_tok = v_seq[seq].astype(jnp.float32)
+    scores = jnp.einsum("thgd,tchd->thgc", qg, k_tok) * sm_scale
+    visible = (key_idx[None, :] <= q_pos[:, None]) & (key_idx[None, :] < kv_lens[seq][:, None]) & is_real[:, None]
+    scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(scores - row_max)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("thgc,tchd->thgd", p, v_tok) / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.where(is_real[:, None, None, None], out, 0.0)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def check_attention_inputs(
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, *, q_may_differ_from_cache=False
+) -> None:
+    """Shape and dtype checks with messages that name the offending argument. An implementation
+    that reads the cache in one dtype and computes in q's passes q_may_differ_from_cache."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
+    if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_layers, num_kv_heads, num_blocks, block_size, head_dim], "
+            f"got {k_cache.shape=} {v_cache.shape=}"
+        )
+    _, num_kv_heads, _, block_size, head_dim = k_cache.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q head_dim {q.shape[2]} != cache head_dim {head_dim} ({q.shape=}, {k_cache.shape=})")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"num_q_heads={q.shape[1]} must be a multiple of num_kv_heads={num_kv_heads}")
+    if block_size not in SUPPORTED_BLOCK_SIZES:
+        raise ValueError(f"{block_size=} must be one of {SUPPORTED_BLOCK_SIZES}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache dtype {k_cache.dtype} must equal v_cache dtype {v_cache.dtype}")
+    if q.dtype != k_cache.dtype and not q_may_differ_from_cache:
+        raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables must be [num_seqs, max_blocks_per_seq], got {block_tables.shape=}")
+    num_seqs_max = block_tables.shape[0]
+    if kv_lens.shape != (num_seqs_max,):
+        raise ValueError(f"kv_lens must be [{num_seqs_max}] like block_tables' rows, got {kv_lens.shape=}")
+    if query_start_loc.shape != (num_seqs_max + 1,):
+        raise ValueError(f"query_start_loc must be [{num_seqs_max + 1}], got {query_start_loc.shape=}")
+    for name, x in (("kv_lens", kv_lens), ("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                    ("num_seqs", num_seqs), ("layer", layer)):
+        if x.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {x.dtype}")
+
+
+def _attend(
+    tile, head, split,  # the program's ids, read outside the class branches (the interpreter wants them there)
+    tiles_ref, layer_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs, *,
+    block_m: int, group: int, pages_per_tile: int, num_kv_heads: int, num_blocks: int, sm_scale: float,
+    num_splits: int,
+):
+    """One (query tile, KV head, split) program with a tile of `block_m` rows."""
+    seq, q_start, q_count, pos0, kv_len = (tiles_ref[i, tile] for i in range(5))
+    block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
+    kv_tile = pages_per_tile * block_size
+    rows = pl.ds(q_start * group, block_m)
+    q = q_ref[head, rows, :]  # [block_m, head_dim]
+    row_tok = lax.broadcasted_iota(jnp.int32, (block_m,), 0) // group
+    row_valid = row_tok < q_count
+    row_pos = pos0 + row_tok  # causal limit of each row
+    page_base = (layer_ref[0] * num_kv_heads + head) * num_blocks
+    num_kv_tiles = pl.cdiv(jnp.minimum(kv_len, pos0 + q_count), kv_tile)  # >= 1: q_count > 0 here
+    # Split-KV: this program takes its share of the tile's KV tiles (an empty share writes the identity).
+    per_split = pl.cdiv(num_kv_tiles, num_splits)
+    first_kv_tile = jnp.minimum(split * per_split, num_kv_tiles)
+    last_kv_tile = jnp.minimum(first_kv_tile + per_split, num_kv_tiles)
+
+    def pages_of(t):  # i32[pages_per_tile]; t clamped: the block ids read one tile ahead stay in the table
+        t = jnp.minimum(t, num_kv_tiles - 1)
+        return block_tables_ref[seq, pl.ds(t * pages_per_tile, pages_per_tile)] + page_base
+
+    # Each iteration reads the next tile's block ids, and takes its own from the carry: so the K/V
+    # addresses of a tile are known an iteration early, and Triton's software pipeliner (num_stages=3)
+    # keeps the next tile's K/V copies in flight, in a second shared-memory buffer, while this tile is
+    # computed. With the block ids read in the same iteration the K/V loads depend on a load of that
+    # iteration: the pipeliner then gives them one buffer, issued after the dots and awaited at once.
+    def body(t, carry):
+        acc, m_prev, l_prev, pages = carry
+        next_pages = pages_of(t + 1)
+        k = k_ref[pages].reshape(kv_tile, head_dim)
+        v = v_ref[pages].reshape(kv_tile, head_dim)
+        key_pos = t * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
+        key_valid = key_pos < kv_len
+        # Rows past kv_len may be stale or NaN. Their scores are replaced by MASK_VALUE below (a select,
+        # so a NaN score never survives); only V needs zeroing, where 0 * NaN would reach the output.
+        v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
+        s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [block_m, kv_tile]
+        visible = key_valid[None, :] & (key_pos[None, :] <= row_pos[:, None])
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, s.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(s - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=-1)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return acc, m_next, l_next, next_pages
+
+    init = (
+        jnp.zeros((block_m, head_dim), jnp.float32),
+        jnp.full((block_m,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_m,), jnp.float32),
+        pages_of(first_kv_tile),
+    )
+    acc, m_max, l_sum, *_ = lax.fori_loop(first_kv_tile, last_kv_tile, body, init)
+    if num_splits == 1:
+        out = acc / jnp.where(l_sum == 0, 1.0, l_sum)[:, None]
+        plgpu.store(o_ref.at[head, rows, :], out.astype(o_ref.dtype), mask=row_valid[:, None])
+    else:  # partial results; `_combine_splits` merges them
+        m_ref, l_ref = split_refs
+        plgpu.store(o_ref.at[split, head, rows, :], acc, mask=row_valid[:, None])
+        plgpu.store(m_ref.at[split, head, rows], m_max, mask=row_valid)
+        plgpu.store(l_ref.at[split, head, rows], l_sum, mask=row_valid)
+
+
+def _kernel(
+    tiles_ref,  # i32[6, num_tiles]: `step_tile_table`
+    layer_ref,  # i32[1]
+    block_tables_ref,  # i32[R, W] (W a multiple of pages_per_tile)
+    q_ref,  # [num_kv_heads, T * group + prefill_block_m, head_dim]
+    k_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
+    v_ref,
+    o_ref,  # [num_kv_heads, rows, head_dim]; split-KV: [num_splits, num_kv_heads, rows, head_dim] f32, unnormalised
+    *split_refs,  # split-KV only: m_ref, l_ref [num_splits, num_kv_heads, rows] f32 (running max, sum of exps)
+    classes: tuple[int, ...],
+    **static,
+):
+    ids = tile, _, _ = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_count, tile_class = tiles_ref[2, tile], tiles_ref[5, tile]
+    refs = (*ids, tiles_ref, layer_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs)
+    for cls, block_m in enumerate(classes):  # one code path per tile class; a padding tile (q_count 0) runs none
+        runs = q_count > 0 if len(classes) == 1 else (q_count > 0) & (tile_class == cls)
+
+        @pl.when(runs)
+        def _():
+            _attend(*refs, block_m=block_m, **static)
+
+
+def _combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
+    """Merge split-KV partials: acc f32[S, H, rows, D] with each split's running max m and sum of exps
+    l_sum f32[S, H, rows] -> the normalised output f32[H, rows, D] (online softmax, split by split)."""
+    m_all = m.max(axis=0)
+    weight = jnp.exp(m - m_all[None])  # an empty split (m = MASK_VALUE) weighs 0
+    total = (l_sum * weight).sum(axis=0)
+    out = (acc * weight[..., None]).sum(axis=0)
+    return out / jnp.where(total == 0, 1.0, total)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "prefill_block_m", "kv_tile", "num_warps",
+                                             "num_stages", "interpret", "num_splits"))
+def ragged_paged_attention(
+    q: jax.Array,  # [T, num_q_heads, head_dim]
+    k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    v_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    kv_lens: jax.Array,  # i32[R]
+    block_tables: jax.Array,  # i32[R, max_blocks_per_seq]
+    query_start_loc: jax.Array,  # i32[R + 1]
+    num_seqs: jax.Array,  # i32[]
+    layer: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    block_m: int = 16,  # rows of a decode tile
+    prefill_block_m: int = 64,  # rows of a prefill tile
+    kv_tile: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 3,  # 3: the next K/V tile loads while this one is computed (`_attend`)
+    interpret: bool = False,
+    tiles: Optional[jax.Array] = None,  # i32[6, num_tiles]: `step_tile_table`, built once per step; None: here
+    num_splits: Optional[int] = None,  # split-KV programs per (tile, KV head); None: `choose_num_splits`
+) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
+    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    num_seqs_max, width = block_tables.shape
+    plan = query_tiles(num_tokens, num_seqs_max, group, block_size, block_m, prefill_block_m, kv_tile)
+    num_tiles, pages_per_tile = plan.num_tiles, plan.pages_per_tile
+    if tiles is None:
+        tiles = two_class_tile_table(query_start_loc, kv_lens, jnp.reshape(num_seqs, ()), num_tiles,
+                                     plan.decode_tokens, plan.prefill_tokens)
+    assert tiles.shape == (6, num_tiles), (tiles.shape, num_tiles)
+    padded_width = pl.cdiv(width, pages_per_tile) * pages_per_tile
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_width - width)))
+    # Rows (token, head-in-group) per kv head; a prefill tile's spare rows so the last tile's load stays in bounds.
+    spare_rows = max(plan.classes)
+    q_rows = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+    q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, spare_rows), (0, 0)))
+    flat = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
+
+    if num_splits is None:
+        num_splits = choose_num_splits(num_tiles, num_kv_heads, width * block_size)
+    kernel = functools.partial(
+        _kernel,
+        classes=plan.classes,
+        group=group,
+        pages_per_tile=pages_per_tile,
+        num_kv_heads=num_kv_heads,
+        num_blocks=num_blocks,
+        sm_scale=sm_scale,
+        num_splits=num_splits,
+    )
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
+    else:
+        rows = q_rows.shape[1]
+        out_shape = (jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32))
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_tiles, num_kv_heads, num_splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(tiles, jnp.reshape(layer, (1,)), block_tables, q_rows, k_cache.reshape(flat), v_cache.reshape(flat))
+    if num_splits > 1:
+        out = _combine_splits(*out).astype(q.dtype)
+    out = out[:, : num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
+    real = jnp.arange(num_tokens) < query_start_loc[jnp.reshape(num_seqs, ())]
+    # Rows of padding tokens were never written (uninitialised memory): define them as 0.
+    return jnp.where(real[:, None, None], out.reshape(num_tokens, num_q_heads, head_dim), 0)
