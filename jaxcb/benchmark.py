@@ -106,7 +106,7 @@ def run_offline(llm: LLM, items: list[WorkItem], policy: str) -> OfflineResult:
     prompts = [w.prompt_token_ids for w in items]
     params = [SamplingParams(temperature=0, max_tokens=w.output_len, ignore_eos=True) for w in items]
     engine = llm.engine
-    steps0, preempt0 = engine.runner.num_steps, engine.scheduler.num_preemptions
+    before = engine.last_stats
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
@@ -114,7 +114,8 @@ def run_offline(llm: LLM, items: list[WorkItem], policy: str) -> OfflineResult:
     assert out_tokens == sum(w.output_len for w in items)
     return OfflineResult(
         policy, len(items), seconds, sum(len(p) for p in prompts), out_tokens,
-        engine.runner.num_steps - steps0, engine.scheduler.num_preemptions - preempt0, engine.num_recompiles,
+        engine.last_stats.num_steps - before.num_steps, engine.last_stats.num_preemptions - before.num_preemptions,
+        engine.last_stats.num_recompiles,
     )
 
 

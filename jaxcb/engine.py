@@ -31,6 +31,7 @@ from tqdm import tqdm
 from jaxcb.core.block_hash import model_root
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import Config
+from jaxcb.engine_stats import EMPTY_STEP, EngineStats
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.kv_cache import (
     HostSwapSpace,
@@ -167,6 +168,10 @@ class Engine:
         self._next_id = 0
         self._recent_steps: deque[tuple[float, int]] = deque(maxlen=64)  # (time, tokens): throughput for hints
         self._in_flight: Optional[StepHandle] = None  # async scheduling: the dispatched, uncollected step
+        self._num_dispatched = 0  # steps dispatched; the processed ones follow in the same order
+        self._num_processed = 0
+        self._aborted: list[str] = []  # request ids aborted since the last EngineStats
+        self.last_stats: EngineStats = self._snapshot(None)  # what the last step delivered
         # What start-up made (weights, compiled steps, tokenizer: hundreds of thousands of objects) lives
         # as long as the engine: out of the collector's sight, a full collection while serving does not
         # walk it again (as vLLM does). Measured on tiny: the host's share of a step shrinks by ~10%.
@@ -310,6 +315,7 @@ class Engine:
         group = self.output.remove(request_id)
         if group is None:
             return False
+        self._aborted.append(request_id)
         for seq in group.seqs:
             self.scheduler.abort(seq.request_id)
         return True
@@ -321,10 +327,15 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; outputs of the requests that changed (finished ones for the last time).
+        `step_with_stats` returns the same with a snapshot of the step they came from."""
+        return self.step_with_stats()[0]
+
+    def step_with_stats(self) -> tuple[list[RequestOutput], EngineStats]:
+        """Run one iteration: (outputs of the requests that changed, the engine as that step left it).
 
         With engine.async_scheduling, the step scheduled and dispatched here runs on the device
         while the host collects and processes the previous one: the outputs returned are the
-        previous step's. Without it, the step is dispatched and collected here."""
+        previous step's, and so is the snapshot. Without it, the step is dispatched and collected here."""
         expired, stops = self.output.expire(time.monotonic())
         for seq, status in stops:
             self.scheduler.finish(seq.request_id, status)
@@ -332,16 +343,41 @@ class Engine:
         handle = None
         if not sched_out.is_empty:
             handle = self.runner.dispatch(sched_out)
+            self._num_dispatched += 1
             self.scheduler.commit(sched_out)
         elif self._in_flight is None and self.scheduler.num_unfinished:
             raise RuntimeError(
                 f"the scheduler could not schedule any of {self.scheduler.num_unfinished} unfinished sequences "
                 f"({self.block_pool.num_free_blocks} free blocks); this is a bug"
             )
-        if not self.cfg.engine.async_scheduling:
-            return expired + (self._process(handle) if handle is not None else [])
-        previous, self._in_flight = self._in_flight, handle
-        return expired + (self._process(previous) if previous is not None else [])
+        if self.cfg.engine.async_scheduling:
+            handle, self._in_flight = self._in_flight, handle
+        outputs = expired + (self._process(handle) if handle is not None else [])
+        self.last_stats = self._snapshot(handle)
+        return outputs, self.last_stats
+
+    def _snapshot(self, handle: Optional[StepHandle]) -> EngineStats:
+        """The engine's state now, with the figures of `handle`'s step (the one whose outputs go out)."""
+        step = dict(EMPTY_STEP)
+        if handle is not None:
+            out = handle.scheduled
+            num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
+            self._num_processed += 1
+            step = dict(step_index=self._num_processed, num_tokens=out.num_scheduled_tokens,
+                        num_padded_tokens=handle.bucket.num_tokens, num_prefill_tokens=num_prefill,
+                        num_decode_tokens=out.num_scheduled_tokens - num_prefill)
+        sched = self.scheduler
+        host_pool = sched.kv.host_pool  # None unless scheduler.preemption_mode=swap
+        aborted, self._aborted = tuple(self._aborted), []
+        return EngineStats(
+            **step, num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_swapped=sum(1 for s in sched.waiting if s.host_block_ids) if host_pool is not None else 0,
+            num_waiting_tokens=sched.num_waiting_tokens, kv_usage=self.block_pool.usage().usage,
+            host_kv_usage=host_pool.usage().usage if host_pool is not None else 0.0,
+            num_steps=self._num_dispatched, num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
+            num_recompiles=self.runner.num_recompiles, aborted_request_ids=aborted,
+        )
 
     def _process(self, handle: StepHandle) -> list[RequestOutput]:
         """Collect a dispatched step's tokens: the scheduler takes them, the output processor turns

@@ -1,7 +1,7 @@
 """Prometheus metrics of the engine and server, named `jaxcb:*` or `vllm:*` (server.metrics_prefix).
 
 `EngineMetrics.on_step` runs in the engine thread after every step: it reads gauges off the
-engine and turns each request's outputs into histograms. What a request's first token settles
+step's `EngineStats` snapshot (never the engine's parts) and turns each request's outputs into histograms. What a request's first token settles
 -- TTFT, queue and prefill time, its prompt tokens -- is observed at that first token, not at
 the end: a stream aborted later is still counted, so TTFT does not read low under overload,
 when aborts are most common. e2e and decode time need the end and are observed at the finish.
@@ -22,6 +22,7 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from jaxcb.engine_stats import EngineStats
 from jaxcb.outputs import RequestOutput
 
 PREFIXES = ("jaxcb", "vllm")
@@ -178,10 +179,10 @@ class EngineMetrics:
             counter.inc(value - self._last[key])
             self._last[key] = value
 
-    def on_step(self, engine, outputs: list[RequestOutput], step_seconds: float) -> None:
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput], step_seconds: float) -> None:
+        """After every step, in the engine thread: `stats` and `outputs` are of the same step."""
         now = time.monotonic()
-        self._read_engine(engine)
-        stats = engine.runner.last_step
+        self._read_stats(stats)
         if stats.num_padded_tokens:
             self.iteration_tokens.observe(stats.num_tokens)
             self.padding.observe(1 - stats.num_tokens / stats.num_padded_tokens)
@@ -194,21 +195,20 @@ class EngineMetrics:
         self.decode_tps.set(sum(w[3] for w in self._window) / span)
         for out in outputs:
             self._observe_request(out, now)
-        self._forget_gone(engine)
+        for rid in stats.aborted_request_ids:  # aborts made on the engine directly, which no one reports
+            self._streams.pop(rid, None)
 
-    def _read_engine(self, engine) -> None:
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        host_pool = sched.kv.host_pool  # None unless scheduler.preemption_mode=swap
-        self.swapped.set(sum(1 for s in sched.waiting if s.host_block_ids) if host_pool is not None else 0)
-        self.host_kv_usage.set(host_pool.usage().usage if host_pool is not None else 0.0)
-        self.tokens_waiting.set(sched.num_waiting_tokens)
-        self.kv_usage.set(engine.block_pool.usage().usage)
-        self._advance(self.preemptions, "preemptions", sched.num_preemptions)
-        self._advance(self.prefix_queries, "queries", sched.prefix_cache_queries)
-        self._advance(self.prefix_hits, "hits", sched.prefix_cache_hits)
-        self._advance(self.recompilations, "recompiles", engine.num_recompiles)
+    def _read_stats(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.swapped.set(stats.num_swapped)
+        self.host_kv_usage.set(stats.host_kv_usage)
+        self.tokens_waiting.set(stats.num_waiting_tokens)
+        self.kv_usage.set(stats.kv_usage)
+        self._advance(self.preemptions, "preemptions", stats.num_preemptions)
+        self._advance(self.prefix_queries, "queries", stats.prefix_cache_queries)
+        self._advance(self.prefix_hits, "hits", stats.prefix_cache_hits)
+        self._advance(self.recompilations, "recompiles", stats.num_recompiles)
 
     def _observe_request(self, out: RequestOutput, now: float) -> None:
         rid = out.request_id
@@ -259,14 +259,6 @@ class EngineMetrics:
         self.request_generation_tokens.observe(sum(counts))
         self.max_generation_tokens.observe(max(counts, default=0))
         self.success.labels(**self.labels, finished_reason=sorted(reasons)[0]).inc()
-
-    def _forget_gone(self, engine) -> None:
-        """Drop streams of requests the engine no longer has. Finishes and reported aborts are dropped
-        as they happen; this catches an abort made on the engine directly, which no one reports."""
-        unfinished = engine.output.groups
-        if len(self._streams) > len(unfinished):
-            for rid in [rid for rid in self._streams if rid not in unfinished]:
-                del self._streams[rid]
 
     def request_aborted(self, request_id: str) -> None:
         self.aborts.inc()

@@ -68,27 +68,25 @@ def test_dashboard_renders_in_headless_chromium(tmp_path):
 
 
 def test_dashboard_ttft_counts_a_stream_at_its_first_token_even_if_it_is_aborted_later():
-    from types import SimpleNamespace
-
     from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from jaxcb.server.dashboard import DashboardHistory
 
-    groups = {"a": object()}
-    engine = SimpleNamespace(
-        runner=SimpleNamespace(last_step=SimpleNamespace(num_tokens=1)),
-        scheduler=SimpleNamespace(running=[], waiting=[]),
-        block_pool=SimpleNamespace(usage=lambda: SimpleNamespace(usage=0.0)),
-        output=SimpleNamespace(groups=groups),
-    )
+    from jaxcb.engine_stats import EMPTY_STEP, EngineStats
+
+    def stats(aborted=()):
+        return EngineStats(**{**EMPTY_STEP, "num_tokens": 1}, num_running=0, num_waiting=0, num_swapped=0,
+                           num_waiting_tokens=0, kv_usage=0.0, host_kv_usage=0.0, num_steps=1, num_preemptions=0,
+                           prefix_cache_queries=0, prefix_cache_hits=0, num_recompiles=0,
+                           aborted_request_ids=aborted)
+
     history = DashboardHistory()
     started = time.monotonic()
     first = RequestOutput("a", None, [1], [CompletionOutput(0, "x", [5], num_generated=1)], False,
                           RequestMetrics(started - 0.25, started - 0.2, started), delta=True)
-    history.on_step(engine, [first], 0.01)
-    history.on_step(engine, [first], 0.01)  # a later delta of the same request is not counted again
-    groups.clear()  # aborted: no final output ever comes
+    history.on_step(stats(), [first], 0.01)
+    history.on_step(stats(), [first], 0.01)  # a later delta of the same request is not counted again
     history._last_sample = 0.0  # the next step takes a sample (one a second)
-    history.on_step(engine, [], 0.01)
+    history.on_step(stats(aborted=("a",)), [], 0.01)  # aborted: no final output ever comes
     [sample] = history.snapshot()[-1:]
     assert sample["ttft_p50"] == pytest.approx(0.25)
     assert history._started == set()

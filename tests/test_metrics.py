@@ -29,8 +29,8 @@ def add_stream(engine, request_id, prompt=PROMPT, max_tokens=8, n=1):
 
 
 def step(engine, metrics):
-    outputs = engine.step()
-    metrics.on_step(engine, outputs, 0.001)
+    outputs, stats = engine.step_with_stats()
+    metrics.on_step(stats, outputs, 0.001)
     return outputs
 
 
@@ -146,7 +146,7 @@ def test_streams_are_forgotten_after_many_finished_and_aborted_requests():
     step_until_first_token(engine, metrics, "unreported")
     assert metrics.num_tracked_requests == 1
     engine.abort("unreported")
-    metrics.on_step(engine, [], 0.001)
+    step(engine, metrics)  # the next step's snapshot names the abort
     assert metrics.num_tracked_requests == 0
 
 

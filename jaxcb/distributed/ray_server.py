@@ -75,9 +75,9 @@ class EngineReplica:
         )
         self.async_engine.start()
 
-    def _on_step(self, engine, outputs, step_seconds) -> None:
-        self.metrics.on_step(engine, outputs, step_seconds)
-        self.history.on_step(engine, outputs, step_seconds)
+    def _on_step(self, stats, outputs, step_seconds) -> None:
+        self.metrics.on_step(stats, outputs, step_seconds)
+        self.history.on_step(stats, outputs, step_seconds)
 
     async def ready(self) -> dict:
         """What the front end needs to parse and check requests as the engine would."""
@@ -103,8 +103,8 @@ class EngineReplica:
             stream.close()
 
     async def load(self) -> dict:
-        sched = self.engine.scheduler
-        return {"alive": self.async_engine.is_alive, "running": len(sched.running), "waiting": len(sched.waiting),
+        stats = self.engine.last_stats  # the last step's snapshot, read from the router's thread
+        return {"alive": self.async_engine.is_alive, "running": stats.num_running, "waiting": stats.num_waiting,
                 "instance_id": self.instance_id}
 
     async def metric_families(self) -> list:

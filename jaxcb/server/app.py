@@ -84,9 +84,9 @@ class ServerState:
             self._tool_parser = get_tool_parser(self.cfg.server.tool_call_parser, self.engine.tokenizer.chat_template)
         return self._tool_parser
 
-    def _on_step(self, engine, outputs, step_seconds) -> None:
-        self.metrics.on_step(engine, outputs, step_seconds)
-        self.history.on_step(engine, outputs, step_seconds)
+    def _on_step(self, stats, outputs, step_seconds) -> None:
+        self.metrics.on_step(stats, outputs, step_seconds)
+        self.history.on_step(stats, outputs, step_seconds)
 
 
 def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:

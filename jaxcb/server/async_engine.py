@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 from jaxcb.engine import Engine, PromptType
+from jaxcb.engine_stats import EngineStats
 from jaxcb.output import OutputKind
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -78,7 +79,7 @@ class AsyncEngine:
     def __init__(
         self,
         engine: Engine,
-        on_step: Optional[Callable[[Engine, list[RequestOutput], float], None]] = None,
+        on_step: Optional[Callable[[EngineStats, list[RequestOutput], float], None]] = None,
         on_abort: Optional[Callable[[str, str], None]] = None,
         *,
         stream_buffer_tokens: int = 1024,
@@ -209,9 +210,9 @@ class AsyncEngine:
                 if not self.engine.has_unfinished_requests():
                     continue
                 start = time.perf_counter()
-                outputs = self.engine.step()
+                outputs, stats = self.engine.step_with_stats()
                 if self.on_step is not None:
-                    self.on_step(self.engine, outputs, time.perf_counter() - start)
+                    self.on_step(stats, outputs, time.perf_counter() - start)
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections import deque
 
+from jaxcb.engine_stats import EngineStats
 from jaxcb.outputs import RequestOutput
 
 HISTORY_S = 600
@@ -34,10 +35,11 @@ class DashboardHistory:
         self._last_sample = 0.0
         self._started: set[str] = set()  # requests whose first token was seen (TTFT recorded)
 
-    def on_step(self, engine, outputs: list[RequestOutput], step_seconds: float) -> None:
+    def on_step(self, stats: EngineStats, outputs: list[RequestOutput], step_seconds: float) -> None:
+        """After every step, in the engine thread: `stats` and `outputs` are of the same step."""
         now = time.monotonic()
-        stats = engine.runner.last_step
         with self._lock:
+            self._started.difference_update(stats.aborted_request_ids)  # aborted requests send no final output
             self._tokens.append((now, stats.num_tokens))
             for out in outputs:
                 m = out.metrics
@@ -53,10 +55,9 @@ class DashboardHistory:
                         self._tpot.append((now, (m.finished_time - m.first_token_time) / (n - 1)))
             if now - self._last_sample >= 1.0:
                 self._last_sample = now
-                self._sample(engine, now)
+                self._sample(stats, now)
 
-    def _sample(self, engine, now: float) -> None:
-        self._started &= set(engine.output.groups)  # aborted requests send no final output
+    def _sample(self, stats: EngineStats, now: float) -> None:
         for series in (self._ttft, self._tpot, self._tokens):
             while series and series[0][0] < now - LATENCY_WINDOW_S:
                 series.popleft()
@@ -65,9 +66,9 @@ class DashboardHistory:
         tpot = [v for _, v in self._tpot]
         self.samples.append({
             "t": time.time(),
-            "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting),
-            "kv_usage": engine.block_pool.usage().usage,
+            "running": stats.num_running,
+            "waiting": stats.num_waiting,
+            "kv_usage": stats.kv_usage,
             "tokens_per_s": sum(recent) / 5.0,
             "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95),
             "tpot_p50": _pct(tpot, 50), "tpot_p95": _pct(tpot, 95),

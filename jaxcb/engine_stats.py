@@ -1,0 +1,39 @@
+"""`EngineStats`: the engine as one step left it, delivered with that step's outputs.
+
+Metrics, the dashboard, the benchmarks and the Ray replicas' load reports read this snapshot and
+never the engine's parts. Under async scheduling `Engine.step` returns the outputs of the step
+dispatched the call before; its snapshot describes that same step (its tokens and bucket), not
+the one now on the device. Plain data: no jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    # The step whose outputs come with this snapshot (all 0 when the call delivered no step's outputs).
+    step_index: int  # its number: the engine's steps are numbered from 1 in dispatch order
+    num_tokens: int  # real tokens it computed
+    num_padded_tokens: int  # its token bucket
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    # The queue and the cache once those outputs were applied.
+    num_running: int
+    num_waiting: int
+    num_swapped: int  # waiting sequences whose blocks are in host memory (scheduler.preemption_mode=swap)
+    num_waiting_tokens: int  # prompt tokens of waiting sequences not yet computed
+    kv_usage: float  # fraction of the device KV blocks in use
+    host_kv_usage: float  # fraction of the host swap blocks in use (0 without swap)
+    # Totals since start-up.
+    num_steps: int  # steps dispatched
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of those, found
+    num_recompiles: int
+    # Requests aborted since the previous snapshot (they send no final output).
+    aborted_request_ids: tuple[str, ...] = field(default=())
+
+
+EMPTY_STEP = dict(step_index=0, num_tokens=0, num_padded_tokens=0, num_prefill_tokens=0, num_decode_tokens=0)
