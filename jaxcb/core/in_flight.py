@@ -20,34 +20,34 @@ always -1. Nothing outside this module knows how an in-flight token is marked.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 if TYPE_CHECKING:
     from jaxcb.core.step import SchedulerOutput
-    from jaxcb.core.sequence import Sequence
+    from jaxcb.core.sequence import Sequence, SequenceId
 
 _IN_FLIGHT = -1  # the place of an output token still on the device; never a vocabulary id
 
 
 class InFlightTokens:
     def __init__(self) -> None:
-        self._row_of: dict[Hashable, int] = {}  # sequence id -> its row in the last dispatched step
+        self._row_of: dict["SequenceId", int] = {}  # each sequence's row in the last dispatched step
 
-    def dispatched(self, out: "SchedulerOutput", sequences: Mapping[Hashable, "Sequence"]) -> None:
+    def dispatched(self, out: "SchedulerOutput", sequences: Mapping["SequenceId", "Sequence"]) -> None:
         """Step `out` went to the device: its sampling sequences' next tokens are in flight."""
         self._row_of = {}
         for row, scheduled in enumerate(out.scheduled):
-            seq = sequences.get(scheduled.request_id)
+            seq = sequences.get(scheduled.seq_id)
             if seq is not None and scheduled.samples:
                 seq.output_token_ids.append(_IN_FLIGHT)
-                self._row_of[scheduled.request_id] = row
+                self._row_of[scheduled.seq_id] = row
 
     def last_token_in_flight(self, seq: "Sequence") -> bool:
         return bool(seq.output_token_ids) and seq.output_token_ids[-1] == _IN_FLIGHT
 
     def row_for(self, seq: "Sequence") -> int:
         """The row of the last dispatched step that draws `seq`'s last token; -1: the host has it."""
-        return self._row_of[seq.request_id] if self.last_token_in_flight(seq) else -1
+        return self._row_of[seq.seq_id] if self.last_token_in_flight(seq) else -1
 
     @staticmethod
     def any_in_flight(token_ids: Iterable[int]) -> bool:
@@ -64,7 +64,7 @@ class InFlightTokens:
 
     def resolve(self, seq: "Sequence", index: int, token_id: int) -> None:
         """Output token `index` of `seq`, in flight until now, is `token_id`."""
-        assert seq.output_token_ids[index] == _IN_FLIGHT, (seq.request_id, index)
+        assert seq.output_token_ids[index] == _IN_FLIGHT, (seq.seq_id, index)
         seq.output_token_ids[index] = token_id
 
     def discard(self, seq: "Sequence") -> None:

@@ -2,7 +2,9 @@
 
 A request with `n` > 1 becomes n sequences: the first (its leader) prefills the prompt, and
 the others, admitted right behind it, find its full prompt blocks in the prefix cache from the
-step that fills them on (`kv_cache_manager.py`).
+step that fills them on (`kv_cache_manager.py`). A request id is the user's (a string, the id
+of the output group); a sequence id (`SequenceId`) is the pair of that and the sequence's
+index among the n, and is what the scheduler, the step's contract and the runner key on.
 """
 
 from __future__ import annotations
@@ -10,9 +12,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional
+from typing import Any, NamedTuple, Optional
 
 from jaxcb.sampling_params import SamplingParams
+
+
+class SequenceId(NamedTuple):
+    """One sequence's own id: unique whatever the user's request id, and never parsed."""
+
+    request_id: str  # the user's request it is a completion of (`Sequence.group_id`)
+    index: int  # which of its n completions (`Sequence.sample_index`); 0 is the leader
 
 
 class RequestStatus(enum.Enum):
@@ -38,7 +47,9 @@ FINISHED_STATES = frozenset({
 
 @dataclass
 class Sequence:
-    request_id: Hashable  # unique per sequence; the engine uses (the user's request id, sample index)
+    # The sequence's own id, read as `seq_id`; the field keeps the name the engine and the scheduler
+    # construct and read it by. Not the user's request id: that is `group_id`.
+    request_id: SequenceId
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
@@ -46,9 +57,9 @@ class Sequence:
     priority: int = 0
     seed: int = 0  # resolved sampling seed (the params' seed, or one the engine drew)
     sample_index: int = 0  # which of the n completions this sequence is
-    parent_id: Optional[Hashable] = None  # the leader whose prompt blocks this sequence shares (n > 1)
+    parent_id: Optional[SequenceId] = None  # the leader whose prompt blocks this sequence shares (n > 1)
     cache_salt: Optional[str] = None  # its tenant's: only sequences with the same salt share cached blocks
-    group_id: Optional[str] = None  # the user's request this sequence belongs to (its output group)
+    group_id: Optional[str] = None  # the user's request id: the request (output group) this sequence belongs to
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -67,6 +78,17 @@ class Sequence:
     # Its token constraint (jaxcb.structured.TokenConstraint), or None: the runner fills its step's bitmask
     # row from it, the output processor advances it past every generated token.
     constraint: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        # Ids given as plain (request id, index) pairs, as the engine builds them, become SequenceIds.
+        if type(self.request_id) is tuple:
+            self.request_id = SequenceId(*self.request_id)
+        if type(self.parent_id) is tuple:
+            self.parent_id = SequenceId(*self.parent_id)
+
+    @property
+    def seq_id(self) -> SequenceId:
+        return self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

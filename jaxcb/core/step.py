@@ -3,14 +3,15 @@
 `Scheduler.schedule()` returns a `SchedulerOutput`: for each scheduled sequence the tokens to
 compute, its block table and how it samples. The runner turns it into the step's arrays and,
 once the step is collected, returns a `RunnerOutput` (the sampled tokens), which
-`Scheduler.update()` applies.
+`Scheduler.update()` applies. Both key sequences by their `SequenceId`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
 
+from jaxcb.core.sequence import SequenceId
 from jaxcb.sampling_params import SamplingParams
 
 
@@ -18,7 +19,9 @@ from jaxcb.sampling_params import SamplingParams
 class ScheduledSequence:
     """One sequence's share of a step."""
 
-    request_id: str
+    # The sequence's id (`Sequence.seq_id`), read as `seq_id`; the field keeps the name the
+    # scheduler constructs it by.
+    request_id: SequenceId
     start_position: int  # num_computed_tokens before the step
     token_ids: list[int]  # the tokens to compute, positions start_position...
     block_ids: list[int]  # the sequence's whole block table
@@ -43,11 +46,15 @@ class ScheduledSequence:
     # next one), while there is one; None when the sequence does not ask for its prompt's logprobs.
     prompt_logprob_targets: Optional[list[int]] = None
 
+    @property
+    def seq_id(self) -> SequenceId:
+        return self.request_id
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
-    preempted_ids: list[Hashable] = field(default_factory=list)  # sequences this step preempted
+    preempted_ids: list[SequenceId] = field(default_factory=list)  # sequences this step preempted
     # Block copies the runner makes before the step, swap_in first: a host block freed by a swap-in
     # may be reused by a swap-out of the same step.
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -71,6 +78,7 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, SampledToken]  # request_id -> token, for sequences with samples=True
-    # request_id -> [(prompt position, {its token: logprob, top tokens: logprobs})] of the step's chunk
-    prompt_logprobs: dict[str, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
+    sampled: dict[SequenceId, SampledToken]  # each sequence with samples=True -> its token
+    # each sequence with prompt_logprob_targets -> [(prompt position, {its token: logprob, top tokens:
+    # logprobs})] of the step's chunk
+    prompt_logprobs: dict[SequenceId, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)

@@ -303,7 +303,7 @@ class ModelRunner:
             if n:
                 n = min(n, self.max_logprobs)
                 top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
-            sampled[s.request_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
+            sampled[s.seq_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
         prompt = {}
         if handle.bucket.variant == StepVariant.PROMPT_LOGPROBS:
             num_rows, begin = handle.bucket.num_seqs, 0
@@ -311,7 +311,7 @@ class ModelRunner:
                 if s.prompt_logprob_targets:
                     n = min(s.sampling_params.prompt_logprobs or 0, self.max_logprobs)
                     rows = range(num_rows + begin, num_rows + begin + len(s.prompt_logprob_targets))
-                    prompt[s.request_id] = [
+                    prompt[s.seq_id] = [
                         (s.start_position + 1 + k, {int(ids[row, 0]): float(lps[row, 0]),
                                                     **{int(t): float(lp) for t, lp in zip(ids[row, 1 : 1 + n],
                                                                                           lps[row, 1 : 1 + n])}})

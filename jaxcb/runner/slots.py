@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Hashable
 
 import jax
 import jax.numpy as jnp
 
+from jaxcb.core.sequence import SequenceId
 from jaxcb.sampling import PenaltyCounts, record_tokens
 
 
@@ -34,26 +34,26 @@ class SlotTable:
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self._entries: collections.OrderedDict[Hashable, SlotEntry] = collections.OrderedDict()
+        self._entries: collections.OrderedDict[SequenceId, SlotEntry] = collections.OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
 
-    def use(self, request_id: Hashable, block_epoch: int) -> tuple[SlotEntry, bool]:
+    def use(self, seq_id: SequenceId, block_epoch: int) -> tuple[SlotEntry, bool]:
         """The sequence's slot for this step, and whether it is fresh (nothing of it on the device).
         A step uses fewer slots than there are (`num_slots` > the largest sequence bucket), so the
         slot taken from the least recently scheduled sequence is never one this step uses."""
-        entry = self._entries.get(request_id)
+        entry = self._entries.get(seq_id)
         if entry is not None:
-            self._entries.move_to_end(request_id)
+            self._entries.move_to_end(seq_id)
             if entry.block_epoch == block_epoch:
                 return entry, False
             entry.block_epoch, entry.num_blocks = block_epoch, 0
             return entry, True
         slot = self._free.pop() if self._free else self._entries.popitem(last=False)[1].slot
-        entry = self._entries[request_id] = SlotEntry(slot, block_epoch)
+        entry = self._entries[seq_id] = SlotEntry(slot, block_epoch)
         return entry, True
 
-    def release(self, request_id: Hashable) -> None:
-        entry = self._entries.pop(request_id, None)
+    def release(self, seq_id: SequenceId) -> None:
+        entry = self._entries.pop(seq_id, None)
         if entry is not None:
             self._free.append(entry.slot)
 

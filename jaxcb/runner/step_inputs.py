@@ -296,7 +296,7 @@ class StepInputBuilder:
         num_slots = self.slots.num_slots
         new_slots, new_cols, new_blocks, resets, counted = [], [], [], [], []
         for i, s in enumerate(seqs):
-            entry, fresh = self.slots.use(s.request_id, s.block_epoch)
+            entry, fresh = self.slots.use(s.seq_id, s.block_epoch)
             row_slots[i] = entry.slot
             if len(s.block_ids) > entry.num_blocks:
                 gained = s.block_ids[entry.num_blocks :]
