@@ -18,20 +18,21 @@ once. Duplicate ids in the input are refused before any work starts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Union
 
 from tqdm import tqdm
 
 from jaxcb.config import Config
 from jaxcb.engine import LLM
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError, UserError
-from jaxcb.outputs import RequestOutput
+from jaxcb.outputs import RequestOutput, join_deltas
 from jaxcb.request_fields import reject_non_finite
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server import openai_format as fmt
@@ -39,6 +40,10 @@ from jaxcb.server.chat import assistant_message
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, served_model_name
 from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
 from jaxcb.server.tool_parsers import get_tool_parser
+from jaxcb.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxcb.server.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 FSYNC_EVERY = 64
@@ -120,7 +125,20 @@ class ChatRecord(ChatCompletionRequest):
     model: Optional[str] = None
 
 
-def plan_record(llm: LLM, data: dict) -> tuple[Union[CompletionRecord, ChatRecord], PlannedRequest]:
+@dataclass(frozen=True)
+class JobContext:
+    """What reading a record needs of the engine that serves it."""
+
+    cfg: Config
+    tokenizer: Tokenizer
+    max_model_len: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> "JobContext":
+        return cls(llm.engine.cfg, llm.tokenizer, llm.engine.max_model_len)
+
+
+def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, ChatRecord], PlannedRequest]:
     """A record as engine requests, through the HTTP API's own path; InvalidRequestError naming the field."""
     if "messages" in data:
         req = parse_request(ChatRecord, data)
@@ -128,11 +146,10 @@ def plan_record(llm: LLM, data: dict) -> tuple[Union[CompletionRecord, ChatRecor
         req = parse_request(CompletionRecord, data)
     else:
         raise InvalidRequestError("the record has neither 'prompt' nor 'messages'", "prompt")
-    cfg = llm.engine.cfg
+    cfg = ctx.cfg
     if isinstance(req, ChatRecord):
-        parser = get_tool_parser(cfg.server.tool_call_parser, llm.tokenizer.chat_template)
-        planned = plan_chat_completion(req, llm.tokenizer, parser, llm.engine.max_model_len,
-                                       cfg.server.tool_prompt_fallback)
+        parser = get_tool_parser(cfg.server.tool_call_parser, ctx.tokenizer.chat_template)
+        planned = plan_chat_completion(req, ctx.tokenizer, parser, ctx.max_model_len, cfg.server.tool_prompt_fallback)
     else:
         planned = plan_completion(req)
     if req.model is not None and req.model != served_model_name(cfg):
@@ -156,9 +173,9 @@ class _PendingRecord:
         return all(o is not None for o in self.outputs)
 
 
-def result_record(llm: LLM, rec: _PendingRecord) -> dict[str, Any]:
+def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
     """A finished record's result line: as the completions (or chat) response would carry it."""
-    tok, req, chat = llm.tokenizer, rec.req, rec.planned.chat
+    req, chat = rec.req, rec.planned.chat
     choices = []
     for p_idx, out in enumerate(rec.outputs):
         for c in out.outputs:
@@ -253,7 +270,7 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
 
     A record that cannot be read or fails validation yields an `error` record at once and the
     rest go on; at most `max_in_flight` engine requests are queued at a time."""
-    engine = llm.engine
+    engine, ctx = llm.engine, JobContext.of(llm)
     queue = deque(records)
     in_flight: dict[str, tuple[_PendingRecord, int]] = {}  # engine request id -> (its record, prompt index)
     while queue or in_flight:
@@ -265,7 +282,7 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
             added: list[str] = []
             planned: Optional[PlannedRequest] = None
             try:
-                req, planned = plan_record(llm, rec.data)
+                req, planned = plan_record(ctx, rec.data)
                 pending = _PendingRecord(rec.id, req, planned, [None] * len(planned.prompts))
                 for i, prompt in enumerate(planned.prompts):
                     rid = engine.add_request(prompt, planned.params, priority=planned.priority, final_only=True,
@@ -286,7 +303,59 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
             pending, i = entry
             pending.outputs[i] = out
             if pending.done:
-                yield result_record(llm, pending)
+                yield result_record(ctx.tokenizer, pending)
+
+
+async def generate_results_over(client: "EngineClient", cfg: Config, records: list[JobRecord],
+                                max_in_flight: int) -> AsyncIterator[dict]:
+    """`generate_results` over an EngineClient (a serving engine, in this process or on Ray replicas):
+    the same records give the same result lines. A refusal that says "retry later" (the server's
+    admission control) is retried, not written: a job waits for room."""
+    ctx = JobContext(cfg, client.tokenizer, client.max_model_len)
+    room = asyncio.Semaphore(max_in_flight)
+
+    async def queue(planned: PlannedRequest) -> list:
+        deadlines = {"timeout_s": float(planned.timeout)} if planned.timeout is not None else None
+        streams = []
+        try:
+            for prompt in planned.prompts:
+                streams.append(await client.add(prompt, planned.params, priority=planned.priority,
+                                                deadlines=deadlines, cache_salt=planned.cache_salt))
+        except BaseException:
+            for stream in streams:  # a record is served whole or not at all
+                stream.close()
+            raise
+        return streams
+
+    async def run(rec: JobRecord) -> dict:
+        if rec.id is None or rec.error:
+            return {"id": rec.id, "line": rec.line, "error": rec.error}
+        planned = None
+        try:
+            req, planned = plan_record(ctx, rec.data)
+            if client.grammars is not None and planned.params.structured_outputs is not None:
+                await asyncio.to_thread(client.grammars.compile, planned.params.structured_outputs)
+            async with room:
+                while True:
+                    try:
+                        streams = await queue(planned)
+                        break
+                    except EngineOverloadedError as e:
+                        await asyncio.sleep(min(e.retry_after_s, 1.0))
+                outputs = await asyncio.gather(*(_final_output(s) for s in streams))
+        except InvalidRequestError as e:
+            return _error_record(rec.id, planned.refusal(e) if planned is not None else e)
+        return result_record(ctx.tokenizer, _PendingRecord(rec.id, req, planned, list(outputs)))
+
+    for done in asyncio.as_completed([asyncio.ensure_future(run(r)) for r in records]):
+        yield await done
+
+
+async def _final_output(stream) -> RequestOutput:
+    try:
+        return join_deltas([out async for out in stream])
+    finally:
+        stream.close()
 
 
 def max_in_flight(cfg: Config) -> int:

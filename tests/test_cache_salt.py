@@ -94,5 +94,5 @@ def test_http_cache_salt_decides_what_usage_reports_as_cached(path):
         assert cached(cache_salt="a") > 0 and cached(cache_salt="b") > 0 and cached() > 0
         r = httpx.post(url + path, json={**base, "cache_salt": ""}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
-        pool = state.engine.block_pool
+        pool = state.client.engine.block_pool
         assert pool.num_free_blocks == pool.num_blocks - 1

@@ -26,20 +26,20 @@ def no_template_checkpoint(tmp_path_factory):
 
 def test_chat_to_a_checkpoint_without_a_template_is_a_400_and_completions_still_work(no_template_checkpoint, tmp_path):
     with running_server("model=hf", f"model.checkpoint={no_template_checkpoint}", "model.dtype=float32") as (url, state):
-        free = state.engine.block_pool.num_free_blocks
+        free = state.client.engine.block_pool.num_free_blocks
         chat = httpx.post(f"{url}/v1/chat/completions", json={"model": state.model_name, **CHAT}, timeout=60)
         assert chat.status_code == 400
         error = chat.json()["error"]
         assert "no chat template" in error["message"] and "server.chat_template" in error["message"]
         assert error["param"] == "messages"
-        assert state.engine.block_pool.num_free_blocks == free and not state.engine.has_unfinished_requests()
+        assert state.client.engine.block_pool.num_free_blocks == free and not state.client.engine.has_unfinished_requests()
         completion = httpx.post(f"{url}/v1/completions", json={"model": state.model_name, "prompt": "w5 w7", "max_tokens": 3}, timeout=60)
         assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 3
 
         # The same refusal in a JSONL job: an error record for the chat, a result for the prompt.
         path = tmp_path / "in.jsonl"
         path.write_text(json.dumps({"id": "c", **CHAT}) + "\n" + json.dumps({"id": "p", "prompt": "w5", "max_tokens": 2}) + "\n")
-        llm = types.SimpleNamespace(engine=state.engine, tokenizer=state.engine.tokenizer)
+        llm = types.SimpleNamespace(engine=state.client.engine, tokenizer=state.client.engine.tokenizer)
         results = {r["id"]: r for r in generate_results(llm, read_input(str(path)), max_in_flight=4)}
         assert "no chat template" in results["c"]["error"]
         assert len(results["p"]["token_ids"]) == 2

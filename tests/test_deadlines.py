@@ -60,22 +60,22 @@ def slow_server():
     """One sequence at a time, each step >= STEP_DELAY_S: a second request surely waits."""
     overrides = ("scheduler.max_num_seqs=1", "server.max_queue_time_s=0.5", "server.request_timeout_s=30")
     with running_server(*overrides) as (url, state):
-        original = state.async_engine.on_step
+        original = state.client.async_engine.on_step
 
         def slow(*args):
             time.sleep(STEP_DELAY_S)
             original(*args)
 
-        state.async_engine.on_step = slow
+        state.client.async_engine.on_step = slow
         yield url, state
-        state.async_engine.on_step = original
+        state.client.async_engine.on_step = original
 
 
 def wait_until_idle(state, timeout=20):
     deadline = time.monotonic() + timeout
-    pool = state.engine.block_pool
+    pool = state.client.engine.block_pool
     while time.monotonic() < deadline:
-        if pool.num_free_blocks == pool.num_blocks - 1 and not state.engine.has_unfinished_requests():
+        if pool.num_free_blocks == pool.num_blocks - 1 and not state.client.engine.has_unfinished_requests():
             return True
         time.sleep(0.05)
     return False

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from jaxcb.errors import InvalidRequestError
-from jaxcb.jobs import plan_record, read_input
+from jaxcb.jobs import JobContext, plan_record, read_input
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest
 from jaxcb.request_fields import HONOURED_VALUES, IGNORED, NOT_SUPPORTED, check_fields
 from server_harness import running_server
@@ -34,8 +34,8 @@ def post(url, path, body):
 
 
 def assert_nothing_queued(state):
-    pool = state.engine.block_pool
-    assert pool.num_free_blocks == pool.num_blocks - 1 and not state.engine.has_unfinished_requests()
+    pool = state.client.engine.block_pool
+    assert pool.num_free_blocks == pool.num_blocks - 1 and not state.client.engine.has_unfinished_requests()
 
 
 # Every refused field on every endpoint that does not honour it (echo, say, is honoured by completions only).
@@ -115,12 +115,10 @@ def test_priority_under_a_policy_that_ignores_it_names_the_policy_that_uses_it(s
 
 
 def test_job_records_are_refused_by_the_same_table(tmp_path):
-    from types import SimpleNamespace
-
     from jaxcb.config import compose_config
 
     # No model: these records are refused before a tokenizer or an engine is needed.
-    llm = SimpleNamespace(engine=SimpleNamespace(cfg=compose_config(()), max_model_len=64), tokenizer=None)
+    llm = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
     with pytest.raises(InvalidRequestError, match="guided_json is vLLM's legacy field") as e:
         plan_record(llm, {"id": "a", "prompt": "hi", "guided_json": {"type": "object"}})
     assert e.value.field == "guided_json"

@@ -77,7 +77,7 @@ def test_echo_and_prompt_logprobs_over_http_whole_and_streamed():
         plain = httpx.post(url + "/v1/completions", json={**body, "echo": False}, timeout=60).json()["choices"][0]
         assert whole["text"] == "echo me" + plain["text"]
         lp = whole["logprobs"]
-        num_prompt = len(state.engine.tokenizer.encode("echo me"))
+        num_prompt = len(state.client.engine.tokenizer.encode("echo me"))
         assert len(lp["tokens"]) == num_prompt + 4 and lp["token_logprobs"][0] is None
         assert lp["token_logprobs"][num_prompt:] == plain["logprobs"]["token_logprobs"]
         prompt_lps = whole["prompt_logprobs"]

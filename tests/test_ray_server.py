@@ -105,8 +105,8 @@ def test_a_client_that_disconnects_aborts_its_request_on_the_replica(client, ser
     else:
         raise AssertionError("the abort did not reach the replica")
     state = server[1]
-    assert not state.async_engine.streams
-    assert all(not r.waiting_tokens for r in state.async_engine.replicas)
+    assert not state.client.streams
+    assert all(not r.waiting_tokens for r in state.client.replicas)
 
 
 def test_a_killed_replica_is_routed_around_and_health_stays_ok(client, server):
@@ -119,6 +119,6 @@ def test_a_killed_replica_is_routed_around_and_health_stays_ok(client, server):
         assert r.choices[0].text == engine_greedy(f"after the kill {i}", 5)
     assert httpx.get(url + "/health").status_code == 200
     deadline = time.monotonic() + 120  # Ray restarts the replica; the router's poll brings it back
-    while not all(r.alive for r in state.async_engine.replicas):
+    while not all(r.alive for r in state.client.replicas):
         assert time.monotonic() < deadline, "the killed replica did not come back"
         time.sleep(0.5)

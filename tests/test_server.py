@@ -42,8 +42,8 @@ def engine_greedy(state, prompt_ids, max_tokens):
 def wait_until_idle(state, timeout=10):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        pool = state.engine.block_pool
-        if pool.num_free_blocks == pool.num_blocks - 1 and not state.engine.has_unfinished_requests():
+        pool = state.client.engine.block_pool
+        if pool.num_free_blocks == pool.num_blocks - 1 and not state.client.engine.has_unfinished_requests():
             return True
         time.sleep(0.05)
     return False
@@ -51,7 +51,7 @@ def wait_until_idle(state, timeout=10):
 
 def test_completion_matches_the_engine_and_reports_usage(client, server):
     r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=12, temperature=0)
-    ref = engine_greedy(server[1], server[1].engine.tokenizer.encode("Hello there"), 12)
+    ref = engine_greedy(server[1], server[1].client.engine.tokenizer.encode("Hello there"), 12)
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == "tiny"
     assert r.choices[0].text == ref.text and r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == 12 and r.usage.completion_tokens == 12 and r.usage.total_tokens == 24
@@ -180,7 +180,7 @@ STEP_DELAY_S = 0.02
 @pytest.fixture
 def slow_steps(server):
     """Make every engine step take >= STEP_DELAY_S, so a request is surely in flight when the client leaves."""
-    engine = server[1].async_engine
+    engine = server[1].client.async_engine
     original = engine.on_step
 
     def slow(*args):
@@ -194,7 +194,7 @@ def slow_steps(server):
 
 def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, slow_steps):
     url, state = server
-    before = state.metrics.aborts._value.get()
+    before = state.client.metrics.aborts._value.get()
     with httpx.stream("POST", url + "/v1/completions", json={
         "model": "tiny", "prompt": "a long one", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
     }) as r:
@@ -202,18 +202,18 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(server, slow_steps
         for _ in range(6):
             next(lines)
     assert wait_until_idle(state)
-    assert state.metrics.aborts._value.get() == before + 1
+    assert state.client.metrics.aborts._value.get() == before + 1
 
 
 def test_client_disconnect_while_waiting_for_a_whole_response_aborts_it(server, slow_steps):
     url, state = server
-    before = state.metrics.aborts._value.get()
+    before = state.client.metrics.aborts._value.get()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json={
             "model": "tiny", "prompt": [5] * 150, "max_tokens": 100, "ignore_eos": True, "temperature": 0,
         }, timeout=0.3)
     assert wait_until_idle(state)
-    assert state.metrics.aborts._value.get() == before + 1
+    assert state.client.metrics.aborts._value.get() == before + 1
 
 
 def test_client_disconnect_mid_prefill_aborts_and_frees_blocks(server, slow_steps, monkeypatch):
@@ -221,13 +221,13 @@ def test_client_disconnect_mid_prefill_aborts_and_frees_blocks(server, slow_step
     leaves during the second one."""
     monkeypatch.setattr(__import__(__name__), "STEP_DELAY_S", 0.1)
     url, state = server
-    before = state.metrics.aborts._value.get()
+    before = state.client.metrics.aborts._value.get()
     seen_prefilling = []
 
     def watch():
         deadline = time.monotonic() + 1
         while time.monotonic() < deadline:
-            for r in list(state.engine.scheduler.requests.values()):
+            for r in list(state.client.engine.scheduler.requests.values()):
                 if 0 < r.num_computed_tokens < r.num_prompt_tokens:
                     seen_prefilling.append(r.num_computed_tokens)
             time.sleep(0.01)
@@ -239,8 +239,8 @@ def test_client_disconnect_mid_prefill_aborts_and_frees_blocks(server, slow_step
     watcher.join()
     assert seen_prefilling, "the request should have been mid-prefill"
     assert wait_until_idle(state)
-    assert state.metrics.aborts._value.get() == before + 1
-    assert state.engine.block_pool.num_free_blocks == state.engine.block_pool.num_blocks - 1
+    assert state.client.metrics.aborts._value.get() == before + 1
+    assert state.client.engine.block_pool.num_free_blocks == state.client.engine.block_pool.num_blocks - 1
 
 
 def test_a_stalled_stream_reader_is_aborted_and_others_are_unaffected(server, slow_steps):
@@ -250,8 +250,8 @@ def test_a_stalled_stream_reader_is_aborted_and_others_are_unaffected(server, sl
     from jaxcb.server.async_engine import StreamAbortedError
 
     url, state = server
-    engine = state.async_engine
-    before = state.metrics.aborts._value.get()
+    engine = state.client.async_engine
+    before = state.client.metrics.aborts._value.get()
 
     async def scenario():
         params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
@@ -270,7 +270,7 @@ def test_a_stalled_stream_reader_is_aborted_and_others_are_unaffected(server, sl
     assert sum(len(out.outputs[0].token_ids) for out in outs) == 150  # deltas: each holds what is new
     assert not late or not late[-1].finished  # it never got to its end
     assert wait_until_idle(state)
-    assert state.metrics.aborts._value.get() == before + 1
+    assert state.client.metrics.aborts._value.get() == before + 1
 
 
 def test_an_http_client_that_stops_reading_is_aborted_and_others_are_unaffected(server, slow_steps):
@@ -279,7 +279,7 @@ def test_an_http_client_that_stops_reading_is_aborted_and_others_are_unaffected(
     after the 1 s stall timeout the request is aborted and its blocks freed; a client streaming
     at the same time gets its whole answer."""
     url, state = server
-    before = state.metrics.aborts._value.get()
+    before = state.client.metrics.aborts._value.get()
     port = int(url.rsplit(":", 1)[1])
     body = json.dumps({
         "model": "tiny", "prompt": [7] * 20, "max_tokens": 230, "n": 4, "logprobs": 5,
@@ -302,9 +302,9 @@ def test_an_http_client_that_stops_reading_is_aborted_and_others_are_unaffected(
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2][len("data: "):])["usage"]["completion_tokens"] == 150
         deadline = time.monotonic() + 30
-        while state.metrics.aborts._value.get() == before and time.monotonic() < deadline:
+        while state.client.metrics.aborts._value.get() == before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert state.metrics.aborts._value.get() == before + 1
+        assert state.client.metrics.aborts._value.get() == before + 1
         assert wait_until_idle(state)  # its blocks are free while its socket is still open
     finally:
         stalled.close()

@@ -22,9 +22,9 @@ def test_a_default_server_answers_an_overload_with_429s_and_no_5xx_and_leaks_not
         refused = next(r for r in results if r.status_code == 429)
         assert int(refused.headers["retry-after"]) >= 1
         assert "server.admission_control: 8 x scheduler.max_num_seqs=2" in refused.json()["error"]["message"]
-        pool = state.engine.block_pool
+        pool = state.client.engine.block_pool
         assert pool.num_free_blocks == pool.num_blocks - 1  # cached blocks wait in the free queue, unreferenced
-        assert not state.engine.has_unfinished_requests()
+        assert not state.client.engine.has_unfinished_requests()
 
 
 def test_offline_engines_queue_without_bound_and_the_server_default_is_off_when_disabled():
@@ -40,7 +40,7 @@ def test_offline_engines_queue_without_bound_and_the_server_default_is_off_when_
     for rid in ids:
         engine.abort(rid)
     with running_server("server.admission_control=false") as (_, state):
-        assert state.engine.max_waiting_requests is None and state.engine.max_waiting_tokens is None
+        assert state.client.engine.max_waiting_requests is None and state.client.engine.max_waiting_tokens is None
 
 
 def test_usage_reports_prompt_tokens_found_in_the_prefix_cache_and_top_logprobs_reach_20():

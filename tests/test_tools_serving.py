@@ -182,8 +182,8 @@ def test_constraints_that_cannot_be_honoured_are_400s_naming_the_field(server, b
                    timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
-    pool = state.engine.block_pool
-    assert not state.engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks - 1
+    pool = state.client.engine.block_pool
+    assert not state.client.engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks - 1
 
 
 def test_completions_take_structured_outputs_logit_bias_and_bad_words(client):

@@ -1,13 +1,13 @@
 """One OpenAI endpoint in front of several engine replicas on Ray (server.backend=ray).
 
-    HTTP handlers (app.py) ──> ReplicaRouter ──┬──> EngineReplica 0 (Ray actor: Engine + AsyncEngine loop)
+    HTTP handlers (app.py) ──> ReplicaRouter ──┬──> EngineReplica 0 (Ray actor: a LocalEngineClient)   
                                                └──> EngineReplica 1 ...
 
-`ReplicaRouter` has the interface app.py already uses for its in-process `AsyncEngine`
-(`add` -> a stream of `RequestOutput`s with `close()`, `abort_all`, `is_alive`, `start`,
-`stop`), so the handlers do not know where the engines run. Each replica is an async Ray
-actor running the same `AsyncEngine` loop as the local server; a request is one call of
-its `generate`, a Ray streaming generator that yields the request's outputs.
+`ReplicaRouter` is an `EngineClient` (jaxcb.server.engine_client), as the in-process
+`LocalEngineClient` is, so the handlers do not know where the engines run. Each replica is
+an async Ray actor holding a `LocalEngineClient` (the same engine thread, metrics and
+dashboard as a local server); a request is one call of its `generate`, a Ray streaming
+generator that yields the request's outputs.
 
 - Routing (routing.py, server.routing): by default each request goes to the live replica with
   the fewest waiting tokens, as the router counts them: for every request it sent there and
@@ -43,12 +43,10 @@ from jaxcb.config import Config
 from jaxcb.distributed.ray_cluster import check_room, connect, import_ray, replica_options, wait_until_ready
 from jaxcb.distributed.replica_metrics import QUERY_TIMEOUT_S, ReplicaDashboard, RouterMetrics, await_ref
 from jaxcb.distributed.routing import make_chooser
-from jaxcb.engine import Engine, PromptType
-from jaxcb.metrics import EngineMetrics
+from jaxcb.engine import PromptType
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
-from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, StreamAbortedError
-from jaxcb.server.dashboard import DashboardHistory
+from jaxcb.server.async_engine import EngineDeadError, StreamAbortedError
 from jaxcb.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,25 +57,14 @@ class EngineReplica:
     """One engine and its loop thread, in an async Ray actor; every method runs on the actor's event loop."""
 
     def __init__(self, cfg: Config, index: int, model_name: str):
+        from jaxcb.server.engine_client import LocalEngineClient
+
         self.index = index
         self.instance_id = uuid.uuid4().hex  # new on every (re)start: the router drops its guess of our cache
-        self.engine = Engine(cfg, progress=False)
-        if cfg.server.admission_control:
-            self.engine.enable_admission_control()
-        self.metrics = EngineMetrics(model_name, extra_labels={"replica": str(index)}, prefix=cfg.server.metrics_prefix)
-        self.history = DashboardHistory()
-        self.async_engine = AsyncEngine(
-            self.engine,
-            on_step=self._on_step,
-            on_abort=lambda rid, reason: self.metrics.request_aborted(rid),
-            stream_buffer_tokens=cfg.server.stream_buffer_tokens,
-            stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
-        )
-        self.async_engine.start()
-
-    def _on_step(self, stats, outputs, step_seconds) -> None:
-        self.metrics.on_step(stats, outputs, step_seconds)
-        self.history.on_step(stats, outputs, step_seconds)
+        # The same engine thread, metrics and dashboard wiring as a local server's.
+        self.client = LocalEngineClient(cfg, model_name, extra_labels={"replica": str(index)})
+        self.engine = self.client.engine
+        self.client.start()
 
     async def ready(self) -> dict:
         """What the front end needs to parse and check requests as the engine would."""
@@ -93,8 +80,8 @@ class EngineReplica:
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
                        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None):
         """Streams None once the request is queued (or raises the engine's refusal), then its outputs."""
-        stream = await self.async_engine.add(prompt, params, request_id=request_id, priority=priority,
-                                             deadlines=deadlines, cache_salt=cache_salt)
+        stream = await self.client.add(prompt, params, request_id=request_id, priority=priority,
+                                       deadlines=deadlines, cache_salt=cache_salt)
         try:
             yield None
             async for out in stream:
@@ -104,22 +91,14 @@ class EngineReplica:
 
     async def load(self) -> dict:
         stats = self.engine.last_stats  # the last step's snapshot, read from the router's thread
-        return {"alive": self.async_engine.is_alive, "running": stats.num_running, "waiting": stats.num_waiting,
+        return {"alive": self.client.is_alive, "running": stats.num_running, "waiting": stats.num_waiting,
                 "instance_id": self.instance_id}
 
     async def metric_families(self) -> list:
-        return list(self.metrics.registry.collect())
+        return list(self.client.metrics.registry.collect())
 
     async def dashboard_samples(self) -> list[dict]:
-        return self.history.snapshot()
-
-
-@dataclass
-class ReplicaModelInfo:
-    """What app.py reads off `state.engine`: the replicas' tokenizer and length limit."""
-
-    tokenizer: Tokenizer
-    max_model_len: int
+        return await self.client.dashboard_samples()
 
 
 @dataclass
@@ -219,7 +198,7 @@ class _Cost:
 
 
 class ReplicaRouter:
-    """N engine replicas on Ray behind the interface of AsyncEngine; see the module docstring."""
+    """N engine replicas on Ray behind one EngineClient; see the module docstring."""
 
     def __init__(self, cfg: Config, model_name: str):
         self.cfg = cfg
@@ -240,7 +219,9 @@ class ReplicaRouter:
             self.stop()
             raise
         log.info("engine replicas up, process ids %s", [info["pid"] for info in infos])
-        self.model_info = ReplicaModelInfo(infos[0]["tokenizer"], infos[0]["max_model_len"])
+        self.tokenizer: Tokenizer = infos[0]["tokenizer"]
+        self.max_model_len: int = infos[0]["max_model_len"]
+        self.grammars = None  # each replica's engine compiles its own
         for replica, info in zip(self.replicas, infos, strict=True):
             replica.instance_id = info["instance_id"]
         self.chooser = make_chooser(cfg.server, model_name, infos)
@@ -248,7 +229,7 @@ class ReplicaRouter:
         self.metrics = RouterMetrics(self, model_name)
         self.history = ReplicaDashboard(self)
 
-    # --- the AsyncEngine interface ---------------------------------------------------------------
+    # --- the EngineClient interface (jaxcb.server.engine_client) ----------------------------------
 
     def start(self) -> None:
         self._poller = asyncio.get_running_loop().create_task(self._poll())
@@ -275,7 +256,7 @@ class ReplicaRouter:
         """Queue a request on the replica server.routing picks; raises its refusal (InvalidRequestError, ...) here.
         `cache_salt`: the tenant's, passed on to the engine and folded into the router's block hashes."""
         request_id = request_id or uuid.uuid4().hex
-        prompt_ids = self.model_info.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         cost = _Cost(len(prompt_ids), params.n * params.max_tokens)
         tried: set[int] = set()
         while True:  # a replica found dead here has generated nothing yet: the next one may take the request
@@ -313,6 +294,15 @@ class ReplicaRouter:
         for stream in list(self.streams.values()):
             log.info("aborting %s: %s", stream.request_id, reason)
             stream.abort(reason)
+
+    def request_rejected(self, reason: str) -> None:
+        self.metrics.request_rejected(reason)
+
+    async def render_metrics(self) -> bytes:
+        return await self.metrics.render()
+
+    async def dashboard_samples(self) -> list[dict]:
+        return await self.history.snapshot()
 
     # --- routing and liveness --------------------------------------------------------------------
 

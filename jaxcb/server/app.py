@@ -24,10 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxcb.config import Config
 from jaxcb.engine import Engine
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
-from jaxcb.metrics import EngineMetrics
 from jaxcb.server import openai_format as fmt
-from jaxcb.server.dashboard import DashboardHistory, dashboard_html
-from jaxcb.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxcb.server.dashboard import dashboard_html
+from jaxcb.server.async_engine import EngineDeadError, RequestStream
+from jaxcb.server.engine_client import EngineClient, make_engine_client
 from jaxcb.server.chat import assistant_message
 from jaxcb.server.protocol import APIError, served_model_name, ChatCompletionRequest, CompletionRequest, parse_request
 from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 
 class ServerState:
-    """What the handlers share: the engine (in this process, or replicas behind a Ray router), metrics, history."""
+    """What the handlers share: the engine client (one engine here, or replicas behind a Ray router)."""
 
     def __init__(self, cfg: Config, engine: Optional[Engine] = None):
         self.cfg = cfg
@@ -55,38 +55,13 @@ class ServerState:
         self.shutting_down = False
         self.num_in_flight = 0
         self._tool_parser = None
-        if cfg.server.backend == "ray":
-            from jaxcb.distributed.ray_server import ReplicaRouter
-
-            # The router has AsyncEngine's interface; the tokenizer and limits come from its replicas.
-            router = ReplicaRouter(cfg, self.model_name)
-            self.engine, self.metrics, self.history, self.async_engine = (
-                router.model_info, router.metrics, router.history, router)
-            return
-        if engine is None:
-            engine = Engine(cfg)
-            if cfg.server.admission_control:
-                engine.enable_admission_control()
-        self.engine = engine
-        self.metrics = EngineMetrics(self.model_name, prefix=cfg.server.metrics_prefix)
-        self.history = DashboardHistory()
-        self.async_engine = AsyncEngine(
-            self.engine,
-            on_step=self._on_step,
-            on_abort=lambda rid, reason: self.metrics.request_aborted(rid),
-            stream_buffer_tokens=cfg.server.stream_buffer_tokens,
-            stream_stall_timeout_s=cfg.server.stream_stall_timeout_s,
-        )
+        self.client: EngineClient = make_engine_client(cfg, self.model_name, engine)
 
     def tool_parser(self):
         """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
         if self._tool_parser is None:
-            self._tool_parser = get_tool_parser(self.cfg.server.tool_call_parser, self.engine.tokenizer.chat_template)
+            self._tool_parser = get_tool_parser(self.cfg.server.tool_call_parser, self.client.tokenizer.chat_template)
         return self._tool_parser
-
-    def _on_step(self, stats, outputs, step_seconds) -> None:
-        self.metrics.on_step(stats, outputs, step_seconds)
-        self.history.on_step(stats, outputs, step_seconds)
 
 
 def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
@@ -97,16 +72,16 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.async_engine.start()
+        state.client.start()
         yield
         # Graceful shutdown: admit nothing, give in-flight requests their time, abort the rest.
         state.shutting_down = True
         deadline = time.monotonic() + cfg.server.shutdown_timeout_s
         while state.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        state.async_engine.abort_all("shutdown")
+        state.client.abort_all("shutdown")
         await asyncio.sleep(0.1)
-        state.async_engine.stop()
+        state.client.stop()
 
     app = FastAPI(title="jaxcb", lifespan=lifespan)
     app.state.jaxcb = state
@@ -128,13 +103,13 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not state.async_engine.is_alive:
+        if not state.client.is_alive:
             return JSONResponse({"status": "engine loop stopped"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
-        return Response(await _maybe_await(state.metrics.render()), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(await state.client.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/dashboard")
     async def dashboard():
@@ -142,13 +117,13 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
 
     @app.get("/dashboard/data")
     async def dashboard_data():
-        return {"model": state.model_name, "samples": await _maybe_await(state.history.snapshot())}
+        return {"model": state.model_name, "samples": await state.client.dashboard_samples()}
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxcb",
-            "max_model_len": state.engine.max_model_len,
+            "max_model_len": state.client.max_model_len,
         }]}
 
     @app.post("/v1/completions")
@@ -163,7 +138,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return sse_response(state, streams, completion_events(state, rid, req, streams, include_usage))
         finals = await collect_final_outputs(state, request, streams)
-        tok, choices = state.engine.tokenizer, []
+        tok, choices = state.client.tokenizer, []
         for p_idx, out in enumerate(finals):
             for c in out.outputs:
                 if req.echo:  # the prompt, then the completion, as one text (and one logprobs list)
@@ -180,7 +155,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
-        planned = plan_chat_completion(req, state.engine.tokenizer, state.tool_parser(), state.engine.max_model_len,
+        planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
                                        cfg.server.tool_prompt_fallback)
         plan = planned.chat
         await _compile_grammar(state, plan.structured)
@@ -196,11 +171,11 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
             message, finish = assistant_message(plan, c.text, fmt.finish_reason(c))
             choice = {
                 "index": c.index, "message": message,
-                "logprobs": fmt.chat_logprobs(state.engine.tokenizer, c, 0, top_n) if req.logprobs else None,
+                "logprobs": fmt.chat_logprobs(state.client.tokenizer, c, 0, top_n) if req.logprobs else None,
                 "finish_reason": finish,
             }
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(state.engine.tokenizer, out)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(state.client.tokenizer, out)
             choices.append(choice)
         return fmt.chat_response(rid, state.model_name, choices, *usage_of([out]))
 
@@ -233,11 +208,6 @@ class GuardMiddleware:
 
 
 
-async def _maybe_await(value):
-    """Ray replicas' metrics and history come by a remote call; the local engine's are at hand."""
-    return await value if inspect.isawaitable(value) else value
-
-
 async def _json_body(request: Request, cfg: Config) -> Any:
     raw = await request.body()
     if len(raw) > cfg.server.max_request_bytes:
@@ -261,7 +231,7 @@ def _check_model(state: ServerState, model: str) -> None:
 async def _compile_grammar(state: ServerState, spec: Optional[StructuredOutputs]) -> None:
     """Compile the request's grammar off the engine's thread (cached: the engine then finds it compiled);
     a grammar that does not compile, or not in time, is a 400 naming its field and nothing is queued."""
-    grammars = getattr(state.engine, "grammars", None)  # Ray replicas compile their own
+    grammars = state.client.grammars  # None: Ray replicas compile their own
     if spec is None or grammars is None:
         return
     await asyncio.to_thread(grammars.compile, spec)  # StructuredOutputsError: a 400 naming its field
@@ -292,15 +262,15 @@ async def _start(state: ServerState, planned: PlannedRequest) -> list[RequestStr
     streams: list[RequestStream] = []
     try:
         for prompt in planned.prompts:
-            streams.append(await state.async_engine.add(prompt, planned.params, priority=planned.priority,
+            streams.append(await state.client.add(prompt, planned.params, priority=planned.priority,
                                                         deadlines=deadlines, cache_salt=planned.cache_salt))
     except InvalidRequestError as e:
         close_streams(streams)
-        state.metrics.request_rejected("invalid")
+        state.client.request_rejected("invalid")
         raise planned.refusal(e) from None
     except EngineOverloadedError as e:
         close_streams(streams)
-        state.metrics.request_rejected("overloaded")
+        state.client.request_rejected("overloaded")
         raise APIError(429, str(e), type="rate_limit_error", headers={"Retry-After": str(int(e.retry_after_s))}) from None
     except EngineDeadError as e:
         close_streams(streams)

@@ -138,7 +138,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 async def completion_events(state, rid, req: CompletionRequest, streams, include_usage) -> AsyncIterator[str]:
-    created, tok = int(time.time()), state.engine.tokenizer
+    created, tok = int(time.time()), state.client.tokenizer
     sent_text: dict[tuple[int, int], int] = {}  # characters sent so far: the legacy logprobs' text offsets
     sent_done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
@@ -200,7 +200,7 @@ def _chat_delta(plan, streamers: dict, index: int, text: str, done: Optional[str
 
 async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_usage, top_n,
                       plan=None) -> AsyncIterator[str]:
-    created, tok = int(time.time()), state.engine.tokenizer
+    created, tok = int(time.time()), state.client.tokenizer
     sent_done: set[int] = set()
     held: dict[int, CompletionOutput] = {}  # tokens whose text is not out yet: their logprobs go with it
     streamers: dict = {}  # choice -> its tool-call streamer (jaxcb.server.tool_parsers)
