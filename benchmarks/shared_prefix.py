@@ -22,6 +22,13 @@ A line per run: wall seconds from submission to the last output and the prompt t
 the prefix cache (jaxcb: and the prompt tokens computed); then each round's off/on ratio and
 whether the greedy outputs of on and off were identical, request by request. `--dump-outputs
 PATH` writes every run's token ids (JSON) to compare engines.
+
+`--modes on` runs only the engine with caching (what a change to the prefix cache's bookkeeping
+costs shows there; A/B two checkouts by running each in turn). `--engine scheduler` runs jaxcb's
+scheduler alone on the same workload, no model: every step is committed at once and each sampled
+token is a fixed function of the position, so its seconds -- CPU time of the process, steadier
+than wall time on a busy machine -- are the host's scheduling and prefix-cache bookkeeping
+(`--host-blocks` blocks of `cache.block_size` tokens).
 """
 
 from __future__ import annotations
@@ -52,12 +59,12 @@ def make_prompts(seed: int, a: argparse.Namespace, vocab_size: int) -> list[list
 # --- jaxcb -----------------------------------------------------------------------------------------
 
 
-def jaxcb_engines(overrides: list[str]) -> dict:
+def jaxcb_engines(overrides: list[str], modes: list[str]) -> dict:
     from jaxcb.config import compose_config
     from jaxcb.engine import Engine
 
     return {mode: Engine(compose_config([*overrides, f"cache.enable_prefix_caching={mode == 'on'}".lower()]),
-                         progress=False) for mode in ("on", "off")}
+                         progress=False) for mode in modes}
 
 
 def run_jaxcb(engine, prompts: list[list[int]], output_len: int) -> dict:
@@ -79,10 +86,54 @@ def run_jaxcb(engine, prompts: list[list[int]], output_len: int) -> dict:
             "prefill_tokens": prefill_tokens, "tokens": [outputs[i].outputs[0].token_ids for i in ids]}
 
 
+def scheduler_engines(overrides: list[str], modes: list[str], num_blocks: int) -> dict:
+    from jaxcb.config import compose_config
+
+    cfg = compose_config([o for o in overrides if not o.startswith("model=")] + ["model=tiny"])
+    return {mode: SchedulerOnly(cfg, num_blocks, mode == "on") for mode in modes}
+
+
+class SchedulerOnly:
+    """The scheduler's loop without a model: schedule, commit, update with made-up tokens."""
+
+    vocab_size = 49152  # SmolLM2's: the prompts are drawn from the same range
+
+    def __init__(self, cfg, num_blocks: int, enable_prefix_caching: bool):
+        self.cfg, self.num_blocks, self.enable_prefix_caching = cfg, num_blocks, enable_prefix_caching
+
+    def run(self, prompts: list[list[int]], output_len: int) -> dict:
+        from jaxcb.core.block_pool import BlockPool
+        from jaxcb.core.scheduler import Scheduler
+        from jaxcb.core.sequence import RequestStatus, Sequence
+        from jaxcb.core.step import RunnerOutput, SampledToken
+        from jaxcb.sampling_params import SamplingParams
+
+        sched = Scheduler(self.cfg.scheduler, BlockPool(self.num_blocks), self.cfg.cache.block_size,
+                          self.cfg.engine.max_model_len or 1024, enable_prefix_caching=self.enable_prefix_caching)
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        seqs = [Sequence(f"r{i}", list(p), params) for i, p in enumerate(prompts)]
+        start = time.process_time()
+        for seq in seqs:
+            sched.add_request(seq)
+        prefill_tokens = 0
+        while sched.num_unfinished:
+            out = sched.schedule()
+            sched.commit(out)
+            prefill_tokens += sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
+            sampled = {s.request_id: SampledToken(FIRST_TOKEN_ID + s.num_output_tokens % 97)
+                       for s in out.scheduled if s.samples}
+            sched.update(out, RunnerOutput(sampled))
+            for s in out.scheduled:
+                if s.samples and s.num_output_tokens + 1 >= output_len:
+                    sched.finish(s.request_id, RequestStatus.FINISHED_LENGTH)
+        return {"seconds": time.process_time() - start, "hit_tokens": sched.prefix_cache_hits,
+                "prefill_tokens": prefill_tokens, "tokens": [seq.output_token_ids for seq in seqs]}
+
+
 # --- vLLM --------------------------------------------------------------------------------------------
 
 
-def vllm_engines(a: argparse.Namespace) -> dict:
+def vllm_engines(a: argparse.Namespace, modes: list[str]) -> dict:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "compare"))
     from bench_vllm import set_environment  # noqa: E402  (the peers' settings, before vllm is imported)
 
@@ -91,7 +142,7 @@ def vllm_engines(a: argparse.Namespace) -> dict:
 
     return {mode: LLM(model=a.model_dir, skip_tokenizer_init=True, dtype="float32", max_num_seqs=64,
                       max_num_batched_tokens=2048, max_model_len=1024, enforce_eager=True,
-                      enable_prefix_caching=mode == "on", seed=0) for mode in ("on", "off")}
+                      enable_prefix_caching=mode == "on", seed=0) for mode in modes}
 
 
 def run_vllm(llm, prompts: list[list[int]], output_len: int) -> dict:
@@ -110,7 +161,10 @@ def run_vllm(llm, prompts: list[list[int]], output_len: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["jaxcb", "vllm"], default="jaxcb")
+    parser.add_argument("--engine", choices=["jaxcb", "vllm", "scheduler"], default="jaxcb")
+    parser.add_argument("--modes", choices=["on,off", "on", "off"], default="on,off",
+                        help="which engines run: prefix caching on, off, or both in turns")
+    parser.add_argument("--host-blocks", type=int, default=4096, help="--engine scheduler: KV-cache blocks")
     parser.add_argument("--model-dir", help="vllm: the Hugging Face directory of the weights")
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
@@ -122,17 +176,23 @@ def main() -> None:
     parser.add_argument("--dump-outputs", metavar="JSON", help="write every run's generated token ids here")
     parser.add_argument("overrides", nargs="*", help=f"jaxcb: Hydra overrides (default: {' '.join(DEFAULTS)})")
     a = parser.parse_args()
+    modes = a.modes.split(",")
     if a.engine == "vllm":
         if not a.model_dir:
             parser.error("--engine vllm needs --model-dir")
-        engines, run = vllm_engines(a), run_vllm
+        engines, run = vllm_engines(a, modes), run_vllm
         with open(os.path.join(a.model_dir, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         print(f"vLLM-CPU, {a.model_dir}, float32, max_num_seqs 64, max_num_batched_tokens 2048, max_model_len 1024")
+    elif a.engine == "scheduler":
+        overrides = a.overrides or DEFAULTS
+        engines, run = scheduler_engines(overrides, modes, a.host_blocks), SchedulerOnly.run
+        vocab = SchedulerOnly.vocab_size
+        print(f"jaxcb's scheduler alone, {a.host_blocks} blocks, overrides: {' '.join(overrides)}")
     else:
         overrides = a.overrides or DEFAULTS
-        engines, run = jaxcb_engines(overrides), run_jaxcb
-        vocab = engines["on"].model_config.vocab_size
+        engines, run = jaxcb_engines(overrides, modes), run_jaxcb
+        vocab = engines[modes[0]].model_config.vocab_size
         print(f"jaxcb, overrides: {' '.join(overrides)}")
     warm = make_prompts(a.seed + 10_000, argparse.Namespace(**{**vars(a), "groups": 1, "group_size": 2}), vocab)
     for engine in engines.values():
@@ -144,16 +204,18 @@ def main() -> None:
     for r in range(a.rounds):
         prompts = make_prompts(a.seed + r, a, vocab)
         results = {}
-        for mode in ("on", "off"):
+        for mode in modes:
             res = results[mode] = run(engines[mode], prompts, a.output_len)
             dump[f"round {r} {mode}"] = res["tokens"]
             computed = f"   prompt tokens computed {res['prefill_tokens']:6d}" if "prefill_tokens" in res else ""
-            print(f"round {r} prefix caching {mode:3s}: {res['seconds']:7.2f} s   prefix-hit tokens "
+            print(f"round {r} prefix caching {mode:3s}: {res['seconds']:8.3f} s   prefix-hit tokens "
                   f"{res['hit_tokens']:6d}{computed}", flush=True)
-        same = sum(x == y for x, y in zip(results["on"]["tokens"], results["off"]["tokens"]))
-        ratios.append(results["off"]["seconds"] / results["on"]["seconds"])
-        print(f"round {r}: caching cuts wall time {ratios[-1]:.2f}x; greedy outputs identical on/off: {same}/{n}")
-    print(f"median off/on: {statistics.median(ratios):.2f}x over {a.rounds} rounds")
+        if len(modes) == 2:
+            same = sum(x == y for x, y in zip(results["on"]["tokens"], results["off"]["tokens"]))
+            ratios.append(results["off"]["seconds"] / results["on"]["seconds"])
+            print(f"round {r}: caching cuts wall time {ratios[-1]:.2f}x; greedy outputs identical on/off: {same}/{n}")
+    if ratios:
+        print(f"median off/on: {statistics.median(ratios):.2f}x over {a.rounds} rounds")
     if a.engine == "jaxcb":
         print(f"recompiles: {sum(e.num_recompiles for e in engines.values())}")
     if a.dump_outputs:

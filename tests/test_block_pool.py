@@ -90,6 +90,52 @@ def test_blocks_taken_together_come_ascending_whatever_their_eviction_order():
     assert pool.allocate(1) == [1]
 
 
+# --- prefix caching --------------------------------------------------------------------------------
+
+ROOT = ("model", None, None)  # a chain's root key, as the KV-cache manager makes it
+
+
+def test_a_registered_block_is_found_only_with_its_tokens_and_its_parent():
+    pool = BlockPool(6)
+    a, b = pool.allocate(2)
+    first = pool.register(a, b"h0", ROOT, [1, 2])
+    second = pool.register(b, b"h1", first, [3, 4])
+    assert pool.find(b"h0", ROOT, [1, 2]).block == a and pool.find(b"h1", first, (3, 4)).block == b
+    assert pool.find(b"h0", ROOT, [1, 9]) is None  # the hash, other tokens
+    assert pool.find(b"h0", ("model", "salt", None), [1, 2]) is None  # another root
+    assert pool.find(b"h1", second, [3, 4]) is None  # another parent
+    assert pool.find(b"h2", first, [3, 4]) is None
+    pool.check_invariants()
+
+
+def test_the_same_contents_registered_twice_are_cached_once_and_other_contents_under_a_hash_not_at_all():
+    pool = BlockPool(6)
+    a, twin, forged = pool.allocate(3)
+    content = pool.register(a, b"h0", ROOT, [1, 2])
+    assert pool.register(twin, b"h0", ROOT, [1, 2]) == content  # its children follow a's contents
+    assert pool.content_id(twin) == content and not pool.is_registered(twin)
+    assert pool.register(forged, b"h0", ROOT, [7, 7]) is None  # a collision: not cacheable
+    assert pool.content_id(forged) is None and pool.find(b"h0", ROOT, [1, 2]).block == a
+    pool.free([twin, forged])
+    assert pool.content_id(twin) is None  # forgotten once free
+    pool.check_invariants()
+
+
+def test_a_cached_child_does_not_follow_its_parents_block_refilled_with_other_tokens():
+    """A child names its parent's registration, never its block id: the parent evicted and its
+    block registered again with other tokens under the same hash (a collision) is not its parent."""
+    pool = BlockPool(3)
+    parent, child = pool.allocate(2)
+    old = pool.register(parent, b"h0", ROOT, [1, 2])
+    pool.register(child, b"h1", old, [3, 4])
+    pool.free([parent])
+    pool.free([child])  # both cached; the parent is evicted first
+    assert pool.allocate(1) == [parent] and pool.num_evictions == 1
+    new = pool.register(parent, b"h0", ROOT, [5, 6])
+    assert new != old and pool.find(b"h1", new, [3, 4]) is None
+    pool.check_invariants()
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "fork", "free"]), st.integers(0, 6)), max_size=60))
 def test_random_operation_sequences_never_leak_or_corrupt(ops):

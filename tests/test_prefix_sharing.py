@@ -19,6 +19,7 @@ import random
 import pytest
 
 from jaxcb.config import SchedulerConfig
+from jaxcb.core import kv_cache_manager
 from jaxcb.core.block_hash import block_hashes
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.core.scheduler import Scheduler
@@ -66,8 +67,7 @@ class FakeDevice:
         for s, tokens in rows:  # every row's K/V write lands before any row reads (the attention invariant)
             for pos in range(s.start_position, s.start_position + len(s.token_ids)):
                 self.slots[(s.block_ids[pos // BLOCK], pos % BLOCK)] = tuple(tokens[: pos + 1])
-        if root is not None:
-            self.check_registered_blocks(pool, root)
+        self.check_registered_blocks(pool, root)
         for s, tokens in rows:
             for pos in range(s.start_position + len(s.token_ids)):
                 got = self.slots.get((s.block_ids[pos // BLOCK], pos % BLOCK))
@@ -76,16 +76,23 @@ class FakeDevice:
                     f"{'nothing' if got is None else 'the K/V of other tokens'}"
                 )
 
-    def check_registered_blocks(self, pool: BlockPool, root: bytes) -> None:
+    def check_registered_blocks(self, pool: BlockPool, root: bytes | None) -> None:
         """Every block findable in the prefix cache holds (once this step's writes land) the tokens
-        its hash stands for."""
-        for block in range(1, pool.num_blocks):
-            if pool.is_registered(block):
-                last = self.slots.get((block, BLOCK - 1))
-                filled = last is not None and all(
-                    self.slots.get((block, o)) == last[: len(last) - BLOCK + 1 + o] for o in range(BLOCK))
-                assert filled, f"block {block} is registered but this step does not fill it"
-                assert block_hashes(last, BLOCK, root)[-1] == pool.hash_of(block), f"block {block}: other tokens"
+        its entry says, after the contents its parent names, and (root given) its hash stands for them."""
+        entries = {e.content_id: e for e in map(pool.cached_block, range(1, pool.num_blocks)) if e is not None}
+        for entry in entries.values():
+            last = self.slots.get((entry.block, BLOCK - 1))
+            filled = last is not None and all(
+                self.slots.get((entry.block, o)) == last[: len(last) - BLOCK + 1 + o] for o in range(BLOCK))
+            assert filled, f"block {entry.block} is registered but this step does not fill it"
+            assert entry.token_ids == last[-BLOCK:], f"block {entry.block}: other tokens"
+            prefix, parent = last[:-BLOCK], entry.parent
+            while parent in entries:  # up the chain, as far as its blocks are still cached
+                assert entries[parent].token_ids == prefix[-BLOCK:], f"block {entry.block}: another parent"
+                prefix, parent = prefix[:-BLOCK], entries[parent].parent
+            assert isinstance(parent, int) or prefix == (), f"block {entry.block}: its chain's root is not at 0"
+            if root is not None:
+                assert block_hashes(last, BLOCK, root)[-1] == entry.block_hash, f"block {entry.block}: another hash"
 
     @staticmethod
     def _copy(src, src_key, dst, dst_key):
@@ -99,8 +106,9 @@ class Driver:
     """The engine's loop around a scheduler: schedule, dispatch (the fake device runs it), commit;
     under async scheduling a step's tokens are applied after the next one is dispatched."""
 
-    def __init__(self, sched: Scheduler, async_scheduling: bool):
+    def __init__(self, sched: Scheduler, async_scheduling: bool, check_hashes: bool = True):
         self.sched, self.async_scheduling = sched, async_scheduling
+        self.check_hashes = check_hashes  # False: the test replaced the hash function
         self.device = FakeDevice()
         self.sequences: dict = {}  # every sequence ever added, by id (the scheduler forgets finished ones)
         self.pending: SchedulerOutput | None = None
@@ -115,7 +123,8 @@ class Driver:
         out = self.sched.schedule()
         if not out.is_empty:
             kv = self.sched.kv
-            self.device.run(out, self.sched.requests, self.sched.pool, kv.root if kv.enable_prefix_caching else None)
+            root = kv.root if kv.enable_prefix_caching and self.check_hashes else None
+            self.device.run(out, self.sched.requests, self.sched.pool, root)
             self.sched.commit(out)
         self.num_steps += 1
         if self.async_scheduling:
@@ -325,6 +334,107 @@ def test_a_swapped_out_request_comes_back_with_its_blocks_findable_again():
     driver.add(seq("x", list(range(600, 616)), max_tokens=6))
     driver.run_until_done()
     assert sched.num_swap_outs >= 1 and sched.num_swap_ins == sched.num_swap_outs
+    driver.check_done()
+
+
+# --- hashes that collide ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def colliding_hashes(monkeypatch):
+    """Every full block at the same depth of a chain gets the same hash whatever its tokens, and
+    every salt (or n > 1 group) the same root: each lookup finds another chain's block, as tokens
+    crafted against XXH3 could make it, and a hit must still be refused."""
+    chain_hash = kv_cache_manager.chain_hash
+    monkeypatch.setattr(kv_cache_manager, "chain_hash", lambda parent, token_ids: chain_hash(parent, []))
+    monkeypatch.setattr(kv_cache_manager, "salted_root", lambda root, salt: root)
+
+
+OTHER = list(range(150, 163))  # 13 tokens, none of SYSTEM's: under colliding_hashes, the same 3 hashes
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_block_whose_hash_collides_within_the_step_is_not_a_hit(colliding_hashes, async_scheduling):
+    sched = make_scheduler(max_num_batched_tokens=64)
+    driver = Driver(sched, async_scheduling, check_hashes=False)
+    a, b = driver.add(seq("a", SYSTEM + [1, 2])), driver.add(seq("b", OTHER + [1, 2]))
+    c = driver.add(seq("c", SYSTEM + [3]))  # a's tokens: a hit, through the chain a registered
+    out = driver.step()
+    assert [(s.request_id, s.start_position) for s in out.scheduled] == [("a", 0), ("b", 0), ("c", 12)]
+    assert set(a.block_ids).isdisjoint(b.block_ids) and c.block_ids[:3] == a.block_ids[:3]
+    assert sched.prefix_cache_hits == 12 and sched.pool.num_cached_blocks == 3  # b's blocks: not cacheable
+    driver.run_until_done()  # the fake device checks that b read its own K/V
+    driver.check_done()
+
+
+def test_a_cached_block_whose_hash_collides_is_not_a_hit(colliding_hashes):
+    sched = make_scheduler(max_num_batched_tokens=64)
+    driver = Driver(sched, async_scheduling=True, check_hashes=False)
+    driver.add(seq("a", SYSTEM + [1, 2]))
+    driver.run_until_done()  # a's blocks wait in the free queue, findable under the colliding hashes
+    assert sched.pool.num_cached_blocks == 4  # its prompt's 3, and the 4th its first two outputs fill
+    b = driver.add(seq("b", OTHER + [1, 2]))
+    out = driver.step()
+    assert [(s.request_id, s.start_position) for s in out.scheduled] == [("b", 0)] and sched.prefix_cache_hits == 0
+    c = driver.add(seq("c", OTHER[:8] + SYSTEM[8:12] + [5]))  # b's first 2 blocks, then a's third block's tokens
+    out = driver.step()
+    assert {s.request_id: s.start_position for s in out.scheduled}["c"] == 0  # b's blocks collided: not cached
+    driver.run_until_done()
+    assert c.num_output_tokens == 3
+    driver.check_done()
+
+
+def test_a_block_after_another_parent_is_not_a_hit_even_with_its_tokens(colliding_hashes):
+    """The chain is compared link by link: c's third block has the tokens of a's third block, but
+    follows other blocks, so a's K/V for it are not c's."""
+    sched = make_scheduler(max_num_batched_tokens=64)
+    driver = Driver(sched, async_scheduling=False, check_hashes=False)
+    a = driver.add(seq("a", SYSTEM + [1, 2]))
+    driver.step()
+    d = driver.add(seq("d", SYSTEM[:4] + OTHER[4:8] + SYSTEM[8:12] + [9]))  # a's first block only
+    out = driver.step()
+    assert {s.request_id: s.start_position for s in out.scheduled}["d"] == 4
+    assert d.block_ids[0] == a.block_ids[0] and d.block_ids[2] != a.block_ids[2]
+    driver.run_until_done()
+    driver.check_done()
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["same-step", "later-step"])
+def test_the_same_tokens_under_another_salt_are_not_a_hit_when_the_roots_collide(colliding_hashes, together):
+    sched = make_scheduler(max_num_batched_tokens=64)
+    driver = Driver(sched, async_scheduling=True, check_hashes=False)
+    a = driver.add(seq("a", SYSTEM + [1], cache_salt="tenant-a"))
+    if not together:
+        driver.step()
+        a_blocks = a.block_ids[:3]
+        driver.run_until_done()  # a's blocks wait in the free queue
+    b = driver.add(seq("b", SYSTEM + [1], cache_salt="tenant-b"))
+    u = driver.add(seq("u", SYSTEM + [1]))  # no salt
+    a2 = driver.add(seq("a2", SYSTEM + [2], cache_salt="tenant-a"))
+    out = driver.step()
+    if together:
+        a_blocks = a.block_ids[:3]
+    starts = {s.request_id: s.start_position for s in out.scheduled}
+    assert (starts["b"], starts["u"], starts["a2"]) == (0, 0, 12)  # only a's own tenant finds its blocks
+    assert set(b.block_ids).isdisjoint(a_blocks) and set(u.block_ids).isdisjoint(a_blocks)
+    assert a2.block_ids[:3] == a_blocks and sched.prefix_cache_hits == 12
+    driver.run_until_done()
+    driver.check_done()
+
+
+def test_n_groups_with_caching_off_never_share_when_their_roots_collide(colliding_hashes):
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), BlockPool(64), BLOCK, 512)
+    driver = Driver(sched, async_scheduling=True)
+    params = SamplingParams(n=2, max_tokens=3, temperature=0)
+    seqs = [driver.add(Sequence((r, i), SYSTEM + [1], params, parent_id=(r, 0) if i else None, sample_index=i))
+            for r in ("p", "q") for i in range(2)]
+    out = driver.step()
+    # q's hashes are p's: q0's blocks cannot be cached, so q1 computes its prompt too -- a miss, never p's K/V.
+    assert [s.start_position for s in out.scheduled] == [0, 12, 0, 0]
+    p0, p1, q0, q1 = seqs
+    assert p1.block_ids[:3] == p0.block_ids[:3]
+    assert set(p0.block_ids).isdisjoint(q0.block_ids) and set(p0.block_ids).isdisjoint(q1.block_ids)
+    driver.run_until_done()
     driver.check_done()
 
 

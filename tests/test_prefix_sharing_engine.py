@@ -112,3 +112,63 @@ def test_aborting_the_request_that_fills_a_shared_prefix_leaves_the_others_corre
             assert_same_or_tied(results[rid].outputs[0].token_ids, alone(engine, prompt, max_tokens))
     assert results["g0m0"] is None and results["g1m0"] is None
     assert_no_block_leaked(engine)
+
+
+def forge_hashes(monkeypatch, blocks: dict[tuple, list[int]] | None = None, salts: dict | None = None) -> None:
+    """Make the prefix cache's hash collide as crafted tokens could make XXH3 collide: a block of the
+    tokens in `blocks` hashes as the block it maps to, a salt in `salts` as the salt it maps to."""
+    from jaxcb.core import kv_cache_manager
+
+    blocks, salts = blocks or {}, salts or {}
+    chain_hash, salted_root = kv_cache_manager.chain_hash, kv_cache_manager.salted_root
+    monkeypatch.setattr(kv_cache_manager, "chain_hash",
+                        lambda parent, token_ids: chain_hash(parent, blocks.get(tuple(token_ids), token_ids)))
+    monkeypatch.setattr(kv_cache_manager, "salted_root", lambda root, salt: salted_root(root, salts.get(salt, salt)))
+
+
+def generate(engine, requests: list[tuple[list[int], str | None]], together: bool) -> list[list[int]]:
+    """Each (prompt, cache_salt)'s greedy tokens: submitted at once (one step admits them all), or one by one."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batches = [requests] if together else [[r] for r in requests]
+    tokens = []
+    for batch in batches:
+        ids = [engine.add_request(prompt, params, cache_salt=salt) for prompt, salt in batch]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        tokens += [done[i] for i in ids]
+    return tokens
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["same-step", "later-step"])
+def test_prompts_whose_block_hashes_collide_never_share_kv(monkeypatch, together):
+    """b's two full blocks hash as a's: b gets no hit on a's blocks, in the step that registers them
+    or later, and its output is the one without prefix caching."""
+    rng = random.Random(31 + together)
+    a, b = ([rng.randrange(256) for _ in range(40)] for _ in range(2))  # 2 full blocks of 16, then 8 tokens
+    forge_hashes(monkeypatch, blocks={tuple(b[i : i + 16]): a[i : i + 16] for i in (0, 16)})
+    engine = shared_engine(*ENGINES["async"])
+    hits0 = engine.scheduler.prefix_cache_hits
+    got = generate(engine, [(a, None), (b, None)], together)
+    assert engine.scheduler.prefix_cache_hits == hits0
+    off = shared_engine(SMALL_CACHE, "cache.enable_prefix_caching=false")
+    assert got == generate(off, [(a, None), (b, None)], together)
+    assert_no_block_leaked(engine)
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["same-step", "later-step"])
+def test_tenants_whose_salted_roots_collide_never_share_kv(monkeypatch, together):
+    """Every salt's chain root collides with the unsalted one: the same prompt under three tenants
+    gets no hit across them, only within its own, and outputs what it does without caching."""
+    forge_hashes(monkeypatch, salts={"tenant-a": None, "tenant-b": None})
+    prompt = [random.Random(33 + together).randrange(256) for _ in range(40)]
+    tenants = [(prompt, "tenant-a"), (prompt, "tenant-b"), (prompt, None)]
+    engine = shared_engine(*ENGINES["async"])
+    hits0 = engine.scheduler.prefix_cache_hits
+    got = generate(engine, tenants, together)
+    assert engine.scheduler.prefix_cache_hits == hits0  # the same tokens, but never across tenants
+    assert generate(engine, [(prompt, "tenant-a")], together) == got[:1]
+    assert engine.scheduler.prefix_cache_hits == hits0 + 32  # its own tenant finds its 2 blocks
+    off = shared_engine(SMALL_CACHE, "cache.enable_prefix_caching=false")
+    assert got == generate(off, tenants, together)
+    assert_no_block_leaked(engine)

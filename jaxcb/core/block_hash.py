@@ -1,4 +1,4 @@
-"""Stable block hashes: a full block's identity, the same in every process, restart and host.
+"""Stable block hashes: how a full block is found, the same in every process, restart and host.
 
 A block's K/V depend on its tokens, on every token before them (the parent block's hash) and
 on what computes them: the model's architecture, its weights, the cache's dtype and block
@@ -10,14 +10,20 @@ hashes from its token ids and the model's root without loading the model. No jax
     root  = model_root({"architecture": ..., "weights": ..., "cache_dtype": ..., "block_size": ...})
     h[0]  = digest(root [+ salt] | tokens[0:bs])
     h[i]  = digest(h[i-1] | tokens[i*bs:(i+1)*bs])
+
+XXH3 is fast, not collision-resistant: tokens can be crafted to share a digest. So a digest
+only finds a candidate block; the block pool makes it a hit only if the block holds the same
+tokens after the same parent and root (`BlockPool.find`). A forged collision costs its chain a
+miss, never another chain's K/V. The Ray router's guesses rest on the digests alone: a forged
+one can only send a request to another replica.
 """
 
 from __future__ import annotations
 
 import json
+import struct
 from typing import Any, Mapping, Optional, Sequence
 
-import numpy as np
 import xxhash
 
 BlockHash = bytes  # 16 bytes
@@ -43,7 +49,7 @@ def salted_root(root: BlockHash, cache_salt: Optional[str]) -> BlockHash:
 
 def chain_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """One link: the hash of a full block of `token_ids` after the block hashed `parent`."""
-    return _digest(parent, np.asarray(token_ids, dtype="<i4").tobytes())
+    return _digest(parent, struct.pack(f"<{len(token_ids)}i", *token_ids))  # int32, little-endian
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash, cache_salt: Optional[str] = None,

@@ -11,19 +11,25 @@ the scheduler calls it every step. Block 0 is the null block and is never handed
   that shares it (`fork`, for n > 1 samples now and shared prefixes later). It returns
   to the free queue when the count reaches 0.
 - Prefix caching: a full block can be registered under the hash of its contents (a 16-byte
-  digest chained from the parent block's hash, `block_hash.py`). A freed registered block keeps
-  its contents and its hash while it waits in the free queue; `lookup` finds it and `touch`
-  takes it back out. It is evicted -- its hash forgotten -- only when `allocate` needs it as a
-  fresh block, least recently freed first. A block in use is never in the queue, so never evicted.
+  digest chained from the parent block's hash, `block_hash.py`), with the contents themselves:
+  its tokens and what they follow (its parent's content id, or the chain's root key). The hash
+  only finds a candidate; `find` returns it only if its tokens and parent are the ones asked for,
+  so a hit never rests on the hash alone (XXH3 is fast, not collision-resistant: crafted tokens
+  can share a digest). Content ids are never reused, so a child names the exact registration of
+  its parent, not a block id that eviction hands to other tokens. A freed registered block keeps
+  its contents and its hash while it waits in the free queue; `find` finds it and `touch` takes
+  it back out. It is evicted -- its hash forgotten -- only when `allocate` needs it as a fresh
+  block, least recently freed first. A block in use is never in the queue, so never evicted.
 - Every operation checks all of its arguments before it changes anything, so a bad call
   raises and leaves the pool as it was.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Hashable, Iterable, NamedTuple, Optional, Sequence
 
 from jaxcb.core.block_hash import BlockHash
 
@@ -41,6 +47,16 @@ class NoFreeBlocksError(RuntimeError):
 
 class BlockPoolError(ValueError):
     """A call that would corrupt the pool (double free, unknown block); nothing was changed."""
+
+
+class CachedBlock(NamedTuple):  # a tuple: one is made for every block registered
+    """A registered block's contents: `token_ids` after the contents `parent` names."""
+
+    block: int
+    block_hash: BlockHash
+    parent: Hashable  # the content id of the block before it, or (first block) the chain's root key
+    token_ids: tuple[int, ...]
+    content_id: int  # unique for the pool's lifetime: what a child block's `parent` names
 
 
 @dataclass(frozen=True)
@@ -62,8 +78,12 @@ class BlockPool:
         self.num_blocks = num_blocks
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
-        self._hash_of_block: dict[int, BlockHash] = {}
+        self._cached: dict[int, CachedBlock] = {}  # registered block -> its contents
         self._block_of_hash: dict[BlockHash, int] = {}
+        # Held blocks that are not registered but hold the same contents as a registered one (the
+        # same prefix computed twice): their children name that one's content id.
+        self._same_as: dict[int, int] = {}
+        self._content_ids = itertools.count(1)
         self.num_evictions = 0
 
     @property
@@ -97,32 +117,63 @@ class BlockPool:
 
     # --- prefix caching --------------------------------------------------------------------------
 
-    def register(self, block: int, block_hash: BlockHash) -> None:
+    def register(self, block: int, block_hash: BlockHash, parent: Hashable, token_ids: Sequence[int],
+                 ) -> Optional[int]:
         """Remember that held `block` is (or, by the end of the step being built, will be) full of
-        the tokens `block_hash` stands for. A hash already registered keeps its first block: the
-        same prefix computed twice is cached once."""
+        `token_ids` after the contents `parent` names; return the content id its children name as
+        their parent. A hash already registered keeps its first block: the same contents computed
+        twice are cached once (the second block takes the first one's content id), and other
+        contents under the same hash (a collision) are not cached at all (None: nothing that
+        follows this block can be cached either)."""
         self._check_held([block])
-        if block_hash in self._block_of_hash or block in self._hash_of_block:
-            return
-        self._block_of_hash[block_hash] = block
-        self._hash_of_block[block] = block_hash
+        token_ids = tuple(token_ids)
+        entry = self._cached.get(block)  # registered already (by another holder of the block)
+        if entry is None and block_hash not in self._block_of_hash:
+            entry = self._cached[block] = CachedBlock(block, block_hash, parent, token_ids, next(self._content_ids))
+            self._block_of_hash[block_hash] = block
+            return entry.content_id
+        if entry is None:
+            entry = self._cached[self._block_of_hash[block_hash]]
+        if entry.parent != parent or entry.token_ids != token_ids:
+            return None
+        if entry.block != block:
+            self._same_as[block] = entry.content_id
+        return entry.content_id
 
     def is_registered(self, block: int) -> bool:
-        return block in self._hash_of_block
+        return block in self._cached
 
     def hash_of(self, block: int) -> Optional[BlockHash]:
         """The hash `block` is registered under, or None."""
-        return self._hash_of_block.get(block)
+        entry = self._cached.get(block)
+        return entry.block_hash if entry is not None else None
 
-    def lookup(self, block_hash: BlockHash) -> Optional[int]:
-        """The block caching `block_hash`, in use or free, or None."""
-        return self._block_of_hash.get(block_hash)
+    def cached_block(self, block: int) -> Optional[CachedBlock]:
+        """What registered `block` holds, or None."""
+        return self._cached.get(block)
+
+    def content_id(self, block: int) -> Optional[int]:
+        """The content id of what held `block` holds, if the cache knows it (registered, or the same
+        contents as a registered block); None if not (never registered, or its hash collided)."""
+        entry = self._cached.get(block)
+        return entry.content_id if entry is not None else self._same_as.get(block)
+
+    def find(self, block_hash: BlockHash, parent: Hashable, token_ids: Sequence[int]) -> Optional[CachedBlock]:
+        """The block, in use or free, caching `token_ids` after the contents `parent` names, or None.
+        The hash picks the candidate; its tokens and parent decide."""
+        block = self._block_of_hash.get(block_hash)
+        if block is None:
+            return None
+        entry = self._cached[block]
+        if entry.parent != parent or entry.token_ids != tuple(token_ids):
+            return None  # another chain's block under the same hash
+        return entry
 
     def touch(self, blocks: Sequence[int]) -> list[int]:
         """Take cached blocks for one more holder: out of the free queue if unreferenced, count + 1."""
         self._check_ids(blocks)
         for block in blocks:
-            if block == NULL_BLOCK or (self._ref_counts[block] == 0 and block not in self._hash_of_block):
+            if block == NULL_BLOCK or (self._ref_counts[block] == 0 and block not in self._cached):
                 raise BlockPoolError(f"block {block} is neither held nor cached; it cannot be touched")
         for block in blocks:
             if self._ref_counts[block] == 0:
@@ -131,14 +182,14 @@ class BlockPool:
         return list(blocks)
 
     def _evict(self, block: int) -> None:
-        block_hash = self._hash_of_block.pop(block, None)
-        if block_hash is not None:
-            del self._block_of_hash[block_hash]
+        entry = self._cached.pop(block, None)
+        if entry is not None:
+            del self._block_of_hash[entry.block_hash]
             self.num_evictions += 1
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._hash_of_block)
+        return len(self._cached)
 
     def fork(self, blocks: Sequence[int]) -> list[int]:
         """Share blocks with one more holder (reference count + 1); returns the same ids."""
@@ -163,6 +214,7 @@ class BlockPool:
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
                 self._free[block] = None
+                self._same_as.pop(block, None)  # unregistered: its contents are forgotten
 
     def _check_ids(self, blocks: Iterable[int]) -> None:
         for block in blocks:
@@ -184,4 +236,7 @@ class BlockPool:
             assert held != (block in self._free), f"block {block}: count {self._ref_counts[block]}, queued {not held}"
         assert self._ref_counts[NULL_BLOCK] == 0 and NULL_BLOCK not in self._free
         for block_hash, block in self._block_of_hash.items():
-            assert self._hash_of_block[block] == block_hash
+            assert self._cached[block].block_hash == block_hash and self._cached[block].block == block
+        assert len(self._cached) == len(self._block_of_hash)
+        for block in self._same_as:
+            assert self._ref_counts[block] > 0 and block not in self._cached, f"block {block}"

@@ -5,9 +5,13 @@ blocks: the manager allocates a sequence's blocks as its tokens grow, frees them
 preempted sequence's blocks to host memory and back (swap), recording the copies the runner
 makes before the next step, and keeps the prefix cache:
 
-- a full block is known by a stable digest of its tokens chained from its parent block's,
+- a full block is found by a stable digest of its tokens chained from its parent block's,
   rooted in the model's identity (`root`) and the request's tenant `cache_salt`
-  (`block_hash.py`): requests with different salts never share a block;
+  (`block_hash.py`), and is a hit only if it holds the same tokens after the same parent
+  (`BlockPool.find`): the first block of a chain follows its root key -- the model's root, the
+  salt, and with caching off the n > 1 group -- the others their parent's content id. So no
+  tokens crafted to share a digest (XXH3 is not collision-resistant) get another chain's K/V,
+  and requests with different salts never share a block;
 - `cached_prefix` finds the longest run of a new sequence's full blocks that some block holds;
 - `register_full_blocks` makes a sequence's full blocks findable from the moment the step that
   fills them is built -- a later sequence of the same step attends to them, which is sound
@@ -23,8 +27,7 @@ blocks through the same mechanism, in a chain rooted in their own group that not
 from __future__ import annotations
 
 import itertools
-
-from typing import Optional
+from typing import Hashable, Optional
 
 from jaxcb.core.block_hash import BlockHash, chain_hash, salted_root
 from jaxcb.core.block_pool import BlockPool, NoFreeBlocksError
@@ -151,13 +154,20 @@ class KVCacheManager:
     def _shares(self, request: Sequence) -> bool:
         return self.enable_prefix_caching or request.sampling_params.n > 1
 
+    def _group(self, request: Sequence) -> Optional[Hashable]:
+        """Caching off: the request (n > 1) whose sequences alone find each other's blocks."""
+        if self.enable_prefix_caching:
+            return None
+        return request.parent_id if request.parent_id is not None else request.request_id
+
     def _chain_root(self, request: Sequence) -> BlockHash:
         root = salted_root(self.root, request.cache_salt)
-        if self.enable_prefix_caching:
-            return root
-        # Caching off: only the sequences of one request (n > 1) find each other's blocks.
-        leader = request.parent_id if request.parent_id is not None else request.request_id
-        return salted_root(root, f"jaxcb-n-group {leader!r}")
+        group = self._group(request)
+        return root if group is None else salted_root(root, f"jaxcb-n-group {group!r}")
+
+    def _root_key(self, request: Sequence) -> tuple:
+        """What a chain's first block follows, compared exactly on a hit (its digest is _chain_root)."""
+        return (self.root, request.cache_salt, self._group(request))
 
     def cached_prefix(self, request: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of the request's known tokens, leaving its last
@@ -165,12 +175,13 @@ class KVCacheManager:
         if not self._shares(request):
             return []
         num_blocks = min(request.num_tokens - 1, InFlightTokens.num_known_tokens(request)) // self.block_size
-        hits = []
-        for block_hash in self._block_hashes(request, num_blocks):
-            block = self.pool.lookup(block_hash)
-            if block is None:
+        hits, parent, bs = [], self._root_key(request), self.block_size
+        for i, block_hash in enumerate(self._block_hashes(request, num_blocks)):
+            cached = self.pool.find(block_hash, parent, request.token_ids(i * bs, (i + 1) * bs))
+            if cached is None:
                 break
-            hits.append(block)
+            hits.append(cached.block)
+            parent = cached.content_id
         return hits
 
     def _block_hashes(self, request: Sequence, num_blocks: int) -> list[BlockHash]:
@@ -190,14 +201,21 @@ class KVCacheManager:
 
         The caller guarantees those tokens' K/V are in the cache or will be written by the step
         being built (whose SchedulerOutput is dispatched before any later step): the scheduler calls
-        this once a sequence's share of the step is final, and again when tokens in flight arrive."""
+        this once a sequence's share of the step is final, and again when tokens in flight arrive.
+        `num_registered_blocks` then counts the blocks the cache was offered, including any that
+        were not cacheable (other contents under their hash)."""
         if num_tokens // self.block_size <= request.num_registered_blocks or not self._shares(request):
             return  # the common case first: a decode token that fills no block
         num_full = min(num_tokens, InFlightTokens.num_known_tokens(request)) // self.block_size
         assert num_full <= len(request.block_ids), (request.request_id, num_tokens, request.block_ids)
         if num_full <= request.num_registered_blocks:
             return
-        chain = self._block_hashes(request, num_full)
-        for i in range(request.num_registered_blocks, num_full):
-            self.pool.register(request.block_ids[i], chain[i])
+        chain, first, bs = self._block_hashes(request, num_full), request.num_registered_blocks, self.block_size
+        # What the first new block follows. None: the block before it holds contents the cache does not
+        # know (its hash was another chain's), so nothing after it can be found either.
+        parent = self._root_key(request) if first == 0 else self.pool.content_id(request.block_ids[first - 1])
+        for i in range(first, num_full):
+            if parent is None:
+                break
+            parent = self.pool.register(request.block_ids[i], chain[i], parent, request.token_ids(i * bs, (i + 1) * bs))
         request.num_registered_blocks = num_full
