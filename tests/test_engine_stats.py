@@ -14,19 +14,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_async_snapshot_describes_the_step_whose_outputs_it_comes_with():
-    engine = shared_engine()
-    assert engine.cfg.engine.async_scheduling
+    engine = shared_engine()  # other tests may have stepped it: counts are taken from here
+    assert engine.cfg.engine.async_scheduling and not engine.has_unfinished_requests()
+    first = engine.last_stats.num_steps + 1  # the number the next step dispatched gets
     rid = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     outputs, stats = engine.step_with_stats()  # the prefill is on the device; nothing came back yet
-    assert outputs == [] and stats.step_index == 0 and stats.num_tokens == 0 and stats.num_steps == 1
+    assert outputs == [] and stats.step_index == 0 and stats.num_tokens == 0 and stats.num_steps == first
     outputs, stats = engine.step_with_stats()  # the prefill's token comes back while the first decode runs
     [out] = outputs
     assert out.request_id == rid and len(out.outputs[0].token_ids) == 1
-    assert (stats.step_index, stats.num_tokens, stats.num_prefill_tokens, stats.num_decode_tokens) == (1, 20, 20, 0)
-    assert stats.num_padded_tokens >= 20 and stats.num_steps == 2 and stats.num_running == 1
+    assert (stats.step_index, stats.num_tokens, stats.num_prefill_tokens, stats.num_decode_tokens) == (first, 20, 20, 0)
+    assert stats.num_padded_tokens >= 20 and stats.num_steps == first + 1 and stats.num_running == 1
     outputs, stats = engine.step_with_stats()
     assert len(outputs[0].outputs[0].token_ids) == 2
-    assert (stats.step_index, stats.num_tokens, stats.num_prefill_tokens, stats.num_decode_tokens) == (2, 1, 0, 1)
+    assert (stats.step_index, stats.num_tokens, stats.num_prefill_tokens, stats.num_decode_tokens) == (first + 1, 1, 0, 1)
     while engine.has_unfinished_requests():
         outputs, stats = engine.step_with_stats()
     assert outputs[0].finished and stats.step_index == stats.num_steps and stats.num_running == 0
