@@ -22,11 +22,18 @@ makes before the next step, and keeps the prefix cache:
 
 With prefix caching off, the n sequences of one request (n > 1) still share their prompt's
 blocks through the same mechanism, in a chain rooted in their own group that nothing else finds.
+
+The scheduler counts tokens, never blocks: it asks the manager whether a sequence fits
+(`can_admit`: its cached prefix plus fresh blocks for its first tokens, also a swapped-out
+sequence's return with no prefix), to admit it (`admit`, `swap_in_blocks`), to give a running
+sequence room for its next tokens or say it cannot (`allocate`: all or nothing), and to take a
+victim's blocks back (`preempt`). Only the manager talks to the block pool.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Hashable, Optional
 
 from jaxcb.core.block_hash import BlockHash, chain_hash, salted_root
@@ -39,6 +46,14 @@ from jaxcb.core.sequence import Sequence
 _block_epochs = itertools.count(1)
 
 NO_ROOT = bytes(16)  # the root of a manager told nothing of its model (tests of the scheduler alone)
+
+
+@dataclass(frozen=True)
+class CachedPrefix:
+    """A waiting sequence's leading full blocks found in the prefix cache (`cached_prefix`)."""
+
+    block_ids: tuple[int, ...] = ()
+    num_tokens: int = 0  # the tokens they hold, which the sequence need not compute
 
 
 class KVCacheManager:
@@ -62,15 +77,41 @@ class KVCacheManager:
         self.num_swap_outs = 0
         self.num_swap_ins = 0
 
-    # --- device blocks --------------------------------------------------------------------------
+    # --- device blocks: the scheduler's questions --------------------------------------------------
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)
 
     def num_blocks_needed(self, request: Sequence, num_tokens: int) -> int:
         """Blocks `request` lacks to hold `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(request.block_ids))
+        return max(0, self.num_blocks_for(num_tokens) - len(request.block_ids))
+
+    def can_admit(self, prefix: CachedPrefix, num_tokens: int) -> bool:
+        """Whether a sequence that holds no blocks yet fits its first `num_tokens` tokens: the blocks
+        of `prefix` (found by `cached_prefix`), then fresh ones from the free blocks -- less the
+        prefix's own cached blocks that are free now (taking them takes them out of the free queue)."""
+        needed = max(0, self.num_blocks_for(num_tokens) - len(prefix.block_ids))
+        reused_free = sum(1 for block in prefix.block_ids if self.pool.ref_count(block) == 0)
+        return needed <= self.pool.num_free_blocks - reused_free
+
+    def admit(self, request: Sequence, prefix: CachedPrefix, num_tokens: int) -> None:
+        """A waiting sequence starts with room for its first `num_tokens` tokens: the blocks found in
+        the prefix cache, then fresh ones. The caller asked `can_admit` first (NoFreeBlocksError if not)."""
+        num_new = max(0, self.num_blocks_for(num_tokens) - len(prefix.block_ids))
+        if not self.can_admit(prefix, num_tokens):  # before anything changes: the prefix is taken first
+            raise NoFreeBlocksError(num_new, self.pool.num_free_blocks)
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += prefix.num_tokens
+        # The prefix first: a fresh allocation could otherwise evict its cached, unreferenced blocks.
+        request.block_ids = self.pool.touch(list(prefix.block_ids)) + self.pool.allocate(num_new)
+        request.block_epoch = next(_block_epochs)
+        request.num_registered_blocks = len(prefix.block_ids)
 
     def allocate(self, request: Sequence, num_new: int) -> bool:
-        """Give `request` the blocks its next `num_new` tokens need (a decoding sequence: up to a run of
-        block_growth); False (nothing taken) if too few are free."""
+        """Give running `request` room for its next `num_new` tokens (a decoding sequence: up to a run
+        of block_growth blocks); False, taking nothing, if too few blocks are free."""
         needed = self.num_blocks_needed(request, request.num_computed_tokens + num_new)
         if needed == 0:
             return True
@@ -92,19 +133,10 @@ class KVCacheManager:
         reach = request.num_prompt_tokens + request.sampling_params.max_tokens
         if self.max_model_len is not None:
             reach = min(reach, self.max_model_len)
-        extra = min(self.block_growth - needed, -(-reach // self.block_size) - len(request.block_ids) - needed)
+        extra = min(self.block_growth - needed, self.num_blocks_for(reach) - len(request.block_ids) - needed)
         if extra <= 0 or self.pool.num_free_blocks - needed - extra < self.growth_reserve:
             return 0
         return extra
-
-    def admit(self, request: Sequence, shared: list[int], num_new_blocks: int, num_cached_tokens: int) -> None:
-        """A waiting sequence starts: the blocks found in the prefix cache, then fresh ones."""
-        if self.enable_prefix_caching:
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_cached_tokens
-        request.block_ids = self.pool.touch(shared) + self.pool.allocate(num_new_blocks)
-        request.block_epoch = next(_block_epochs)
-        request.num_registered_blocks = len(shared)
 
     def free(self, request: Sequence) -> None:
         """Every block the sequence holds, on the device and on the host."""
@@ -116,13 +148,23 @@ class KVCacheManager:
             self.host_pool.free(request.host_block_ids)
             request.host_block_ids = []
 
+    def preempt(self, victim: Sequence, swap: bool) -> bool:
+        """Take a running sequence's device blocks back: with `swap`, its computed tokens' blocks go to
+        host memory first (`try_swap_out`); else, or if the host pool is full, they are freed and it
+        recomputes. True if it was swapped. Either way it registers its blocks again when it returns."""
+        swapped = swap and self.try_swap_out(victim)
+        if not swapped:
+            self.free(victim)
+        victim.num_registered_blocks = 0
+        return swapped
+
     # --- swap ------------------------------------------------------------------------------------
 
     def try_swap_out(self, victim: Sequence) -> bool:
         """Copy the blocks holding the victim's computed tokens to host blocks (the runner does it
         before this step's writes can reuse them) and free its device blocks; False if the host
         pool cannot take them (then the caller recomputes)."""
-        num_kept = -(-victim.num_computed_tokens // self.block_size)
+        num_kept = self.num_blocks_for(victim.num_computed_tokens)
         if self.host_pool is None or not 0 < num_kept <= self.host_pool.num_free_blocks:
             return False
         host = self.host_pool.allocate(num_kept)
@@ -134,9 +176,11 @@ class KVCacheManager:
         self.num_swap_outs += 1
         return True
 
-    def swap_in_blocks(self, request: Sequence, num_blocks: int) -> None:
-        """Fresh device blocks for a swapped-out sequence, its host blocks copied in before the next step."""
-        request.block_ids = self.pool.allocate(num_blocks)
+    def swap_in_blocks(self, request: Sequence, num_tokens: int) -> None:
+        """A swapped-out sequence returns with room for its first `num_tokens` tokens: fresh device
+        blocks, its host blocks copied into them before the next step. The caller asked
+        `can_admit(CachedPrefix(), num_tokens)` first."""
+        request.block_ids = self.pool.allocate(self.num_blocks_for(num_tokens))
         request.block_epoch = next(_block_epochs)
         self.swap_in += list(zip(request.host_block_ids, request.block_ids))
         self.host_pool.free(request.host_block_ids)
@@ -169,11 +213,11 @@ class KVCacheManager:
         """What a chain's first block follows, compared exactly on a hit (its digest is _chain_root)."""
         return (self.root, request.cache_salt, self._group(request))
 
-    def cached_prefix(self, request: Sequence) -> list[int]:
-        """Blocks of the longest cached prefix of the request's known tokens, leaving its last
-        token (and with it the block it sits in) to compute."""
+    def cached_prefix(self, request: Sequence) -> CachedPrefix:
+        """The longest cached prefix of the request's known full blocks, leaving its last token (and
+        with it the block it sits in) to compute."""
         if not self._shares(request):
-            return []
+            return CachedPrefix()
         num_blocks = min(request.num_tokens - 1, InFlightTokens.num_known_tokens(request)) // self.block_size
         hits, parent, bs = [], self._root_key(request), self.block_size
         for i, block_hash in enumerate(self._block_hashes(request, num_blocks)):
@@ -182,7 +226,7 @@ class KVCacheManager:
                 break
             hits.append(cached.block)
             parent = cached.content_id
-        return hits
+        return CachedPrefix(tuple(hits), len(hits) * bs)
 
     def _block_hashes(self, request: Sequence, num_blocks: int) -> list[BlockHash]:
         """The hashes of the request's first num_blocks full blocks, each computed once per sequence."""

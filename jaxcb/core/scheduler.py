@@ -26,8 +26,9 @@ decode token or the next prefill chunk. `schedule()`:
 So a block is registered only once the step that fills it is sure to be dispatched with it,
 and a block found in the cache is filled by an earlier step or by the same one.
 
-Blocks come from the KV-cache manager (`kv_cache_manager.py`: allocation, prefix hashing, swap),
-which takes them from the block pool.
+Every block question goes to the KV-cache manager (`kv_cache_manager.py`: does a sequence fit,
+room for its next tokens or not, its cached prefix, preemption and swap), which alone takes blocks
+from the block pool: this module counts tokens, never blocks.
 
 `commit()` marks a dispatched step's computed tokens and, for every sampling sequence, a token
 in flight (`in_flight.py`: under async scheduling the next step is scheduled before it is
@@ -50,7 +51,7 @@ from jaxcb.config import SchedulerConfig
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.block_hash import BlockHash
-from jaxcb.core.kv_cache_manager import NO_ROOT, KVCacheManager
+from jaxcb.core.kv_cache_manager import NO_ROOT, CachedPrefix, KVCacheManager
 from jaxcb.core.sequence import RequestStatus, Sequence
 from jaxcb.core.step import RunnerOutput, ScheduledSequence, SchedulerOutput
 
@@ -72,13 +73,11 @@ class Scheduler:
         block_growth: int = 1,
     ):
         self.cfg = cfg
-        self.pool = block_pool
         # root: the model's identity, in which every block hash is rooted (Engine.prefix_cache_root).
         # Spare blocks are taken only while every running sequence could still take a run of its own.
         self.kv = KVCacheManager(block_pool, block_size, enable_prefix_caching=enable_prefix_caching,
                                  root=root, host_pool=host_pool, block_growth=block_growth,
                                  growth_reserve=cfg.max_num_seqs * block_growth, max_model_len=max_model_len)
-        self.block_size = block_size
         self.max_model_len = max_model_len
         self.clock = clock  # of arrival times and priority aging
         self.waiting: deque[Sequence] = deque()
@@ -124,6 +123,11 @@ class Scheduler:
         request.finished_time = time.monotonic()
         self.kv.free(request)
         del self.requests[request.request_id]
+
+    @property
+    def pool(self) -> BlockPool:
+        """The device block pool behind the KV-cache manager, for metrics and tests to read."""
+        return self.kv.pool
 
     # Counters of the KV-cache manager, for metrics.
     prefix_cache_queries = property(lambda self: self.kv.prefix_cache_queries)
@@ -207,12 +211,10 @@ class Scheduler:
         when the host pool is full it falls back to recompute."""
         self.running.remove(victim)
         returned = scheduled.pop(victim.request_id, None)
-        swap = self.cfg.preemption_mode == "swap" and self.kv.try_swap_out(victim)
+        swap = self.kv.preempt(victim, swap=self.cfg.preemption_mode == "swap")
         if not swap:
-            self.kv.free(victim)
             victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
-        victim.num_registered_blocks = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -231,9 +233,7 @@ class Scheduler:
         if self._priority_key(head, now) >= self._priority_key(worst, now):
             return []
         first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens)
-        blocked = len(self.running) >= self.cfg.max_num_seqs or (
-            -(-first_chunk // self.block_size) > self.pool.num_free_blocks
-        )
+        blocked = len(self.running) >= self.cfg.max_num_seqs or not self.kv.can_admit(CachedPrefix(), first_chunk)
         if not blocked:  # it waits for budget, not for room: preempting would not help
             return []
         self._preempt(worst, scheduled)
@@ -263,8 +263,8 @@ class Scheduler:
             # prompt_logprobs needs every prompt row's logits: such a request computes its whole prompt
             # (its n > 1 followers report none: they share it).
             wants_prompt_rows = request.sampling_params.prompt_logprobs is not None and request.parent_id is None
-            share = [] if wants_prompt_rows else self.kv.cached_prefix(request)
-            start = len(share) * self.block_size
+            share = CachedPrefix() if wants_prompt_rows else self.kv.cached_prefix(request)
+            start = share.num_tokens
             if self.cfg.enable_chunked_prefill or request.num_preemptions or static:
                 num_new = min(request.num_tokens - start, budget)
             else:
@@ -278,12 +278,10 @@ class Scheduler:
                 break
             reserve = request.num_prompt_tokens + request.sampling_params.max_tokens
             total = reserve if self.cfg.policy == "static" else start + num_new
-            needed = max(0, -(-total // self.block_size) - len(share))
-            reused_free = sum(1 for b in share if self.pool.ref_count(b) == 0)  # cached, unreferenced
-            if needed > self.pool.num_free_blocks - reused_free:
+            if not self.kv.can_admit(share, total):
                 break
             self.waiting.popleft()
-            self.kv.admit(request, share, needed, start)
+            self.kv.admit(request, share, total)
             request.num_computed_tokens = start
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = start
@@ -313,11 +311,10 @@ class Scheduler:
         num_new = min(request.num_tokens - start, budget)
         if self.cfg.long_prefill_token_threshold is not None:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
-        needed = -(-(start + num_new) // self.block_size)
-        if num_new <= 0 or needed > self.pool.num_free_blocks:
+        if num_new <= 0 or not self.kv.can_admit(CachedPrefix(), start + num_new):
             return 0
         self.waiting.popleft()
-        self.kv.swap_in_blocks(request, needed)
+        self.kv.swap_in_blocks(request, start + num_new)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         scheduled[request.request_id] = self._scheduled(request, num_new)
