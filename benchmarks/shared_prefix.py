@@ -72,17 +72,16 @@ def run_jaxcb(engine, prompts: list[list[int]], output_len: int) -> dict:
     from jaxcb import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    hits0, prefill_tokens = engine.scheduler.prefix_cache_hits, 0
+    hits0, prefill_tokens = engine.last_stats.prefix_cache_hits, 0
     start = time.perf_counter()
     ids = [engine.add_request(p, params, final_only=True) for p in prompts]
     outputs = {}
     while engine.has_unfinished_requests():
-        num_steps = engine.runner.num_steps
-        for out in engine.step():
+        step_outputs, stats = engine.step_with_stats()
+        for out in step_outputs:
             outputs[out.request_id] = out
-        if engine.runner.num_steps > num_steps:  # this call dispatched a step
-            prefill_tokens += engine.runner.last_step.num_prefill_tokens
-    return {"seconds": time.perf_counter() - start, "hit_tokens": engine.scheduler.prefix_cache_hits - hits0,
+        prefill_tokens += stats.num_prefill_tokens  # of the step these outputs came from (0: none)
+    return {"seconds": time.perf_counter() - start, "hit_tokens": engine.last_stats.prefix_cache_hits - hits0,
             "prefill_tokens": prefill_tokens, "tokens": [outputs[i].outputs[0].token_ids for i in ids]}
 
 

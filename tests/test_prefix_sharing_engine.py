@@ -75,8 +75,9 @@ def test_requests_admitted_in_one_step_compute_their_shared_prefix_once():
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=5)) for p in prompts]
     engine.step()  # one step admits all three: the second and third find the first one's two blocks
     assert engine.scheduler.prefix_cache_hits - hits0 == 2 * 32
-    assert engine.runner.last_step.num_tokens == 41 + (42 - 32) + (41 - 32)
-    outs = {}
+    outputs, stats = engine.step_with_stats()  # async: the first step's outputs, and its figures
+    assert stats.num_tokens == 41 + (42 - 32) + (41 - 32)
+    outs = {o.request_id: o for o in outputs if o.finished}
     while engine.has_unfinished_requests():
         outs.update({o.request_id: o for o in engine.step() if o.finished})
     for rid, prompt in zip(ids, prompts):

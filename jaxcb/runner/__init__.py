@@ -2,6 +2,6 @@
 bucket (`buckets.py`) -> sampled tokens (`model_runner.py`)."""
 
 from jaxcb.runner.buckets import Buckets, default_token_buckets, make_buckets, powers_up_to
-from jaxcb.runner.model_runner import ModelRunner, StepHandle, StepStats
+from jaxcb.runner.model_runner import ModelRunner, StepHandle
 
-__all__ = ["Buckets", "ModelRunner", "StepHandle", "StepStats", "default_token_buckets", "make_buckets", "powers_up_to"]
+__all__ = ["Buckets", "ModelRunner", "StepHandle", "default_token_buckets", "make_buckets", "powers_up_to"]

@@ -59,14 +59,6 @@ LEVELS_BY_LABEL = {level.label: level for level in SAMPLING_LEVELS}  # engine.sa
 PROMPT_LOGPROBS_CHUNK = 128  # prompt rows whose logits exist at once: [128, V] f32 bounds the variant's extra memory
 
 
-@dataclasses.dataclass(frozen=True)
-class StepStats:
-    num_tokens: int  # real tokens in the step
-    num_padded_tokens: int  # its token bucket
-    num_prefill_tokens: int
-    num_decode_tokens: int
-
-
 @dataclasses.dataclass
 class StepHandle:
     """A dispatched step: what was scheduled, and its results, still on the device until `collect`."""
@@ -136,7 +128,6 @@ class ModelRunner:
         self.compiled: dict[BucketKey, object] = {}
         self.num_recompiles = 0
         self.num_steps = 0
-        self.last_step = StepStats(0, 0, 0, 0)
         self.swap_space = swap_space
         self.max_rows = max(bucket.num_seqs for bucket in buckets.all())
         # Twice the most rows a step has: a sequence keeps its slot while it runs, and the least
@@ -285,9 +276,6 @@ class ModelRunner:
             self.write_slots(writes)
         ids, lps, self._prev_tokens, self.kv_cache, self.slot_state = self.executable(key)(
             self.weights, self.kv_cache, self.slot_state, *args)
-        num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
-        self.last_step = StepStats(out.num_scheduled_tokens, key.num_tokens, num_prefill,
-                                   out.num_scheduled_tokens - num_prefill)
         self.num_steps += 1
         return StepHandle(out, key, ids, lps)
 
