@@ -468,3 +468,28 @@ def test_prefill_chunks_take_only_the_blocks_they_fill():
     assert len(a.block_ids) == 4
     run_step(sched)  # the other 14, and its first sampled token
     assert len(a.block_ids) == 8
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "static"])
+def test_waiting_tokens_are_counted_exactly_through_admissions_preemptions_and_aborts(policy):
+    """num_waiting_tokens is kept as sequences join and leave the queue (read every step): it always equals
+    the sum over the queue, through chunked admissions, recompute preemptions and aborts of waiting ones."""
+    sched = make_scheduler(num_blocks=12, max_num_seqs=3, max_num_batched_tokens=8, policy=policy)
+    for i, n in enumerate((9, 3, 14, 5, 7, 2, 11)):
+        request = make_request(n, max_tokens=8)
+        request.priority = i % 3  # under policy=priority, later arrivals may outrank running ones
+        sched.add_request(request)
+
+    def brute():
+        return sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
+
+    assert sched.num_waiting_tokens == brute() > 0
+    for step in range(200):
+        if step == 3 and sched.waiting:
+            sched.abort(sched.waiting[-1].request_id)
+        run_step(sched)
+        assert sched.num_waiting_tokens == brute(), step
+        if not sched.num_unfinished:
+            break
+    assert sched.num_unfinished == 0 and sched.num_waiting_tokens == 0
+    assert policy == "static" or sched.num_preemptions > 0  # the small cache makes them happen

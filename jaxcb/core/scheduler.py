@@ -81,6 +81,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock  # of arrival times and priority aging
         self.waiting: deque[Sequence] = deque()
+        # Tokens each waiting sequence still has to compute, counted as it joined the queue, so that
+        # num_waiting_tokens (read every step) costs nothing; _count_waiting keeps it exact.
+        self._waiting_counts: dict = {}
+        self._num_waiting_tokens = 0
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.in_flight = InFlightTokens()
@@ -93,6 +97,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        self._count_waiting(request)
 
     def abort(self, request_id: str) -> bool:
         """Finish a request now, wherever it is, and free its blocks; False if it is unknown or done."""
@@ -102,7 +107,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return True
 
@@ -115,7 +120,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            self._leave_waiting(request)
         self._finish(request, status)
 
     def _finish(self, request: Sequence, status: RequestStatus) -> None:
@@ -143,7 +148,23 @@ class Scheduler:
 
     @property
     def num_waiting_tokens(self) -> int:
-        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        """Tokens the waiting sequences still have to compute (admission control, metrics)."""
+        return self._num_waiting_tokens
+
+    def _count_waiting(self, request: Sequence) -> None:
+        """(Re)count a waiting sequence's tokens to compute: as it joins the queue, or when a token
+        still in flight when it was preempted lands."""
+        n = request.num_tokens - request.num_computed_tokens
+        self._num_waiting_tokens += n - self._waiting_counts.get(request.request_id, 0)
+        self._waiting_counts[request.request_id] = n
+
+    def _leave_waiting(self, request: Sequence, head: bool = False) -> None:
+        if head:
+            assert self.waiting[0] is request
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(request)
+        self._num_waiting_tokens -= self._waiting_counts.pop(request.request_id)
 
     def _priority_key(self, request: Sequence, now: float) -> tuple[float, float]:
         """Smaller is served first: priority, minus one level per priority_aging_s of waiting."""
@@ -218,6 +239,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
+        self._count_waiting(victim)
         log.debug("preempted %s (%s)", victim.request_id, "swap" if swap else "recompute")
         return len(returned.token_ids) if returned else 0
 
@@ -280,7 +302,7 @@ class Scheduler:
             total = reserve if self.cfg.policy == "static" else start + num_new
             if not self.kv.can_admit(share, total):
                 break
-            self.waiting.popleft()
+            self._leave_waiting(request, head=True)
             self.kv.admit(request, share, total)
             request.num_computed_tokens = start
             if request.num_cached_tokens is None:
@@ -313,7 +335,7 @@ class Scheduler:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         if num_new <= 0 or not self.kv.can_admit(CachedPrefix(), start + num_new):
             return 0
-        self.waiting.popleft()
+        self._leave_waiting(request, head=True)
         self.kv.swap_in_blocks(request, start + num_new)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -383,6 +405,8 @@ class Scheduler:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 touched.append((request, sampled.token_id, top))
+                if request.request_id in self._waiting_counts:  # preempted while its token was in flight
+                    self._count_waiting(request)
             if request.status is RequestStatus.RUNNING:
                 self.kv.register_full_blocks(request, request.num_computed_tokens)
         return touched
