@@ -96,7 +96,7 @@ def record_case(engine, num_decodes: int, prefill_lens: list[int], context: int,
     drain(engine)
     for _ in range(num_decodes):
         engine.add_request(draw(context), params)
-    while any(r.is_prefilling for r in engine.scheduler.requests.values()):
+    while any(r.is_prefilling for r in engine.scheduler.sequences.values()):
         engine.step()
     engine.step()  # one decode step more: every decoder now has a token in flight, as in a busy engine
     for n in prefill_lens:
@@ -179,12 +179,17 @@ def cost_table(engine, token_counts: list[int], context: int, rounds: int, seed:
               + " | ".join(ratios) + " |")
 
 
+def _seq_id(s):
+    """A scheduled sequence's id in this tree (`seq_id`) or in older ones (`request_id`)."""
+    return s.seq_id if hasattr(s, "seq_id") else s.request_id
+
+
 def classify(out, started: set) -> str:
     """decode / prefill / mixed, and "tail": a step whose only prefill finishes a prompt begun earlier."""
     decodes, prefill_tokens, _ = composition(out)
     prefilling = [s for s in out.scheduled if s.start_position < s.num_prompt_tokens]
-    tail = bool(prefilling) and all(s.request_id in started for s in prefilling)
-    started.update(s.request_id for s in prefilling)
+    tail = bool(prefilling) and all(_seq_id(s) in started for s in prefilling)
+    started.update(_seq_id(s) for s in prefilling)
     if not prefill_tokens:
         return "decode"
     if tail:

@@ -46,6 +46,11 @@ DEFAULTS = ["model=smollm2", "scheduler.max_num_seqs=64", "scheduler.max_num_bat
 FIRST_TOKEN_ID = 17  # SmolLM2's special tokens are 0..16; the prompts avoid them
 
 
+def _seq_id(s):
+    """A scheduled sequence's id in this tree (`seq_id`) or in older ones (`request_id`)."""
+    return s.seq_id if hasattr(s, "seq_id") else s.request_id
+
+
 def make_prompts(seed: int, a: argparse.Namespace, vocab_size: int) -> list[list[int]]:
     rng = random.Random(seed)
     draw = lambda n: [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(n)]  # noqa: E731
@@ -119,12 +124,12 @@ class SchedulerOnly:
             out = sched.schedule()
             sched.commit(out)
             prefill_tokens += sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
-            sampled = {s.request_id: SampledToken(FIRST_TOKEN_ID + s.num_output_tokens % 97)
+            sampled = {_seq_id(s): SampledToken(FIRST_TOKEN_ID + s.num_output_tokens % 97)
                        for s in out.scheduled if s.samples}
             sched.update(out, RunnerOutput(sampled))
             for s in out.scheduled:
                 if s.samples and s.num_output_tokens + 1 >= output_len:
-                    sched.finish(s.request_id, RequestStatus.FINISHED_LENGTH)
+                    sched.finish(_seq_id(s), RequestStatus.FINISHED_LENGTH)
         return {"seconds": time.process_time() - start, "hit_tokens": sched.prefix_cache_hits,
                 "prefill_tokens": prefill_tokens, "tokens": [seq.output_token_ids for seq in seqs]}
 

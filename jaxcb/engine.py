@@ -46,7 +46,7 @@ from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer, weights_fingerprint
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
-from jaxcb.core.sequence import Sequence
+from jaxcb.core.sequence import Sequence, SequenceId
 from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.core.scheduler import Scheduler
@@ -232,14 +232,14 @@ class Engine:
         for i in range(params.n):
             group.seqs.append(
                 Sequence(
-                    request_id=(request_id, i),  # a sequence's own id: never parsed, unique whatever the user's id
+                    seq_id=SequenceId(request_id, i),  # never parsed, unique whatever the user's id
                     prompt_token_ids=list(ids),
                     sampling_params=params,
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
                     sample_index=i,
-                    parent_id=group.seqs[0].request_id if i else None,
+                    parent_id=group.seqs[0].seq_id if i else None,
                     cache_salt=cache_salt,
                     group_id=request_id,
                     constraint=new_constraint() if new_constraint is not None else None,
@@ -317,7 +317,7 @@ class Engine:
             return False
         self._aborted.append(request_id)
         for seq in group.seqs:
-            self.scheduler.abort(seq.request_id)
+            self.scheduler.abort(seq.seq_id)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -338,7 +338,7 @@ class Engine:
         previous step's, and so is the snapshot. Without it, the step is dispatched and collected here."""
         expired, stops = self.output.expire(time.monotonic())
         for seq, status in stops:
-            self.scheduler.finish(seq.request_id, status)
+            self.scheduler.finish(seq.seq_id, status)
         sched_out = self.scheduler.schedule()
         handle = None
         if not sched_out.is_empty:
@@ -386,12 +386,12 @@ class Engine:
         runner_out = self.runner.collect(handle)
         self._recent_steps.append((time.monotonic(), sched_out.num_scheduled_tokens))
         for seq_id, entries in runner_out.prompt_logprobs.items():
-            seq = self.scheduler.requests.get(seq_id)
+            seq = self.scheduler.sequences.get(seq_id)
             if seq is not None:
                 self.output.record_prompt_logprobs(seq.group_id, entries)
         outputs, stops = self.output.process(self.scheduler.update(sched_out, runner_out))
         for seq, status in stops:
-            self.scheduler.finish(seq.request_id, status)
+            self.scheduler.finish(seq.seq_id, status)
         return outputs
 
     @property

@@ -207,7 +207,7 @@ def test_abort_while_preempted_and_mid_prefill_leaks_no_block():
     for _ in range(3000):
         if not engine.has_unfinished_requests():
             break
-        for req in list(engine.scheduler.requests.values()):
+        for req in list(engine.scheduler.sequences.values()):
             if "preempted" not in aborted and req.status is RequestStatus.PREEMPTED:
                 aborted["preempted"] = req.group_id
                 assert engine.abort(req.group_id)

@@ -8,7 +8,7 @@ from test_scheduler import make_scheduler
 
 
 def sampled(out, token):
-    return RunnerOutput({s.request_id: SampledToken(token) for s in out.scheduled if s.samples})
+    return RunnerOutput({s.seq_id: SampledToken(token) for s in out.scheduled if s.samples})
 
 
 def test_next_step_reads_each_token_in_flight_from_its_row_of_the_step_before():
@@ -19,18 +19,18 @@ def test_next_step_reads_each_token_in_flight_from_its_row_of_the_step_before():
     sched.add_request(b)
     first = sched.schedule()
     sched.commit(first)  # dispatched; its tokens are not known yet
-    rows = {s.request_id: i for i, s in enumerate(first.scheduled)}
+    rows = {s.seq_id: i for i, s in enumerate(first.scheduled)}
     second = sched.schedule()  # scheduled before the first step's tokens reach the host
-    by_id = {s.request_id: s for s in second.scheduled}
+    by_id = {s.seq_id: s for s in second.scheduled}
     for seq in (a, b):
-        s = by_id[seq.request_id]
-        assert s.in_flight_row == rows[seq.request_id] and s.token_ids == [0]  # carried as 0, read on the device
+        s = by_id[seq.seq_id]
+        assert s.in_flight_row == rows[seq.seq_id] and s.token_ids == [0]  # carried as 0, read on the device
         assert seq.num_tokens == seq.num_prompt_tokens + 1  # the token in flight counts
     assert by_id["b"].prior_token_ids() == [4, 5]  # what the runner counts for its penalties, if new to a slot
     sched.commit(second)
     touched = sched.update(first, sampled(first, 7))  # the first step's tokens arrive
-    assert [(seq.request_id, token) for seq, token, _ in touched] == [("a", 7), ("b", 7)]
-    third_rows = {s.request_id: i for i, s in enumerate(second.scheduled)}
+    assert [(seq.seq_id, token) for seq, token, _ in touched] == [("a", 7), ("b", 7)]
+    third_rows = {s.seq_id: i for i, s in enumerate(second.scheduled)}
     sched.update(second, sampled(second, 8))
     assert a.output_token_ids == [7, 8] and b.output_token_ids == [7, 8]
     third = sched.schedule()  # synchronous again: everything is known

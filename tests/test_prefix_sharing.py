@@ -63,7 +63,7 @@ class FakeDevice:
         for dev, host in out.swap_out:
             for o in range(BLOCK):
                 self._copy(self.slots, (dev, o), self.host, (host, o))
-        rows = [(s, true_tokens(sequences[s.request_id])) for s in out.scheduled]
+        rows = [(s, true_tokens(sequences[s.seq_id])) for s in out.scheduled]
         for s, tokens in rows:  # every row's K/V write lands before any row reads (the attention invariant)
             for pos in range(s.start_position, s.start_position + len(s.token_ids)):
                 self.slots[(s.block_ids[pos // BLOCK], pos % BLOCK)] = tuple(tokens[: pos + 1])
@@ -72,7 +72,7 @@ class FakeDevice:
             for pos in range(s.start_position + len(s.token_ids)):
                 got = self.slots.get((s.block_ids[pos // BLOCK], pos % BLOCK))
                 assert got == tuple(tokens[: pos + 1]), (
-                    f"{s.request_id} reads position {pos} from block {s.block_ids[pos // BLOCK]}, which holds "
+                    f"{s.seq_id} reads position {pos} from block {s.block_ids[pos // BLOCK]}, which holds "
                     f"{'nothing' if got is None else 'the K/V of other tokens'}"
                 )
 
@@ -115,7 +115,7 @@ class Driver:
         self.num_steps = 0
 
     def add(self, seq: Sequence) -> Sequence:
-        self.sequences[seq.request_id] = seq
+        self.sequences[seq.seq_id] = seq
         self.sched.add_request(seq)
         return seq
 
@@ -124,7 +124,7 @@ class Driver:
         if not out.is_empty:
             kv = self.sched.kv
             root = kv.root if kv.enable_prefix_caching and self.check_hashes else None
-            self.device.run(out, self.sched.requests, self.sched.pool, root)
+            self.device.run(out, self.sched.sequences, self.sched.pool, root)
             self.sched.commit(out)
         self.num_steps += 1
         if self.async_scheduling:
@@ -138,13 +138,13 @@ class Driver:
     def _apply(self, out: SchedulerOutput) -> None:
         sampled = {}
         for s in out.scheduled:
-            seq = self.sched.requests.get(s.request_id)
+            seq = self.sched.sequences.get(s.seq_id)
             if s.samples and seq is not None:
-                sampled[s.request_id] = SampledToken(token_at(seq.prompt_token_ids, s.num_output_tokens))
+                sampled[s.seq_id] = SampledToken(token_at(seq.prompt_token_ids, s.num_output_tokens))
         self.sched.update(out, RunnerOutput(sampled))
         for s in out.scheduled:  # the output processor's length stop: this step drew token num_output_tokens
-            if s.request_id in sampled and s.num_output_tokens + 1 >= s.sampling_params.max_tokens:
-                self.sched.finish(s.request_id, RequestStatus.FINISHED_LENGTH)
+            if s.seq_id in sampled and s.num_output_tokens + 1 >= s.sampling_params.max_tokens:
+                self.sched.finish(s.seq_id, RequestStatus.FINISHED_LENGTH)
 
     def run_until_done(self, max_steps: int = 3000) -> None:
         while self.sched.num_unfinished or self.pending is not None:
@@ -156,7 +156,7 @@ class Driver:
         for seq in self.sequences.values():
             if seq.status is not RequestStatus.FINISHED_ABORTED:
                 expected = [token_at(seq.prompt_token_ids, i) for i in range(seq.sampling_params.max_tokens)]
-                assert seq.output_token_ids == expected, seq.request_id
+                assert seq.output_token_ids == expected, seq.seq_id
         for pool in (self.sched.pool, self.sched.kv.host_pool):
             if pool is not None:
                 assert pool.num_free_blocks == pool.num_blocks - 1
@@ -187,7 +187,7 @@ def test_requests_admitted_in_one_step_share_the_prefix_the_first_one_fills(asyn
     driver = Driver(sched, async_scheduling)
     a, b, c = (driver.add(seq(f"r{i}", SYSTEM + [50 + i, 60 + i])) for i in range(3))
     out = driver.step()
-    assert [(s.request_id, s.start_position, len(s.token_ids)) for s in out.scheduled] == [
+    assert [(s.seq_id, s.start_position, len(s.token_ids)) for s in out.scheduled] == [
         ("r0", 0, 15), ("r1", 12, 3), ("r2", 12, 3)]  # the followers compute only their own tokens
     assert b.block_ids[:3] == a.block_ids[:3] == c.block_ids[:3]
     assert sched.prefix_cache_hits == 2 * 12
@@ -203,7 +203,7 @@ def test_a_request_arriving_during_a_chunked_prefill_finds_the_chunks_already_sc
     driver.step()  # [0, 8): 2 blocks, registered as the step is built
     second = driver.add(seq("second", long_prompt[:20] + [7, 7, 7]))
     out = driver.step()  # first computes [8, 16); second finds all four of its blocks it shares
-    chunks = {s.request_id: (s.start_position, len(s.token_ids)) for s in out.scheduled}
+    chunks = {s.seq_id: (s.start_position, len(s.token_ids)) for s in out.scheduled}
     assert chunks == {"first": (8, 8), "second": (16, 7)}
     assert second.block_ids[:4] == first.block_ids[:4]
     driver.run_until_done()
@@ -233,7 +233,7 @@ def test_a_block_whose_last_token_is_in_flight_is_registered_only_once_it_arrive
     assert a.num_registered_blocks == 2  # registered by update(), once o0 was known
     b = driver.add(seq("b", a.prompt_token_ids + [a.output_token_ids[0], 5]))
     out = driver.step()
-    assert {s.request_id: s.start_position for s in out.scheduled}["b"] == 8
+    assert {s.seq_id: s.start_position for s in out.scheduled}["b"] == 8
     assert b.block_ids[:2] == a.block_ids[:2]
     driver.run_until_done()
     driver.check_done()
@@ -258,7 +258,7 @@ def test_a_request_preempted_for_priority_leaves_no_block_the_step_does_not_fill
     z = driver.add(seq("z", prompt[:16] + [1, 2], priority=0, arrival_time=1.0))
     driver.add(seq("h", [7, 8, 9], priority=1, arrival_time=1.0))
     out = driver.step()  # x: [8, 16) and z, which finds x's four blocks; h waits for a place
-    assert {s.request_id: s.start_position for s in out.scheduled} == {"x": 8, "z": 16}
+    assert {s.seq_id: s.start_position for s in out.scheduled} == {"x": 8, "z": 16}
     assert z.block_ids[:4] == x.block_ids[:4] and not out.preempted_ids
     out = driver.step()
     assert out.preempted_ids == ["x"]  # now that x's blocks are filled
@@ -278,9 +278,9 @@ def test_a_request_preempted_after_its_chunk_was_scheduled_in_the_same_step_regi
     driver.add(seq("a", list(range(800, 830)), max_tokens=2))
     driver.add(seq("b", cached + [1, 2, 3, 4], max_tokens=4))
     out = driver.step()  # a: [0, 8); b finds the 4 cached blocks and computes [16, 20)
-    assert {s.request_id: s.start_position for s in out.scheduled} == {"a": 0, "b": 16}
+    assert {s.seq_id: s.start_position for s in out.scheduled} == {"a": 0, "b": 16}
     out = driver.step()  # a: [8, 16) takes the last two free blocks; b's decode needs one more
-    assert out.preempted_ids == ["a"] and [s.request_id for s in out.scheduled] == ["b"]
+    assert out.preempted_ids == ["a"] and [s.seq_id for s in out.scheduled] == ["b"]
     assert sched.pool.num_cached_blocks == 4 + 1 + 2  # p's, b's [16, 20), a's [0, 8): not a's withdrawn chunk
     driver.run_until_done()
     driver.check_done()
@@ -297,12 +297,12 @@ def test_blocks_of_a_request_preempted_before_its_step_ran_are_still_filled_by_t
     driver.step()
     x = driver.add(seq("x", list(range(600, 616)), max_tokens=2))
     out = driver.step()
-    assert [(s.request_id, s.start_position) for s in out.scheduled] == [("old", 8), ("x", 0)]
+    assert [(s.seq_id, s.start_position) for s in out.scheduled] == [("old", 8), ("x", 0)]
     out = driver.step()  # x's next chunk does not fit, and x has computed least
     assert out.preempted_ids == ["x"] and x.num_computed_tokens == 0
     starts = []
     while sched.num_unfinished or driver.pending is not None:
-        starts += [s.start_position for s in driver.step().scheduled if s.request_id == "x"]
+        starts += [s.start_position for s in driver.step().scheduled if s.seq_id == "x"]
     assert starts[0] == 8  # its first chunk came from the cache
     driver.check_done()
 
@@ -320,7 +320,7 @@ def test_aborting_the_owner_keeps_the_blocks_another_request_shares():
     assert all(sched.pool.is_registered(blk) for blk in shared)
     c = driver.add(seq("c", SYSTEM + [5]))
     out = driver.step()
-    assert {s.request_id: s.start_position for s in out.scheduled}["c"] == 12
+    assert {s.seq_id: s.start_position for s in out.scheduled}["c"] == 12
     assert c.block_ids[:3] == shared
     driver.run_until_done()
     driver.check_done()
@@ -360,7 +360,7 @@ def test_a_block_whose_hash_collides_within_the_step_is_not_a_hit(colliding_hash
     a, b = driver.add(seq("a", SYSTEM + [1, 2])), driver.add(seq("b", OTHER + [1, 2]))
     c = driver.add(seq("c", SYSTEM + [3]))  # a's tokens: a hit, through the chain a registered
     out = driver.step()
-    assert [(s.request_id, s.start_position) for s in out.scheduled] == [("a", 0), ("b", 0), ("c", 12)]
+    assert [(s.seq_id, s.start_position) for s in out.scheduled] == [("a", 0), ("b", 0), ("c", 12)]
     assert set(a.block_ids).isdisjoint(b.block_ids) and c.block_ids[:3] == a.block_ids[:3]
     assert sched.prefix_cache_hits == 12 and sched.pool.num_cached_blocks == 3  # b's blocks: not cacheable
     driver.run_until_done()  # the fake device checks that b read its own K/V
@@ -375,10 +375,10 @@ def test_a_cached_block_whose_hash_collides_is_not_a_hit(colliding_hashes):
     assert sched.pool.num_cached_blocks == 4  # its prompt's 3, and the 4th its first two outputs fill
     b = driver.add(seq("b", OTHER + [1, 2]))
     out = driver.step()
-    assert [(s.request_id, s.start_position) for s in out.scheduled] == [("b", 0)] and sched.prefix_cache_hits == 0
+    assert [(s.seq_id, s.start_position) for s in out.scheduled] == [("b", 0)] and sched.prefix_cache_hits == 0
     c = driver.add(seq("c", OTHER[:8] + SYSTEM[8:12] + [5]))  # b's first 2 blocks, then a's third block's tokens
     out = driver.step()
-    assert {s.request_id: s.start_position for s in out.scheduled}["c"] == 0  # b's blocks collided: not cached
+    assert {s.seq_id: s.start_position for s in out.scheduled}["c"] == 0  # b's blocks collided: not cached
     driver.run_until_done()
     assert c.num_output_tokens == 3
     driver.check_done()
@@ -393,7 +393,7 @@ def test_a_block_after_another_parent_is_not_a_hit_even_with_its_tokens(collidin
     driver.step()
     d = driver.add(seq("d", SYSTEM[:4] + OTHER[4:8] + SYSTEM[8:12] + [9]))  # a's first block only
     out = driver.step()
-    assert {s.request_id: s.start_position for s in out.scheduled}["d"] == 4
+    assert {s.seq_id: s.start_position for s in out.scheduled}["d"] == 4
     assert d.block_ids[0] == a.block_ids[0] and d.block_ids[2] != a.block_ids[2]
     driver.run_until_done()
     driver.check_done()
@@ -414,7 +414,7 @@ def test_the_same_tokens_under_another_salt_are_not_a_hit_when_the_roots_collide
     out = driver.step()
     if together:
         a_blocks = a.block_ids[:3]
-    starts = {s.request_id: s.start_position for s in out.scheduled}
+    starts = {s.seq_id: s.start_position for s in out.scheduled}
     assert (starts["b"], starts["u"], starts["a2"]) == (0, 0, 12)  # only a's own tenant finds its blocks
     assert set(b.block_ids).isdisjoint(a_blocks) and set(u.block_ids).isdisjoint(a_blocks)
     assert a2.block_ids[:3] == a_blocks and sched.prefix_cache_hits == 12

@@ -38,13 +38,13 @@ def update_and_stop(sched, out, sampled: dict):
         status = token_stop_status(request.sampling_params, token, request.num_output_tokens,
                                    request.num_prompt_tokens, request.eos_token_ids, sched.max_model_len)
         if status is not None:
-            sched.finish(request.request_id, status)
+            sched.finish(request.seq_id, status)
 
 
 def run_step(sched, token=7):
     out = sched.schedule()
     sched.commit(out)
-    update_and_stop(sched, out, {s.request_id: SampledToken(token) for s in out.scheduled if s.samples})
+    update_and_stop(sched, out, {s.seq_id: SampledToken(token) for s in out.scheduled if s.samples})
     return out
 
 
@@ -67,9 +67,9 @@ def test_prefill_chunks_and_decodes_share_a_step():
     b = make_request(20)
     sched.add_request(b)
     out = run_step(sched)
-    sizes = {s.request_id: len(s.token_ids) for s in out.scheduled}
-    assert sizes == {a.request_id: 1, b.request_id: 7}
-    assert not [s for s in out.scheduled if s.request_id == b.request_id][0].samples
+    sizes = {s.seq_id: len(s.token_ids) for s in out.scheduled}
+    assert sizes == {a.seq_id: 1, b.seq_id: 7}
+    assert not [s for s in out.scheduled if s.seq_id == b.seq_id][0].samples
 
 
 def test_waiting_requests_are_admitted_in_arrival_order():
@@ -80,9 +80,9 @@ def test_waiting_requests_are_admitted_in_arrival_order():
     order = []
     for _ in range(10):
         for s in run_step(sched).scheduled:
-            if s.request_id not in order:
-                order.append(s.request_id)
-    assert order == [r.request_id for r in reqs]
+            if s.seq_id not in order:
+                order.append(s.seq_id)
+    assert order == [r.seq_id for r in reqs]
 
 
 def test_long_prefill_threshold_caps_one_prompt_per_step():
@@ -99,7 +99,7 @@ def test_max_num_partial_prefills_keeps_a_second_long_prompt_waiting():
     sched.add_request(first)
     sched.add_request(second)
     out = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == [first.request_id]
+    assert [s.seq_id for s in out.scheduled] == [first.seq_id]
 
 
 def test_the_step_that_finishes_a_prompt_starts_the_next_one():
@@ -111,15 +111,15 @@ def test_the_step_that_finishes_a_prompt_starts_the_next_one():
     sched.add_request(second)
     assert [len(s.token_ids) for s in run_step(sched).scheduled] == [16]
     out = run_step(sched)
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [(first.request_id, 4),
-                                                                         (second.request_id, 12)]
+    assert [(s.seq_id, len(s.token_ids)) for s in out.scheduled] == [(first.seq_id, 4),
+                                                                         (second.seq_id, 12)]
     # and the step that finishes the second starts a third
     third = make_request(20)
     sched.add_request(third)
     out = run_step(sched)
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [(first.request_id, 1),
-                                                                         (second.request_id, 8),
-                                                                         (third.request_id, 7)]
+    assert [(s.seq_id, len(s.token_ids)) for s in out.scheduled] == [(first.seq_id, 1),
+                                                                         (second.seq_id, 8),
+                                                                         (third.seq_id, 7)]
 
 
 def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
@@ -128,7 +128,7 @@ def test_without_chunked_prefill_a_prompt_runs_whole_or_waits():
     sched.add_request(a)
     sched.add_request(b)
     out = run_step(sched)
-    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [(a.request_id, 10)]
+    assert [(s.seq_id, len(s.token_ids)) for s in out.scheduled] == [(a.seq_id, 10)]
 
 
 def test_preemption_picks_the_request_that_computed_least_and_admits_nothing():
@@ -150,7 +150,7 @@ def test_preemption_picks_the_request_that_computed_least_and_admits_nothing():
             admitted = [s for s in out.scheduled if s.start_position == 0]
             assert admitted == [], "a preempting step must not admit"
             break
-    assert preempted[0] == small.request_id  # least computed, although not the newest
+    assert preempted[0] == small.seq_id  # least computed, although not the newest
     assert small.status is RequestStatus.PREEMPTED and small.block_ids == []
     assert sched.waiting[0] is small  # back at the head of the queue
 
@@ -180,7 +180,7 @@ def test_static_policy_forms_no_batch_while_one_runs():
     assert later.status is RequestStatus.WAITING
     while not first[1].is_finished:
         out = run_step(sched)
-        assert later.request_id not in [s.request_id for s in out.scheduled]
+        assert later.seq_id not in [s.seq_id for s in out.scheduled]
     run_step(sched)
     assert later.status in (RequestStatus.RUNNING,) or later.is_finished
 
@@ -202,9 +202,9 @@ def test_stop_conditions_eos_stop_token_min_tokens_and_length():
     for r in (eos, stop_tok, min_tok, ignore):
         sched.add_request(r)
     out = sched.schedule()
-    banned = {s.request_id: s.banned_token_ids for s in out.scheduled}
-    assert banned[min_tok.request_id] == (99,) and banned[eos.request_id] == ()
-    sampled = {eos.request_id: 99, stop_tok.request_id: 42, min_tok.request_id: 99, ignore.request_id: 99}
+    banned = {s.seq_id: s.banned_token_ids for s in out.scheduled}
+    assert banned[min_tok.seq_id] == (99,) and banned[eos.seq_id] == ()
+    sampled = {eos.seq_id: 99, stop_tok.seq_id: 42, min_tok.seq_id: 99, ignore.seq_id: 99}
     sched.commit(out)
     update_and_stop(sched, out, {k: SampledToken(v) for k, v in sampled.items()})
     assert eos.status is RequestStatus.FINISHED_STOPPED
@@ -224,10 +224,10 @@ def test_abort_frees_blocks_at_once_in_every_state():
     run_step(sched)
     assert running.block_ids and prefilling.is_prefilling
     for r in (prefilling, running, waiting):
-        assert sched.abort(r.request_id)
+        assert sched.abort(r.seq_id)
         assert r.status is RequestStatus.FINISHED_ABORTED and r.block_ids == []
     assert sched.pool.num_free_blocks == 5 and sched.num_unfinished == 0
-    assert not sched.abort(running.request_id)
+    assert not sched.abort(running.seq_id)
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
@@ -239,7 +239,7 @@ def test_follower_of_n_shares_the_leaders_full_prompt_blocks_in_the_leaders_firs
     sched.add_request(leader)
     sched.add_request(follower)
     out = run_step(sched)
-    f = [s for s in out.scheduled if s.request_id == "f"][0]
+    f = [s for s in out.scheduled if s.seq_id == "f"][0]
     assert f.start_position == 8 and f.token_ids == [9, 10]  # shares 2 full blocks, recomputes the rest
     assert follower.block_ids[:2] == leader.block_ids[:2]
     assert sched.pool.ref_count(leader.block_ids[0]) == 2
@@ -254,7 +254,7 @@ def test_with_prefix_caching_off_only_the_samples_of_one_request_share():
     sched.add_request(Sequence(("b", 0), prompt, one))  # another request with the same prompt
     sched.add_request(Sequence(("c", 0), prompt, SamplingParams(max_tokens=2, temperature=0)))
     out = run_step(sched)
-    starts = {s.request_id: s.start_position for s in out.scheduled}
+    starts = {s.seq_id: s.start_position for s in out.scheduled}
     assert starts == {("a", 0): 0, ("a", 1): 8, ("b", 0): 0, ("c", 0): 0}
     assert sched.prefix_cache_hits == 0  # the counters are the prefix cache's
 
@@ -291,9 +291,9 @@ def test_prefix_cache_hits_full_blocks_and_never_schedules_a_write_into_a_cached
             for pos in range(s.start_position, s.start_position + len(s.token_ids)):
                 block = s.block_ids[pos // BLOCK]
                 assert block not in cached, "write into a cached block"
-                assert writer.setdefault(block, s.request_id) == s.request_id, "two writers of one block"
+                assert writer.setdefault(block, s.seq_id) == s.seq_id, "two writers of one block"
         sched.commit(out)
-        update_and_stop(sched, out, {s.request_id: SampledToken(7) for s in out.scheduled if s.samples})
+        update_and_stop(sched, out, {s.seq_id: SampledToken(7) for s in out.scheduled if s.samples})
         if not sched.num_unfinished:
             break
     assert sched.prefix_cache_hits == 4 * 12  # each later request found the 3 full system blocks
@@ -356,7 +356,7 @@ def test_high_priority_arrival_into_a_full_engine_is_served_first():
     out = run_step(sched)
     assert out.preempted_ids == ["low1"]  # the engine was full: the worst-ranked running request yields
     out = run_step(sched)
-    assert "high" in [s.request_id for s in out.scheduled]
+    assert "high" in [s.seq_id for s in out.scheduled]
     assert low[2].status is RequestStatus.WAITING  # the earlier low-priority request still waits
 
 
@@ -409,7 +409,7 @@ def test_static_batch_is_formed_whole_even_when_the_first_prompt_takes_the_budge
     for r in reqs:
         sched.add_request(r)
     out = run_step(sched)
-    assert [s.request_id for s in out.scheduled] == [reqs[0].request_id]  # the budget covers one prompt
+    assert [s.seq_id for s in out.scheduled] == [reqs[0].seq_id]  # the budget covers one prompt
     assert [r.status for r in reqs[:4]] == [RequestStatus.RUNNING] * 4  # but the batch has all four
     assert reqs[4].status is RequestStatus.WAITING
     for _ in range(30):
@@ -486,7 +486,7 @@ def test_waiting_tokens_are_counted_exactly_through_admissions_preemptions_and_a
     assert sched.num_waiting_tokens == brute() > 0
     for step in range(200):
         if step == 3 and sched.waiting:
-            sched.abort(sched.waiting[-1].request_id)
+            sched.abort(sched.waiting[-1].seq_id)
         run_step(sched)
         assert sched.num_waiting_tokens == brute(), step
         if not sched.num_unfinished:

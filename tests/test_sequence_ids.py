@@ -17,7 +17,7 @@ def test_each_of_a_requests_sequences_is_keyed_by_the_request_id_and_its_index()
     e = shared_engine()
     params = SamplingParams(n=2, temperature=0, max_tokens=3, ignore_eos=True)
     request_id = e.add_request([5, 6, 7], params, request_id="req")
-    seqs = sorted((s for s in e.scheduler.requests.values() if s.group_id == request_id), key=lambda s: s.sample_index)
+    seqs = sorted((s for s in e.scheduler.sequences.values() if s.group_id == request_id), key=lambda s: s.sample_index)
     assert [s.seq_id for s in seqs] == [SequenceId("req", 0), SequenceId("req", 1)]
     assert all(type(s.seq_id) is SequenceId for s in seqs)
     assert seqs[0].parent_id is None and seqs[1].parent_id == seqs[0].seq_id

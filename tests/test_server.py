@@ -227,7 +227,7 @@ def test_client_disconnect_mid_prefill_aborts_and_frees_blocks(server, slow_step
     def watch():
         deadline = time.monotonic() + 1
         while time.monotonic() < deadline:
-            for r in list(state.client.engine.scheduler.requests.values()):
+            for r in list(state.client.engine.scheduler.sequences.values()):
                 if 0 < r.num_computed_tokens < r.num_prompt_tokens:
                     seen_prefilling.append(r.num_computed_tokens)
             time.sleep(0.01)

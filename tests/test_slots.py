@@ -55,7 +55,7 @@ def check_device_state(engine) -> int:
     tables, seen, counts = (np.asarray(a) for a in (state.block_tables, state.counts.seen, state.counts.output_counts))
     checked = 0
     for rid, entry in engine.runner.inputs.slots._entries.items():
-        request = engine.scheduler.requests.get(rid)
+        request = engine.scheduler.sequences.get(rid)
         if request is None or entry.block_epoch != request.block_epoch or not request.block_ids:
             continue
         assert tables[entry.slot, : entry.num_blocks].tolist() == request.block_ids[: entry.num_blocks], rid

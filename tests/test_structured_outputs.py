@@ -125,7 +125,7 @@ def test_under_async_scheduling_unconstrained_rows_advance_every_step_and_constr
     dispatch = e.runner.dispatch
 
     def recording(out):
-        steps.append({s.request_id[0] for s in out.scheduled})
+        steps.append({s.seq_id[0] for s in out.scheduled})
         return dispatch(out)
 
     e.runner.dispatch = recording

@@ -202,7 +202,7 @@ class KVCacheManager:
         """Caching off: the request (n > 1) whose sequences alone find each other's blocks."""
         if self.enable_prefix_caching:
             return None
-        return request.parent_id if request.parent_id is not None else request.request_id
+        return request.parent_id if request.parent_id is not None else request.seq_id
 
     def _chain_root(self, request: Sequence) -> BlockHash:
         root = salted_root(self.root, request.cache_salt)
@@ -235,7 +235,7 @@ class KVCacheManager:
         while len(chain) < num_blocks:
             i = len(chain)
             token_ids = request.token_ids(i * bs, (i + 1) * bs)
-            assert not InFlightTokens.any_in_flight(token_ids), f"{request.request_id}: hashing a token in flight"
+            assert not InFlightTokens.any_in_flight(token_ids), f"{request.seq_id}: hashing a token in flight"
             chain.append(chain_hash(chain[-1] if chain else self._chain_root(request), token_ids))
         return chain[:num_blocks]
 
@@ -251,7 +251,7 @@ class KVCacheManager:
         if num_tokens // self.block_size <= request.num_registered_blocks or not self._shares(request):
             return  # the common case first: a decode token that fills no block
         num_full = min(num_tokens, InFlightTokens.num_known_tokens(request)) // self.block_size
-        assert num_full <= len(request.block_ids), (request.request_id, num_tokens, request.block_ids)
+        assert num_full <= len(request.block_ids), (request.seq_id, num_tokens, request.block_ids)
         if num_full <= request.num_registered_blocks:
             return
         chain, first, bs = self._block_hashes(request, num_full), request.num_registered_blocks, self.block_size

@@ -8,7 +8,7 @@ decode token or the next prefill chunk. `schedule()`:
        (a prefill chunk is capped by long_prefill_token_threshold); each gets the blocks its
        new tokens need -- if none are free, the running sequence that has computed the least
        is preempted (blocks freed, back to the head of the queue, recompute later) until it fits
-    2. policy=priority: a waiting request that outranks a running one and cannot start
+    2. policy=priority: a waiting sequence that outranks a running one and cannot start
        (max_num_seqs, or blocks) takes its place: the worst running one is preempted
     3. the running sequences' shares of the step are final now -- nothing below preempts --
        so the full blocks they fill become findable in the prefix cache
@@ -21,7 +21,7 @@ decode token or the next prefill chunk. `schedule()`:
        row attends) -- and computes only the rest: always at least its last token, into a
        block of its own, so a cached block is never written. The blocks it fills become
        findable at once, by the sequences admitted after it (the n > 1 samples of one
-       request, prompts sharing a system prompt).
+       sequence, prompts sharing a system prompt).
 
 So a block is registered only once the step that fills it is sure to be dispatched with it,
 and a block found in the cache is filled by an earlier step or by the same one.
@@ -52,7 +52,7 @@ from jaxcb.core.block_pool import BlockPool
 from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.block_hash import BlockHash
 from jaxcb.core.kv_cache_manager import NO_ROOT, CachedPrefix, KVCacheManager
-from jaxcb.core.sequence import RequestStatus, Sequence
+from jaxcb.core.sequence import RequestStatus, Sequence, SequenceId
 from jaxcb.core.step import RunnerOutput, ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -86,48 +86,48 @@ class Scheduler:
         self._waiting_counts: dict = {}
         self._num_waiting_tokens = 0
         self.running: list[Sequence] = []
-        self.requests: dict[str, Sequence] = {}
+        self.sequences: dict[SequenceId, Sequence] = {}
         self.in_flight = InFlightTokens()
         self.num_preemptions = 0
 
     # --- requests in and out -------------------------------------------------------------------
 
-    def add_request(self, request: Sequence) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
-        self._count_waiting(request)
+    def add_request(self, sequence: Sequence) -> None:
+        if sequence.seq_id in self.sequences:
+            raise ValueError(f"sequence id {sequence.seq_id!r} is already in use")
+        self.sequences[sequence.seq_id] = sequence
+        self.waiting.append(sequence)
+        self._count_waiting(sequence)
 
-    def abort(self, request_id: str) -> bool:
-        """Finish a request now, wherever it is, and free its blocks; False if it is unknown or done."""
-        request = self.requests.get(request_id)
-        if request is None or request.is_finished:
+    def abort(self, seq_id: SequenceId) -> bool:
+        """Finish a sequence now, wherever it is, and free its blocks; False if it is unknown or done."""
+        sequence = self.sequences.get(seq_id)
+        if sequence is None or sequence.is_finished:
             return False
-        if request in self.running:
-            self.running.remove(request)
+        if sequence in self.running:
+            self.running.remove(sequence)
         else:
-            self._leave_waiting(request)
-        self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._leave_waiting(sequence)
+        self._finish(sequence, RequestStatus.FINISHED_ABORTED)
         return True
 
-    def finish(self, request_id: str, status: RequestStatus) -> None:
-        """Finish a request that stopped (the output processor saw its stop token, length or string)."""
-        request = self.requests.get(request_id)
-        if request is None or request.is_finished:
+    def finish(self, seq_id: SequenceId, status: RequestStatus) -> None:
+        """Finish a sequence that stopped (the output processor saw its stop token, length or string)."""
+        sequence = self.sequences.get(seq_id)
+        if sequence is None or sequence.is_finished:
             return
-        self.in_flight.discard(request)
-        if request in self.running:
-            self.running.remove(request)
+        self.in_flight.discard(sequence)
+        if sequence in self.running:
+            self.running.remove(sequence)
         else:
-            self._leave_waiting(request)
-        self._finish(request, status)
+            self._leave_waiting(sequence)
+        self._finish(sequence, status)
 
-    def _finish(self, request: Sequence, status: RequestStatus) -> None:
-        request.status = status
-        request.finished_time = time.monotonic()
-        self.kv.free(request)
-        del self.requests[request.request_id]
+    def _finish(self, sequence: Sequence, status: RequestStatus) -> None:
+        sequence.status = status
+        sequence.finished_time = time.monotonic()
+        self.kv.free(sequence)
+        del self.sequences[sequence.seq_id]
 
     @property
     def pool(self) -> BlockPool:
@@ -151,24 +151,24 @@ class Scheduler:
         """Tokens the waiting sequences still have to compute (admission control, metrics)."""
         return self._num_waiting_tokens
 
-    def _count_waiting(self, request: Sequence) -> None:
+    def _count_waiting(self, sequence: Sequence) -> None:
         """(Re)count a waiting sequence's tokens to compute: as it joins the queue, or when a token
         still in flight when it was preempted lands."""
-        n = request.num_tokens - request.num_computed_tokens
-        self._num_waiting_tokens += n - self._waiting_counts.get(request.request_id, 0)
-        self._waiting_counts[request.request_id] = n
+        n = sequence.num_tokens - sequence.num_computed_tokens
+        self._num_waiting_tokens += n - self._waiting_counts.get(sequence.seq_id, 0)
+        self._waiting_counts[sequence.seq_id] = n
 
-    def _leave_waiting(self, request: Sequence, head: bool = False) -> None:
+    def _leave_waiting(self, sequence: Sequence, head: bool = False) -> None:
         if head:
-            assert self.waiting[0] is request
+            assert self.waiting[0] is sequence
             self.waiting.popleft()
         else:
-            self.waiting.remove(request)
-        self._num_waiting_tokens -= self._waiting_counts.pop(request.request_id)
+            self.waiting.remove(sequence)
+        self._num_waiting_tokens -= self._waiting_counts.pop(sequence.seq_id)
 
-    def _priority_key(self, request: Sequence, now: float) -> tuple[float, float]:
+    def _priority_key(self, sequence: Sequence, now: float) -> tuple[float, float]:
         """Smaller is served first: priority, minus one level per priority_aging_s of waiting."""
-        return (request.priority - (now - request.arrival_time) / self.cfg.priority_aging_s, request.arrival_time)
+        return (sequence.priority - (now - sequence.arrival_time) / self.cfg.priority_aging_s, sequence.arrival_time)
 
     def _choose_victim(self, now: float) -> Sequence:
         if self.cfg.policy == "priority":  # the worst priority, newest first
@@ -178,33 +178,33 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
-        scheduled: dict[str, ScheduledSequence] = {}
+        scheduled: dict[SequenceId, ScheduledSequence] = {}
         preempted: list[str] = []
         now = self.clock()
         if self.cfg.policy == "priority":
             self.running.sort(key=lambda r: self._priority_key(r, now))
             self.waiting = deque(sorted(self.waiting, key=lambda r: self._priority_key(r, now)))
 
-        for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
+        for sequence in list(self.running):
+            if sequence.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(request, budget)
+            num_new = self._num_new_tokens(sequence, budget)
             if num_new == 0:
                 continue
-            while not self.kv.allocate(request, num_new):
+            while not self.kv.allocate(sequence, num_new):
                 victim = self._choose_victim(now)
                 budget += self._preempt(victim, scheduled)
-                preempted.append(victim.request_id)
-                if victim is request:
+                preempted.append(victim.seq_id)
+                if victim is sequence:
                     break
             else:
-                scheduled[request.request_id] = self._scheduled(request, num_new)
+                scheduled[sequence.seq_id] = self._scheduled(sequence, num_new)
                 budget -= num_new
 
         if not preempted and self.cfg.policy == "priority":
             preempted += self._preempt_for_priority(now, scheduled)
         for seq in scheduled.values():  # final now: what they fill is findable by the admissions below
-            self.kv.register_full_blocks(self.requests[seq.request_id], seq.start_position + len(seq.token_ids))
+            self.kv.register_full_blocks(self.sequences[seq.seq_id], seq.start_position + len(seq.token_ids))
         if not preempted:
             budget = self._admit(budget, scheduled)
 
@@ -212,26 +212,26 @@ class Scheduler:
         out = SchedulerOutput(list(scheduled.values()), preempted, swap_in, swap_out)
         return out
 
-    def _num_new_tokens(self, request: Sequence, budget: int) -> int:
-        if self.in_flight.last_token_in_flight(request):
-            done = request.num_output_tokens >= request.sampling_params.max_tokens
-            if done or request.num_tokens >= self.max_model_len:
+    def _num_new_tokens(self, sequence: Sequence, budget: int) -> int:
+        if self.in_flight.last_token_in_flight(sequence):
+            done = sequence.num_output_tokens >= sequence.sampling_params.max_tokens
+            if done or sequence.num_tokens >= self.max_model_len:
                 return 0  # its token in flight is its last: computing past it would be wasted
-            if request.constraint is not None and request.constraint.depends_on_last_token:
+            if sequence.constraint is not None and sequence.constraint.depends_on_last_token:
                 return 0  # its next bitmask needs that token: it sits this step out (it advances every other)
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-        if request.is_prefilling and self.cfg.long_prefill_token_threshold is not None:
+        num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
+        if sequence.is_prefilling and self.cfg.long_prefill_token_threshold is not None:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         return max(0, num_new)
 
-    def _preempt(self, victim: Sequence, scheduled: dict[str, ScheduledSequence]) -> int:
+    def _preempt(self, victim: Sequence, scheduled: dict[SequenceId, ScheduledSequence]) -> int:
         """Free the victim's blocks and requeue it at the head; return the budget it gives back.
 
         Swap mode copies the blocks holding its computed tokens to host memory first (the
         runner does it before this step's writes can reuse them) and keeps its progress;
         when the host pool is full it falls back to recompute."""
         self.running.remove(victim)
-        returned = scheduled.pop(victim.request_id, None)
+        returned = scheduled.pop(victim.seq_id, None)
         swap = self.kv.preempt(victim, swap=self.cfg.preemption_mode == "swap")
         if not swap:
             victim.num_computed_tokens = 0
@@ -240,12 +240,12 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
         self._count_waiting(victim)
-        log.debug("preempted %s (%s)", victim.request_id, "swap" if swap else "recompute")
+        log.debug("preempted %s (%s)", victim.seq_id, "swap" if swap else "recompute")
         return len(returned.token_ids) if returned else 0
 
-    def _preempt_for_priority(self, now: float, scheduled: dict[str, ScheduledSequence]) -> list[str]:
-        """A waiting request that cannot be admitted but outranks a running one takes its place:
-        the worst running request is preempted now, and the waiting one is admitted next step.
+    def _preempt_for_priority(self, now: float, scheduled: dict[SequenceId, ScheduledSequence]) -> list[str]:
+        """A waiting sequence that cannot be admitted but outranks a running one takes its place:
+        the worst running sequence is preempted now, and the waiting one is admitted next step.
         Called before any block of this step is registered, so a victim leaves no block findable
         that the step will not fill."""
         if not self.waiting or not self.running:
@@ -259,12 +259,12 @@ class Scheduler:
         if not blocked:  # it waits for budget, not for room: preempting would not help
             return []
         self._preempt(worst, scheduled)
-        # keep the outranking request first in line (the victim went to the head)
+        # keep the outranking sequence first in line (the victim went to the head)
         self.waiting.remove(head)
         self.waiting.appendleft(head)
-        return [worst.request_id]
+        return [worst.seq_id]
 
-    def _admit(self, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
+    def _admit(self, budget: int, scheduled: dict[SequenceId, ScheduledSequence]) -> int:
         if self.cfg.policy == "static" and self.running:
             return budget  # a static batch runs until every member finishes
         # A static batch is formed whole -- every member that fits the cache joins now, whether or
@@ -275,99 +275,99 @@ class Scheduler:
         # prompt tail beside the decodes (at 32-token outputs, 199 of 430 steps).
         num_partial = sum(1 for r in self.running if self._still_prefilling_after(r, scheduled))
         while self.waiting and (budget > 0 or static) and len(self.running) < self.cfg.max_num_seqs:
-            request = self.waiting[0]
-            if request.host_block_ids:
-                admitted = self._admit_swapped(request, budget, scheduled)
+            sequence = self.waiting[0]
+            if sequence.host_block_ids:
+                admitted = self._admit_swapped(sequence, budget, scheduled)
                 if admitted == 0:
                     break
                 budget -= admitted
                 continue
-            # prompt_logprobs needs every prompt row's logits: such a request computes its whole prompt
+            # prompt_logprobs needs every prompt row's logits: such a sequence computes its whole prompt
             # (its n > 1 followers report none: they share it).
-            wants_prompt_rows = request.sampling_params.prompt_logprobs is not None and request.parent_id is None
-            share = CachedPrefix() if wants_prompt_rows else self.kv.cached_prefix(request)
+            wants_prompt_rows = sequence.sampling_params.prompt_logprobs is not None and sequence.parent_id is None
+            share = CachedPrefix() if wants_prompt_rows else self.kv.cached_prefix(sequence)
             start = share.num_tokens
-            if self.cfg.enable_chunked_prefill or request.num_preemptions or static:
-                num_new = min(request.num_tokens - start, budget)
+            if self.cfg.enable_chunked_prefill or sequence.num_preemptions or static:
+                num_new = min(sequence.num_tokens - start, budget)
             else:
-                num_new = request.num_tokens - start
+                num_new = sequence.num_tokens - start
                 if num_new > budget:
                     break
             if self.cfg.long_prefill_token_threshold is not None:
                 num_new = min(num_new, self.cfg.long_prefill_token_threshold)
-            partial = start + num_new < request.num_prompt_tokens
+            partial = start + num_new < sequence.num_prompt_tokens
             if not static and partial and num_partial >= self.cfg.max_num_partial_prefills:
                 break
-            reserve = request.num_prompt_tokens + request.sampling_params.max_tokens
+            reserve = sequence.num_prompt_tokens + sequence.sampling_params.max_tokens
             total = reserve if self.cfg.policy == "static" else start + num_new
             if not self.kv.can_admit(share, total):
                 break
-            self._leave_waiting(request, head=True)
-            self.kv.admit(request, share, total)
-            request.num_computed_tokens = start
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = start
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            self.running.append(request)
+            self._leave_waiting(sequence, head=True)
+            self.kv.admit(sequence, share, total)
+            sequence.num_computed_tokens = start
+            if sequence.num_cached_tokens is None:
+                sequence.num_cached_tokens = start
+            sequence.status = RequestStatus.RUNNING
+            if sequence.first_scheduled_time is None:
+                sequence.first_scheduled_time = time.monotonic()
+            self.running.append(sequence)
             if num_new > 0:
-                scheduled[request.request_id] = self._scheduled(request, num_new)
-                self.kv.register_full_blocks(request, start + num_new)  # findable by the next admissions
+                scheduled[sequence.seq_id] = self._scheduled(sequence, num_new)
+                self.kv.register_full_blocks(sequence, start + num_new)  # findable by the next admissions
                 budget -= num_new
             if partial:
                 num_partial += 1
         return budget
 
     @staticmethod
-    def _still_prefilling_after(request: Sequence, scheduled: dict[str, ScheduledSequence]) -> bool:
-        if not request.is_prefilling:
+    def _still_prefilling_after(sequence: Sequence, scheduled: dict[SequenceId, ScheduledSequence]) -> bool:
+        if not sequence.is_prefilling:
             return False
-        seq = scheduled.get(request.request_id)
-        return seq is None or seq.start_position + len(seq.token_ids) < request.num_prompt_tokens
+        seq = scheduled.get(sequence.seq_id)
+        return seq is None or seq.start_position + len(seq.token_ids) < sequence.num_prompt_tokens
 
-    def _admit_swapped(self, request: Sequence, budget: int, scheduled: dict[str, ScheduledSequence]) -> int:
-        """Bring a swapped-out request back: fresh device blocks, its host blocks copied in; return
+    def _admit_swapped(self, sequence: Sequence, budget: int, scheduled: dict[SequenceId, ScheduledSequence]) -> int:
+        """Bring a swapped-out sequence back: fresh device blocks, its host blocks copied in; return
         the tokens it takes this step (0: it does not fit yet)."""
-        start = request.num_computed_tokens
-        num_new = min(request.num_tokens - start, budget)
+        start = sequence.num_computed_tokens
+        num_new = min(sequence.num_tokens - start, budget)
         if self.cfg.long_prefill_token_threshold is not None:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         if num_new <= 0 or not self.kv.can_admit(CachedPrefix(), start + num_new):
             return 0
-        self._leave_waiting(request, head=True)
-        self.kv.swap_in_blocks(request, start + num_new)
-        request.status = RequestStatus.RUNNING
-        self.running.append(request)
-        scheduled[request.request_id] = self._scheduled(request, num_new)
-        self.kv.register_full_blocks(request, start + num_new)  # its swapped-in blocks, then this step's
+        self._leave_waiting(sequence, head=True)
+        self.kv.swap_in_blocks(sequence, start + num_new)
+        sequence.status = RequestStatus.RUNNING
+        self.running.append(sequence)
+        scheduled[sequence.seq_id] = self._scheduled(sequence, num_new)
+        self.kv.register_full_blocks(sequence, start + num_new)  # its swapped-in blocks, then this step's
         return num_new
 
-    def _scheduled(self, request: Sequence, num_new: int) -> ScheduledSequence:
-        start = request.num_computed_tokens
-        params = request.sampling_params
+    def _scheduled(self, sequence: Sequence, num_new: int) -> ScheduledSequence:
+        start = sequence.num_computed_tokens
+        params = sequence.sampling_params
         banned: tuple[int, ...] = ()
-        if request.num_output_tokens < params.min_tokens:
-            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else request.eos_token_ids)
-        samples = start + num_new == request.num_tokens
+        if sequence.num_output_tokens < params.min_tokens:
+            banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else sequence.eos_token_ids)
+        samples = start + num_new == sequence.num_tokens
         targets = None
-        if params.prompt_logprobs is not None and request.parent_id is None and start + 1 < request.num_prompt_tokens:
-            targets = request.prompt_token_ids[start + 1 : min(start + num_new + 1, request.num_prompt_tokens)]
+        if params.prompt_logprobs is not None and sequence.parent_id is None and start + 1 < sequence.num_prompt_tokens:
+            targets = sequence.prompt_token_ids[start + 1 : min(start + num_new + 1, sequence.num_prompt_tokens)]
         return ScheduledSequence(
-            request_id=request.request_id,
+            seq_id=sequence.seq_id,
             start_position=start,
-            token_ids=self.in_flight.token_ids_for_step(request, start, start + num_new),
-            block_ids=list(request.block_ids),
-            block_epoch=request.block_epoch,
+            token_ids=self.in_flight.token_ids_for_step(sequence, start, start + num_new),
+            block_ids=list(sequence.block_ids),
+            block_epoch=sequence.block_epoch,
             samples=samples,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_prompt_tokens=sequence.num_prompt_tokens,
+            num_output_tokens=sequence.num_output_tokens,
             sampling_params=params,
-            seed=request.seed,
+            seed=sequence.seed,
             banned_token_ids=banned,
-            prior_token_ids=functools.partial(request.token_ids, 0, start) if params.uses_penalties else None,
-            in_flight_row=self.in_flight.row_for(request) if samples else -1,
-            constraint=request.constraint,
+            prior_token_ids=functools.partial(sequence.token_ids, 0, start) if params.uses_penalties else None,
+            in_flight_row=self.in_flight.row_for(sequence) if samples else -1,
+            constraint=sequence.constraint,
             prompt_logprob_targets=targets,
         )
 
@@ -378,35 +378,35 @@ class Scheduler:
         next token in flight, so the next step can be scheduled (and read that token on the
         device) before this one's results reach the host."""
         for seq in out.scheduled:
-            request = self.requests.get(seq.request_id)
-            if request is not None:
-                request.num_computed_tokens = seq.start_position + len(seq.token_ids)
-        self.in_flight.dispatched(out, self.requests)
+            sequence = self.sequences.get(seq.seq_id)
+            if sequence is not None:
+                sequence.num_computed_tokens = seq.start_position + len(seq.token_ids)
+        self.in_flight.dispatched(out, self.sequences)
 
     def update(
         self, out: SchedulerOutput, runner_out: RunnerOutput
     ) -> list[tuple[Sequence, int, Optional[dict[int, float]]]]:
         """Resolve the step's in-flight tokens to the sampled ones and register the blocks that were
         full but for one of them (their K/V are computed, or computed by a step already dispatched);
-        return (request, new token, its logprobs with the top ones, or None) of each sampling sequence."""
+        return (sequence, new token, its logprobs with the top ones, or None) of each sampling sequence."""
         touched = []
         now = time.monotonic()
         for seq in out.scheduled:
-            request = self.requests.get(seq.request_id)
-            if request is None:
+            sequence = self.sequences.get(seq.seq_id)
+            if sequence is None:
                 continue  # finished or aborted since
-            sampled = runner_out.sampled.get(seq.request_id) if seq.samples else None
+            sampled = runner_out.sampled.get(seq.seq_id) if seq.samples else None
             if sampled is not None:
-                self.in_flight.resolve(request, seq.num_output_tokens, sampled.token_id)
+                self.in_flight.resolve(sequence, seq.num_output_tokens, sampled.token_id)
                 top = None
-                if request.sampling_params.logprobs is not None:
+                if sequence.sampling_params.logprobs is not None:
                     top = dict(sampled.top_logprobs or {})
                     top[sampled.token_id] = sampled.logprob
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                touched.append((request, sampled.token_id, top))
-                if request.request_id in self._waiting_counts:  # preempted while its token was in flight
-                    self._count_waiting(request)
-            if request.status is RequestStatus.RUNNING:
-                self.kv.register_full_blocks(request, request.num_computed_tokens)
+                if sequence.first_token_time is None:
+                    sequence.first_token_time = now
+                touched.append((sequence, sampled.token_id, top))
+                if sequence.seq_id in self._waiting_counts:  # preempted while its token was in flight
+                    self._count_waiting(sequence)
+            if sequence.status is RequestStatus.RUNNING:
+                self.kv.register_full_blocks(sequence, sequence.num_computed_tokens)
         return touched

@@ -47,9 +47,7 @@ FINISHED_STATES = frozenset({
 
 @dataclass
 class Sequence:
-    # The sequence's own id, read as `seq_id`; the field keeps the name the engine and the scheduler
-    # construct and read it by. Not the user's request id: that is `group_id`.
-    request_id: SequenceId
+    seq_id: SequenceId  # the sequence's own id; not the user's request id (that is `group_id`)
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
@@ -81,14 +79,10 @@ class Sequence:
 
     def __post_init__(self) -> None:
         # Ids given as plain (request id, index) pairs, as the engine builds them, become SequenceIds.
-        if type(self.request_id) is tuple:
-            self.request_id = SequenceId(*self.request_id)
+        if type(self.seq_id) is tuple:
+            self.seq_id = SequenceId(*self.seq_id)
         if type(self.parent_id) is tuple:
             self.parent_id = SequenceId(*self.parent_id)
-
-    @property
-    def seq_id(self) -> SequenceId:
-        return self.request_id
 
     @property
     def num_prompt_tokens(self) -> int:

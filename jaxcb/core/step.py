@@ -19,9 +19,7 @@ from jaxcb.sampling_params import SamplingParams
 class ScheduledSequence:
     """One sequence's share of a step."""
 
-    # The sequence's id (`Sequence.seq_id`), read as `seq_id`; the field keeps the name the
-    # scheduler constructs it by.
-    request_id: SequenceId
+    seq_id: SequenceId  # the sequence's id (`Sequence.seq_id`)
     start_position: int  # num_computed_tokens before the step
     token_ids: list[int]  # the tokens to compute, positions start_position...
     block_ids: list[int]  # the sequence's whole block table
@@ -45,10 +43,6 @@ class ScheduledSequence:
     # prompt_logprobs: for rows start_position.. of this chunk, the prompt token each predicts (the
     # next one), while there is one; None when the sequence does not ask for its prompt's logprobs.
     prompt_logprob_targets: Optional[list[int]] = None
-
-    @property
-    def seq_id(self) -> SequenceId:
-        return self.request_id
 
 
 @dataclass
