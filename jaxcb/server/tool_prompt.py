@@ -78,14 +78,17 @@ def template_ignores_tools(tokenizer: Tokenizer, messages: list[dict[str, Any]],
                            tools: Optional[list[dict[str, Any]]]) -> Optional[str]:
     """What of the request's tool use the chat template would drop ("tools", "messages.i.tool_calls"),
     or None when it renders all of it (or there is none). Raises what the template raises."""
-    if tools and _render(tokenizer, messages, tools) == _render(tokenizer, messages, None):
+    with_calls = [i for i, m in enumerate(messages) if m.get("tool_calls")]
+    if not tools and not with_calls:
+        return None
+    whole = _render(tokenizer, messages, tools)
+    if tools and whole == _render(tokenizer, messages, None):
         return "tools"
-    for i, m in enumerate(messages):
-        if m.get("tool_calls"):
-            without = [dict(x) for x in messages]
-            del without[i]["tool_calls"]
-            if _render(tokenizer, messages, tools) == _render(tokenizer, without, tools):
-                return f"messages.{i}.tool_calls"
+    for i in with_calls:
+        without = list(messages)
+        without[i] = {k: v for k, v in messages[i].items() if k != "tool_calls"}
+        if whole == _render(tokenizer, without, tools):
+            return f"messages.{i}.tool_calls"
     return None
 
 
