@@ -135,8 +135,9 @@ def mixed_decodes(n: int, max_seqs: int) -> int:
 
 def cost_table(engine, token_counts: list[int], context: int, rounds: int, seed: int) -> None:
     rng = random.Random(seed)
-    max_seqs = engine.cfg.scheduler.max_num_seqs
-    budget = engine.cfg.scheduler.max_num_batched_tokens
+    sched = getattr(engine, "scheduler_config", engine.cfg.scheduler)  # limits in force (older trees: the config)
+    max_seqs = sched.max_num_seqs
+    budget = sched.max_num_batched_tokens
     shapes: dict[str, tuple[int, list[int]]] = {}  # name -> (decodes, prefill lengths)
     for n in sorted(token_counts):
         if n > budget:

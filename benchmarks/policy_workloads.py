@@ -53,7 +53,7 @@ def run_child(repeats: int, overrides: list[str]) -> None:
     middle = bench.median_pair(pairs)
     print(json.dumps({
         "ratios": [p.fcfs_over_static for p in pairs], "median": middle.fcfs_over_static,
-        "ideal": bench.ideal_static_ratio(items, cfg.scheduler.max_num_seqs),
+        "ideal": bench.ideal_static_ratio(items, getattr(first, "scheduler_config", cfg.scheduler).max_num_seqs),
         "out_tok_s": {p: r.output_tokens_per_s for p, r in middle.runs.items()},
         "steps": {p: r.num_steps for p, r in middle.runs.items()},
     }))

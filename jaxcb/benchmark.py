@@ -264,7 +264,7 @@ def model_flops(llm: LLM, workloads: list[list[WorkItem]]) -> dict:
     model / ceiling; `runs` holds every run's. Workloads of fresh prompts (bench.repeats) keep a
     run from reusing the cached prefixes of the one before, which would skip prefill."""
     m = llm.engine.model_config
-    budget, seqs = llm.engine.cfg.scheduler.max_num_batched_tokens, llm.engine.cfg.scheduler.max_num_seqs
+    budget, seqs = llm.engine.scheduler_config.max_num_batched_tokens, llm.engine.scheduler_config.max_num_seqs
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     layer_params = m.hidden_size * (2 * q + 2 * kv) + 3 * m.hidden_size * m.intermediate_size
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -111,8 +111,10 @@ class AttentionConfig:
 class SchedulerConfig:
     """Iteration-level scheduling limits (used by the continuous-batching engine)."""
 
-    max_num_seqs: int = 64  # sequences in one step
-    max_num_batched_tokens: int = 512  # token budget of one step (prefill chunks + decodes)
+    # Sequences in one step, and the token budget of one step (prefill chunks + decodes); auto: sized
+    # from the device and the model at start-up (jaxcb.batch_limits: 64 and 512 on CPU).
+    max_num_seqs: Union[int, str] = "auto"
+    max_num_batched_tokens: Union[int, str] = "auto"
     policy: str = "fcfs"  # fcfs | priority | static (request-level batching baseline)
     preemption_mode: str = "recompute"  # recompute | swap (to cache.swap_space_gib of host memory; recompute if full)
     priority_aging_s: float = 10.0  # priority: a waiting request gains one priority level per this many seconds
@@ -145,6 +147,12 @@ class EngineConfig:
     context_buckets: Optional[list[int]] = None  # block-table widths; None: 16 blocks and all (xla), all (pallas)
     max_logprobs: int = 20  # most top logprobs a request may ask for (OpenAI: top_logprobs <= 20); computed only in steps that ask
     max_stop_token_ids: int = 8  # most EOS + stop token ids suppressed per row under min_tokens
+    # Threads compiling the step buckets at start-up; auto: the host's cores, at most 8.
+    compile_workers: Union[int, str] = "auto"
+    # When the rarely used step variants (random, masked, prompt-logprobs) compile: startup (all
+    # before serving), background (after start-up, on a thread of their own), first_use (when a
+    # request first needs one; only it waits); auto: background with 8 cores or more, else first_use.
+    compile_rare_variants: str = "auto"
     # Sampling levels compiled for every bucket (jaxcb.sampling): greedy (argmax only), random
     # (temperature, min_tokens), full (penalties, top-k/top-p/min-p, logprobs); a step runs the least
     # compiled one that serves all its rows. full must be there: it serves every request.

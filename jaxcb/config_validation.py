@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+from jaxcb.batch_limits import validate_batch_limits
 from jaxcb.config import (
     BACKENDS,
     DTYPES,
@@ -56,17 +57,7 @@ def validate_config(cfg: Config) -> None:
         cfg.attention.impl in ("auto", "pallas", "cpu", "xla", "reference"),
         f"attention.impl={cfg.attention.impl!r} must be one of auto, pallas, cpu, xla, reference",
     )
-    require(s.max_num_seqs >= 1, f"scheduler.max_num_seqs={s.max_num_seqs} must be >= 1")
-    require(
-        s.max_num_batched_tokens >= c.block_size,
-        f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
-        f"cache.block_size={c.block_size}",
-    )
-    require(
-        s.max_num_batched_tokens >= s.max_num_seqs,
-        f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} must be >= "
-        f"scheduler.max_num_seqs={s.max_num_seqs} (every running sequence needs one token per step)",
-    )
+    validate_batch_limits(s, c.block_size, e.token_buckets)
     require(
         s.policy in ("fcfs", "priority", "static"),
         f"scheduler.policy={s.policy!r} must be one of fcfs, priority, static",
@@ -104,18 +95,17 @@ def validate_config(cfg: Config) -> None:
             buckets is None or (len(buckets) > 0 and all(b >= 1 for b in buckets)),
             f"engine.{name}={buckets} must be a non-empty list of positive sizes, or null for the default",
         )
-    if e.token_buckets:
-        require(
-            max(e.token_buckets) <= s.max_num_batched_tokens,
-            f"engine.token_buckets={e.token_buckets} must not exceed "
-            f"scheduler.max_num_batched_tokens={s.max_num_batched_tokens} (a step never pads past the budget)",
-        )
     require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
     require(e.max_logit_bias >= 1, f"engine.max_logit_bias={e.max_logit_bias} must be >= 1")
     levels = ("greedy", "random", "full")
     require(set(e.sampling_variants) <= set(levels) and "full" in e.sampling_variants,
             f"engine.sampling_variants={list(e.sampling_variants)} must list some of {list(levels)}, full included "
             f"(full serves every request; the others only make some steps cheaper)")
+    require(e.compile_workers == "auto" or (isinstance(e.compile_workers, int) and e.compile_workers >= 1),
+            f"engine.compile_workers={e.compile_workers!r} must be a positive number of threads, or auto")
+    require(e.compile_rare_variants in ("auto", "startup", "background", "first_use"),
+            f"engine.compile_rare_variants={e.compile_rare_variants!r} must be one of auto, startup, background, "
+            f"first_use")
     require(e.max_grammar_compile_s > 0, f"engine.max_grammar_compile_s={e.max_grammar_compile_s} must be > 0 seconds")
     require(e.grammar_cache_size >= 1, f"engine.grammar_cache_size={e.grammar_cache_size} must be >= 1")
     require(

@@ -33,6 +33,8 @@ from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import Config
 from jaxcb.engine_stats import EMPTY_STEP, EngineStats
 from jaxcb.errors import EngineOverloadedError
+from jaxcb.backends import select_backend
+from jaxcb.batch_limits import cap_by_cache, resolve_batch_limits
 from jaxcb.kv_cache import (
     HostSwapSpace,
     allocate_planned_kv_cache,
@@ -40,6 +42,7 @@ from jaxcb.kv_cache import (
     configure_device_memory,
     num_swap_blocks,
     plan_kv_cache,
+    read_device_memory,
     step_activation_bytes,
 )
 from jaxcb.model.config import resolve_llama_config
@@ -48,15 +51,28 @@ from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
 from jaxcb.core.sequence import Sequence, SequenceId
 from jaxcb.runner import ModelRunner, StepHandle, make_buckets
+from jaxcb.runner.compiler import compile_plan
+from jaxcb.sampling import StepVariant
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.core.scheduler import Scheduler
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
+from jaxcb.startup_log import StartupLog, report_memory
+from jaxcb.startup_memory import check_weights_fit
 from jaxcb.structured import GrammarCompiler, TokenConstraint
 from jaxcb.tokenizer import Tokenizer, read_chat_template_override
 from jaxcb.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
 PromptType = Union[str, abc.Sequence[int]]
+
+
+def variant_needed(params: SamplingParams) -> Optional[StepVariant]:
+    """The step variant a request cannot run without, where no sampling level stands in for it."""
+    if params.prompt_logprobs is not None:
+        return StepVariant.PROMPT_LOGPROBS
+    if params.uses_masked_step:
+        return StepVariant.MASKED
+    return None
 
 
 def enable_compilation_cache(directory: Optional[str]) -> str:
@@ -69,25 +85,49 @@ def enable_compilation_cache(directory: Optional[str]) -> str:
 
 class Engine:
     def __init__(self, cfg: Config, *, compile_buckets: bool = True, progress: bool = True):
+        """Start-up, in the order `jaxcb.startup_memory.ENGINE_STARTUP_ORDER` models (each phase timed
+        in `self.startup`): load the weights, prepare them, plan the KV cache from what is then free,
+        allocate it, compile the steps."""
         self.cfg = cfg
+        self.startup = StartupLog()
         initialize_distributed(cfg.engine.distributed)  # several hosts: before anything touches a device
         configure_device_memory(cfg.cache.memory_fraction)  # XLA's GPU pool: memory_fraction, not 75%
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
         # The mesh, checked against the architecture before any weight is read.
-        self.tp = make_tensor_parallel(cfg.engine.tensor_parallel_size, resolve_llama_config(cfg.model))
-        model, backend, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention, self.tp)
+        arch = resolve_llama_config(cfg.model)
+        tp_size = cfg.engine.tensor_parallel_size
+        self.tp = make_tensor_parallel(tp_size, arch)
+        self.max_model_len = cfg.engine.max_model_len or arch.max_position_embeddings
+        memory = read_device_memory()
+        if memory is not None:  # weights that cannot be loaded and prepared fail here, in a sentence
+            backend = select_backend(cfg.model, arch, cfg.attention, mesh=self.tp.mesh if self.tp is not None else None)
+            check_weights_fit(arch, memory, backend.prepare_memory, self.max_model_len, tp_size, cfg.model.name)
+        with self.startup.phase("load"):
+            model, backend, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention, self.tp)
         if cfg.server.chat_template is not None:
             self.tokenizer.chat_template = read_chat_template_override(cfg.server.chat_template)
             log.info("chat template: server.chat_template (in place of the checkpoint's)")
         self.model_config = model_cfg = backend.cfg
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or ())
-        self.max_model_len = cfg.engine.max_model_len or model_cfg.max_position_embeddings
-        plan = plan_kv_cache(
-            cfg.cache, model_cfg, max_model_len=self.max_model_len, max_num_seqs=cfg.scheduler.max_num_seqs,
-            tensor_parallel_size=cfg.engine.tensor_parallel_size,
-            reserve_bytes=step_activation_bytes(model_cfg, cfg.scheduler.max_num_batched_tokens,
-                                                cfg.scheduler.max_num_seqs, cfg.engine.tensor_parallel_size),
-        )
+        with self.startup.phase("prepare"):  # before the cache is planned: the prepare copy needs room
+            weights = backend.prepare(model, self.max_model_len, self.tp.replicated if self.tp is not None else None)
+            del model
+            gc.collect()  # the checkpoint layout's arrays go now, so that the device's statistics show them gone
+        with self.startup.phase("plan"):
+            memory = read_device_memory()
+            limits = resolve_batch_limits(cfg.scheduler, model_cfg, memory, memory_fraction=cfg.cache.memory_fraction,
+                                          block_size=cfg.cache.block_size, tensor_parallel_size=tp_size,
+                                          token_buckets=cfg.engine.token_buckets)
+            workspace = step_activation_bytes(model_cfg, limits.max_num_batched_tokens, limits.max_num_seqs, tp_size)
+            plan = plan_kv_cache(cfg.cache, model_cfg, max_model_len=self.max_model_len,
+                                 max_num_seqs=limits.max_num_seqs, tensor_parallel_size=tp_size,
+                                 reserve_bytes=workspace, memory=memory)
+            limits = cap_by_cache(limits, cfg.scheduler, plan)
+        if limits.reasons:
+            log.info("%s", limits.describe())
+        self.batch_limits = limits
+        # The scheduler's limits in force (auto resolved); every component reads these, not cfg.scheduler.
+        self.scheduler_config = sched_cfg = limits.apply(cfg.scheduler)
         self.cache_plan = plan
         backend.attention.check_cache_dtype(plan.dtype)
         self.block_pool = BlockPool(plan.num_blocks)
@@ -99,11 +139,12 @@ class Engine:
             "architecture": dataclasses.asdict(model_cfg), "weights": weights_fingerprint(cfg.model),
             "cache_dtype": plan.dtype.name, "block_size": plan.block_size,
         })
-        kv_cache = allocate_planned_kv_cache(
-            model_cfg, plan, self.tp.kv_cache if self.tp is not None else None, backend.attention.zeros_fn
-        )
+        with self.startup.phase("allocate"):
+            kv_cache = allocate_planned_kv_cache(
+                model_cfg, plan, self.tp.kv_cache if self.tp is not None else None, backend.attention.zeros_fn
+            )
         host_pool = swap_space = None
-        if cfg.scheduler.preemption_mode == "swap":
+        if sched_cfg.preemption_mode == "swap":
             num_host = num_swap_blocks(cfg.cache, plan)
             if num_host >= 2:
                 host_pool = BlockPool(num_host)
@@ -112,7 +153,7 @@ class Engine:
             else:
                 log.warning("cache.swap_space_gib=%g holds no block: preemption will recompute", cfg.cache.swap_space_gib)
         self.scheduler = Scheduler(
-            cfg.scheduler,
+            sched_cfg,
             self.block_pool,
             plan.block_size,
             self.max_model_len,
@@ -122,9 +163,10 @@ class Engine:
             block_growth=cache_block_growth(cfg.cache, backend.attention.name),
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
-        buckets = make_buckets(cfg.engine, cfg.scheduler, max_blocks_per_seq, backend.attention.name)
+        buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name)
+        workers, when = compile_plan(cfg.engine)
         self.runner = ModelRunner(
-            model,
+            weights,
             backend,
             kv_cache,
             buckets,
@@ -137,25 +179,32 @@ class Engine:
             prompt_logprobs=cfg.engine.prompt_logprobs,
             swap_space=swap_space,
             tp=self.tp,
+            compile_workers=workers,
+            compile_rare_variants=when,
         )
-        del model  # the runner's backend took over its parameters
+        del weights, kv_cache  # the runner holds them
         if compile_buckets:
-            self.runner.compile_all(progress=progress)
+            with self.startup.phase("compile"):
+                self.runner.compile_all(progress=progress)
+        self.memory_report = report_memory(self.runner.weights, plan, workspace, self.runner.compiled.values(),
+                                           read_device_memory())
+        log.info("%s", self.memory_report)
+        log.info("start-up: %s", self.startup.describe())
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.limits = RequestLimits(
             vocab_size=model_cfg.vocab_size, max_model_len=self.max_model_len, block_size=plan.block_size,
-            num_usable_blocks=self.block_pool.num_blocks - 1, max_num_seqs=cfg.scheduler.max_num_seqs,
-            max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-            enable_chunked_prefill=cfg.scheduler.enable_chunked_prefill, max_logprobs=cfg.engine.max_logprobs,
+            num_usable_blocks=self.block_pool.num_blocks - 1, max_num_seqs=sched_cfg.max_num_seqs,
+            max_num_batched_tokens=sched_cfg.max_num_batched_tokens,
+            enable_chunked_prefill=sched_cfg.enable_chunked_prefill, max_logprobs=cfg.engine.max_logprobs,
             max_stop_token_ids=cfg.engine.max_stop_token_ids, num_eos_token_ids=len(self.eos_token_ids),
             max_logit_bias=cfg.engine.max_logit_bias, masked_sampling=cfg.engine.masked_sampling,
-            prompt_logprobs=cfg.engine.prompt_logprobs, max_n=cfg.server.max_n, scheduler_policy=cfg.scheduler.policy,
+            prompt_logprobs=cfg.engine.prompt_logprobs, max_n=cfg.server.max_n, scheduler_policy=sched_cfg.policy,
         )
         # Structured outputs: grammars compile (llguidance, loaded on first use) at most once per schema.
         self.grammars = GrammarCompiler(self.tokenizer, model_cfg.vocab_size, list(self.eos_token_ids),
                                         max_compile_s=cfg.engine.max_grammar_compile_s,
                                         cache_size=cfg.engine.grammar_cache_size)
-        s = cfg.scheduler  # admission control: (limit, where it comes from), or None for none
+        s = sched_cfg  # admission control: (limit, where it comes from), or None for none
         self.max_waiting_requests: Optional[tuple[int, str]] = (
             (s.max_waiting_requests, f"scheduler.max_waiting_requests={s.max_waiting_requests}")
             if s.max_waiting_requests is not None else None
@@ -171,6 +220,8 @@ class Engine:
         self._num_dispatched = 0  # steps dispatched; the processed ones follow in the same order
         self._num_processed = 0
         self._aborted: list[str] = []  # request ids aborted since the last EngineStats
+        # Requests whose step variant (masked, prompt-logprobs) is still compiling: (variant, sequences).
+        self._held: list[tuple[StepVariant, list[Sequence]]] = []
         self.last_stats: EngineStats = self._snapshot(None)  # what the last step delivered
         # What start-up made (weights, compiled steps, tokenizer: hundreds of thousands of objects) lives
         # as long as the engine: out of the collector's sight, a full collection while serving does not
@@ -246,9 +297,26 @@ class Engine:
                 )
             )
         self.output.add(group)
-        for seq in group.seqs:
-            self.scheduler.add_request(seq)
+        needed = variant_needed(params)
+        if needed is not None and self.runner.compiler.serve(needed) is None:
+            # Its step variant is still compiling (engine.compile_rare_variants): it waits, nothing else does.
+            self._held.append((needed, group.seqs))
+        else:
+            for seq in group.seqs:
+                self.scheduler.add_request(seq)
         return request_id
+
+    def _release_held(self) -> None:
+        """Queue the held requests whose step variant has become ready; forget aborted and expired ones."""
+        held, self._held = self._held, []
+        for needed, seqs in held:
+            if seqs[0].group_id not in self.output.groups:
+                continue
+            if self.runner.compiler.serving(needed) is None:
+                self._held.append((needed, seqs))
+            else:
+                for seq in seqs:
+                    self.scheduler.add_request(seq)
 
     def _constraint_factory(self, params: SamplingParams):
         """A function making each sequence's TokenConstraint, or None when the params rule out no token.
@@ -275,7 +343,7 @@ class Engine:
         """The server's protection (server.admission_control): where scheduler.max_waiting_requests /
         max_waiting_tokens set no limit, refuse (429) past 8 x scheduler.max_num_seqs waiting requests
         or twice the KV cache's tokens waiting. Offline use (LLM.generate, jobs) queues without bound."""
-        s = self.cfg.scheduler
+        s = self.scheduler_config
         if s.max_waiting_requests is None:
             self.max_waiting_requests = (
                 8 * s.max_num_seqs, f"server.admission_control: 8 x scheduler.max_num_seqs={s.max_num_seqs}"
@@ -288,12 +356,12 @@ class Engine:
 
     def _admission_control(self, num_prompt_tokens: int, n: int) -> None:
         """Refuse (retryably) a request that would overfill the queue; it costs nothing when refused."""
-        waiting = len(self.scheduler.waiting)
+        waiting = len(self.scheduler.waiting) + self.num_held_sequences
         if self.max_waiting_requests is not None and waiting + n > self.max_waiting_requests[0]:
             limit, source = self.max_waiting_requests
             raise EngineOverloadedError(f"{waiting} requests are waiting, the limit is {limit} ({source})",
                                         self.retry_after_s())
-        tokens = self.scheduler.num_waiting_tokens
+        tokens = self.scheduler.num_waiting_tokens + self.num_held_tokens
         if self.max_waiting_tokens is not None and tokens + n * num_prompt_tokens > self.max_waiting_tokens[0]:
             limit, source = self.max_waiting_tokens
             raise EngineOverloadedError(
@@ -320,6 +388,15 @@ class Engine:
             self.scheduler.abort(seq.seq_id)
         return True
 
+    @property
+    def num_held_sequences(self) -> int:
+        """Sequences held back until their step variant compiles (they count as waiting)."""
+        return sum(len(seqs) for _, seqs in self._held)
+
+    @property
+    def num_held_tokens(self) -> int:
+        return sum(len(seq.prompt_token_ids) for _, seqs in self._held for seq in seqs)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.output.groups) or self._in_flight is not None
 
@@ -339,6 +416,8 @@ class Engine:
         expired, stops = self.output.expire(time.monotonic())
         for seq, status in stops:
             self.scheduler.finish(seq.seq_id, status)
+        if self._held:
+            self._release_held()
         sched_out = self.scheduler.schedule()
         handle = None
         if not sched_out.is_empty:
@@ -350,6 +429,8 @@ class Engine:
                 f"the scheduler could not schedule any of {self.scheduler.num_unfinished} unfinished sequences "
                 f"({self.block_pool.num_free_blocks} free blocks); this is a bug"
             )
+        elif self._in_flight is None and self._held:  # only held requests: wait a little for their compile
+            self.runner.compiler.wait({needed for needed, _ in self._held}, timeout=0.05)
         if self.cfg.engine.async_scheduling:
             handle, self._in_flight = self._in_flight, handle
         outputs = expired + (self._process(handle) if handle is not None else [])
@@ -370,9 +451,9 @@ class Engine:
         host_pool = sched.kv.host_pool  # None unless scheduler.preemption_mode=swap
         aborted, self._aborted = tuple(self._aborted), []
         return EngineStats(
-            **step, num_running=len(sched.running), num_waiting=len(sched.waiting),
+            **step, num_running=len(sched.running), num_waiting=len(sched.waiting) + self.num_held_sequences,
             num_swapped=sum(1 for s in sched.waiting if s.host_block_ids) if host_pool is not None else 0,
-            num_waiting_tokens=sched.num_waiting_tokens, kv_usage=self.block_pool.usage().usage,
+            num_waiting_tokens=sched.num_waiting_tokens + self.num_held_tokens, kv_usage=self.block_pool.usage().usage,
             host_kv_usage=host_pool.usage().usage if host_pool is not None else 0.0,
             num_steps=self._num_dispatched, num_preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,

@@ -358,9 +358,9 @@ async def _final_output(stream) -> RequestOutput:
         stream.close()
 
 
-def max_in_flight(cfg: Config) -> int:
+def max_in_flight(llm: LLM) -> int:
     """Requests one engine keeps queued during a job: enough that every step can be full."""
-    return 4 * cfg.scheduler.max_num_seqs
+    return 4 * llm.engine.scheduler_config.max_num_seqs
 
 
 def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
@@ -383,7 +383,7 @@ def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
     llm = LLM(cfg, progress=False)
     output = open_output()
     try:
-        for result in generate_results(llm, pending, max_in_flight(cfg)):
+        for result in generate_results(llm, pending, max_in_flight(llm)):
             output.write(result)
     finally:
         output.close()

@@ -116,21 +116,46 @@ def _backends_initialized() -> bool:
         return True
 
 
-def _free_device_bytes(device: jax.Device, memory_fraction: float, pool_fraction: float
-                       ) -> Optional[tuple[int, str]]:
-    """Bytes the cache may take on an accelerator: `memory_fraction` of the device's total memory (XLA's
-    pool is `pool_fraction` of it), never more than the pool, minus what is in use (the weights).
-    None where the device reports no memory statistics (CPU)."""
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """One accelerator's memory as XLA reports it (`read_device_memory`), or as start-up models it
+    (`jaxcb.startup_memory`): XLA's pool and what is in use in it."""
+
+    pool_bytes: int  # XLA's pool: what the process may allocate on the device
+    in_use_bytes: int  # allocated now (the weights, after they are loaded and prepared)
+    pool_fraction: float  # the pool's share of the device (XLA_PYTHON_CLIENT_MEM_FRACTION)
+    platform: str = "gpu"
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.pool_bytes / self.pool_fraction)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.pool_bytes - self.in_use_bytes
+
+
+def read_device_memory(device: Optional[jax.Device] = None, pool_fraction: Optional[float] = None
+                       ) -> Optional[DeviceMemory]:
+    """The device's memory now; None where it reports no memory statistics (CPU)."""
+    device = device or jax.local_devices()[0]  # on several hosts, one this process can query
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         return None
-    pool = int(stats["bytes_limit"])
-    total = pool / pool_fraction
-    usable = min(int(total * memory_fraction), pool)
-    source = f"cache.memory_fraction={memory_fraction} of {total / GIB:.1f} GiB on {device.platform}"
+    return DeviceMemory(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)),
+                        pool_fraction if pool_fraction is not None else xla_pool_fraction(), device.platform)
+
+
+def cache_budget_bytes(memory: DeviceMemory, memory_fraction: float) -> tuple[int, str]:
+    """Bytes the cache may take on an accelerator, and where that comes from: `memory_fraction` of the
+    device's total memory, never more than XLA's pool, minus what is in use (the prepared weights)."""
+    total = memory.total_bytes
+    usable = min(int(total * memory_fraction), memory.pool_bytes)
+    source = f"cache.memory_fraction={memory_fraction} of {total / GIB:.1f} GiB on {memory.platform}"
     if usable < int(total * memory_fraction):
-        source += f", capped by XLA's pool of {pool / GIB:.1f} GiB ({XLA_POOL_FRACTION_VAR}={pool_fraction:g})"
-    return usable - int(stats.get("bytes_in_use", 0)), source
+        source += (f", capped by XLA's pool of {memory.pool_bytes / GIB:.1f} GiB "
+                   f"({XLA_POOL_FRACTION_VAR}={memory.pool_fraction:g})")
+    return usable - memory.in_use_bytes, source
 
 
 def step_activation_bytes(model: LlamaConfig, max_num_tokens: int, max_num_seqs: int, tensor_parallel_size: int = 1
@@ -166,12 +191,14 @@ def plan_kv_cache(
     device: Optional[jax.Device] = None,
     tensor_parallel_size: int = 1,
     pool_fraction: Optional[float] = None,
+    memory: Optional[DeviceMemory] = None,
 ) -> KVCachePlan:
     """Size the cache from `cache.num_blocks`, or from the memory it may take.
 
     On a GPU/TPU the cache takes `memory_fraction` of the device's total memory minus what is in
     use (load the weights first) and `reserve_bytes` (step activations); XLA's memory pool is
-    `pool_fraction` of the device (default: what `configure_device_memory` set). Under tensor
+    `pool_fraction` of the device (default: what `configure_device_memory` set); `memory`, when
+    given, is the device's memory as read (or modelled) already, and `device` is not read. Under tensor
     parallelism every device holds 1/tensor_parallel_size of each block (its KV heads), so
     one device's free memory holds tensor_parallel_size times more blocks. On CPU, where JAX
     reports no memory statistics, it takes `cpu_kv_cache_gib` (as vLLM's CPU backend does),
@@ -185,11 +212,10 @@ def plan_kv_cache(
     if cache.num_blocks is not None:
         num_blocks, source = cache.num_blocks, "cache.num_blocks"
     else:
-        device = device or jax.local_devices()[0]  # on several hosts, one this process can query
-        free = _free_device_bytes(device, cache.memory_fraction,
-                                  pool_fraction if pool_fraction is not None else xla_pool_fraction())
-        if free is not None:
-            budget, source = free[0] - reserve_bytes, free[1]
+        memory = memory or read_device_memory(device, pool_fraction)
+        if memory is not None:
+            budget, source = cache_budget_bytes(memory, cache.memory_fraction)
+            budget -= reserve_bytes
             num_blocks = max(0, budget // (bytes_per_block // tensor_parallel_size))
         else:  # host memory (fake CPU devices share it: the whole cache counts against it)
             needed = max_num_seqs * blocks_per_seq + 1

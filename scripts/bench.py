@@ -130,7 +130,7 @@ def main(cfg: Config) -> None:
         result["runs"] = {p: as_json(r) for p, r in middle.runs.items()}
         result["pairs"] = [{"order": list(pair.order), "fcfs_over_static": pair.fcfs_over_static,
                             "runs": {p: as_json(r) for p, r in pair.runs.items()}} for pair in pairs]
-        ideal = ideal_static_ratio(items, cfg.scheduler.max_num_seqs)
+        ideal = ideal_static_ratio(items, first.scheduler_config.max_num_seqs)
         result.update(fcfs_over_static=middle.fcfs_over_static, ideal_ratio=ideal)
         each = "" if b.repeats == 1 else (f", the median of {b.repeats} pairs: "
                                           + ", ".join(f"{pair.fcfs_over_static:.2f}x" for pair in pairs))

@@ -17,6 +17,7 @@ from jaxcb.backends.cpu import PackedLayerWeights
 from jaxcb.config import AttentionConfig, ConfigError, ModelConfig, compose_config
 from jaxcb.model.config import resolve_llama_config
 from jaxcb.backends.base import FusedLayerWeights
+from jaxcb.model.llama import LayerWeights
 from jaxcb.sampling_params import SamplingParams
 
 PROMPTS = [[72, 105], list(b"Once upon a time there was a fox who"), list(b"The quick brown fox jumps over it")]
@@ -79,8 +80,8 @@ def test_fused_and_separate_projections_give_the_same_logits():
     fused = greedy_generate(build_random_model(cfg, seed=0), PROMPTS[1], 6, backend=Backend(cfg, select_attention()))
 
     class SeparateProjections(Backend):
-        def prepare_layers(self, layers):
-            return layers
+        def prepare_layers(self, layers):  # stacked weights come as a dict of arrays (Backend.prepare_layers)
+            return LayerWeights(**layers) if isinstance(layers, dict) else layers
 
     separate = greedy_generate(build_random_model(cfg, seed=0), PROMPTS[1], 6,
                                backend=SeparateProjections(cfg, select_attention()))

@@ -181,8 +181,8 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
     width = 8192 // 16
     cache = jax.ShapeDtypeStruct(kv_cache_shape(preset("llama8b"), 256 * width + 1, 16), jnp.bfloat16)
     buckets = make_buckets(cfg.engine, cfg.scheduler, width, "pallas", platform="gpu")
-    runner = ModelRunner(model, backend, KVCache(cache, cache), buckets, max_model_len=8192, max_logprobs=5,
-                         max_stop_token_ids=8)
+    runner = ModelRunner(backend.prepare(model, 8192), backend, KVCache(cache, cache), buckets, max_model_len=8192,
+                         max_logprobs=5, max_stop_token_ids=8)
     assert [b.num_tokens for b in buckets.all()] == [16, 32, 64, 128, 256, 512, 1024, 2048]
 
     first = buckets.all()[0]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ from jaxcb.model.config import LlamaConfig
 from jaxcb.sampling import Argmax, xla_argmax
 from jaxcb.sharding import TP_AXIS
 from jaxcb.model.llama import LayerWeights, Llama, StepWeights, apply_rope, build_rope_table, rms_norm
+
+if TYPE_CHECKING:
+    from jaxcb.startup_memory import WeightBytes
 
 class FusedLayerWeights(NamedTuple):
     """One layer's weights (or every layer's, stacked) with q/k/v and gate/up each one matrix, so that a
@@ -54,27 +57,58 @@ def _tp_groups(w: LayerWeights) -> tuple[int, Optional[jax.sharding.Mesh]]:
     return 1, None
 
 
+def _fused_sharding(mesh: Optional[jax.sharding.Mesh], lead: int) -> Optional[NamedSharding]:
+    return None if mesh is None else NamedSharding(mesh, PartitionSpec(*([None] * (lead + 1)), TP_AXIS))
+
+
+def _run_fusion(fn, parts: tuple, mesh: Optional[jax.sharding.Mesh], lead: int) -> jax.Array:
+    fused = jax.jit(fn, out_shardings=_fused_sharding(mesh, lead))
+    abstract = any(isinstance(p, jax.ShapeDtypeStruct) for p in parts)  # an abstract model (lowering tests)
+    return jax.eval_shape(fused, *parts) if abstract else fused(*parts)
+
+
+def fuse_qkv(q, k, v, groups: int = 1, mesh: Optional[jax.sharding.Mesh] = None) -> jax.Array:
+    """[..., D, Hq, K], [..., D, Hkv, K] x 2 -> [..., D, G, (Hq + 2 Hkv) / G, K], device group by group."""
+    lead = q.ndim - 3  # 1 for stacked weights [L, ...], 0 for one layer's
+
+    def fuse(q, k, v):
+        *outer, d, _, head_dim = q.shape
+        by_group = lambda p: p.reshape(*outer, d, groups, p.shape[-2] // groups, head_dim)  # noqa: E731
+        return jnp.concatenate([by_group(q), by_group(k), by_group(v)], axis=-2)
+
+    return _run_fusion(fuse, (q, k, v), mesh, lead)
+
+
+def fuse_gate_up(gate, up, groups: int = 1, mesh: Optional[jax.sharding.Mesh] = None) -> jax.Array:
+    """[..., D, F] x 2 -> [..., D, G, 2, F / G], device group by group."""
+    lead = gate.ndim - 2
+
+    def fuse(gate, up):
+        *outer, d, f = gate.shape
+        return jnp.stack([p.reshape(*outer, d, groups, f // groups) for p in (gate, up)], axis=-2)
+
+    return _run_fusion(fuse, (gate, up), mesh, lead)
+
+
 def fuse_layer_weights(w: LayerWeights, mesh: Optional[jax.sharding.Mesh] = None) -> FusedLayerWeights:
     """q/k/v and gate/up fused (`FusedLayerWeights`), for one layer or stacked layers, sharded as the
     parts were (the fused axes split over the mesh by device group). `mesh`: the tensor-parallel mesh
-    (default: the one q_proj is split over, if any)."""
+    (default: the one q_proj is split over, if any). The other weights are kept as they are (no copy)."""
     groups, mesh = _tp_groups(w) if mesh is None else (mesh.size, mesh)
-    lead = w.q_proj.ndim - 3  # 1 for stacked weights [L, ...], 0 for one layer's
-
-    def fuse(q, k, v, gate, up) -> tuple[jax.Array, jax.Array]:
-        *outer, d, _, head_dim = q.shape
-        by_group = lambda p: p.reshape(*outer, d, groups, p.shape[-2] // groups, head_dim)  # noqa: E731
-        qkv = jnp.concatenate([by_group(q), by_group(k), by_group(v)], axis=-2)
-        f = gate.shape[-1]
-        return qkv, jnp.stack([p.reshape(*outer, d, groups, f // groups) for p in (gate, up)], axis=-2)
-
-    # The other weights are kept as they are (no copy); only the two fused ones are new arrays.
-    split = None if mesh is None else NamedSharding(mesh, PartitionSpec(*([None] * (lead + 1)), TP_AXIS))
-    fused = jax.jit(fuse, out_shardings=None if split is None else (split, split))
-    parts = (w.q_proj, w.k_proj, w.v_proj, w.gate_proj, w.up_proj)
-    abstract = any(isinstance(p, jax.ShapeDtypeStruct) for p in parts)  # an abstract model (lowering tests)
-    qkv, gate_up = jax.eval_shape(fused, *parts) if abstract else fused(*parts)
+    qkv = fuse_qkv(w.q_proj, w.k_proj, w.v_proj, groups, mesh)
+    gate_up = fuse_gate_up(w.gate_proj, w.up_proj, groups, mesh)
     return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj)
+
+
+def fuse_stacked_weights(parts: dict[str, jax.Array]) -> FusedLayerWeights:
+    """`fuse_layer_weights` for stacked weights handed over in a dict it empties: q/k/v are fused and
+    let go before gate/up are, so that start-up holds at most one of the two fused copies beside the
+    originals (the 8B's gate/up copy alone is 7 GiB in bf16; `Backend.prepare_memory`)."""
+    groups, mesh = _tp_groups(LayerWeights(**{name: parts.get(name) for name in LayerWeights._fields}))
+    qkv = fuse_qkv(parts.pop("q_proj"), parts.pop("k_proj"), parts.pop("v_proj"), groups, mesh)
+    gate_up = fuse_gate_up(parts.pop("gate_proj"), parts.pop("up_proj"), groups, mesh)
+    return FusedLayerWeights(parts.pop("attn_norm"), qkv, parts.pop("o_proj"), parts.pop("mlp_norm"), gate_up,
+                             parts.pop("down_proj"))
 
 
 def split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
@@ -112,9 +146,12 @@ class Backend:
                 delattr(stacked, name)
             layers = [LayerWeights(*ws) for ws in zip(*columns)]
             del columns
-        else:
-            layers = stacked.weights()
-        layers = self.prepare_layers(layers)
+            layers = self.prepare_layers(layers)
+        else:  # the model lets go of each stacked weight as prepare takes it
+            parts = {name: getattr(stacked, name).get_value() for name in LayerWeights._fields}
+            for name in LayerWeights._fields:
+                delattr(stacked, name)
+            layers = self.prepare_layers(parts)
         head = self.prepare_head(model)
         weights = StepWeights(model.embed.get_value(), layers, model.final_norm.get_value(), head,
                               build_rope_table(cfg, max_len, replicated))
@@ -123,10 +160,24 @@ class Backend:
 
     def prepare_layers(self, layers):
         """The layers' weights as this backend's operations read them: q/k/v and gate/up fused,
-        layer by layer (a list, unrolled) or all at once (stacked, scanned)."""
-        if isinstance(layers, list):
-            return [fuse_layer_weights(w) for w in layers]
-        return fuse_layer_weights(layers)
+        layer by layer (a list, unrolled, replaced in place so that one layer exists twice at a time)
+        or all at once (stacked, scanned: a dict of the stacked weights, which it empties)."""
+        if isinstance(layers, dict):
+            return fuse_stacked_weights(layers)
+        if isinstance(layers, LayerWeights):
+            return fuse_layer_weights(layers)
+        for i in range(len(layers)):
+            layers[i] = fuse_layer_weights(layers[i])
+        return layers
+
+    def prepare_memory(self, weights: "WeightBytes", max_len: int) -> tuple[int, int]:
+        """(the most `prepare` holds beyond the loaded weights at once, the prepared weights' bytes), on
+        each device: start-up's memory plan (`jaxcb.startup_memory`). Scanned: one of the two fused
+        copies beside the originals; unrolled: one stacked weight split into layers (gate or up), the
+        larger. Fusing rewrites without adding; the rotary table comes on top."""
+        rope_table = max_len * self.cfg.head_dim * 4  # f32[2, max_len, K // 2]
+        transient = weights.gate_up // 2 if self.unroll_layers else max(weights.qkv, weights.gate_up)
+        return transient, weights.total + rope_table
 
     def prepare_head(self, model: Llama) -> Optional[jax.Array]:
         """The LM head as `logits` reads it: [D, V], or None with tied embeddings (read from `embed`)."""

@@ -37,7 +37,7 @@ class JobReplica:
 
     def __init__(self, cfg: Config):
         self.llm = LLM(cfg, progress=False)
-        self.max_in_flight = max_in_flight(cfg)
+        self.max_in_flight = max_in_flight(self.llm)
 
     def ready(self) -> int:
         """Called once the model is loaded and compiled; the replica's process id."""

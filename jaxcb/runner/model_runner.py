@@ -1,8 +1,9 @@
 """Compile and dispatch: a SchedulerOutput runs as the compiled step of the smallest bucket that fits.
 
-Every bucket (`buckets.py`) is compiled ahead of time at start-up; serving then only looks
-compiled steps up. A miss is a recompile, which is compiled, counted and logged as an error
-(tests fail on it).
+Every bucket (`buckets.py`) is compiled ahead of time (`compiler.py`: the common variants at
+start-up, in parallel; the rare ones after, in the background or on first use); serving then
+only looks compiled steps up. A step size start-up did not plan, or a bucket compiled twice, is
+a recompile, which is compiled, counted and logged as an error (tests fail on it).
 
 The step (one `jax.jit`, KV cache donated): the model (`jaxcb.model.llama.forward`, with the
 backend's layer operations and weights) over all T tokens, logits of each sequence's last
@@ -36,8 +37,9 @@ from jaxcb.backends import Backend
 from jaxcb.kernels.attention import SWAP_CHUNK, KVCache
 from jaxcb.kernels.attention.cache import gather_blocks
 from jaxcb.kv_cache import HostSwapSpace
-from jaxcb.model.llama import Llama, StepWeights, forward
+from jaxcb.model.llama import StepWeights, forward
 from jaxcb.runner.buckets import BucketKey, Buckets
+from jaxcb.runner.compiler import StepCompiler
 from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.slots import SlotState, SlotTable, empty_slot_state, write_slots
 from jaxcb.runner.step_inputs import (
@@ -97,7 +99,7 @@ def prompt_logprobs(backend: Backend, weights: StepWeights, hidden: jax.Array, t
 class ModelRunner:
     def __init__(
         self,
-        model: Llama,
+        weights: StepWeights,
         backend: Backend,
         kv_cache: KVCache,
         buckets: Buckets,
@@ -111,13 +113,16 @@ class ModelRunner:
         prompt_logprobs: bool = False,
         swap_space: Optional[HostSwapSpace] = None,
         tp: Optional[TensorParallel] = None,
+        compile_workers: int = 1,
+        compile_rare_variants: str = "startup",
     ):
-        """Takes over `model`'s parameters: the backend prepares them into the step's weights.
+        """`weights`: the model's, as `backend.prepare` made them.
         `sampling_variants`: the sampling levels compiled for every bucket (full among them);
         `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias);
-        `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk)."""
+        `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk);
+        `compile_workers`, `compile_rare_variants`: how and when they compile (`compiler.StepCompiler`)."""
         self.backend = backend
-        self.weights: StepWeights = backend.prepare(model, max_model_len, tp.replicated if tp is not None else None)
+        self.weights = weights
         self.tp = tp
         self.kv_cache = kv_cache
         self.buckets = buckets
@@ -125,8 +130,10 @@ class ModelRunner:
         levels = sorted(LEVELS_BY_LABEL[name] for name in set(sampling_variants))
         self.variants: list[StepVariant] = levels + ([StepVariant.MASKED] if masked_sampling else []) + (
             [StepVariant.PROMPT_LOGPROBS] if prompt_logprobs else [])
-        self.compiled: dict[BucketKey, object] = {}
-        self.num_recompiles = 0
+        self.compiler = StepCompiler(
+            self._lower, [BucketKey(*bucket, variant) for variant in self.variants for bucket in buckets.all()],
+            workers=compile_workers, when=compile_rare_variants,
+        )
         self.num_steps = 0
         self.swap_space = swap_space
         self.max_rows = max(bucket.num_seqs for bucket in buckets.all())
@@ -136,7 +143,7 @@ class ModelRunner:
         replicated = tp.replicated if tp is not None else None
         self.inputs = StepInputBuilder(
             buckets, kv_cache.block_size, backend.cfg.vocab_size, max_stop_token_ids, max_logit_bias,
-            tuple(self.variants), SlotTable(self.num_slots), replicated,
+            self.compiler.serve, SlotTable(self.num_slots), replicated,
         )
         self.slot_state: SlotState = empty_slot_state(self.num_slots, max(buckets.widths), backend.cfg.vocab_size,
                                                       replicated)
@@ -194,8 +201,17 @@ class ModelRunner:
 
     # --- compilation ---------------------------------------------------------------------------
 
-    def _compile(self, key: BucketKey):
-        # Under TP the abstract weights and cache carry the shardings of the real arrays.
+    @property
+    def compiled(self) -> dict[BucketKey, object]:
+        return self.compiler.compiled
+
+    @property
+    def num_recompiles(self) -> int:
+        return self.compiler.num_recompiles
+
+    def _lower(self, key: BucketKey):
+        """One bucket's step, traced and lowered for abstract arguments shaped (and, under TP, sharded)
+        like the real ones."""
         sharding = (lambda a: a.sharding) if self.tp is not None else (lambda a: None)
         abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a))  # noqa: E731
         x = abstract_step_inputs(key, **self._abstract)
@@ -203,27 +219,25 @@ class ModelRunner:
         ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32, sharding=self.inputs.sharding)
         floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32, sharding=self.inputs.sharding)
         return self._step.lower(jax.tree.map(abstract, self.weights), jax.tree.map(abstract, self.kv_cache),
-                                jax.tree.map(abstract, self.slot_state), key, ints, floats, x.prev_tokens).compile()
+                                jax.tree.map(abstract, self.slot_state), key, ints, floats, x.prev_tokens)
 
     def compile_all(self, progress: bool = True) -> float:
-        """Compile every bucket now; return the seconds it took."""
+        """Compile what start-up compiles (`StepCompiler.compile_startup`); return the seconds it took."""
         start = time.perf_counter()
-        keys = [BucketKey(*bucket, variant) for variant in self.variants for bucket in self.buckets.all()]
-        seconds = dict.fromkeys(self.variants, 0.0)  # per variant, for the log
-        for key in tqdm(keys, desc="compiling step buckets", disable=not progress, unit="bucket"):
-            t0 = time.perf_counter()
-            self.compiled[key] = self._compile(key)
-            seconds[key.variant] += time.perf_counter() - t0
+        self.compiler.compile_startup(progress)
         self._write_slots_compiled = self._compile_slot_writer()
         if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
             null = jnp.zeros(SWAP_CHUNK, jnp.int32)
             k, v = gather_blocks(self.kv_cache, null)
             self.kv_cache = self.swap_space.write_blocks(self.kv_cache, null, k, v)
         elapsed = time.perf_counter() - start
-        log.info("compiled %d step variants (tokens x seqs: %s; widths in blocks: %s; %s; %s) in %.1f s",
-                 len(keys), sorted({(key.num_tokens, key.num_seqs) for key in keys}), list(self.buckets.widths),
-                 f"{len(self.buckets.all())} buckets x variants " + ", ".join(
-                     f"{v.label} {seconds[v]:.1f} s" for v in self.variants),
+        c = self.compiler
+        startup = [v for v in self.variants if v not in c.deferred]
+        log.info("compiled %d step variants on %d threads (tokens x seqs: %s; widths in blocks: %s; %d buckets x %s "
+                 "(compile seconds over all threads); %s; %s) in %.1f s", sum(1 for k in c.keys if k.variant not in c.deferred), c.workers,
+                 sorted({(b.num_tokens, b.num_seqs) for b in self.buckets.all()}), list(self.buckets.widths),
+                 len(self.buckets.all()), ", ".join(f"{v.label} {c.seconds[v]:.1f} s" for v in startup),
+                 f"{', '.join(v.label for v in c.deferred)} later ({c.when})" if c.deferred else "nothing deferred",
                  self.backend.describe(), elapsed)
         return elapsed
 
@@ -251,12 +265,7 @@ class ModelRunner:
     def executable(self, key: BucketKey):
         """The compiled step of a bucket: (weights, cache, slot state, *StepArgs) -> (ids, logprobs,
         prev_tokens, cache, slot state)."""
-        exe = self.compiled.get(key)
-        if exe is None:
-            self.num_recompiles += 1
-            log.error("step bucket %s was not compiled at start-up: compiling now (recompile #%d)", key, self.num_recompiles)
-            exe = self.compiled[key] = self._compile(key)
-        return exe
+        return self.compiler.executable(key)
 
     # --- one step ------------------------------------------------------------------------------
 

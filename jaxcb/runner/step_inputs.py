@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -162,12 +162,13 @@ class StepInputBuilder:
     vocab_size: int
     max_banned: int  # engine.max_stop_token_ids
     max_logit_bias: int  # engine.max_logit_bias
-    variants: tuple[StepVariant, ...]  # the compiled ones, ascending
+    # The least ready variant at or above the one a step needs (`StepCompiler.serving`); None: none is.
+    serving: Callable[[StepVariant], Optional[StepVariant]]
     slots: SlotTable
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
 
     def variant(self, seqs: list[ScheduledSequence]) -> StepVariant:
-        """The least compiled variant that serves the step: PROMPT_LOGPROBS when a sequence asks for its
+        """The least ready variant that serves the step: PROMPT_LOGPROBS when a sequence asks for its
         prompt's logprobs in this chunk, MASKED when a sampling row has a token constraint or a logit bias,
         else the sampling level its rows need (`jaxcb.sampling.sampling_level`)."""
         if any(s.prompt_logprob_targets for s in seqs):
@@ -177,7 +178,10 @@ class StepInputBuilder:
         else:
             needed = sampling_level((s.sampling_params for s in seqs),
                                     any(s.samples and s.banned_token_ids for s in seqs))
-        return next(v for v in self.variants if v >= needed)
+        variant = self.serving(needed)
+        if variant is None:  # the engine holds back requests whose variant is not ready
+            raise RuntimeError(f"no compiled step variant serves a {needed.label} step yet; this is a bug")
+        return variant
 
     def build(self, out: SchedulerOutput, prev_tokens: jax.Array
               ) -> tuple[BucketKey, StepArgs, Optional[SlotWrites]]:

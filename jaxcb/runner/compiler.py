@@ -1,0 +1,207 @@
+"""Compiling the step buckets: in parallel at start-up, the rarely used variants later.
+
+What start-up compiles before serving (`compile_startup`): every bucket's greedy and full
+variants, traced and lowered one after another on the calling thread and compiled on
+`workers` threads at once (XLA's compile releases the GIL). The other variants a config asks
+for (random, masked, prompt-logprobs) are deferred unless `when` is `startup`:
+
+    background  compiled after start-up, one bucket at a time, on one thread of their own
+    first_use   compiled, on that thread, when a step first needs the variant
+
+Until a variant is ready, `serving` says which variant serves a step that needs it: full serves
+random rows (slower sampling, nobody waits); a masked or prompt-logprobs row has nothing to
+stand in for it, so the engine holds such requests back (`Engine`) and the other rows run. A
+variant is ready when every bucket of it is compiled. A bucket compiled a second time, or one
+start-up did not plan, is a recompile (`num_recompiles`); a deferred bucket's first compile is not.
+
+Nothing here knows what a step computes: `lower(key)` traces and lowers one bucket's step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from typing import Callable, Iterable, Optional
+
+from tqdm import tqdm
+
+from jaxcb.runner.buckets import BucketKey
+from jaxcb.sampling import StepVariant
+
+log = logging.getLogger(__name__)
+
+EAGER_VARIANTS = frozenset({StepVariant.GREEDY, StepVariant.FULL})
+WHEN = ("startup", "background", "first_use")
+MAX_AUTO_WORKERS = 8
+MIN_CORES_FOR_BACKGROUND = 8  # below this, a background compile would take the cores a running step needs
+
+
+def compile_plan(engine_cfg, num_cores: Optional[int] = None) -> tuple[int, str]:
+    """(threads compiling at start-up, when the rare variants compile) from engine.compile_workers and
+    engine.compile_rare_variants, `auto` resolved from the host's cores."""
+    cores = num_cores or os.cpu_count() or 1
+    workers = engine_cfg.compile_workers
+    workers = min(MAX_AUTO_WORKERS, cores) if workers == "auto" else int(workers)
+    when = engine_cfg.compile_rare_variants
+    if when == "auto":
+        when = "background" if cores >= MIN_CORES_FOR_BACKGROUND else "first_use"
+    return workers, when
+
+
+class StepCompiler:
+    def __init__(self, lower: Callable[[BucketKey], object], keys: Iterable[BucketKey], *, workers: int = 1,
+                 when: str = "startup"):
+        """`keys`: every bucket and variant the engine may run; `workers`: threads compiling at start-up;
+        `when`: when the deferred variants compile (module docstring)."""
+        if when not in WHEN:
+            raise ValueError(f"when={when!r} must be one of {', '.join(WHEN)}")
+        self.lower = lower
+        self.keys = list(keys)
+        self._planned = frozenset(self.keys)
+        self.variants: tuple[StepVariant, ...] = tuple(sorted({key.variant for key in self.keys}))
+        self.workers = max(1, workers)
+        self.when = when
+        deferred = set(self.variants) - (EAGER_VARIANTS if when != "startup" else set(self.variants))
+        self.deferred: tuple[StepVariant, ...] = tuple(sorted(deferred))
+        self.compiled: dict[BucketKey, object] = {}
+        self.num_compiles: Counter[BucketKey] = Counter()
+        self.num_recompiles = 0
+        self._ready: tuple[StepVariant, ...] = ()
+        self._started = False  # compile_startup ran
+        self._lock = threading.Lock()
+        self._requested: set[StepVariant] = set()
+        self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._pending: dict[StepVariant, concurrent.futures.Future] = {}
+        self.seconds: Counter[StepVariant] = Counter()  # compile seconds per variant, for the log
+
+    # --- what is ready ------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> tuple[StepVariant, ...]:
+        """The variants every bucket of which is compiled, ascending."""
+        return self._ready
+
+    def serving(self, needed: StepVariant) -> Optional[StepVariant]:
+        """The least ready variant at or above `needed` (each serves the ones below it), or None. Before
+        `compile_startup` (an engine built without compiling) every variant counts: each bucket then
+        compiles when a step first runs it."""
+        return next((v for v in (self._ready if self._started else self.variants) if v >= needed), None)
+
+    def serve(self, needed: StepVariant) -> Optional[StepVariant]:
+        """`serving(needed)`, and the compile of `needed` started (once) when it is deferred and not ready:
+        the first step that needs the random level runs full and sets random compiling."""
+        variant = self.serving(needed)
+        if variant != needed and needed in self.deferred and self._started:
+            self.request(needed)
+        return variant
+
+    def _mark_ready(self, variant: StepVariant) -> None:
+        with self._lock:
+            self._ready = tuple(sorted(set(self._ready) | {variant}))
+
+    # --- compiling ----------------------------------------------------------------------------
+
+    def _compile_one(self, key: BucketKey) -> object:
+        t0 = time.perf_counter()
+        exe = self.lower(key).compile()
+        self._record(key, exe, time.perf_counter() - t0)
+        return exe
+
+    def _record(self, key: BucketKey, exe: object, seconds: float) -> None:
+        with self._lock:
+            self.num_compiles[key] += 1
+            if self.num_compiles[key] > 1:
+                self.num_recompiles += 1
+            self.compiled[key] = exe
+            self.seconds[key.variant] += seconds
+
+    def compile_startup(self, progress: bool = True) -> float:
+        """Compile every bucket of the variants not deferred, `workers` at a time; then start the
+        background compiles (when="background"). Returns the seconds it took."""
+        start = time.perf_counter()
+        self._started = True
+        keys = [key for key in self.keys if key.variant not in self.deferred]
+        bar = tqdm(total=len(keys), desc="compiling step buckets", disable=not progress, unit="bucket")
+        if self.workers == 1:
+            for key in keys:
+                self._compile_one(key)
+                bar.update(1)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jaxcb-compile") as pool:
+                futures = []
+                for key in keys:  # tracing and lowering hold the GIL: one at a time, here
+                    t0 = time.perf_counter()
+                    lowered = self.lower(key)
+                    lower_s = time.perf_counter() - t0
+                    futures.append(pool.submit(self._compile_lowered, key, lowered, lower_s))
+                for future in concurrent.futures.as_completed(futures):
+                    future.result()
+                    bar.update(1)
+        bar.close()
+        for variant in self.variants:
+            if variant not in self.deferred:
+                self._mark_ready(variant)
+        if self.when == "background":
+            for variant in self.deferred:
+                self.request(variant)
+        return time.perf_counter() - start
+
+    def _compile_lowered(self, key: BucketKey, lowered, lower_s: float) -> None:
+        t0 = time.perf_counter()
+        exe = lowered.compile()
+        self._record(key, exe, lower_s + time.perf_counter() - t0)
+
+    def request(self, variant: StepVariant) -> None:
+        """Start compiling a deferred variant's buckets in the background, once; a no-op if it is ready
+        or under way."""
+        with self._lock:
+            if variant in self._ready or variant in self._requested:
+                return
+            self._requested.add(variant)
+            if self._background is None:
+                self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxcb-compile-later")
+            self._pending[variant] = self._background.submit(self._compile_variant, variant)
+        log.info("compiling the %s step variant in the background (%s)", variant.label,
+                 "engine.compile_rare_variants=first_use: a request needs it" if self.when == "first_use"
+                 else "engine.compile_rare_variants=background")
+
+    def _compile_variant(self, variant: StepVariant) -> None:
+        t0 = time.perf_counter()
+        for key in self.keys:
+            if key.variant == variant and key not in self.compiled:
+                self._compile_one(key)
+        self._mark_ready(variant)
+        log.info("the %s step variant is ready: %d buckets in %.1f s", variant.label,
+                 sum(1 for key in self.keys if key.variant == variant), time.perf_counter() - t0)
+
+    def wait(self, variants: Iterable[StepVariant], timeout: float) -> None:
+        """Wait up to `timeout` seconds for any of these variants' background compiles to finish
+        (the engine, when nothing else can run); raises what a compile raised."""
+        futures = [self._pending[v] for v in variants if v in self._pending]
+        done, _ = concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        for future in done:
+            future.result()
+
+    def executable(self, key: BucketKey) -> object:
+        """The compiled step of a bucket; compiled now (and logged) if it is not yet."""
+        exe = self.compiled.get(key)
+        if exe is None:
+            if key in self._planned and not self._started:
+                log.debug("compiling step bucket %s on first use", key)
+            elif key in self._planned:
+                log.warning("step bucket %s is not compiled yet: compiling it now, the step waits", key)
+            else:  # a step size start-up did not plan: the buckets are wrong
+                with self._lock:
+                    self.num_recompiles += 1
+                log.error("step bucket %s is not one of the planned buckets: compiling it now (recompile #%d)",
+                          key, self.num_recompiles)
+            exe = self._compile_one(key)
+        return exe
+
+    def close(self) -> None:
+        if self._background is not None:
+            self._background.shutdown(wait=False, cancel_futures=True)
