@@ -1,0 +1,102 @@
+"""The step compiler: parallel compiles build the same executables as serial ones; the rare variants
+compile later, and only the requests that need one wait for it; a first-use compile is not a
+recompile, a step size start-up did not plan is."""
+
+import threading
+
+import pytest
+
+from engine_factory import BASE, VARIANTS, make_engine
+from jaxcb.config import compose_config
+from jaxcb.engine import Engine
+from jaxcb.runner.buckets import BucketKey
+from jaxcb.runner.compiler import StepCompiler, compile_plan
+from jaxcb.config import EngineConfig
+from jaxcb.sampling import StepVariant
+from jaxcb.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def lazy_engine():
+    """Every variant configured, none compiled at start-up (the compiler is driven by each test)."""
+    return Engine(compose_config(BASE + VARIANTS), compile_buckets=False, progress=False)
+
+
+def fresh_compiler(engine, workers: int, when: str = "startup", variants=(StepVariant.GREEDY, StepVariant.FULL)):
+    keys = [key for key in engine.runner.compiler.keys if key.variant in variants]
+    return StepCompiler(engine.runner._lower, keys, workers=workers, when=when)
+
+
+def test_parallel_compiles_build_the_same_executables_as_serial_ones(lazy_engine):
+    serial, parallel = fresh_compiler(lazy_engine, 1), fresh_compiler(lazy_engine, 2)
+    serial.compile_startup(progress=False)
+    parallel.compile_startup(progress=False)
+    assert serial.compiled.keys() == parallel.compiled.keys() and len(serial.compiled) >= 4
+    for key, exe in serial.compiled.items():
+        assert exe.as_text() == parallel.compiled[key].as_text(), key
+    assert serial.num_recompiles == parallel.num_recompiles == 0
+    assert set(parallel.num_compiles.values()) == {1}
+
+
+def test_rare_variants_wait_for_first_use_and_full_serves_random_rows_meanwhile(lazy_engine):
+    c = fresh_compiler(lazy_engine, 2, "first_use", variants=tuple(StepVariant))
+    c.compile_startup(progress=False)
+    assert c.ready == (StepVariant.GREEDY, StepVariant.FULL)
+    assert c.deferred == (StepVariant.RANDOM, StepVariant.MASKED, StepVariant.PROMPT_LOGPROBS)
+    assert not any(key.variant in c.deferred for key in c.compiled)
+    assert c.serving(StepVariant.RANDOM) == StepVariant.FULL
+    assert c.serving(StepVariant.MASKED) is None
+    assert c.serve(StepVariant.RANDOM) == StepVariant.FULL  # ... and random starts compiling
+    c.wait([StepVariant.RANDOM], timeout=300)
+    assert c.serving(StepVariant.RANDOM) == StepVariant.RANDOM
+    assert c.num_recompiles == 0 and set(c.num_compiles.values()) == {1}  # first compiles, not recompiles
+    assert not any(key.variant == StepVariant.MASKED for key in c.compiled)  # nobody asked for it
+
+
+def test_a_step_size_start_up_did_not_plan_is_a_recompile(lazy_engine):
+    c = fresh_compiler(lazy_engine, 1)
+    c.compile_startup(progress=False)
+    planned = c.keys[0]
+    assert c.executable(planned) is c.compiled[planned] and c.num_recompiles == 0
+    unplanned = BucketKey(planned.num_tokens, planned.num_seqs, planned.table_width + 1, planned.variant)
+    c.executable(unplanned)
+    assert c.num_recompiles == 1
+
+
+def test_auto_compiles_on_first_use_with_few_cores_and_in_the_background_with_many():
+    assert compile_plan(EngineConfig(), num_cores=2) == (2, "first_use")
+    assert compile_plan(EngineConfig(), num_cores=16) == (8, "background")
+    assert compile_plan(EngineConfig(compile_workers=3, compile_rare_variants="startup"), num_cores=16) == (3, "startup")
+
+
+def test_a_request_whose_variant_is_compiling_waits_while_the_others_run():
+    engine = make_engine(*VARIANTS, "engine.compile_rare_variants=first_use")
+    compiler = engine.runner.compiler
+    assert StepVariant.MASKED not in compiler.ready
+    gate = threading.Event()
+    real = compiler._compile_variant
+    compiler._compile_variant = lambda variant: (gate.wait(300), real(variant))  # hold the compile until told
+    free_blocks = engine.block_pool.num_free_blocks
+    plain = engine.add_request([72, 105, 33], SamplingParams(max_tokens=4))
+    masked = engine.add_request([72, 105, 33], SamplingParams(max_tokens=4, allowed_token_ids=[5, 7]))
+    aborted = engine.add_request([1, 2, 3], SamplingParams(max_tokens=4, allowed_token_ids=[9]))
+    assert engine.last_stats.num_waiting == 0 and engine.num_held_sequences == 2
+    done = {}
+    for _ in range(20):  # the plain request runs to the end while the masked ones are held
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if plain in done:
+            break
+    assert plain in done and masked not in done
+    assert engine.last_stats.num_waiting == 2  # the held ones count as waiting
+    assert engine.abort(aborted)
+    gate.set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done[masked].outputs[0].token_ids) <= {5, 7} and len(done[masked].outputs[0].token_ids) == 4
+    assert aborted not in done and engine.num_held_sequences == 0
+    assert engine.block_pool.num_free_blocks == free_blocks  # nothing held back leaked a block
+    assert engine.num_recompiles == 0
