@@ -4,6 +4,7 @@
     python scripts/gpu_check.py --json gpu_check.json    # where jaxcb's dependencies are installed
     python scripts/gpu_check.py --dry-run                # anywhere: CPU, Pallas interpreter, tiny shapes
     python scripts/gpu_check.py --stages step,engine     # rerun chosen stages (merged into --json)
+    scripts/gpu_check.sh --quick --out DIR               # the headline figures in 180 s (scripts/gpu_quick.py)
 
 Stages, in order (scripts/gpu_stages.py; docs/gpu.md says what each prints and what to read):
   preflight   versions, devices, imports, ptxas
@@ -48,11 +49,11 @@ def log(msg: str = "") -> None:
 class Report:
     """Results by stage and row, written to `path` (atomically) whenever they change."""
 
-    def __init__(self, path: str | None, meta: dict):
+    def __init__(self, path: str | None, meta: dict, keep_previous: bool = True):
         self.path = path
         self.lock = threading.RLock()
         self.data: dict = {"meta": meta, "stages": {}}
-        if path and os.path.exists(path):  # a rerun of some stages keeps the others' results
+        if keep_previous and path and os.path.exists(path):  # a rerun of some stages keeps the others' results
             with contextlib.suppress(ValueError, OSError):
                 with open(path) as f:
                     old = json.load(f)
@@ -122,7 +123,13 @@ class Stage:
 
 
 class Check:
-    def __init__(self, args: argparse.Namespace):
+    """Runs stages, each a function of a `Stage`, from `stages` (a module: default gpu_stages), with
+    its MIN_SECONDS floors; `keep_previous`: a rerun keeps the earlier results of stages not rerun."""
+
+    def __init__(self, args: argparse.Namespace, stages=None, keep_previous: bool = True):
+        if stages is None:
+            import gpu_stages as stages
+        self.stages = stages
         self.dry_run = args.dry_run
         self.out_dir = args.out_dir
         self.deadline = time.monotonic() + args.budget
@@ -131,15 +138,13 @@ class Check:
             command=" ".join(sys.argv), started=time.strftime("%Y-%m-%d %H:%M:%S %Z"), budget_s=args.budget,
             dry_run=args.dry_run,
         )
-        self.report = Report(args.json, meta)
+        self.report = Report(args.json, meta, keep_previous)
         earlier = self.report.data["stages"].get("bandwidth", {}).get("copy_bw_gbs")
         if earlier:  # a rerun of later stages holds them against the bandwidth measured before
             self.state["copy_bw"] = earlier * 1e9
         self.current: str | None = None
 
     def run(self, names: list[str]) -> int:
-        import gpu_stages
-
         self.names = names
         self.start_watchdog()
         for name in names:
@@ -152,7 +157,7 @@ class Check:
                 log(f"skipped: {entry['reason']}")
                 self.report.write()
                 continue
-            min_s = gpu_stages.MIN_SECONDS.get(name, 0) * (0.05 if self.dry_run else 1)
+            min_s = getattr(self.stages, "MIN_SECONDS", {}).get(name, 0) * (0.05 if self.dry_run else 1)
             if time.monotonic() + min_s > self.deadline:
                 entry["status"] = "skipped"
                 entry["reason"] = f"under {min_s:.0f} s of the budget left"
@@ -161,7 +166,7 @@ class Check:
                 continue
             start = time.perf_counter()
             try:
-                getattr(gpu_stages, name)(Stage(self, name, entry))
+                getattr(self.stages, name)(Stage(self, name, entry))
                 entry["status"] = "failed" if entry["errors"] else "ok"
             except Exception as e:  # a stage that could not go on at all
                 entry["status"] = "failed"

@@ -107,6 +107,15 @@ def bandwidth(st) -> None:
 # smoke -------------------------------------------------------------------------------------------
 def smoke(st) -> None:
     """One call of the kernel at llama8b heads; then XLA's own PTX for it through `ptxas -v`."""
+    dump = os.path.join(st.check.out_dir, "smoke_xla_dump")
+    fn, args = kernel_vs_reference(st, dump)
+    if xla_ptx_registers(st, dump):
+        triton_estimate(st, fn, args)
+
+
+def kernel_vs_reference(st, dump: str):
+    """The kernel jitted at llama8b heads on a mixed batch (two decodes, a 7-token chunk), compiled with
+    XLA's dump (its PTX) into `dump`, against the reference in bf16; returns (the jitted fn, its args)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -120,7 +129,6 @@ def smoke(st) -> None:
                               head_dim=d, seed=3)
     args = batch.args(jnp, jnp.bfloat16)
     fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=d**-0.5, interpret=st.dry_run))
-    dump = os.path.join(st.check.out_dir, "smoke_xla_dump")
     with st.row("compile and run") as r:
         start = time.perf_counter()
         options = {} if st.dry_run else {"xla_dump_to": dump}
@@ -133,11 +141,17 @@ def smoke(st) -> None:
         assert np.isfinite(out).all(), "the kernel wrote a non-finite value"
         assert r["max_abs_err"] < 5e-2, f"max abs error {r['max_abs_err']} against the reference"
         log(f"compiled in {r['compile_s']} s; max abs error vs the reference {r['max_abs_err']:.2e} (bf16)")
+    return fn, args
+
+
+def xla_ptx_registers(st, dump: str) -> bool:
+    """Registers, spills and stack of the kernel's functions in the PTX XLA dumped (`ptxas -v`, sm_90a);
+    False in a dry run (no PTX on the CPU)."""
     with st.row("ptxas -v on XLA's PTX") as r:
         if st.dry_run:
             r["skipped"] = "no PTX on the CPU"
             log("ptxas: skipped in a dry run (no PTX on the CPU)")
-            return
+            return False
         from jaxcb.kernels.triton_calls import find_ptxas, parse_ptxas_functions
 
         ptxas = find_ptxas()
@@ -154,6 +168,13 @@ def smoke(st) -> None:
                     log(f"{name}: {res['registers']} registers, spills {res['spill_store_bytes']}/"
                         f"{res['spill_load_bytes']} B, stack {res['stack_bytes']} B")
         assert r.get("functions"), "no kernel function found in the dumped PTX"
+    return True
+
+
+def triton_estimate(st, fn, args) -> None:
+    """The triton package's compile of the same kernel: its shared memory, which XLA's PTX does not say."""
+    import jax
+
     with st.row("triton-package estimate (shared memory)") as r:
         from jaxcb.kernels.triton_calls import TritonUnavailable, lower_for_gpu, ptxas_resources, triton_calls
 

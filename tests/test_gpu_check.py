@@ -8,6 +8,7 @@ in pyproject.toml changes GPU_IMAGE_PACKAGES here and docs/gpu.md in the same co
 
 import json
 import os
+import re
 import subprocess
 import sys
 import venv
@@ -17,6 +18,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_CHECK = os.path.join(REPO, "scripts", "gpu_check.py")
 STAGES = ["preflight", "bandwidth", "smoke", "correctness", "decode", "step", "engine"]
+QUICK_STAGES = ["preflight", "bandwidth", "kernel", "startup", "decode", "serve"]
 # What the GPU image (Python 3.12) holds of what jaxcb's check imports; jax at the image's version.
 GPU_IMAGE_PACKAGES = [
     "jax==0.11.2", "jaxlib==0.11.2", "flax==0.12.12", "orbax-checkpoint==0.12.8", "numpy", "safetensors",
@@ -73,6 +75,75 @@ def test_gpu_check_sh_dry_run_passes_every_stage_in_a_bare_venv(bare_python, tmp
     engine = {r["row"]: r for r in results["stages"]["engine"]["rows"]}
     assert engine["engine fcfs"]["out_tok_s"] > 0 and engine["engine static"]["out_tok_s"] > 0
     assert engine["continuous / static"]["ideal_step_ratio"] >= 1
+
+
+def test_gpu_check_sh_quick_dry_run_writes_its_json_and_log_and_nothing_else(bare_python, tmp_path):
+    python, wheels = bare_python
+    out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = run([os.path.join(REPO, "scripts", "gpu_check.sh"), "--quick", "--dry-run", "--out", str(out)],
+               env=clean_env(PYTHON=python, GPU_CHECK_WHEELS=wheels, TMPDIR=str(tmp)))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert sorted(os.listdir(out)) == ["gpu_quick.json", "gpu_quick.log"]
+    assert os.listdir(tmp) == []  # the scratch folder (XLA's dumps, the compilation cache) is gone
+    log = (out / "gpu_quick.log").read_text()
+    assert "ALL CHECKS PASSED" in log and log in proc.stdout + proc.stderr
+    # The plan: every stage with its expected seconds on the H200, and a total within the 180 s budget.
+    plan = proc.stdout.split("## plan", 1)[1].split("\n# ", 1)[0]  # up to the check's own heading
+    rows = dict(re.findall(r"^\| (\w+) \| (\d+) \|", plan, re.M))
+    assert list(rows) == ["setup", *QUICK_STAGES, "total"]
+    assert all(int(s) > 0 for s in rows.values())
+    assert int(rows["total"]) == sum(int(s) for name, s in rows.items() if name != "total") <= 180
+    results = json.loads((out / "gpu_quick.json").read_text())
+    assert results["failures"] == []
+    assert [e["stage"] for e in results["plan"]] == ["setup", *QUICK_STAGES]
+    assert list(results["stages"]) == QUICK_STAGES
+    assert all(results["stages"][s]["status"] == "ok" and results["stages"][s]["rows"] for s in QUICK_STAGES)
+    [start] = results["stages"]["startup"]["rows"]
+    assert "cache.num_blocks" not in start["cache"]  # sized at start-up, as a user's engine is
+    decode = [r for r in results["stages"]["decode"]["rows"] if "seqs" in r]
+    assert len(decode) == 4 and all(r["ms"] > 0 and r["bucket"] and r["num_splits"] >= 1 for r in decode)
+    [serve] = results["stages"]["serve"]["rows"]
+    assert serve["out_tok_s"] > 0 and serve["recompiles"] == 0
+
+
+def quick_module():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import gpu_quick
+
+    return gpu_quick
+
+
+def test_a_quick_plan_past_its_budget_is_refused_naming_the_stage_to_cut(monkeypatch, capsys):
+    gpu_quick = quick_module()
+    plan = [gpu_quick.Estimate("setup", 2, "wheels"), gpu_quick.Estimate("startup", 150, "compiles"),
+            gpu_quick.Estimate("serve", 40, "steps")]
+    problem = gpu_quick.check_plan(plan, 180)
+    assert "192 s on an H200, 12 s past its 180 s budget: cut the serve stage (40 s: steps)" in problem
+    assert gpu_quick.check_plan(plan[:2], 180) is None
+    monkeypatch.setattr(gpu_quick, "h200_plan", lambda: plan)
+    monkeypatch.setattr(sys, "argv", ["gpu_quick.py", "--dry-run", "--out", "unused"])
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_quick.main()
+    assert exit_info.value.code == f"refused: {problem}"  # printed to stderr, exit status 1
+    assert "| total | 192 | of the 180 s budget |" in capsys.readouterr().out
+
+
+def test_the_quick_plans_workload_figures_are_those_of_its_serve_stage():
+    """The plan's serve estimate counts the workload's prompt tokens and longest output: they must be
+    what the serve stage's config draws."""
+    import types
+
+    from jaxcb.benchmark import make_workload
+    from jaxcb.config import compose_config
+
+    gpu_quick = quick_module()
+    st = types.SimpleNamespace(dry_run=False, check=types.SimpleNamespace(out_dir="unused"))
+    cfg = compose_config(gpu_quick.quick_stages.engine_overrides(st))
+    items = make_workload(cfg.bench, 128256, 131072)  # llama8b's vocabulary and max_position_embeddings
+    assert len(items) == 256
+    assert sum(len(w.prompt_token_ids) for w in items) == gpu_quick.WORKLOAD_PROMPT_TOKENS
+    assert max(w.output_len for w in items) == gpu_quick.WORKLOAD_LONGEST_OUTPUT
 
 
 def test_watchdog_writes_the_results_and_exits_inside_a_stage(tmp_path):
