@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import queue
 import threading
 import time
 from collections import Counter
@@ -74,7 +75,9 @@ class StepCompiler:
         self._started = False  # compile_startup ran
         self._lock = threading.Lock()
         self._requested: set[StepVariant] = set()
-        self._background: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._queue: "queue.Queue[tuple[StepVariant, concurrent.futures.Future]]" = queue.Queue()
+        self._worker: Optional[threading.Thread] = None
+        self._closed = False
         self._pending: dict[StepVariant, concurrent.futures.Future] = {}
         self.seconds: Counter[StepVariant] = Counter()  # compile seconds per variant, for the log
 
@@ -162,12 +165,27 @@ class StepCompiler:
             if variant in self._ready or variant in self._requested:
                 return
             self._requested.add(variant)
-            if self._background is None:
-                self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxcb-compile-later")
-            self._pending[variant] = self._background.submit(self._compile_variant, variant)
+            if self._worker is None:
+                # A daemon: a compile still under way never keeps the process from exiting.
+                self._worker = threading.Thread(target=self._work, name="jaxcb-compile-later", daemon=True)
+                self._worker.start()
+            self._pending[variant] = future = concurrent.futures.Future()
+            self._queue.put((variant, future))
         log.info("compiling the %s step variant in the background (%s)", variant.label,
                  "engine.compile_rare_variants=first_use: a request needs it" if self.when == "first_use"
                  else "engine.compile_rare_variants=background")
+
+    def _work(self) -> None:
+        while not self._closed:
+            variant, future = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                self._compile_variant(variant)
+            except BaseException as e:  # the engine sees it in wait()
+                future.set_exception(e)
+            else:
+                future.set_result(None)
 
     def _compile_variant(self, variant: StepVariant) -> None:
         t0 = time.perf_counter()
@@ -203,5 +221,7 @@ class StepCompiler:
         return exe
 
     def close(self) -> None:
-        if self._background is not None:
-            self._background.shutdown(wait=False, cancel_futures=True)
+        """Cancel the deferred compiles not yet started (the one under way finishes on its own)."""
+        self._closed = True
+        for future in self._pending.values():
+            future.cancel()
