@@ -420,7 +420,7 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
             for m in users:
                 if hasattr(m, const):
                     setattr(m, const, targets[const])
-        theirs = {key: runner._compile(key) for key in keys}
+        theirs = {key: runner._lower(key).compile() for key in keys}
     finally:
         runner._step = traced
         for const, name in names.items():
