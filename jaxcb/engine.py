@@ -479,10 +479,6 @@ class Engine:
     def num_recompiles(self) -> int:
         return self.runner.num_recompiles
 
-    def close(self) -> None:
-        """Stop the step variants still waiting to compile in the background (the server's shutdown)."""
-        self.runner.compiler.close()
-
 
 class LLM:
     """Offline generation: `LLM(cfg).generate(prompts, params)` -> outputs in input order."""

@@ -74,10 +74,8 @@ class StepCompiler:
         self._ready: tuple[StepVariant, ...] = ()
         self._started = False  # compile_startup ran
         self._lock = threading.Lock()
-        self._requested: set[StepVariant] = set()
         self._queue: "queue.Queue[tuple[StepVariant, concurrent.futures.Future]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
-        self._closed = False
         self._pending: dict[StepVariant, concurrent.futures.Future] = {}
         self.seconds: Counter[StepVariant] = Counter()  # compile seconds per variant, for the log
 
@@ -162,9 +160,9 @@ class StepCompiler:
         """Start compiling a deferred variant's buckets in the background, once; a no-op if it is ready
         or under way."""
         with self._lock:
-            if variant in self._ready or variant in self._requested:
+            pending = self._pending.get(variant)
+            if variant in self._ready or (pending is not None and not pending.cancelled()):
                 return
-            self._requested.add(variant)
             if self._worker is None:
                 # A daemon: a compile still under way never keeps the process from exiting.
                 self._worker = threading.Thread(target=self._work, name="jaxcb-compile-later", daemon=True)
@@ -176,7 +174,7 @@ class StepCompiler:
                  else "engine.compile_rare_variants=background")
 
     def _work(self) -> None:
-        while not self._closed:
+        while True:
             variant, future = self._queue.get()
             if not future.set_running_or_notify_cancel():
                 continue
@@ -219,9 +217,3 @@ class StepCompiler:
                           key, self.num_recompiles)
             exe = self._compile_one(key)
         return exe
-
-    def close(self) -> None:
-        """Cancel the deferred compiles not yet started (the one under way finishes on its own)."""
-        self._closed = True
-        for future in self._pending.values():
-            future.cancel()

@@ -105,7 +105,6 @@ class AsyncEngine:
         self._stopping.set()
         self._commands.put(None)
         self._thread.join(timeout)
-        self.engine.close()
 
     @property
     def is_alive(self) -> bool:
