@@ -100,3 +100,42 @@ def test_a_request_whose_variant_is_compiling_waits_while_the_others_run():
     assert aborted not in done and engine.num_held_sequences == 0
     assert engine.block_pool.num_free_blocks == free_blocks  # nothing held back leaked a block
     assert engine.num_recompiles == 0
+
+
+EXIT_DURING_A_BACKGROUND_COMPILE = """
+import pathlib, sys, time
+from jaxcb.runner.buckets import BucketKey
+from jaxcb.runner.compiler import StepCompiler
+from jaxcb.sampling import StepVariant
+
+done = pathlib.Path(sys.argv[1])
+
+class SlowLowered:
+    def __init__(self, key):
+        self.key = key
+    def compile(self):
+        if self.key.variant == StepVariant.RANDOM:
+            time.sleep(1.0)  # still compiling when the main thread returns
+            done.write_text("finished")
+        return object()
+
+keys = [BucketKey(16, 4, 8, v) for v in (StepVariant.GREEDY, StepVariant.RANDOM, StepVariant.FULL)]
+compiler = StepCompiler(SlowLowered, keys, workers=1, when="first_use")
+compiler.compile_startup(progress=False)
+compiler.request(StepVariant.RANDOM)
+time.sleep(0.2)  # the compile is under way
+"""
+
+
+def test_the_process_exits_after_the_background_compile_under_way_not_in_the_middle_of_it(tmp_path):
+    """A process that returns while a deferred variant compiles lets that bucket finish before the
+    interpreter tears down: a thread still inside XLA's compiler at teardown crashes the process
+    (a job that wrote every result then exited with SIGSEGV)."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "done"
+    proc = subprocess.run([sys.executable, "-c", EXIT_DURING_A_BACKGROUND_COMPILE, str(done)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert done.read_text() == "finished"

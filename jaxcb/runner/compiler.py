@@ -19,12 +19,14 @@ Nothing here knows what a step computes: `lower(key)` traces and lowers one buck
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from collections import Counter
 from typing import Callable, Iterable, Optional
 
@@ -39,6 +41,17 @@ EAGER_VARIANTS = frozenset({StepVariant.GREEDY, StepVariant.FULL})
 WHEN = ("startup", "background", "first_use")
 MAX_AUTO_WORKERS = 8
 MIN_CORES_FOR_BACKGROUND = 8  # below this, a background compile would take the cores a running step needs
+
+_LIVE: "weakref.WeakSet[StepCompiler]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_background_compiles() -> None:
+    """At interpreter exit, let each background compile finish its current bucket and stop. A daemon
+    thread still inside XLA's compiler while the process tears down its C++ state crashes the process
+    (a job that wrote all its output then exits with SIGSEGV)."""
+    for compiler in list(_LIVE):
+        compiler.stop()
 
 
 def compile_plan(engine_cfg, num_cores: Optional[int] = None) -> tuple[int, str]:
@@ -74,10 +87,12 @@ class StepCompiler:
         self._ready: tuple[StepVariant, ...] = ()
         self._started = False  # compile_startup ran
         self._lock = threading.Lock()
-        self._queue: "queue.Queue[tuple[StepVariant, concurrent.futures.Future]]" = queue.Queue()
+        self._queue: "queue.Queue[Optional[tuple[StepVariant, concurrent.futures.Future]]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         self._pending: dict[StepVariant, concurrent.futures.Future] = {}
         self.seconds: Counter[StepVariant] = Counter()  # compile seconds per variant, for the log
+        self._stopping = threading.Event()
+        _LIVE.add(self)
 
     # --- what is ready ------------------------------------------------------------------------
 
@@ -163,8 +178,11 @@ class StepCompiler:
             pending = self._pending.get(variant)
             if variant in self._ready or (pending is not None and not pending.cancelled()):
                 return
+            if self._stopping.is_set():
+                return
             if self._worker is None:
-                # A daemon: a compile still under way never keeps the process from exiting.
+                # A daemon, so that it never holds the process open by itself; `stop` (at exit) ends it
+                # between two buckets.
                 self._worker = threading.Thread(target=self._work, name="jaxcb-compile-later", daemon=True)
                 self._worker.start()
             self._pending[variant] = future = concurrent.futures.Future()
@@ -173,9 +191,23 @@ class StepCompiler:
                  "engine.compile_rare_variants=first_use: a request needs it" if self.when == "first_use"
                  else "engine.compile_rare_variants=background")
 
+    def stop(self, timeout: float = 600.0) -> None:
+        """Cancel the queued background compiles and wait (up to `timeout` s) for the bucket under way."""
+        self._stopping.set()
+        with self._lock:
+            worker = self._worker
+            for future in self._pending.values():
+                future.cancel()
+        if worker is not None:
+            self._queue.put(None)
+            worker.join(timeout)
+
     def _work(self) -> None:
         while True:
-            variant, future = self._queue.get()
+            item = self._queue.get()
+            if item is None or self._stopping.is_set():
+                return
+            variant, future = item
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -188,6 +220,8 @@ class StepCompiler:
     def _compile_variant(self, variant: StepVariant) -> None:
         t0 = time.perf_counter()
         for key in self.keys:
+            if self._stopping.is_set():
+                return
             if key.variant == variant and key not in self.compiled:
                 self._compile_one(key)
         self._mark_ready(variant)
