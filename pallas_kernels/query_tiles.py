@@ -7,18 +7,70 @@ step is the tile table, built with a few cheap jnp ops so that the kernel never 
 
 `two_class_tile_table` gives each sequence the tile size of its class: sequences with few query
 tokens (decodes) get small tiles, the others (prefill chunks) large ones, so a long prefill
-reads its context once per large tile instead of once per few tokens. `query_tile_table` cuts
-every sequence at one size (jaxcb's XLA form uses it). Pure jax.numpy: no Pallas here.
+reads its context once per large tile instead of once per few tokens. Each class runs in a
+launch of its own (`QueryTiles.launches`), so decode programs get the small tile's registers and
+shared memory, not the large one's, and as many of them run at once on an SM as those allow.
+`query_tile_table` cuts every sequence at one size (jaxcb's XLA form uses it).
+
+Split-KV is chosen per launch from occupancy (`choose_num_splits`): the programs an SM holds at
+once (`ProgramResources`, from ptxas), the waves the launch makes over the GPU's SMs, and the
+context. Pure jax.numpy and arithmetic: no Pallas here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 NUM_SMS = 132  # H100 / H200: what split-KV aims to fill
+SM_REGISTERS = 65536  # sm_90: 32-bit registers an SM holds
+SM_SHARED_BYTES = 228 * 1024  # sm_90: shared memory an SM holds (227 KiB of it for one program)
+SM_MAX_WARPS = 64
+MIN_SPLIT_TOKENS = 512  # a split-KV share reads at least this much context
+SPLIT_OVERHEAD_TOKENS = 256  # a program's fixed cost, in tokens of context it could read instead (an estimate)
+SPLIT_SLACK = 0.05  # the fewest splits within 5% of the fastest
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramResources:
+    """One program's registers (a thread) and shared memory, as ptxas reports them for a launch."""
+
+    registers: int
+    shared_bytes: int
+    num_warps: int = 4
+
+    @property
+    def programs_per_sm(self) -> int:
+        """Programs an SM runs at once: registers are allocated 8 a thread, a warp at a time."""
+        by_registers = SM_REGISTERS // (-(-self.registers // 8) * 8 * 32 * self.num_warps)
+        by_shared = SM_SHARED_BYTES // max(1, self.shared_bytes)
+        return max(1, min(by_registers, by_shared, SM_MAX_WARPS // self.num_warps))
+
+
+# ptxas -v on the engine's launches (bf16, head_dim 128, block 16, kv_tile 32, 4 warps, 3 stages, group 4):
+# tests/test_triton_resources.py compiles them and holds these figures to what it reports.
+MEASURED_RESOURCES = {
+    # (rows, head_dim, itemsize, kv_tile, num_warps, num_stages) -> ProgramResources
+    (16, 128, 2, 32, 4, 3): ProgramResources(96, 45 * 1024),
+    (64, 128, 2, 32, 4, 3): ProgramResources(164, 64 * 1024),
+}
+
+
+def program_resources(rows: int, head_dim: int, itemsize: int, kv_tile: int, num_warps: int, num_stages: int
+                      ) -> ProgramResources:
+    """A launch's per-program resources: measured where the table has them, else an estimate from the
+    tiles it holds (its K/V tiles in every stage and its query tile in shared memory; registers for the
+    f32 accumulator and scores spread over the threads, never fewer than the measured decode launch)."""
+    measured = MEASURED_RESOURCES.get((rows, head_dim, itemsize, kv_tile, num_warps, num_stages))
+    if measured is not None:
+        return measured
+    shared = num_stages * 2 * kv_tile * head_dim * itemsize + rows * head_dim * itemsize
+    threads = 32 * num_warps
+    registers = min(255, 64 + (rows * head_dim + rows * kv_tile) * 4 // (4 * threads) * 2)
+    return ProgramResources(registers, shared, num_warps)
 
 
 def _next_pow2(n: int) -> int:
@@ -68,6 +120,28 @@ class QueryTiles:
         """The row counts of the tile classes the kernel compiles."""
         return (self.block_m,) if self.prefill_block_m == self.block_m else (self.block_m, self.prefill_block_m)
 
+    def num_class_tiles(self, num_tokens: int, num_seqs_max: int) -> tuple[int, ...]:
+        """Tiles of each class a bucket can need: one decode tile a sequence; prefill tiles of
+        prefill_tokens each, plus one partial tile per sequence long enough to take them. With one
+        class, the whole table."""
+        if len(self.classes) == 1:
+            return (self.num_tiles,)
+        num_decode = min(num_seqs_max, num_tokens, self.num_tiles)
+        num_prefill_seqs = min(num_seqs_max, num_tokens // (self.decode_tokens + 1))
+        return num_decode, min(self.num_tiles, num_tokens // self.prefill_tokens + num_prefill_seqs)
+
+    def launches(self, num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_context: int, *, head_dim: int,
+                 itemsize: int, kv_tile: int, num_warps: int, num_stages: int,
+                 num_splits: Optional[int] = None) -> tuple[Launch, ...]:
+        """The kernel's launches for a bucket, decode tiles first, each with its split-KV (`num_splits`
+        for every launch where given; else `choose_num_splits` from that launch's occupancy)."""
+        out = []
+        for cls, (rows, programs) in enumerate(zip(self.classes, self.num_class_tiles(num_tokens, num_seqs_max))):
+            per_sm = program_resources(rows, head_dim, itemsize, kv_tile, num_warps, num_stages).programs_per_sm
+            splits = num_splits or choose_num_splits(programs, num_kv_heads, max_context, per_sm)
+            out.append(Launch(cls, rows, programs, splits))
+        return tuple(out)
+
 
 def query_tiles(num_tokens: int, num_seqs_max: int, group: int, block_size: int, block_m: int = 16,
                 prefill_block_m: int = 64, kv_tile: int = 32) -> QueryTiles:
@@ -80,16 +154,38 @@ def query_tiles(num_tokens: int, num_seqs_max: int, group: int, block_size: int,
     return QueryTiles(block_m, decode_tokens, prefill_block_m, prefill_tokens, pages_per_tile, num_tiles)
 
 
-def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, num_sms: int = NUM_SMS) -> int:
-    """How many programs share one (query tile, KV head)'s context: with fewer programs than two per SM
-    (small decode batches) and a context of 2k tokens or more, enough splits to reach two per SM, in
-    powers of two, each at least 512 tokens of context; otherwise 1. Static: from the bucket's shapes."""
+def choose_num_splits(num_tiles: int, num_kv_heads: int, max_context: int, programs_per_sm: int = 2,
+                      num_sms: int = NUM_SMS) -> int:
+    """How many programs share one (query tile, KV head)'s context, for one launch. A launch takes as
+    many waves as its programs fill `programs_per_sm` x `num_sms` slots, and a wave as long as one
+    program: its share of the context plus a fixed cost (SPLIT_OVERHEAD_TOKENS: the prologue, the
+    partial results' writes and their merge). The split is the fewest (a power of two, each share at
+    least MIN_SPLIT_TOKENS) within SPLIT_SLACK of the least time; 1 below 2k tokens of context. So
+    one sequence at 4k splits 8 ways (a wave a tenth full either way, the programs 8x shorter), 32
+    decodes at 2k (256 programs, 0.4 of a wave) 2 ways, and 128 at 4k (1.6 waves) not at all.
+    Static: from the bucket's shapes and the launch's occupancy."""
     programs = num_tiles * num_kv_heads
-    if max_context < 2048 or programs >= 2 * num_sms:
+    if max_context < 4 * MIN_SPLIT_TOKENS or programs == 0:
         return 1
-    wanted = _next_pow2(-(-2 * num_sms // programs))
-    most = 1 << ((max_context // 512).bit_length() - 1)  # a power of two <= max_context / 512
-    return max(1, min(wanted, most))
+    wave = programs_per_sm * num_sms
+    most = 1 << ((max_context // MIN_SPLIT_TOKENS).bit_length() - 1)  # a power of two <= context / 512
+
+    def time(splits: int) -> float:  # in tokens of context read by one program
+        return -(-programs * splits // wave) * (max_context / splits + SPLIT_OVERHEAD_TOKENS)
+
+    candidates = [1 << i for i in range(most.bit_length())]
+    best = min(time(s) for s in candidates)
+    return next(s for s in candidates if time(s) <= (1 + SPLIT_SLACK) * best)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One pallas_call of the kernel: a tile class, the programs it launches and how it splits."""
+
+    tile_class: int  # 0: decode tiles, 1: prefill tiles (the tile table's last row)
+    block_m: int  # rows of its query tiles
+    num_programs: int  # grid axis 0: tiles of this class a bucket can need
+    num_splits: int  # grid axis 2
 
 
 def two_class_tile_table(

@@ -25,7 +25,14 @@ Work decomposition (after vLLM's Triton "unified attention"):
     kv loop: the sequence's context in tiles of `pages_per_tile` blocks, gathered from the
     cache through the block table; online softmax; stops at the tile's last causal key;
     software-pipelined (the next tile's K/V loads while this one is computed).
-    kv split: for small decode batches, the context shared among programs (`choose_num_splits`).
+    kv split: for small decode batches, the context shared among programs (`choose_num_splits`,
+    from the launch's occupancy).
+
+    Each tile class is a launch of its own (`QueryTiles.launches`): the decode launch first, over
+    the table's decode tiles (they follow the prefill tiles: it starts at their count), then, in a
+    bucket that can hold a prefill tile, the prefill launch, which writes its rows into the decode
+    launch's output (aliased: no copy; in a step with no prefill its programs return at once). A decode program so has the registers and shared memory
+    of a 16-row tile, not of the 64-row one, and more of them fit an SM.
 
 The wrapper turns the ragged batch into a per-tile table (which sequence, first token,
 number of tokens, position of the first token, context length, tile class; `query_tiles.py`)
@@ -46,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.query_tiles import choose_num_splits, query_tiles, two_class_tile_table
+from pallas_kernels.query_tiles import Launch, query_tiles, two_class_tile_table
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -214,26 +221,43 @@ def _attend(
 
 
 def _kernel(
+    first_ref,  # i32[1]: the launch's first tile in the table (the decode launch starts past the prefill tiles)
     tiles_ref,  # i32[6, num_tiles]: `step_tile_table`
     layer_ref,  # i32[1]
     block_tables_ref,  # i32[R, W] (W a multiple of pages_per_tile)
-    q_ref,  # [num_kv_heads, T * group + prefill_block_m, head_dim]
+    q_ref,  # [num_kv_heads, T * group + spare rows, head_dim]
     k_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_ref,
-    o_ref,  # [num_kv_heads, rows, head_dim]; split-KV: [num_splits, num_kv_heads, rows, head_dim] f32, unnormalised
-    *split_refs,  # split-KV only: m_ref, l_ref [num_splits, num_kv_heads, rows] f32 (running max, sum of exps)
-    classes: tuple[int, ...],
+    *refs,  # [o_in_ref (aliased to o_ref: the rows another launch wrote)], o_ref, [m_ref, l_ref (split-KV)]
+    tile_class: int,
+    block_m: int,
+    num_tiles: int,
+    aliased: bool,
     **static,
 ):
-    ids = tile, _, _ = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q_count, tile_class = tiles_ref[2, tile], tiles_ref[5, tile]
-    refs = (*ids, tiles_ref, layer_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs)
-    for cls, block_m in enumerate(classes):  # one code path per tile class; a padding tile (q_count 0) runs none
-        runs = q_count > 0 if len(classes) == 1 else (q_count > 0) & (tile_class == cls)
+    """One launch's program: the tile of its class at `first + program_id(0)`; any other tile (the other
+    class's, padding, past the table) runs nothing."""
+    if aliased:
+        refs = refs[1:]
+    o_ref, *split_refs = refs
+    index = first_ref[0] + pl.program_id(0)
+    tile = jnp.minimum(index, num_tiles - 1)
+    head, split = pl.program_id(1), pl.program_id(2)
+    runs = (index < num_tiles) & (tiles_ref[2, tile] > 0) & (tiles_ref[5, tile] == tile_class)
 
-        @pl.when(runs)
-        def _():
-            _attend(*refs, block_m=block_m, **static)
+    @pl.when(runs)
+    def _():
+        _attend(tile, head, split, tiles_ref, layer_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs,
+                block_m=block_m, **static)
+
+
+def _row_tile_class(query_start_loc: jax.Array, num_rows: int, group: int, decode_tokens: int) -> jax.Array:
+    """i32[num_rows]: the tile class of each (token, head-in-group) row's sequence (1: prefill tiles), as
+    `two_class_tile_table` classes it; rows past the real tokens take the last sequence's."""
+    token = jnp.arange(num_rows) // group
+    num_seqs_max = query_start_loc.shape[0] - 1
+    seq = jnp.minimum(jnp.searchsorted(query_start_loc[1:], token, side="right"), num_seqs_max - 1)
+    return (query_start_loc[seq + 1] - query_start_loc[seq] > decode_tokens).astype(jnp.int32)
 
 
 def _combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array:
@@ -244,6 +268,17 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array
     total = (l_sum * weight).sum(axis=0)
     out = (acc * weight[..., None]).sum(axis=0)
     return out / jnp.where(total == 0, 1.0, total)[..., None]
+
+
+def kernel_launches(num_tokens: int, num_seqs_max: int, width: int, *, group: int, num_kv_heads: int, head_dim: int,
+                    block_size: int, dtype, block_m: int = 16, prefill_block_m: int = 64, kv_tile: int = 32,
+                    num_warps: int = 4, num_stages: int = 3, num_splits: Optional[int] = None) -> tuple[Launch, ...]:
+    """The launches `ragged_paged_attention` makes for a bucket of `num_tokens` tokens, `num_seqs_max`
+    sequences and block tables `width` blocks wide (the same defaults): decode tiles first."""
+    plan = query_tiles(num_tokens, num_seqs_max, group, block_size, block_m, prefill_block_m, kv_tile)
+    return plan.launches(num_tokens, num_seqs_max, num_kv_heads, width * block_size, head_dim=head_dim,
+                         itemsize=jnp.dtype(dtype).itemsize, kv_tile=plan.pages_per_tile * block_size,
+                         num_warps=num_warps, num_stages=num_stages, num_splits=num_splits)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "prefill_block_m", "kv_tile", "num_warps",
@@ -287,35 +322,53 @@ def ragged_paged_attention(
     q_rows = jnp.pad(q_rows.reshape(num_kv_heads, num_tokens * group, head_dim), ((0, 0), (0, spare_rows), (0, 0)))
     flat = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
 
-    if num_splits is None:
-        num_splits = choose_num_splits(num_tiles, num_kv_heads, width * block_size)
-    kernel = functools.partial(
-        _kernel,
-        classes=plan.classes,
-        group=group,
-        pages_per_tile=pages_per_tile,
-        num_kv_heads=num_kv_heads,
-        num_blocks=num_blocks,
-        sm_scale=sm_scale,
-        num_splits=num_splits,
-    )
-    if num_splits == 1:
-        out_shape = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
-    else:
+    launches = kernel_launches(num_tokens, num_seqs_max, width, group=group, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, block_size=block_size, dtype=k_cache.dtype, block_m=block_m,
+                               prefill_block_m=prefill_block_m, kv_tile=kv_tile, num_warps=num_warps,
+                               num_stages=num_stages, num_splits=num_splits)
+    static = dict(group=group, pages_per_tile=pages_per_tile, num_kv_heads=num_kv_heads, num_blocks=num_blocks,
+                  sm_scale=sm_scale, num_tiles=num_tiles)
+    operands = (tiles, jnp.reshape(layer, (1,)), block_tables, q_rows, k_cache.reshape(flat), v_cache.reshape(flat))
+    num_large = jnp.sum(tiles[5]).astype(jnp.int32)  # the prefill tiles come first in the table
+
+    def launch(spec, first, out=None):
+        """One tile class's pallas_call; `out`: the rows the other launch wrote, which this one keeps."""
+        kernel = functools.partial(_kernel, tile_class=spec.tile_class, block_m=spec.block_m,
+                                   num_splits=spec.num_splits, aliased=out is not None and spec.num_splits == 1,
+                                   **static)
         rows = q_rows.shape[1]
-        out_shape = (jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows, head_dim), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, num_kv_heads, rows), jnp.float32))
-    out = pl.pallas_call(
-        kernel,
-        grid=(num_tiles, num_kv_heads, num_splits),
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="ragged_paged_attention",
-    )(tiles, jnp.reshape(layer, (1,)), block_tables, q_rows, k_cache.reshape(flat), v_cache.reshape(flat))
-    if num_splits > 1:
-        out = _combine_splits(*out).astype(q.dtype)
+        if spec.num_splits == 1:
+            out_shape = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
+        else:
+            out_shape = (jax.ShapeDtypeStruct((spec.num_splits, num_kv_heads, rows, head_dim), jnp.float32),
+                         jax.ShapeDtypeStruct((spec.num_splits, num_kv_heads, rows), jnp.float32),
+                         jax.ShapeDtypeStruct((spec.num_splits, num_kv_heads, rows), jnp.float32))
+        aliased = out is not None and spec.num_splits == 1
+        result = pl.pallas_call(
+            kernel,
+            grid=(spec.num_programs, num_kv_heads, spec.num_splits),
+            out_shape=out_shape,
+            input_output_aliases={7: 0} if aliased else {},
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            interpret=interpret,
+            name="ragged_paged_attention_" + ("decode" if spec.tile_class == 0 else "prefill"),
+        )(jnp.reshape(first, (1,)), *operands, *((out,) if aliased else ()))
+        if spec.num_splits == 1:
+            return result
+        combined = _combine_splits(*result).astype(q.dtype)
+        if out is None:
+            return combined
+        # Split partials cover only this class's rows: the other launch's rows come from `out`.
+        row_tile_class = _row_tile_class(query_start_loc, rows, group, plan.decode_tokens)
+        return jnp.where((row_tile_class == spec.tile_class)[None, :, None], combined, out)
+
+    out = launch(launches[0], num_large if len(launches) == 2 else jnp.int32(0))
+    if len(launches) == 2:
+        # Launched in every step of a bucket that can hold a prefill: in a step without one, its programs
+        # find no tile of their class and return at once (microseconds). A lax.cond on the device's tile
+        # count would cost more: XLA's GPU conditional copies its predicate to the host and waits, once
+        # a layer.
+        out = launch(launches[1], jnp.int32(0), out)
     out = out[:, : num_tokens * group].reshape(num_kv_heads, num_tokens, group, head_dim).transpose(1, 0, 2, 3)
     real = jnp.arange(num_tokens) < query_start_loc[jnp.reshape(num_seqs, ())]
     # Rows of padding tokens were never written (uninitialised memory): define them as 0.

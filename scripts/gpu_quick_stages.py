@@ -109,7 +109,7 @@ def decode(st) -> None:
     weight_bytes = weight_read_bytes(runner.weights)
     kv_token_bytes = model.kv_bytes_per_token(np.dtype(plan.dtype).itemsize)
     recompiles = runner.num_recompiles
-    log("| seqs | context | bucket T x R x W | KV splits | ms/step | tok/s | roofline ms | % of roofline |")
+    log("| seqs | context | bucket T x R x W | decode launch KV splits | ms/step | tok/s | roofline ms | % of roofline |")
     log("|---|---|---|---|---|---|---|---|")
     for num_seqs, context in decode_rows(st.dry_run):
         with st.row(f"decode x{num_seqs} @ {context}", seqs=num_seqs, context=context) as r:
@@ -178,14 +178,16 @@ def weight_read_bytes(weights) -> int:
 
 
 def kv_splits(engine, bucket):
-    """The split-KV the kernel chooses for the bucket's shapes (pallas_kernels.query_tiles); None off the kernel."""
-    from jaxcb.kernels.attention.pallas import choose_num_splits, query_tiles
+    """The split-KV of the kernel's decode launch for the bucket's shapes (`kernel_launches`); None off the kernel."""
+    from jaxcb.kernels.attention.pallas import kernel_launches
 
     if not engine.runner.backend.attention.name.startswith("pallas"):
         return None
-    m, block_size = engine.model_config, engine.cache_plan.block_size
-    tiles = query_tiles(bucket.num_tokens, bucket.num_seqs, m.num_heads // m.num_kv_heads, block_size)
-    return choose_num_splits(tiles.num_tiles, m.num_kv_heads, bucket.table_width * block_size)
+    m, plan = engine.model_config, engine.cache_plan
+    decode = kernel_launches(bucket.num_tokens, bucket.num_seqs, bucket.table_width,
+                             group=m.num_heads // m.num_kv_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                             block_size=plan.block_size, dtype=plan.dtype)[0]
+    return decode.num_splits
 
 
 # serve -------------------------------------------------------------------------------------------

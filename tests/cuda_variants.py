@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxcb.config import compose_config
 from jaxcb.model.config import LlamaConfig, resolve_llama_config
-from jaxcb.kernels.attention.pallas import choose_num_splits, query_tiles, ragged_paged_attention
+from jaxcb.kernels.attention.pallas import query_tiles, ragged_paged_attention
 
 
 @functools.cache
@@ -53,12 +53,16 @@ class KernelVariant:
         return query_tiles(num_tokens, num_seqs, self.group, self.block_size, self.block_m, self.prefill_block_m,
                            self.kv_tile)
 
-    def expected_grid(self, num_tokens: int, num_seqs: int, width: int) -> tuple[int, int, int]:
-        """(query tiles, KV heads, KV splits): the tiles a bucket can need, and the split-KV programs each
-        gets at a block-table width of `width` blocks."""
-        num_tiles = self.tile_plan(num_tokens, num_seqs).num_tiles
-        splits = self.num_splits or choose_num_splits(num_tiles, self.num_kv_heads, width * self.block_size)
-        return num_tiles, self.num_kv_heads, splits
+    def expected_grids(self, num_tokens: int, num_seqs: int, width: int) -> list[tuple[int, int, int]]:
+        """One (programs, KV heads, KV splits) per launch, the decode tiles' first: the tiles of each class a
+        bucket can need, and the split-KV each launch chooses at a block-table width of `width` blocks."""
+        plan = self.tile_plan(num_tokens, num_seqs)
+        launches = plan.launches(  # the K/V tile the kernel reads: whole blocks, kv_tile tokens or more
+            num_tokens, num_seqs, self.num_kv_heads, width * self.block_size, head_dim=self.head_dim,
+            itemsize=jnp.dtype(self.dtype).itemsize, kv_tile=plan.pages_per_tile * self.block_size,
+            num_warps=self.num_warps,
+            num_stages=self.num_stages, num_splits=self.num_splits)
+        return [(launch.num_programs, self.num_kv_heads, launch.num_splits) for launch in launches]
 
     def args(self, num_tokens: int, num_seqs: int, width: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """Abstract kernel arguments: a cache of one full table per sequence plus the null block."""

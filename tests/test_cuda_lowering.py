@@ -34,8 +34,8 @@ def spare_rows(variant: KernelVariant, num_tokens: int, num_seqs: int) -> int:
 
 
 def lower_kernel(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
-    [call] = triton_calls(lower_for_gpu(variant.kernel(), *variant.args(num_tokens, num_seqs, width)))
-    return call
+    """The kernel's launches: the decode tiles' and, where a bucket can hold a prefill, the prefill tiles'."""
+    return triton_calls(lower_for_gpu(variant.kernel(), *variant.args(num_tokens, num_seqs, width)))
 
 
 def test_lowering_without_a_gpu_reads_the_abstract_h200():
@@ -43,68 +43,77 @@ def test_lowering_without_a_gpu_reads_the_abstract_h200():
     fn, args = LLAMA8B.kernel(), LLAMA8B.args(1, 1, 64)
     with pytest.raises(Exception, match="abstract GPU"):
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    assert lower_kernel(LLAMA8B, 1, 1, 64).name == "ragged_paged_attention"
+    assert [call.name for call in lower_kernel(LLAMA8B, 1, 1, 64)] == ["ragged_paged_attention_decode"]
+    assert [call.name for call in lower_kernel(LLAMA8B, 64, 16, 64)] == [
+        "ragged_paged_attention_decode", "ragged_paged_attention_prefill"]
 
 
 @pytest.mark.parametrize(
-    "num_tokens, num_seqs, width, grid",
+    "num_tokens, num_seqs, width, grids",
     [
-        # decode: one token per sequence; 4 tokens x group 4 fill a 16-row tile, but a tile holds one sequence.
-        # Split-KV where a batch of 32 or fewer leaves the 132 SMs short of two programs each and the
-        # context (width x 16 tokens) is 2k or more: enough 512+-token splits to reach them.
-        (1, 1, 64, (1, 8, 1)),
-        (1, 1, 256, (1, 8, 8)),
-        (1, 1, 8192, (1, 8, 64)),
-        (8, 8, 512, (8, 8, 8)),
-        (32, 32, 128, (32, 8, 2)),
-        (32, 32, 64, (32, 8, 1)),
-        (128, 128, 64, (128, 8, 1)),
-        (128, 128, 8192, (128, 8, 1)),
-        (256, 256, 256, (256, 8, 1)),
-        # mixed and prefill: 64-row prefill tiles of 16 tokens, plus at most one partial tile per sequence
-        # (a decode sequence's one 16-row tile counts as that).
-        (512, 64, 128, (96, 8, 1)),
-        (2048, 1, 128, (129, 8, 1)),
-        (2048, 256, 512, (384, 8, 1)),
+        # Decode tiles in a launch of their own (5 programs an SM: 96 registers, 45 KiB), the prefill tiles'
+        # after it (3 an SM) where a bucket can hold a prefill. Split-KV per launch, from 2k tokens of
+        # context: the fewest splits (powers of two, 512+ tokens each) within 5% of the least time, a
+        # launch taking as many waves over the 132 SMs as its programs fill, each wave one program's share
+        # of the context and a fixed cost (`choose_num_splits`): a batch of 1 splits as far as shares of
+        # 512 tokens, 32 decodes at 2k (256 programs, 0.4 of a wave) 2 ways, 128 at 128k 8 ways.
+        (1, 1, 64, [(1, 8, 1)]),
+        (1, 1, 256, [(1, 8, 8)]),
+        (1, 1, 8192, [(1, 8, 64)]),
+        (8, 8, 512, [(8, 8, 8), (1, 8, 16)]),
+        (32, 32, 128, [(32, 8, 2), (8, 8, 4)]),
+        (32, 32, 64, [(32, 8, 1), (8, 8, 1)]),
+        (128, 128, 64, [(128, 8, 1), (33, 8, 1)]),
+        (128, 128, 8192, [(128, 8, 8), (33, 8, 16)]),
+        (256, 256, 256, [(256, 8, 2), (67, 8, 2)]),
+        # mixed and prefill: a decode tile per sequence; 64-row prefill tiles of 16 tokens, plus at most one
+        # partial tile per sequence long enough to take them.
+        (512, 64, 128, [(64, 8, 1), (96, 8, 1)]),
+        (2048, 1, 128, [(1, 8, 4), (129, 8, 1)]),
+        (2048, 256, 512, [(256, 8, 2), (384, 8, 1)]),
     ],
     ids=["decode-1", "decode-1-4k", "decode-1-128k", "decode-8-8k", "decode-32-2k", "decode-32-1k", "decode-128",
          "decode-128-128k", "decode-256-4k", "mixed-512", "prefill-2048", "mixed-2048-256"],
 )
-def test_llama8b_kernel_launch_grid_warps_and_stages(num_tokens, num_seqs, width, grid):
-    call = lower_kernel(ENGINE_LLAMA8B, num_tokens, num_seqs, width)
-    assert call.grid == grid == ENGINE_LLAMA8B.expected_grid(num_tokens, num_seqs, width)
-    assert (call.num_warps, call.num_stages) == (4, 3)
+def test_llama8b_kernel_launch_grids_warps_and_stages(num_tokens, num_seqs, width, grids):
+    calls = lower_kernel(ENGINE_LLAMA8B, num_tokens, num_seqs, width)
+    assert [call.grid for call in calls] == grids == ENGINE_LLAMA8B.expected_grids(num_tokens, num_seqs, width)
+    assert all((call.num_warps, call.num_stages) == (4, 3) for call in calls)
     # q as rows of (token, head in group) per KV head, plus one prefill tile of slack (a decode tile's where a
     # bucket of at most 4 tokens cannot hold a prefill); the cache flattened to blocks.
     slack = 16 if num_tokens <= 4 else 64
-    assert call.operand_types[3] == f"tensor<8x{num_tokens * 4 + slack}x128xbf16>"
-    assert call.operand_types[4] == f"tensor<{32 * 8 * (num_seqs * width + 1)}x16x128xbf16>"
+    for call in calls:
+        assert call.operand_types[4] == f"tensor<8x{num_tokens * 4 + slack}x128xbf16>"
+        assert call.operand_types[5] == f"tensor<{32 * 8 * (num_seqs * width + 1)}x16x128xbf16>"
 
 
 def lower_and_check_launch(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
-    """The kernel's custom call, checked for the variant's grid, warps, stages and padded q operand."""
-    call = lower_kernel(variant, num_tokens, num_seqs, width)
-    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
-    assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
+    """The kernel's launches, checked for the variant's grids, warps, stages and padded q operand."""
+    calls = lower_kernel(variant, num_tokens, num_seqs, width)
+    assert [call.grid for call in calls] == variant.expected_grids(num_tokens, num_seqs, width)
     rows = num_tokens * variant.group + spare_rows(variant, num_tokens, num_seqs)
     dtype = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[variant.dtype]
-    assert call.operand_types[3] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}x{dtype}>"
-    return call
+    for call in calls:
+        assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
+        assert call.operand_types[4] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}x{dtype}>"
+    return calls
 
 
 @pytest.mark.parametrize("variant", KERNEL_VARIANTS, ids=lambda v: v.name)
 def test_every_kernel_variant_lowers_with_its_tiles_warps_and_stages(variant):
-    call = lower_and_check_launch(variant, 256, 32, 32)
-    assert re.search(r"tt\.dot", call.ir_text())  # the two matmuls reach Triton as dots (tensor cores)
+    for call in lower_and_check_launch(variant, 256, 32, 32):
+        assert re.search(r"tt\.dot", call.ir_text())  # the two matmuls reach Triton as dots (tensor cores)
 
 
 @pytest.mark.parametrize("variant", PREFILL_TILE_VARIANTS, ids=lambda v: v.name)
 def test_prefill_tile_variants_lower_with_both_tile_classes(variant):
-    """A bucket that can hold a prefill compiles both classes: a decode tile's two dots and a prefill tile's."""
-    call = lower_and_check_launch(variant, 512, 64, 128)
+    """A bucket that can hold a prefill launches both classes, each its own kernel: the decode launch a
+    16-row tile's two dots, the prefill launch a prefill tile's."""
+    decode, prefill = lower_and_check_launch(variant, 512, 64, 128)
     assert spare_rows(variant, 512, 64) == variant.prefill_block_m  # q padded for a whole prefill tile
-    dots = re.findall(r"tt\.dot %\S+, %\S+, %\S+.*-> tensor<(\d+)x", call.ir_text())
-    assert sorted(map(int, dots)) == sorted([16, 16, variant.prefill_block_m, variant.prefill_block_m])
+    dots = lambda call: sorted(map(int, re.findall(r"tt\.dot %\S+, %\S+, %\S+.*-> tensor<(\d+)x", call.ir_text())))  # noqa: E731
+    assert dots(decode) == [16, 16]
+    assert dots(prefill) == [variant.prefill_block_m, variant.prefill_block_m]
 
 
 def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):
@@ -150,17 +159,19 @@ def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
     text = lowered.as_text()
     assert f"mhlo.num_partitions = {tensor_parallel_size}" in text  # one SPMD program for every device
     assert "@jaxcb_" not in text  # none of the C++ CPU kernels (the KV write is one on a CPU host)
-    # The layers are scanned: one kernel in the loop body, launched once per layer.
-    [call] = triton_calls(lowered)
+    # The layers are scanned: the kernel's two launches in the loop body, each once per layer.
+    calls = triton_calls(lowered)
     cfg = preset(model)
-    variant = KernelVariant(model, kv_heads_per_device * group, kv_heads_per_device, num_layers=cfg.num_layers)
-    assert call.grid == variant.expected_grid(num_tokens, num_seqs, width)
-    assert (call.num_warps, call.num_stages) == (4, 3)
-    # Each device sees its own share: query rows of its KV heads (+ a 64-row prefill tile of slack), and the
-    # cache blocks of its heads.
-    assert call.operand_types[3] == f"tensor<{kv_heads_per_device}x{num_tokens * group + 64}x128xbf16>"
+    variant = KernelVariant(model, kv_heads_per_device * group, kv_heads_per_device, num_layers=cfg.num_layers,
+                            num_stages=3)
+    assert [call.grid for call in calls] == variant.expected_grids(num_tokens, num_seqs, width)
     blocks = cfg.num_layers * kv_heads_per_device * (num_seqs * width + 1)
-    assert call.operand_types[4] == f"tensor<{blocks}x16x128xbf16>"
+    for call in calls:
+        assert (call.num_warps, call.num_stages) == (4, 3)
+        # Each device sees its own share: query rows of its KV heads (+ a 64-row prefill tile of slack), and the
+        # cache blocks of its heads.
+        assert call.operand_types[4] == f"tensor<{kv_heads_per_device}x{num_tokens * group + 64}x128xbf16>"
+        assert call.operand_types[5] == f"tensor<{blocks}x16x128xbf16>"
 
 
 def test_the_engines_step_lowers_for_every_llama8b_bucket():
@@ -196,8 +207,8 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
         weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner.weights)
         lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, runner.slot_state, key, ints, floats,
                                 x.prev_tokens)
-        [call] = triton_calls(lowered)
-        assert call.grid == LLAMA8B.expected_grid(key.num_tokens, key.num_seqs, key.table_width), key
+        assert [call.grid for call in triton_calls(lowered)] == ENGINE_LLAMA8B.expected_grids(
+            key.num_tokens, key.num_seqs, key.table_width), key
         assert "@jaxcb_" not in lowered.as_text()
 
 

@@ -144,3 +144,57 @@ def test_prefill_tiles_split_over_the_context_equal_the_reference(num_splits):
 def test_mixed_batch_in_bf16_equals_the_reference():
     batch = make_ragged_batch(MIXED, block_size=16, num_kv_heads=2, group=4, head_dim=64, seed=9)
     assert_matches_reference(batch, rtol=2e-2, dtype=jnp.bfloat16)
+
+
+# --- each class in a launch of its own ----------------------------------------------------------
+
+def launch_table(num_tokens, num_seqs, width, **kw):
+    plan = query_tiles(num_tokens, num_seqs, group=4, block_size=16)
+    return [(launch.block_m, launch.num_programs, launch.num_splits) for launch in plan.launches(
+        num_tokens, num_seqs, 8, width * 16, head_dim=128, itemsize=2, kv_tile=32, num_warps=4, num_stages=3, **kw)]
+
+
+def test_decode_tiles_launch_apart_from_prefill_tiles_one_program_per_sequence():
+    assert launch_table(4, 4, 64) == [(16, 4, 1)]  # no prefill fits: the decode launch alone
+    # 256 decodes: 256 decode programs; the prefill launch is bounded by the sequences long enough for it.
+    assert [(rows, n) for rows, n, _ in launch_table(256, 256, 64)] == [(16, 256), (64, 67)]
+    assert [(rows, n) for rows, n, _ in launch_table(2048, 1, 64)] == [(16, 1), (64, 129)]
+
+
+@pytest.mark.parametrize("num_seqs, context, splits", [
+    # The decode launch (5 programs an SM) at llama8b's 8 KV heads over 132 SMs.
+    (1, 1024, 1), (1, 4096, 8), (1, 32768, 64),
+    (16, 1024, 1), (16, 4096, 4), (16, 32768, 4),
+    (32, 1024, 1), (32, 4096, 2), (32, 32768, 2),
+    (128, 1024, 1), (128, 4096, 1), (128, 32768, 4),
+])
+def test_split_kv_follows_the_decode_launchs_occupancy(num_seqs, context, splits):
+    [decode, *_] = launch_table(max(num_seqs, 1), num_seqs, context // 16)
+    assert decode[0] == 16 and decode[2] == splits
+
+
+def test_a_launch_that_holds_more_programs_an_sm_splits_further():
+    from pallas_kernels.query_tiles import choose_num_splits
+
+    # 64 programs at 8k context: a launch that holds 1 program an SM fills a wave with fewer splits.
+    assert choose_num_splits(8, 8, 8192, programs_per_sm=5) > choose_num_splits(8, 8, 8192, programs_per_sm=1)
+    assert choose_num_splits(8, 8, 1024, programs_per_sm=5) == 1  # under 2k of context: never split
+
+
+# Verify rows: a sequence of 1 + k new tokens (speculative decoding) stays in the decode launch while
+# it fits a decode tile: 32-row decode tiles hold 8 tokens at group 4.
+VERIFY = [(1, 40), (5, 37), (8, 64), (9, 30), (3, 3), (6, 100), (0, 7), (40, 90)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_verify_rows_of_1_plus_k_tokens_run_in_the_decode_launch_and_equal_the_reference(num_splits):
+    plan = query_tiles(64, len(VERIFY) + 1, group=4, block_size=8, block_m=32)
+    assert plan.decode_tokens == 8 and plan.classes == (32, 64)
+    batch = make_ragged_batch(VERIFY, block_size=8, num_kv_heads=2, group=4, head_dim=16, seed=11)
+    assert_matches_reference(batch, block_m=32, num_splits=num_splits)
+
+
+def test_a_step_without_prefill_tiles_runs_the_decode_launch_alone_and_equals_the_reference():
+    batch = make_ragged_batch([(1, 20), (1, 90), (4, 33), (0, 5), (1, 1)], block_size=16, num_kv_heads=2, group=4,
+                              head_dim=16, pad_tokens=40, seed=5)  # a bucket that could hold a prefill
+    assert_matches_reference(batch)

@@ -158,23 +158,153 @@ def test_the_host_picks_the_least_level_that_serves_every_row():
         assert sampling_level([p(temperature=0), p(**{"temperature": 0.7, **asks})], any_banned=False) == FULL, asks
 
 
-def test_top_k_top_p_without_a_sort_keep_exactly_what_a_sort_keeps():
-    from benchmarks.sampling_filter import sorted_filter  # the textbook filter: one descending sort
+def sorted_top_k_top_p(logits, top_k, top_p):
+    """The textbook filter, one sort per row: top-k keeps the logits >= the k-th largest (ties too);
+    top-p, on what top-k kept, sorts them, takes the softmax's cumulative mass (vLLM's way) and keeps
+    every token up to and including the first that brings it to top_p, with the ties of the last;
+    top_p >= 1 keeps them all."""
+    vocab = logits.shape[-1]
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    kth = jnp.take_along_axis(jnp.sort(logits, axis=-1)[:, ::-1], (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    sorted_desc = jnp.take_along_axis(logits, jnp.argsort(-logits, axis=-1), axis=-1)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) | (top_p[:, None] >= 1)
+    keep = keep.at[:, 0].set(True)
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def filter_both_ways(logits, top_k, top_p):
+    """(the step's filter, the sort's) on the same rows, as numpy."""
     from jaxcb.sampling import _filter_top_k_top_p
 
+    s = arrays(len(logits), top_k=top_k, top_p=top_p)
+    ours = jax.jit(lambda x: _filter_top_k_top_p(x, s))(jnp.asarray(logits, jnp.float32))
+    theirs = sorted_top_k_top_p(jnp.asarray(logits, jnp.float32), s.top_k, s.top_p)
+    return np.asarray(ours), np.asarray(theirs)
+
+
+def assert_same_tokens_kept(logits, top_k, top_p):
+    ours, theirs = filter_both_ways(logits, top_k, top_p)
+    dropped = np.isneginf(ours)
+    for row in range(len(logits)):
+        np.testing.assert_array_equal(dropped[row], np.isneginf(theirs[row]),
+                                      err_msg=f"row {row}: top_k={top_k[row]} top_p={top_p[row]}")
+    np.testing.assert_array_equal(ours[~dropped], np.asarray(logits, np.float32)[~dropped])
+
+
+def random_rows(rng, rows, vocab):
+    scale = rng.uniform(0.1, 8, (rows, 1))
+    return (rng.standard_normal((rows, vocab)) * scale).astype(np.float32)
+
+
+def test_top_k_top_p_without_a_sort_keep_exactly_what_a_sort_keeps():
     rng = np.random.default_rng(0)
-    rows, vocab = 48, 997
-    logits = rng.standard_normal((rows, vocab)).astype(np.float32) * rng.uniform(0.1, 8, (rows, 1)).astype(np.float32)
-    logits[0, :50] = 3.0  # ties at the cut
-    logits[1] = np.round(logits[1])  # many ties
-    logits[2, 10:] = -np.inf  # a row already filtered
-    logits[3] = -1e30  # huge negative values
-    top_k = rng.integers(0, 60, rows).astype(np.int32)
+    rows, vocab = 64, 997  # odd: no power of two lines up by accident
+    logits = random_rows(rng, rows, vocab)
+    top_k = rng.integers(0, 60, rows)
     top_k[:6] = [1, 0, 5, vocab, vocab + 7, 2]
-    top_p = rng.uniform(0.01, 1.0, rows).astype(np.float32)
-    top_p[6:10] = [1.0, 1e-6, 0.5, 0.999999]
+    top_p = rng.uniform(0.01, 1.0, rows)
+    top_p[6:12] = [1.0, 1e-6, 0.5, 0.999999, 1e-30, 0.9]
+    top_p[12:20] = 1.0  # top-k alone
+    top_k[20:28] = 0  # top-p alone
+    assert_same_tokens_kept(logits, top_k, top_p)
+
+
+def kept_in_float64(logits, top_k, top_p, tol=1e-5):
+    """(bool[R, V] what top-k then top-p keep with every sum in float64, bool[R] rows whose top-p cut-off
+    is a near-tie: some token's mass before it lies within `tol` of top_p, where float32 sums in any
+    order may fall either side)."""
+    kept, near = np.zeros(logits.shape, bool), np.zeros(len(logits), bool)
+    for r, (row, k, p) in enumerate(zip(logits.astype(np.float64), top_k, top_p)):
+        desc = np.sort(row)[::-1]
+        k = min(k, len(row)) if k > 0 else len(row)
+        keep = row >= desc[k - 1]
+        if p < 1:
+            vals = np.sort(row[keep])[::-1]
+            probs = np.exp(vals - vals[0]) / np.exp(vals - vals[0]).sum()
+            before = np.cumsum(probs) - probs
+            near[r] = bool((np.abs(before - p) < tol).any())
+            last = max(1, int((before < p).sum()))
+            keep &= row >= vals[last - 1]
+        kept[r] = keep
+    return kept, near
+
+
+def test_on_a_large_vocabulary_top_p_keeps_what_float64_sums_keep_save_near_ties():
+    """At 50k tokens the float32 sums of a sort and of the radix select's histograms round differently;
+    against sums in float64 the filter is exact wherever the cut-off is not a near-tie."""
+    from jaxcb.sampling import _filter_top_k_top_p
+
+    rng = np.random.default_rng(5)
+    rows, vocab = 24, 50021
+    logits = random_rows(rng, rows, vocab)
+    top_k = np.where(np.arange(rows) % 3 == 0, rng.integers(1, 4000, rows), 0)
+    top_p = rng.uniform(0.3, 0.999, rows)
     s = arrays(rows, top_k=top_k, top_p=top_p)
-    ours = np.asarray(jax.jit(lambda x: _filter_top_k_top_p(x, s))(jnp.asarray(logits)))
-    theirs = np.asarray(sorted_filter(jnp.asarray(logits), jnp.asarray(top_k), jnp.asarray(top_p)))
-    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))
-    np.testing.assert_array_equal(ours[~np.isneginf(ours)], logits[~np.isneginf(ours)])
+    ours = ~np.isneginf(np.asarray(jax.jit(lambda x: _filter_top_k_top_p(x, s))(jnp.asarray(logits))))
+    kept, near = kept_in_float64(logits, top_k, np.asarray(s.top_p))
+    assert near.sum() <= rows // 4, near.sum()  # most rows are decided, or the test would prove nothing
+    for r in np.nonzero(~near)[0]:
+        np.testing.assert_array_equal(ours[r], kept[r], err_msg=f"row {r}: top_k={top_k[r]} top_p={top_p[r]}")
+
+
+def test_ties_at_either_cut_off_are_all_kept():
+    rng = np.random.default_rng(1)
+    vocab = 301
+    logits = np.round(random_rows(rng, 40, vocab))  # many ties everywhere
+    logits[0, :50] = 99.0  # the largest, fifty times: k = 1 keeps all fifty
+    logits[1] = 2.0  # one value: every k and p keep the row
+    logits[2, :3], logits[2, 3:10], logits[2, 10:] = 5.0, 4.0, -3.0  # k = 5 falls inside the 4.0s
+    logits[3] = logits[2]
+    top_k = rng.integers(0, 40, 40)
+    top_k[:4] = [1, 7, 5, 0]
+    top_p = rng.uniform(0.01, 1.0, 40)
+    top_p[:4] = [1.0, 0.3, 1.0, 0.6]  # row 3: the 5.0s hold 0.53 of the mass, the 4.0s bring it past 0.6
+    assert_same_tokens_kept(logits, top_k, top_p)
+    ours, _ = filter_both_ways(logits[:4], top_k[:4], top_p[:4])
+    assert (~np.isneginf(ours)).sum(axis=1).tolist() == [50, vocab, 10, 10]
+
+
+def test_minus_infinity_and_huge_logits_keep_what_a_sort_keeps():
+    rng = np.random.default_rng(2)
+    vocab = 257
+    logits = random_rows(rng, 24, vocab)
+    logits[0, 10:] = -np.inf  # a row already filtered: k past its finite entries keeps those
+    logits[1, ::2] = -np.inf
+    logits[2] = -1e30
+    logits[3, :5] = 1e30
+    logits[4, :3], logits[4, 3:6] = 3e38, -3e38
+    logits[5] = -3e38
+    logits[6, 7], logits[6, 100:] = -3e38, -1e30
+    logits[7, :2], logits[7, 2:] = 1e30, -1e30
+    logits[8:12] = logits[4:8] * np.float32(0.5)
+    top_k = np.array([20, 0, 3, 2, 4, 1, 0, 0, 300, 2, 0, 1] + [0, 5] * 6)
+    top_p = np.array([1.0, 0.5, 0.7, 0.9, 0.6, 1.0, 0.2, 0.999, 1.0, 0.4, 0.8, 1e-6] + [0.3] * 12)
+    assert_same_tokens_kept(logits, top_k, top_p)
+
+
+def test_k_of_one_or_the_whole_vocabulary_and_p_tiny_or_one():
+    rng = np.random.default_rng(3)
+    vocab = 1031
+    logits = random_rows(rng, 16, vocab)
+    top_k = np.array([1, vocab, 0, vocab, 1, 0, vocab + 1, 2] * 2)
+    top_p = np.array([1.0, 1.0, 1e-7, 1e-7, 1e-7, 1.0, 0.999, 1.0] * 2)
+    ours, _ = filter_both_ways(logits, top_k, top_p)
+    kept = (~np.isneginf(ours)).sum(axis=1)
+    assert kept[[0, 2, 3, 4]].tolist() == [1, 1, 1, 1] and kept[[1, 5, 7]].tolist() == [vocab, vocab, 2]
+    assert_same_tokens_kept(logits, top_k, top_p)
+
+
+def test_rows_with_the_filter_off_are_left_as_they_are():
+    rng = np.random.default_rng(4)
+    logits = random_rows(rng, 12, 509)
+    logits[0, :30] = -np.inf
+    logits[1, :4] = 1e30
+    top_k = np.array([0, 0, 3, 0, 0, 7, 0, 0, 1, 0, 0, 0])
+    top_p = np.array([1, 1, 1, 1, 0.5, 1, 1, 0.2, 1, 1, 1, 0.9])
+    ours, _ = filter_both_ways(logits, top_k, top_p)
+    off = (top_k == 0) & (top_p == 1)
+    np.testing.assert_array_equal(ours[off], logits[off])
+    assert_same_tokens_kept(logits, top_k, top_p)

@@ -19,6 +19,7 @@ import pytest
 
 from cuda_variants import ENGINE_LLAMA8B, KERNEL_VARIANTS, PREFILL_TILE_VARIANTS
 from jaxcb.kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, lower_for_gpu, ptxas_resources, triton_calls
+from pallas_kernels.query_tiles import MEASURED_RESOURCES, ProgramResources
 
 if os.environ.get("JAXCB_REQUIRE_TRITON") != "1":
     pytest.importorskip("triton")
@@ -32,35 +33,39 @@ VARIANTS = [(v, BUCKET) for v in KERNEL_VARIANTS + PREFILL_TILE_VARIANTS] + [
 ]
 
 
-def triton_call(variant, bucket):
-    [call] = triton_calls(lower_for_gpu(variant.kernel(), *variant.args(*bucket, 16)))
-    return call
+def launches(variant, bucket):
+    """The kernel's launches for a bucket: the decode tiles', then (if it can hold a prefill) the prefill tiles'."""
+    return triton_calls(lower_for_gpu(variant.kernel(), *variant.args(*bucket, 16)))
 
 
 def test_every_kernel_variant_fits_the_h200_without_spills(tmp_path):
     lines = [
-        "| variant | dtype | head dim | block | group | rows (decode+prefill) x kv_tile | bucket T/R | warps | stages "
-        "| registers | spills (store/load B) | shared KiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | dtype | head dim | block | group | launch: rows x kv_tile | bucket T/R | warps | stages "
+        "| registers | spills (store/load B) | shared KiB | programs / SM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     problems = []
     toolchain = ""
     for v, bucket in VARIANTS:
-        r = ptxas_resources(triton_call(v, bucket))
-        toolchain = r.toolchain
         plan = v.tile_plan(*bucket)
-        lines.append(
-            f"| {v.name} | {v.dtype} | {v.head_dim} | {v.block_size} | {v.group} | "
-            f"{'+'.join(map(str, plan.classes))} x {v.kv_tile} | {bucket[0]}/{bucket[1]} | {v.num_warps} | "
-            f"{v.num_stages} | {r.registers} | {r.spill_store_bytes}/{r.spill_load_bytes} | "
-            f"{r.shared_bytes / 1024:.0f} |"
-        )
-        if r.spill_store_bytes or r.spill_load_bytes:
-            problems.append(f"{v.name}: spills {r.spill_store_bytes}/{r.spill_load_bytes} bytes")
-        if not 0 < r.registers <= MAX_REGISTERS:
-            problems.append(f"{v.name}: {r.registers} registers")
-        if r.shared_bytes > MAX_SHARED_BYTES:
-            problems.append(f"{v.name}: {r.shared_bytes} bytes of shared memory")
+        for call, rows in zip(launches(v, bucket), plan.classes):
+            r = ptxas_resources(call)
+            toolchain = r.toolchain
+            per_sm = ProgramResources(r.registers, r.shared_bytes, v.num_warps).programs_per_sm
+            kind = "decode" if rows == plan.block_m else "prefill"
+            lines.append(
+                f"| {v.name} | {v.dtype} | {v.head_dim} | {v.block_size} | {v.group} | "
+                f"{kind}: {rows} x {plan.pages_per_tile * v.block_size} | {bucket[0]}/{bucket[1]} | {v.num_warps} | "
+                f"{v.num_stages} | {r.registers} | {r.spill_store_bytes}/{r.spill_load_bytes} | "
+                f"{r.shared_bytes / 1024:.0f} | {per_sm} |"
+            )
+            name = f"{v.name} ({kind})"
+            if r.spill_store_bytes or r.spill_load_bytes:
+                problems.append(f"{name}: spills {r.spill_store_bytes}/{r.spill_load_bytes} bytes")
+            if not 0 < r.registers <= MAX_REGISTERS:
+                problems.append(f"{name}: {r.registers} registers")
+            if r.shared_bytes > MAX_SHARED_BYTES:
+                problems.append(f"{name}: {r.shared_bytes} bytes of shared memory")
     report = "\n".join(lines + ["", f"Compiled for sm_90a by {toolchain}."]) + "\n"
     out = os.environ.get("JAXCB_TRITON_REPORT") or str(tmp_path / "triton.md")
     with open(out, "w") as f:
@@ -89,9 +94,23 @@ def test_each_kv_loop_loads_the_next_tile_while_it_computes_this_one(bucket):
     """The engine's kernel, pipelined by Triton at num_stages=3: in every tile class's loop the K and V
     copies are asynchronous, and the wait at the top of an iteration leaves the 2 newest copy groups (the
     next tile's K and V) in flight while this tile's dots run."""
-    loops = kv_loops(triton_call(ENGINE_LLAMA8B, bucket))
-    assert len(loops) == (2 if bucket == BUCKET else 1)
-    for body in loops:
+    calls = launches(ENGINE_LLAMA8B, bucket)
+    assert len(calls) == (2 if bucket == BUCKET else 1)
+    for body in (loop for call in calls for loop in kv_loops(call)):
         assert body.count("ttg.async_copy_global_to_local") == 2  # the next tile's K and V
         assert re.search(r"ttg\.async_wait .*\{num = 2 : i32\}", body), "the next tile's copies must stay in flight"
         assert "dot" in body.split("async_copy_global_to_local")[0]  # this tile's dots before the next copies
+
+
+def test_the_split_choice_reads_the_occupancy_ptxas_reports_for_each_engine_launch():
+    """MEASURED_RESOURCES, which choose_num_splits reads, holds what ptxas reports for the engine's decode
+    and prefill launches (llama8b, bf16), to the programs an SM runs."""
+    v = ENGINE_LLAMA8B
+    plan = v.tile_plan(*BUCKET)
+    for call, rows in zip(launches(v, BUCKET), plan.classes):
+        r = ptxas_resources(call)
+        key = (rows, v.head_dim, 2, plan.pages_per_tile * v.block_size, v.num_warps, v.num_stages)
+        table = MEASURED_RESOURCES[key]
+        measured = ProgramResources(r.registers, r.shared_bytes, v.num_warps)
+        assert (table.programs_per_sm, abs(table.registers - r.registers) <= 8) == (measured.programs_per_sm, True), (
+            key, r.registers, r.shared_bytes)

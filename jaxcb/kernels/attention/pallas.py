@@ -21,11 +21,11 @@ from __future__ import annotations
 import dataclasses
 
 from pallas_kernels.query_tiles import QueryTiles, choose_num_splits, kernel_tile_sizes, query_tiles, step_tile_table
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import kernel_launches, ragged_paged_attention
 
 __all__ = [
-    "QueryTiles", "choose_num_splits", "kernel_tile_sizes", "prepare_step", "query_tiles", "ragged_paged_attention",
-    "step_tile_table",
+    "QueryTiles", "choose_num_splits", "kernel_launches", "kernel_tile_sizes", "prepare_step", "query_tiles",
+    "ragged_paged_attention", "step_tile_table",
 ]
 
 
