@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 EAGER_VARIANTS = frozenset({StepVariant.GREEDY, StepVariant.FULL})
 WHEN = ("startup", "background", "first_use")
 MAX_AUTO_WORKERS = 8
+# Below this, one compile thread: an XLA:CPU compile already keeps ~1.6 of 2 cores busy, and a second
+# thread gained 1.09x there (docs/benchmarks.md, start-up's compile phase), within the noise.
+MIN_CORES_FOR_PARALLEL = 4
 MIN_CORES_FOR_BACKGROUND = 8  # below this, a background compile would take the cores a running step needs
 
 _LIVE: "weakref.WeakSet[StepCompiler]" = weakref.WeakSet()
@@ -59,7 +62,9 @@ def compile_plan(engine_cfg, num_cores: Optional[int] = None) -> tuple[int, str]
     engine.compile_rare_variants, `auto` resolved from the host's cores."""
     cores = num_cores or os.cpu_count() or 1
     workers = engine_cfg.compile_workers
-    workers = min(MAX_AUTO_WORKERS, cores) if workers == "auto" else int(workers)
+    if workers == "auto":
+        workers = min(MAX_AUTO_WORKERS, cores) if cores >= MIN_CORES_FOR_PARALLEL else 1
+    workers = int(workers)
     when = engine_cfg.compile_rare_variants
     if when == "auto":
         when = "background" if cores >= MIN_CORES_FOR_BACKGROUND else "first_use"
