@@ -254,6 +254,13 @@ def matmul_flops_per_s(m: int, k: int, n: int, dtype: str, repeats: int = 20, se
     return 2 * m * k * n / best
 
 
+def attended_keys(num_tokens: int, window: int) -> int:
+    """Keys one layer reads for a sequence of `num_tokens`: token i sees i + 1 keys, at most `window` (0: no window)."""
+    if not window or num_tokens <= window:
+        return num_tokens * (num_tokens + 1) // 2
+    return window * (window + 1) // 2 + (num_tokens - window) * window
+
+
 def model_flops(llm: LLM, workloads: list[list[WorkItem]]) -> dict:
     """Model FLOP/s of offline runs next to the matmul ceiling measured here with JAX.
 
@@ -285,9 +292,10 @@ def model_flops(llm: LLM, workloads: list[list[WorkItem]]) -> dict:
         after = ceiling()
         tokens = result.prompt_tokens + result.output_tokens
         linear = 2 * m.num_layers * layer_params * tokens + 2 * m.hidden_size * m.vocab_size * result.output_tokens
-        # Each token attends to its whole context: sum over requests of 1..(prompt + output).
-        contexts = sum((n := len(w.prompt_token_ids) + w.output_len) * (n + 1) // 2 for w in items)
-        attention = 4 * m.num_layers * q * contexts
+        # Each token attends to its context, 1..(prompt + output), or to its layer's window.
+        contexts = sum(attended_keys(len(w.prompt_token_ids) + w.output_len, window)
+                       for w in items for window in m.layer_windows)
+        attention = 4 * q * contexts
         achieved = (linear + attention) / result.seconds
         runs.append(dict(
             seconds=result.seconds, output_tokens_per_s=result.output_tokens_per_s, num_steps=result.num_steps,

@@ -34,13 +34,17 @@ class ConfigError(ValueError):
 
 @dataclass
 class RopeScalingConfig:
-    """Llama 3 style frequency-dependent RoPE scaling (HF `rope_scaling` with rope_type llama3)."""
+    """RoPE scaling, as HF's `rope_scaling`: llama3 (Llama 3.1's frequency-dependent scaling) or yarn
+    (Qwen2.5/Qwen3's long-context configs)."""
 
-    rope_type: str = "llama3"  # only "llama3" is supported
+    rope_type: str = "llama3"  # llama3 | yarn
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0  # yarn: rotations past which a frequency is kept (extrapolated)
+    beta_slow: float = 1.0  # yarn: rotations below which it is interpolated
+    attention_factor: Optional[float] = None  # yarn: cos/sin scale; null: 0.1 ln(factor) + 1
 
 
 @dataclass
@@ -81,6 +85,13 @@ class ModelConfig:
     rope_scaling: Optional[RopeScalingConfig] = None
     max_position_embeddings: Optional[int] = None
     tie_word_embeddings: Optional[bool] = None
+    # The family's differences from Llama (jaxcb/model/families.py); unset: read from the checkpoint,
+    # else Llama's (no bias, no q/k norm, no window).
+    architecture: Optional[str] = None  # llama | mistral | qwen2 | qwen3
+    qkv_bias: Optional[bool] = None  # a bias on the q, k and v projections (qwen2)
+    qk_norm: Optional[bool] = None  # RMSNorm over each head's q and k before RoPE (qwen3)
+    sliding_window: Optional[int] = None  # tokens a query sees, its own included, on windowed layers; 0: none
+    layer_types: Optional[list[str]] = None  # per layer: full_attention | sliding_attention; unset: all windowed
     bos_token_id: Optional[int] = None
     eos_token_ids: Optional[list[int]] = None
 

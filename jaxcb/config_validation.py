@@ -310,9 +310,21 @@ def validate_model_config(m: ModelConfig) -> None:
             m.num_heads % m.num_kv_heads == 0,
             f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}",
         )
+    from jaxcb.model.families import FAMILIES, LAYER_TYPES
+
+    require(m.architecture is None or m.architecture in FAMILIES,
+            f"model.architecture={m.architecture!r} must be one of {', '.join(FAMILIES)}")
+    require(m.sliding_window is None or m.sliding_window >= 0,
+            f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)")
+    if m.layer_types is not None:
+        unknown = sorted(set(m.layer_types) - set(LAYER_TYPES))
+        require(not unknown, f"model.layer_types has {', '.join(map(repr, unknown))}; each must be one of "
+                             f"{', '.join(LAYER_TYPES)}")
+        require(m.num_layers is None or len(m.layer_types) == m.num_layers,
+                f"model.layer_types has {len(m.layer_types)} entries but model.num_layers={m.num_layers}")
     if m.rope_scaling is not None:
         require(
-            m.rope_scaling.rope_type == "llama3",
-            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3' or "
+            m.rope_scaling.rope_type in ("llama3", "yarn"),
+            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3', 'yarn' or "
             f"set model.rope_scaling=null",
         )

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from jaxcb.backends import Backend, select_backend
 from jaxcb.config import AttentionConfig, ModelConfig
 from jaxcb.model.config import choose_model_dtype, read_checkpoint_config
+from jaxcb.model.families import describe
 from jaxcb.model.llama import Llama
 from jaxcb.model.loader import ORBAX_PARAMS_DIR, is_orbax_checkpoint, load_model
 from jaxcb.sharding import TensorParallel
@@ -77,8 +78,9 @@ def load_model_and_tokenizer(
     checkpoint_dtype = read_checkpoint_config(m.checkpoint).get("checkpoint_dtype") if m.checkpoint else None
     _, dtype_reason = choose_model_dtype(m.dtype, checkpoint_dtype)
     log.info(
-        "model=%s: %d layers, hidden %d, %d/%d heads, vocab %d, %s (%s); tokenizer %s; %s; attention %s",
-        m.name, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
+        "model=%s: %s, %d layers, hidden %d, %d/%d heads, vocab %d, %s (%s); tokenizer %s; %s; attention %s",
+        m.name, describe(cfg.architecture, cfg.qkv_bias, cfg.qk_norm, cfg.layer_windows),
+        cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size,
         cfg.dtype, dtype_reason, type(tokenizer).__name__, backend.describe(), backend.attention.name,
     )
     return model, backend, tokenizer

@@ -64,6 +64,11 @@ PARAM_SHARDED_AXIS: dict[str, Optional[int]] = {
     "attn_norm": None,  # [L, D]
     "mlp_norm": None,  # [L, D]
     "final_norm": None,  # [D]
+    "q_bias": -2,  # [L, Hq, K]: with its heads
+    "k_bias": -2,  # [L, Hkv, K]
+    "v_bias": -2,  # [L, Hkv, K]
+    "q_norm": None,  # [L, K]: one weight shared by every head
+    "k_norm": None,  # [L, K]
 }
 
 

@@ -285,6 +285,11 @@ _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Llama 3's but for digits, which it splits one by one (Qwen2's tokenizer.json and llama.cpp's "qwen2").
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 GGUF_PRE_TOKENIZERS = {
     "gpt-2": ("gpt2",),
     "smollm": ("digits", "gpt2"),
@@ -292,23 +297,31 @@ GGUF_PRE_TOKENIZERS = {
     "llama3": ("llama3",),
     "llama-v3": ("llama3",),
     "smaug-bpe": ("llama3",),
+    "qwen2": ("qwen2",),  # Qwen2, Qwen2.5, Qwen3
 }
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
 def _pre_tokenizer(steps: tuple[str, ...]):
-    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import pre_tokenizers
 
     parts = {
         "digits": lambda: pre_tokenizers.Digits(individual_digits=True),
         "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        "llama3": lambda: pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]),
+        "llama3": lambda: _split_then_bytes(_LLAMA3_REGEX),
+        "qwen2": lambda: _split_then_bytes(_QWEN2_REGEX),
     }
     built = [parts[s]() for s in steps]
     return built[0] if len(built) == 1 else pre_tokenizers.Sequence(built)
+
+
+def _split_then_bytes(regex: str):
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
 
 
 def gguf_tokenizer_problems(path: str) -> list[str]:

@@ -8,6 +8,10 @@ tokens sits at position `kv_lens[r] - q_len + i` and sees keys 0..that position.
 `query_start_loc[num_seqs]` are padding and return 0. `ragged_paged_attention_reference` is
 the definition; the kernel is tested against it.
 
+Sliding window (`window`, a traced i32[] or None), as Hugging Face's Mistral, Qwen2 and Gemma:
+the token at position p sees key j iff j <= p and p - j < window; a window >= the context
+(`NO_WINDOW`) is no window. None compiles the kernel without it, exactly as before.
+
 Cache layout: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`, so one
 block of one head is a contiguous [block_size, head_dim] tile. The layer is an argument:
 a model's layer scan passes the whole stacked cache, which is never copied.
@@ -23,10 +27,12 @@ Work decomposition (after vLLM's Triton "unified attention"):
     `decode_tokens` query tokens takes one 16-row decode tile; a longer one (a prefill
     chunk) is cut into 64-row prefill tiles, which read its context 4x less often.
     kv loop: the sequence's context in tiles of `pages_per_tile` blocks, gathered from the
-    cache through the block table; online softmax; stops at the tile's last causal key;
-    software-pipelined (the next tile's K/V loads while this one is computed).
-    kv split: for small decode batches, the context shared among programs (`choose_num_splits`,
-    from the launch's occupancy).
+    cache through the block table; online softmax; stops at the tile's last causal key, and with
+    a sliding window starts at the KV tile of the first key in the window of the tile's first
+    row (tiles before it are never read); software-pipelined (the next tile's K/V loads while
+    this one is computed).
+    kv split: for small decode batches, the context (in the window) shared among programs
+    (`choose_num_splits`, from the launch's occupancy).
 
     Each tile class is a launch of its own (`QueryTiles.launches`): the decode launch first, over
     the table's decode tiles (they follow the prefill tiles: it starts at their count), then, in a
@@ -56,6 +62,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.query_tiles import Launch, query_tiles, two_class_tile_table
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
+NO_WINDOW = 2**30  # a window longer than any context: a full-attention layer of a model with windowed ones
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
@@ -70,11 +77,13 @@ def ragged_paged_attention_reference(
     layer: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    window: Optional[jax.Array] = None,  # i32[]: sliding window (keys p - window < j <= p); None: none
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
     """The definition, written for clarity, not speed: it gathers every sequence's whole block table and
-    then every token's sequence, which is O(T x context). Blocks outside a sequence's `kv_lens` never
-    contribute, even if they hold NaN."""
-    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
+    then every token's sequence, which is O(T x context). Keys outside a sequence's `kv_lens` or outside
+    a token's window never contribute, even if they hold NaN."""
+    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer,
+                           window=window)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = k_cache.shape
     num_seqs_max, max_blocks = block_tables.shape
@@ -106,6 +115,9 @@ def ragged_paged_attention_reference(
     v_tok = v_seq[seq].astype(jnp.float32)
     scores = jnp.einsum("thgd,tchd->thgc", qg, k_tok) * sm_scale
     visible = (key_idx[None, :] <= q_pos[:, None]) & (key_idx[None, :] < kv_lens[seq][:, None]) & is_real[:, None]
+    if window is not None:
+        visible &= q_pos[:, None] - key_idx[None, :] < jnp.reshape(window, ())
+        v_tok = jnp.where(visible[:, :, None, None], v_tok, 0)  # keys before the window may hold anything, even NaN
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -117,7 +129,8 @@ def ragged_paged_attention_reference(
 
 
 def check_attention_inputs(
-    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, *, q_may_differ_from_cache=False
+    q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, *, q_may_differ_from_cache=False,
+    window=None,
 ) -> None:
     """Shape and dtype checks with messages that name the offending argument. An implementation
     that reads the cache in one dtype and computes in q's passes q_may_differ_from_cache."""
@@ -150,15 +163,21 @@ def check_attention_inputs(
                     ("num_seqs", num_seqs), ("layer", layer)):
         if x.dtype != jnp.int32:
             raise ValueError(f"{name} must be int32, got {x.dtype}")
+    if window is not None and (getattr(window, "dtype", None) != jnp.int32 or jnp.shape(window) not in ((), (1,))):
+        raise ValueError(f"window must be an int32 scalar array (None: no window), got "
+                         f"{getattr(window, 'dtype', type(window).__name__)}{list(jnp.shape(window))}")
 
 
 def _attend(
     tile, head, split,  # the program's ids, read outside the class branches (the interpreter wants them there)
-    tiles_ref, layer_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs, *,
+    tiles_ref, layer_ref, window_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs, *,
     block_m: int, group: int, pages_per_tile: int, num_kv_heads: int, num_blocks: int, sm_scale: float,
     num_splits: int,
 ):
-    """One (query tile, KV head, split) program with a tile of `block_m` rows."""
+    """One (query tile, KV head, split) program with a tile of `block_m` rows. With a window
+    (`window_ref` i32[1]; None: none, and none of its code), the KV loop starts at the first KV tile
+    that the tile's first row -- the one whose window starts earliest -- can see: whole tiles before
+    it are never read."""
     seq, q_start, q_count, pos0, kv_len = (tiles_ref[i, tile] for i in range(5))
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     kv_tile = pages_per_tile * block_size
@@ -169,9 +188,17 @@ def _attend(
     row_pos = pos0 + row_tok  # causal limit of each row
     page_base = (layer_ref[0] * num_kv_heads + head) * num_blocks
     num_kv_tiles = pl.cdiv(jnp.minimum(kv_len, pos0 + q_count), kv_tile)  # >= 1: q_count > 0 here
-    # Split-KV: this program takes its share of the tile's KV tiles (an empty share writes the identity).
-    per_split = pl.cdiv(num_kv_tiles, num_splits)
-    first_kv_tile = jnp.minimum(split * per_split, num_kv_tiles)
+    # Split-KV: this program takes its share of the tile's KV tiles (in the window), an empty share writes
+    # the identity.
+    if window_ref is None:
+        per_split = pl.cdiv(num_kv_tiles, num_splits)
+        first_kv_tile = jnp.minimum(split * per_split, num_kv_tiles)
+    else:
+        window = window_ref[0]
+        first_key = jnp.maximum(pos0 - window + 1, 0)  # the first key any row of the tile sees
+        window_kv_tile = first_key // kv_tile  # < num_kv_tiles: row 0 sees its own position
+        per_split = pl.cdiv(num_kv_tiles - window_kv_tile, num_splits)
+        first_kv_tile = jnp.minimum(window_kv_tile + split * per_split, num_kv_tiles)
     last_kv_tile = jnp.minimum(first_kv_tile + per_split, num_kv_tiles)
 
     def pages_of(t):  # i32[pages_per_tile]; t clamped: the block ids read one tile ahead stay in the table
@@ -190,11 +217,15 @@ def _attend(
         v = v_ref[pages].reshape(kv_tile, head_dim)
         key_pos = t * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
         key_valid = key_pos < kv_len
+        if window_ref is not None:  # keys of the first tile before every row's window: as if past kv_len
+            key_valid &= key_pos >= first_key
         # Rows past kv_len may be stale or NaN. Their scores are replaced by MASK_VALUE below (a select,
         # so a NaN score never survives); only V needs zeroing, where 0 * NaN would reach the output.
         v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
         s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [block_m, kv_tile]
         visible = key_valid[None, :] & (key_pos[None, :] <= row_pos[:, None])
+        if window_ref is not None:
+            visible &= row_pos[:, None] - key_pos[None, :] < window
         s = jnp.where(visible, s, MASK_VALUE)
         m_next = jnp.maximum(m_prev, s.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
@@ -228,17 +259,18 @@ def _kernel(
     q_ref,  # [num_kv_heads, T * group + spare rows, head_dim]
     k_ref,  # [num_layers * num_kv_heads * num_blocks, block_size, head_dim]
     v_ref,
-    *refs,  # [o_in_ref (aliased to o_ref: the rows another launch wrote)], o_ref, [m_ref, l_ref (split-KV)]
+    *refs,  # [window_ref], [o_in_ref (aliased to o_ref: the rows another launch wrote)], o_ref, [m_ref, l_ref]
     tile_class: int,
     block_m: int,
     num_tiles: int,
     aliased: bool,
+    windowed: bool,
     **static,
 ):
     """One launch's program: the tile of its class at `first + program_id(0)`; any other tile (the other
     class's, padding, past the table) runs nothing."""
-    if aliased:
-        refs = refs[1:]
+    window_ref = refs[0] if windowed else None  # i32[1]
+    refs = refs[int(windowed) + int(aliased):]
     o_ref, *split_refs = refs
     index = first_ref[0] + pl.program_id(0)
     tile = jnp.minimum(index, num_tiles - 1)
@@ -247,8 +279,8 @@ def _kernel(
 
     @pl.when(runs)
     def _():
-        _attend(tile, head, split, tiles_ref, layer_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs,
-                block_m=block_m, **static)
+        _attend(tile, head, split, tiles_ref, layer_ref, window_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref,
+                split_refs, block_m=block_m, **static)
 
 
 def _row_tile_class(query_start_loc: jax.Array, num_rows: int, group: int, decode_tokens: int) -> jax.Array:
@@ -302,8 +334,10 @@ def ragged_paged_attention(
     interpret: bool = False,
     tiles: Optional[jax.Array] = None,  # i32[6, num_tiles]: `step_tile_table`, built once per step; None: here
     num_splits: Optional[int] = None,  # split-KV programs per (tile, KV head); None: `choose_num_splits`
+    window: Optional[jax.Array] = None,  # i32[]: sliding window, an operand (it varies by layer); None: none
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
-    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
+    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer,
+                           window=window)
     num_tokens, num_q_heads, head_dim = q.shape
     num_layers, num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -329,13 +363,15 @@ def ragged_paged_attention(
     static = dict(group=group, pages_per_tile=pages_per_tile, num_kv_heads=num_kv_heads, num_blocks=num_blocks,
                   sm_scale=sm_scale, num_tiles=num_tiles)
     operands = (tiles, jnp.reshape(layer, (1,)), block_tables, q_rows, k_cache.reshape(flat), v_cache.reshape(flat))
+    if window is not None:  # after the cache: the operands before it keep their places
+        operands += (jnp.reshape(window, (1,)),)
     num_large = jnp.sum(tiles[5]).astype(jnp.int32)  # the prefill tiles come first in the table
 
     def launch(spec, first, out=None):
         """One tile class's pallas_call; `out`: the rows the other launch wrote, which this one keeps."""
         kernel = functools.partial(_kernel, tile_class=spec.tile_class, block_m=spec.block_m,
                                    num_splits=spec.num_splits, aliased=out is not None and spec.num_splits == 1,
-                                   **static)
+                                   windowed=window is not None, **static)
         rows = q_rows.shape[1]
         if spec.num_splits == 1:
             out_shape = jax.ShapeDtypeStruct(q_rows.shape, q.dtype)
@@ -348,7 +384,7 @@ def ragged_paged_attention(
             kernel,
             grid=(spec.num_programs, num_kv_heads, spec.num_splits),
             out_shape=out_shape,
-            input_output_aliases={7: 0} if aliased else {},
+            input_output_aliases={1 + len(operands): 0} if aliased else {},
             compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
             interpret=interpret,
             name="ragged_paged_attention_" + ("decode" if spec.tile_class == 0 else "prefill"),

@@ -7,8 +7,9 @@ import numpy as np
 from jaxcb.kernels.attention.testing import RaggedBatch, make_ragged_batch  # noqa: F401  (re-exported for tests)
 
 
-def dense_attention(batch: RaggedBatch, sm_scale: float) -> np.ndarray:
-    """f64 causal attention, one sequence at a time, straight from the blocks: the ground truth."""
+def dense_attention(batch: RaggedBatch, sm_scale: float, window: int | None = None) -> np.ndarray:
+    """f64 causal attention, one sequence at a time, straight from the blocks: the ground truth. With a
+    `window`, the token at position p sees keys p - window < j <= p (Hugging Face's sliding window)."""
     _, num_kv_heads, _, block_size, head_dim = batch.k_cache.shape
     group = batch.q.shape[1] // num_kv_heads
     out = np.zeros(batch.q.shape, np.float64)
@@ -21,8 +22,20 @@ def dense_attention(batch: RaggedBatch, sm_scale: float) -> np.ndarray:
         k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)  # [Hq, C, D]
         s = np.einsum("qhd,hcd->hqc", q, k) * sm_scale
         pos = np.arange(kv_len - q_len, kv_len)[:, None]
-        s = np.where(np.arange(kv_len)[None, :] <= pos, s, -np.inf)
+        keys = np.arange(kv_len)[None, :]
+        s = np.where((keys <= pos) & (pos - keys < (window or kv_len + 1)), s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         out[start : start + q_len] = np.einsum("hqc,hcd->qhd", p, v)
     return out
+
+
+def blocks_outside_every_window(batch: RaggedBatch, window: int) -> list[int]:
+    """The blocks of each sequence that lie wholly before the window of its first new token (whose window
+    starts earliest): no query of the batch may see a key in them."""
+    block_size = batch.k_cache.shape[3]
+    outside = []
+    for r, (q_len, kv_len) in enumerate(batch.seqs):
+        first_key = max(0, kv_len - q_len - window + 1)
+        outside += [int(b) for b in batch.block_tables[r, : first_key // block_size]]
+    return outside

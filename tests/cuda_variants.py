@@ -1,7 +1,7 @@
 """The Pallas kernel's variants and the model shapes the GPU lowering tests run, in one table.
 
 A variant is what changes the kernel's code: dtype, head dim, block size, query heads per KV
-head (group), tile sizes, warps and stages. Batch shapes change only the launch grid.
+head (group), tile sizes, warps and stages, a sliding window. Batch shapes change only the launch grid.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class KernelVariant:
     num_warps: int = 4
     num_stages: int = 2
     num_splits: int | None = None  # split-KV programs per (tile, KV head); None: chosen by the kernel
+    window: bool = False  # a sliding window: one more operand, an i32[] (its value varies by layer)
 
     @property
     def group(self) -> int:
@@ -74,10 +75,15 @@ class KernelVariant:
         return (
             jax.ShapeDtypeStruct((num_tokens, self.num_q_heads, self.head_dim), dtype),
             cache, cache, i32(num_seqs), i32(num_seqs, width), i32(num_seqs + 1), i32(), i32(),
+            *((i32(),) if self.window else ()),
         )
 
     def kernel(self):
-        return functools.partial(ragged_paged_attention, sm_scale=self.head_dim**-0.5, **self.kernel_kwargs())
+        """The kernel over `args()`: the window, where there is one, is the last."""
+        kernel = functools.partial(ragged_paged_attention, sm_scale=self.head_dim**-0.5, **self.kernel_kwargs())
+        if not self.window:
+            return kernel
+        return lambda *args: kernel(*args[:8], window=args[8])
 
 
 # llama8b: 32 query / 8 KV heads; llama70b: 64 / 8, per device under TP=2: 32 / 4, TP=8: 8 / 1;
@@ -94,6 +100,8 @@ KERNEL_VARIANTS = [
     KernelVariant("llama3_1b", 32, 8, head_dim=64, num_layers=16),
     *(KernelVariant(f"llama8b block {bs}", 32, 8, block_size=bs) for bs in (8, 32, 64)),
     KernelVariant("llama8b split-KV x8", 32, 8, num_splits=8),
+    KernelVariant("llama8b window", 32, 8, window=True),
+    KernelVariant("llama8b window split-KV x8", 32, 8, num_splits=8, window=True),
     *(KernelVariant(f"head dim 64 block {bs}", 32, 8, head_dim=64, block_size=bs) for bs in (8, 16, 32, 64)),
     KernelVariant("llama8b tile 16x16 1 stage", 32, 8, block_m=16, kv_tile=16, num_stages=1),
     KernelVariant("llama8b tile 32x64 3 stages", 32, 8, block_m=32, kv_tile=64, num_stages=3),
@@ -107,4 +115,5 @@ PREFILL_TILE_VARIANTS = [
     KernelVariant("llama8b prefill 128 rows 8 warps", 32, 8, num_warps=8, num_stages=3, prefill_block_m=128),
     dataclasses.replace(ENGINE_LLAMA8B, name="llama70b tp2 3 stages", num_kv_heads=4, num_layers=80),
     dataclasses.replace(ENGINE_LLAMA8B, name="llama3_1b 3 stages", head_dim=64, num_layers=16),
+    dataclasses.replace(ENGINE_LLAMA8B, name="llama8b window 3 stages", window=True),
 ]

@@ -1,9 +1,10 @@
 """Factories for GGUF files, written with llama.cpp's own `gguf` writer as its convert script would.
 
-`write_gguf_llama` takes HF-named float32 tensors and an HF config, permutes q/k rows the way
-llama.cpp's convert_hf_to_gguf.py does, quantizes the matrices with `gguf.quants.quantize`
-(norms stay F32, as llama.cpp keeps them) and writes the llama.* metadata and a small
-byte-level BPE tokenizer.
+`write_gguf` takes HF-named float32 tensors and an HF config (llama, mistral, qwen2, qwen3), writes
+them under the architecture llama.cpp's convert_hf_to_gguf.py gives that model_type (Mistral is
+llama), permutes q/k rows as it does for llama only, quantizes the matrices with
+`gguf.quants.quantize` (norms and biases stay F32, as llama.cpp keeps them) and writes the
+{arch}.* metadata and a small byte-level BPE tokenizer.
 """
 
 from __future__ import annotations
@@ -40,7 +41,14 @@ HF_TO_GGUF = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
+# config.json model_type -> the general.architecture llama.cpp writes it as.
+GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 def gguf_tensor_name(hf_name: str) -> str:
@@ -95,12 +103,24 @@ def tiny_byte_level_vocab(vocab_size: int) -> tuple[list[str], list[int], list[s
     return tokens + fillers, types + [1] * len(fillers), merges
 
 
-def write_gguf_llama(
+def gguf_window(hf_config: dict) -> Optional[int]:
+    """The sliding window of the config, which a GGUF holds as one for every layer; None for none."""
+    c = hf_config
+    if c.get("model_type") == "mistral":
+        return c.get("sliding_window")
+    if c.get("model_type") not in ("qwen2", "qwen3") or not c.get("use_sliding_window"):
+        return None
+    if "full_attention" in (c.get("layer_types") or []) or c.get("max_window_layers"):
+        raise ValueError("a GGUF windows every layer or none; build the model with max_window_layers=0")
+    return c["sliding_window"]
+
+
+def write_gguf(
     path: str,
     tensors: dict[str, np.ndarray],
     hf_config: dict,
     qtype: str = "F32",
-    arch: str = "llama",
+    arch: Optional[str] = None,
     pre: str = "gpt-2",
     tokenizer_model: str = "gpt2",
     add_bos: bool = False,
@@ -111,11 +131,13 @@ def write_gguf_llama(
 ) -> str:
     """Write `tensors` (HF names, HF layout, float32) and `hf_config`'s architecture as a GGUF at path.
 
-    raw: GGUF tensor name -> (uint8 block bytes, ggml type), written as they are (replacing any
-    tensor of that name); metadata: extra key -> value pairs."""
+    arch: general.architecture (by default what llama.cpp writes the config's model_type as); raw:
+    GGUF tensor name -> (uint8 block bytes, ggml type), written as they are (replacing any tensor of
+    that name); metadata: extra key -> value pairs."""
     import gguf
 
     c = hf_config
+    arch = arch or GGUF_ARCHITECTURE[c.get("model_type", "llama")]
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // heads
     w = gguf.GGUFWriter(path, arch)
@@ -127,10 +149,13 @@ def write_gguf_llama(
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     w.add_rope_freq_base(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])  # transformers 5: rope_parameters
-    w.add_rope_dimension_count(head_dim)
-    if head_dim != c["hidden_size"] // heads:
+    if arch == "llama":  # LlamaModel's own key
+        w.add_rope_dimension_count(head_dim)
+    if "head_dim" in c:  # TextModel writes the head size whenever config.json states it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if gguf_window(c):
+        w.add_sliding_window(gguf_window(c))
     tokens, types, merges = tiny_byte_level_vocab(c["vocab_size"])
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
@@ -149,10 +174,8 @@ def write_gguf_llama(
         gname = gguf_tensor_name(name)
         if gname in raw:
             continue
-        if name.endswith("q_proj.weight"):
-            value = llama_cpp_permute(value, heads)
-        elif name.endswith("k_proj.weight"):
-            value = llama_cpp_permute(value, kv_heads)
+        if arch == "llama" and ("q_proj." in name or "k_proj." in name):  # weights, and biases too
+            value = llama_cpp_permute(value, heads if "q_proj." in name else kv_heads)
         data, kind = quantize(value, qtype if value.ndim == 2 else "F32")
         w.add_tensor(gname, data, raw_dtype=kind)
     for gname, (data, kind) in raw.items():

@@ -71,3 +71,35 @@ def write_word_tokenizer(out_dir: str, vocab_size: int, chat_template: str | Non
         config["chat_template"] = chat_template
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f)
+
+
+# Each family's random-init checkpoint: TINY_HF's odd sizes, and the window shorter than the test
+# prompts (PROMPTS in test_model_families.py reach 37 tokens), not a multiple of the block size.
+FAMILY_HF = {
+    "qwen2": dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),  # layer 0 full, 1-2 windowed
+    "qwen3": dict(use_sliding_window=True, sliding_window=11, max_window_layers=2),  # layers 0-1 full, 2 windowed
+    "mistral": dict(sliding_window=7),  # every layer windowed
+}
+
+
+def make_hf_family(out_dir: str, family: str, seed: int = 0, **overrides):
+    """Save a random model of `family` (qwen2, qwen3, mistral; fp32, safetensors) to out_dir; return the
+    torch model. Norms are perturbed and biases drawn, so that a weight read in the wrong place shows."""
+    import torch
+    import transformers
+
+    classes = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "mistral": ("MistralConfig", "MistralForCausalLM")}
+    config_cls, model_cls = (getattr(transformers, name) for name in classes[family])
+    fields = dict(TINY_HF, **FAMILY_HF[family])
+    fields.update(overrides)
+    config = config_cls(**fields)
+    config._attn_implementation = "eager"  # the sliding window as a mask, exactly
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return model

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from attention_batches import dense_attention, make_ragged_batch
+from attention_batches import blocks_outside_every_window, dense_attention, make_ragged_batch
+from jaxcb.kernels.attention import NO_WINDOW
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
 from jaxcb.kernels.attention.inputs import check_batch_values
 from jaxcb.kernels.attention.pallas import ragged_paged_attention
@@ -247,3 +248,138 @@ def test_a_sequence_attends_to_blocks_another_sequence_writes_in_the_same_step(f
     assert np.abs(out[:num_tokens] - expected[:num_tokens]).max() / scale <= 1e-5
     for c, f in ((new_cache.k, filled.k), (new_cache.v, filled.v)):  # the step's writes, in every block
         np.testing.assert_array_equal(np.asarray(c)[layer, :, 1:], np.asarray(f)[layer, :, 1:])
+
+
+# --- sliding window ------------------------------------------------------------------------------
+
+WINDOWED_BATCHES = {
+    "decode": [(1, 5), (1, 40), (1, 77), (1, 130), (1, 2)],
+    "prefill": [(70, 70), (33, 33), (5, 5), (17, 17)],
+    # long prefills, a chunk in the middle of a context, decodes, a sequence with no new tokens
+    "mixed": [(70, 70), (1, 130), (0, 12), (33, 100), (1, 1), (4, 64), (5, 31), (1, 96)],
+}
+# (window, block size): shorter than a block, not a multiple of the block size, longer than every context
+WINDOWS = [(3, 8), (3, 16), (37, 8), (37, 16), (1000, 16)]
+
+
+def windowed_batch(kind: str, block_size: int, seed: int = 0, **kw):
+    return make_ragged_batch(WINDOWED_BATCHES[kind], block_size=block_size, num_kv_heads=2, group=3, head_dim=16,
+                             seed=seed, **kw)
+
+
+@pytest.mark.parametrize("window, block_size", WINDOWS)
+@pytest.mark.parametrize("kind", sorted(WINDOWED_BATCHES))
+def test_reference_with_a_window_equals_dense_attention(kind, window, block_size):
+    batch = windowed_batch(kind, block_size)
+    expected = dense_attention(batch, SM_SCALE, window=window)
+    assert_matches(run("reference", batch, window=jnp.int32(window)), expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("window, block_size", WINDOWS)
+@pytest.mark.parametrize("kind", sorted(WINDOWED_BATCHES))
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
+def test_implementation_with_a_window_equals_the_reference(impl, kind, window, block_size):
+    batch = windowed_batch(kind, block_size, seed=window)
+    expected = run("reference", batch, window=jnp.int32(window))
+    assert_matches(run(impl, batch, window=jnp.int32(window)), expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=ragged_batches(max_kv=100), window=st.integers(1, 120))
+def test_implementation_with_a_window_equals_the_reference_on_random_batches(impl, params, window):
+    batch = make_ragged_batch(**params)
+    expected = run("reference", batch, window=jnp.int32(window))
+    assert_matches(run(impl, batch, window=jnp.int32(window)), expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("window", [3, 37])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv_kernel_shares_the_windows_range_and_equals_the_reference(num_splits, window):
+    """Split-KV shares divide the KV tiles in the window (some shares empty), merged after the call."""
+    batch = windowed_batch("mixed", 8, seed=num_splits)
+    expected = run("reference", batch, window=jnp.int32(window))
+    assert_matches(run("pallas-interpret", batch, num_splits=num_splits, window=jnp.int32(window)), expected, batch,
+                   1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
+def test_implementation_with_a_window_in_bf16_equals_the_reference(impl):
+    batch = windowed_batch("mixed", 16, seed=4)
+    expected = run("reference", batch, jnp.bfloat16, window=jnp.int32(37))
+    assert_matches(run(impl, batch, jnp.bfloat16, window=jnp.int32(37)), expected, batch, 2e-2)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(8, 64), (16, 64), (64, 128), (16, 12)],
+                         ids=["avx2-8-keys", "avx512-16-keys", "avx512-block-64", "scalar"])
+@pytest.mark.parametrize("window", [1, 3, 37])
+def test_cpu_kernel_windows_on_each_of_its_vector_paths(block_size, head_dim, window):
+    """The C++ kernel scores keys 8 or 16 at a time (or one by one where head_dim is off its vectors): a
+    window that starts inside such a group masks the keys before it and never reads their values."""
+    batch = make_ragged_batch(WINDOWED_BATCHES["mixed"], block_size=block_size, num_kv_heads=2, group=3,
+                              head_dim=head_dim, seed=head_dim)
+    assert_matches(run("cpu", batch, window=jnp.int32(window)), dense_attention(batch, SM_SCALE, window=window),
+                   batch, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "xla-pairs", "pallas-interpret", "cpu"])
+def test_a_window_of_no_window_equals_no_window(impl):
+    """NO_WINDOW, what a model that mixes window and full layers passes to its full layers, is no window."""
+    batch = windowed_batch("mixed", 8, seed=2)
+    np.testing.assert_allclose(run(impl, batch, window=jnp.int32(NO_WINDOW)), run(impl, batch), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window, block_size", [(3, 8), (37, 8), (3, 16), (37, 16)])
+@pytest.mark.parametrize("impl", ["reference", "xla", "xla-pairs", "pallas-interpret", "cpu"])
+def test_blocks_wholly_outside_every_window_never_reach_the_output(impl, window, block_size):
+    """The blocks before the window of each sequence's first new token hold NaN in K and V (as stale
+    blocks never freed may hold anything): whole KV tiles of them are skipped, and where one shares a
+    KV tile with keys in the window (the Pallas kernel reads 32 keys a tile), it is masked like the
+    slots past kv_len. The output is finite and the reference's over the same cache without NaN."""
+    batch = windowed_batch("mixed", block_size, seed=window)
+    expected = run("reference", batch, window=jnp.int32(window))
+    outside = blocks_outside_every_window(batch, window)
+    assert len(outside) >= 10  # whole KV tiles of the long sequences, for every block size here
+    batch.k_cache[:, :, outside] = np.nan
+    batch.v_cache[:, :, outside] = np.nan
+    out = run(impl, batch, window=jnp.int32(window))
+    assert np.isfinite(out).all(), "a block outside every window reached the output"
+    assert_matches(out, expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("tensor_parallel", [False, True], ids=["one-device", "shard_map"])
+@pytest.mark.parametrize("form", ["reference", "xla", "cpu", "pallas-interpret"])
+def test_write_and_attend_takes_a_traced_window_per_layer_in_a_layer_scan(form, tensor_parallel):
+    """As a model with sliding-window layers calls it: a jitted scan over layers, each layer's window an
+    i32[] carried by the scan (NO_WINDOW for a full layer), under shard_map replicated like the layer."""
+    from jax.sharding import Mesh
+
+    from jaxcb.kernels.attention import REFERENCE, AttentionMetadata, KVCache
+    from jaxcb.sharding import TP_AXIS
+
+    attention = _form(form)
+    if tensor_parallel:  # one device: the shard_map's specs, not a split, are what this checks
+        attention = attention.with_mesh(Mesh(np.array(jax.devices()[:1]), (TP_AXIS,)))
+    batch = windowed_batch("mixed", 8, seed=6, num_layers=3)
+    q, k_cache, v_cache, kv_lens, tables, qsl, num_seqs, _ = batch.args(jnp)
+    k_cache, v_cache = jnp.nan_to_num(k_cache), jnp.nan_to_num(v_cache)  # the write below fills no slot
+    md = AttentionMetadata(jnp.zeros(q.shape[0], jnp.int32), qsl, kv_lens, tables, num_seqs)
+    windows = jnp.asarray([5, NO_WINDOW, 37], jnp.int32)
+    rng = np.random.default_rng(0)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], 2, 16)), jnp.float32) for _ in "kv")
+
+    @jax.jit
+    def layers(cache):
+        def layer_step(cache, x):
+            layer, window = x
+            out, cache = attention.write_and_attend(q, new_k, new_v, cache, layer, md, SM_SCALE, window=window)
+            return cache, out
+
+        return jax.lax.scan(layer_step, cache, (jnp.arange(3, dtype=jnp.int32), windows))[1]
+
+    with jax.default_matmul_precision("highest"):
+        out = np.asarray(layers(KVCache(k_cache, v_cache)))  # new K/V go to the null block: the cache is unchanged
+        for layer, window in enumerate([5, NO_WINDOW, 37]):
+            expected = np.asarray(REFERENCE.attend(q, KVCache(k_cache, v_cache), jnp.int32(layer), md, SM_SCALE,
+                                                   window=jnp.int32(window)))
+            assert_matches(out[layer], expected, batch, 1e-5)

@@ -8,6 +8,7 @@ Compiling the Triton IR to machine code is tests/test_triton_resources.py (and, 
 scripts/gpu_check.py).
 """
 
+import dataclasses
 import functools
 import re
 
@@ -114,6 +115,18 @@ def test_prefill_tile_variants_lower_with_both_tile_classes(variant):
     dots = lambda call: sorted(map(int, re.findall(r"tt\.dot %\S+, %\S+, %\S+.*-> tensor<(\d+)x", call.ir_text())))  # noqa: E731
     assert dots(decode) == [16, 16]
     assert dots(prefill) == [variant.prefill_block_m, variant.prefill_block_m]
+
+
+def test_a_window_adds_one_i32_operand_after_the_cache_and_no_window_adds_nothing():
+    """The sliding window reaches each launch as an i32[1] after the cache (the operands before it keep
+    their places); without one the launches have exactly the operands they had before windows existed."""
+    windowed = dataclasses.replace(ENGINE_LLAMA8B, window=True)
+    plain_calls, window_calls = (lower_and_check_launch(v, 512, 64, 128) for v in (ENGINE_LLAMA8B, windowed))
+    for plain, window in zip(plain_calls, window_calls, strict=True):
+        assert plain.operand_types[:7] == window.operand_types[:7]
+        assert window.operand_types[7] == "tensor<1xi32>"
+        assert plain.operand_types[7:] == window.operand_types[8:]  # the prefill launch's aliased output
+        assert "tensor<1xi32>" not in plain.operand_types[3:]
 
 
 def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):

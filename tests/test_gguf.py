@@ -19,7 +19,7 @@ from gguf_checkpoints import (
     round_trip,
     smollm2_gguf,
     tiny_byte_level_vocab,
-    write_gguf_llama,
+    write_gguf,
 )
 from hf_checkpoints import TINY_HF, make_hf_llama, write_word_tokenizer
 from jaxcb.config import ModelConfig
@@ -63,7 +63,7 @@ def tiny(tmp_path_factory):
     torch_model = make_hf_llama(str(hf_dir))
     write_word_tokenizer(str(hf_dir), TINY_HF["vocab_size"])
     path = str(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
-    write_gguf_llama(path, hf_state_dict(torch_model), hf_config_of(hf_dir), chat_template=CHAT_TEMPLATE)
+    write_gguf(path, hf_state_dict(torch_model), hf_config_of(hf_dir), chat_template=CHAT_TEMPLATE)
     return hf_dir, path, torch_model
 
 
@@ -97,7 +97,7 @@ def quant_model(tmp_path_factory):
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_quantized_gguf_loads_its_dequantized_weights(quant_model, tmp_path, qtype):
     hf_dir, state = quant_model
-    path = write_gguf_llama(str(tmp_path / f"m-{qtype}.gguf"), state, hf_config_of(hf_dir), qtype=qtype)
+    path = write_gguf(str(tmp_path / f"m-{qtype}.gguf"), state, hf_config_of(hf_dir), qtype=qtype)
     expected_dir = tmp_path / "expected"  # the HF directory of what a reader of those blocks gets back
     expected_dir.mkdir()
     save_file({k: round_trip(v, qtype) if v.ndim == 2 else v for k, v in state.items()},
@@ -110,7 +110,7 @@ def test_quantized_gguf_loads_its_dequantized_weights(quant_model, tmp_path, qty
 
 def test_gguf_weights_are_cast_to_the_model_dtype(quant_model, tmp_path):
     hf_dir, state = quant_model
-    path = write_gguf_llama(str(tmp_path / "m.gguf"), state, hf_config_of(hf_dir), qtype="Q8_0")
+    path = write_gguf(str(tmp_path / "m.gguf"), state, hf_config_of(hf_dir), qtype="Q8_0")
     f32, bf16 = (params_of(load_model(model_config(path, dtype=d))[0]) for d in ("float32", "bfloat16"))
     for x, y in zip(f32, bf16, strict=True):
         assert str(y.dtype) == "bfloat16" and np.array_equal(x.astype(y.dtype).view(np.uint16), y.view(np.uint16))
@@ -161,8 +161,8 @@ def test_random_blocks_dequantize_as_gguf_does_with_q_and_k_rows_in_hf_order(tmp
 
 def test_another_architecture_is_refused_by_name(tiny, tmp_path):
     hf_dir, _, torch_model = tiny
-    path = write_gguf_llama(str(tmp_path / "q.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="qwen2")
-    with pytest.raises(CheckpointError, match="holds a 'qwen2' model .*Llama-family models only"):
+    path = write_gguf(str(tmp_path / "g.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="gemma2")
+    with pytest.raises(CheckpointError, match="holds a 'gemma2' model .*jaxcb serves GGUF files of llama, qwen2, qwen3"):
         load_model(model_config(path))
 
 
@@ -173,7 +173,7 @@ def test_unreadable_tensor_types_and_missing_tensors_fail_together_before_any_we
     state = hf_state_dict(torch_model)
     del state["model.layers.1.mlp.up_proj.weight"]
     iq = np.zeros((TINY_HF["hidden_size"] * 2, 2 * gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ4_NL][1]), np.uint8)
-    path = write_gguf_llama(str(tmp_path / "m.gguf"), state, hf_config_of(hf_dir),
+    path = write_gguf(str(tmp_path / "m.gguf"), state, hf_config_of(hf_dir),
                             raw={"blk.0.attn_q.weight": (iq, gguf.GGMLQuantizationType.IQ4_NL)})
     monkeypatch.setattr(GGUFCheckpoint, "read", lambda *a: pytest.fail("a weight was read before the checks"))
     with pytest.raises(CheckpointError) as err:
@@ -188,7 +188,7 @@ def test_unreadable_tensor_types_and_missing_tensors_fail_together_before_any_we
     "metadata, message",
     [
         ({"llama.expert_count": 8}, "mixtures of experts are not supported"),
-        ({"llama.attention.sliding_window": 64}, "llama.attention.sliding_window=64 is not understood by jaxcb"),
+        ({"llama.attention.logit_softcapping": 30.0}, "llama.attention.logit_softcapping=30.0 is not understood by jaxcb"),
         ({"llama.rope.scaling.type": "yarn"}, "llama.rope.scaling.type='yarn' is not supported"),
         ({"split.count": 3}, "split over 3 files"),
     ],
@@ -196,7 +196,7 @@ def test_unreadable_tensor_types_and_missing_tensors_fail_together_before_any_we
 )
 def test_metadata_jaxcb_cannot_honour_is_refused(tiny, tmp_path, metadata, message):
     hf_dir, _, torch_model = tiny
-    path = write_gguf_llama(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), metadata=metadata)
+    path = write_gguf(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), metadata=metadata)
     with pytest.raises(CheckpointError, match=message):
         read_gguf_config(path)
 
@@ -218,7 +218,7 @@ def test_rope_freqs_give_back_transformers_llama3_frequencies(tiny, tmp_path, ro
     head_dim, theta = 16, 10000.0
     divisors = llama3_rope_divisors(head_dim, theta, rope_scaling)
     config = dict(hf_config_of(hf_dir), head_dim=head_dim)
-    path = write_gguf_llama(str(tmp_path / "m.gguf"), {}, config, rope_freqs=divisors)
+    path = write_gguf(str(tmp_path / "m.gguf"), {}, config, rope_freqs=divisors)
     scaling = read_gguf_config(path)["rope_scaling"]
     hf = LlamaConfig(**dict(TINY_HF, head_dim=head_dim, rope_scaling=dict(rope_scaling, rope_type="llama3", rope_theta=theta)))
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
@@ -234,7 +234,7 @@ def test_rope_freqs_that_no_llama3_scaling_gives_are_refused(divisors):
 
 def test_gguf_tokenizer_keeps_control_and_user_tokens_whole(tiny, tmp_path):
     hf_dir, _, torch_model = tiny
-    path = write_gguf_llama(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), add_bos=True,
+    path = write_gguf(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), add_bos=True,
                             chat_template=CHAT_TEMPLATE)
     tokens, _, _ = tiny_byte_level_vocab(TINY_HF["vocab_size"])
     tok = load_tokenizer(path)
@@ -251,7 +251,7 @@ def test_gguf_tokenizer_splits_text_as_transformers_does_for_its_pre_tokenizer(t
     from transformers import AutoTokenizer
 
     hf_dir, _, torch_model = tiny
-    write_gguf_llama(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), pre=pre)
+    write_gguf(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), pre=pre)
     ours, theirs = load_tokenizer(str(tmp_path / "m.gguf")), AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
     for text in ["the cat  in the hat", "then\n\n  an answer, 12345!", "  a\n b  \n\nc ?", "<think>the</s>"]:
         assert ours.encode(text) == theirs.encode(text), text
@@ -259,7 +259,7 @@ def test_gguf_tokenizer_splits_text_as_transformers_does_for_its_pre_tokenizer(t
 
 def test_sentencepiece_gguf_asks_for_a_tokenizer_directory(tiny, tmp_path):
     hf_dir, _, torch_model = tiny
-    path = write_gguf_llama(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), tokenizer_model="llama")
+    path = write_gguf(str(tmp_path / "m.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), tokenizer_model="llama")
     with pytest.raises(CheckpointError, match="tokenizer.ggml.model='llama'.*set model.tokenizer=DIR"):
         load_tokenizer(path)
     cfg = gguf_llama_config(path, "float32")
@@ -304,9 +304,9 @@ def test_convert_gguf_to_orbax_loads_with_the_same_weights(tiny, tmp_path):
 
 def test_convert_to_hf_refuses_a_gguf_it_cannot_load(tiny, tmp_path):
     hf_dir, _, torch_model = tiny
-    path = write_gguf_llama(str(tmp_path / "q.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="qwen2")
+    path = write_gguf(str(tmp_path / "g.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="gemma2")
     proc = run_convert(path, tmp_path / "out", "--to", "hf")
-    assert proc.returncode == 2 and "'qwen2' model" in proc.stderr
+    assert proc.returncode == 2 and "'gemma2' model" in proc.stderr
     assert not os.path.exists(tmp_path / "out")
 
 

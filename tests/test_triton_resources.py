@@ -11,6 +11,7 @@ The table in docs/gpu.md comes from this test:
     JAXCB_TRITON_REPORT=triton.md .venv/bin/python -m pytest tests/test_triton_resources.py
 """
 
+import dataclasses
 import os
 import re
 import tempfile
@@ -89,12 +90,14 @@ def kv_loops(call) -> list[str]:
     return [body.split("scf.yield")[0] for body in ttgir.split("scf.for ")[1:]]
 
 
+@pytest.mark.parametrize("window", [False, True], ids=["no window", "window"])
 @pytest.mark.parametrize("bucket", [BUCKET, DECODE_ONLY_BUCKET], ids=["both classes", "decode only"])
-def test_each_kv_loop_loads_the_next_tile_while_it_computes_this_one(bucket):
+def test_each_kv_loop_loads_the_next_tile_while_it_computes_this_one(bucket, window):
     """The engine's kernel, pipelined by Triton at num_stages=3: in every tile class's loop the K and V
     copies are asynchronous, and the wait at the top of an iteration leaves the 2 newest copy groups (the
-    next tile's K and V) in flight while this tile's dots run."""
-    calls = launches(ENGINE_LLAMA8B, bucket)
+    next tile's K and V) in flight while this tile's dots run; with a sliding window too (its loop starts
+    at the window's first tile)."""
+    calls = launches(dataclasses.replace(ENGINE_LLAMA8B, window=window), bucket)
     assert len(calls) == (2 if bucket == BUCKET else 1)
     for body in (loop for call in calls for loop in kv_loops(call)):
         assert body.count("ttg.async_copy_global_to_local") == 2  # the next tile's K and V

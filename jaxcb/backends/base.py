@@ -30,7 +30,8 @@ from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig
 from jaxcb.sampling import Argmax, xla_argmax
 from jaxcb.sharding import TP_AXIS
-from jaxcb.model.llama import LayerWeights, Llama, StepWeights, apply_rope, build_rope_table, rms_norm
+from jaxcb.model.llama import (LayerWeights, Llama, StepWeights, apply_rope, build_rope_table,
+                               layer_weight_names, rms_norm)
 
 if TYPE_CHECKING:
     from jaxcb.startup_memory import WeightBytes
@@ -47,6 +48,9 @@ class FusedLayerWeights(NamedTuple):
     mlp_norm: jax.Array  # [D]
     gate_up_proj: jax.Array  # [D, G, 2, F / G]: a device group's gate columns, then its up columns
     down_proj: jax.Array  # [F, D]
+    qkv_bias: Optional[jax.Array] = None  # [G, (Hq + 2 Hkv) / G, K], grouped as qkv_proj (cfg.qkv_bias)
+    q_norm: Optional[jax.Array] = None  # [K] (cfg.qk_norm)
+    k_norm: Optional[jax.Array] = None  # [K]
 
 
 def _tp_groups(w: LayerWeights) -> tuple[int, Optional[jax.sharding.Mesh]]:
@@ -68,15 +72,26 @@ def _run_fusion(fn, parts: tuple, mesh: Optional[jax.sharding.Mesh], lead: int) 
 
 
 def fuse_qkv(q, k, v, groups: int = 1, mesh: Optional[jax.sharding.Mesh] = None) -> jax.Array:
-    """[..., D, Hq, K], [..., D, Hkv, K] x 2 -> [..., D, G, (Hq + 2 Hkv) / G, K], device group by group."""
-    lead = q.ndim - 3  # 1 for stacked weights [L, ...], 0 for one layer's
+    """[..., D, Hq, K], [..., D, Hkv, K] x 2 -> [..., D, G, (Hq + 2 Hkv) / G, K], device group by group.
+    Their biases the same way, with no D axis: [..., Hq, K] x 3 -> [..., G, (Hq + 2 Hkv) / G, K]."""
+    lead = q.ndim - 3  # 1 for stacked weights [L, ...], 0 for one layer's (biases: one less)
 
     def fuse(q, k, v):
-        *outer, d, _, head_dim = q.shape
-        by_group = lambda p: p.reshape(*outer, d, groups, p.shape[-2] // groups, head_dim)  # noqa: E731
+        *outer, _, head_dim = q.shape
+        by_group = lambda p: p.reshape(*outer, groups, p.shape[-2] // groups, head_dim)  # noqa: E731
         return jnp.concatenate([by_group(q), by_group(k), by_group(v)], axis=-2)
 
     return _run_fusion(fuse, (q, k, v), mesh, lead)
+
+
+def fuse_qkv_bias(parts: dict, groups: int, mesh: Optional[jax.sharding.Mesh]) -> Optional[jax.Array]:
+    """The q/k/v biases popped from `parts` and fused as `fuse_qkv` fuses their matrices (None without)."""
+    biases = [parts.pop(name, None) for name in ("q_bias", "k_bias", "v_bias")]
+    if biases[0] is None:
+        return None
+    # The same grouping as the matrices, seen as [..., 1, H, K]: a D axis of one, dropped after.
+    fused = fuse_qkv(*(b[..., None, :, :] for b in biases), groups, mesh)
+    return fused.reshape(*fused.shape[:-4], *fused.shape[-3:])
 
 
 def fuse_gate_up(gate, up, groups: int = 1, mesh: Optional[jax.sharding.Mesh] = None) -> jax.Array:
@@ -97,7 +112,8 @@ def fuse_layer_weights(w: LayerWeights, mesh: Optional[jax.sharding.Mesh] = None
     groups, mesh = _tp_groups(w) if mesh is None else (mesh.size, mesh)
     qkv = fuse_qkv(w.q_proj, w.k_proj, w.v_proj, groups, mesh)
     gate_up = fuse_gate_up(w.gate_proj, w.up_proj, groups, mesh)
-    return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj)
+    bias = fuse_qkv_bias(dict(q_bias=w.q_bias, k_bias=w.k_bias, v_bias=w.v_bias), groups, mesh)
+    return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj, bias, w.q_norm, w.k_norm)
 
 
 def fuse_stacked_weights(parts: dict[str, jax.Array]) -> FusedLayerWeights:
@@ -106,9 +122,10 @@ def fuse_stacked_weights(parts: dict[str, jax.Array]) -> FusedLayerWeights:
     originals (the 8B's gate/up copy alone is 7 GiB in bf16; `Backend.prepare_memory`)."""
     groups, mesh = _tp_groups(LayerWeights(**{name: parts.get(name) for name in LayerWeights._fields}))
     qkv = fuse_qkv(parts.pop("q_proj"), parts.pop("k_proj"), parts.pop("v_proj"), groups, mesh)
+    bias = fuse_qkv_bias(parts, groups, mesh)
     gate_up = fuse_gate_up(parts.pop("gate_proj"), parts.pop("up_proj"), groups, mesh)
     return FusedLayerWeights(parts.pop("attn_norm"), qkv, parts.pop("o_proj"), parts.pop("mlp_norm"), gate_up,
-                             parts.pop("down_proj"))
+                             parts.pop("down_proj"), bias, parts.pop("q_norm", None), parts.pop("k_norm", None))
 
 
 def split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
@@ -139,17 +156,18 @@ class Backend:
         a time. `replicated`: where the rotary table goes under tensor parallelism."""
         cfg = self.cfg
         stacked = model.layers
+        names = layer_weight_names(cfg)
         if self.unroll_layers:
             columns = []  # columns[weight][layer]
-            for name in LayerWeights._fields:
+            for name in names:
                 columns.append(split_layers(getattr(stacked, name).get_value()))
                 delattr(stacked, name)
-            layers = [LayerWeights(*ws) for ws in zip(*columns)]
+            layers = [LayerWeights(**dict(zip(names, ws))) for ws in zip(*columns)]
             del columns
             layers = self.prepare_layers(layers)
         else:  # the model lets go of each stacked weight as prepare takes it
-            parts = {name: getattr(stacked, name).get_value() for name in LayerWeights._fields}
-            for name in LayerWeights._fields:
+            parts = {name: getattr(stacked, name).get_value() for name in names}
+            for name in names:
                 delattr(stacked, name)
             layers = self.prepare_layers(parts)
         head = self.prepare_head(model)
@@ -193,17 +211,29 @@ class Backend:
         cache: KVCache,
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
+        window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window; None: no layer has one
     ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
         x = rms_norm(h, w.attn_norm, self.cfg.rms_norm_eps)
         if isinstance(w, FusedLayerWeights):  # one matmul; each device group's q, k, v sliced out
             qkv = jnp.einsum("td,dgnk->tgnk", x, w.qkv_proj)
+            if w.qkv_bias is not None:
+                qkv = qkv + w.qkv_bias
             groups, num_q, num_kv = qkv.shape[1], self.cfg.num_heads, self.cfg.num_kv_heads
             q, k, v = (qkv[:, :, a // groups : b // groups].reshape(x.shape[0], b - a, -1)
                        for a, b in ((0, num_q), (num_q, num_q + num_kv), (num_q + num_kv, num_q + 2 * num_kv)))
         else:
             q, k, v = (jnp.einsum("td,dhk->thk", x, p) for p in (w.q_proj, w.k_proj, w.v_proj))
+            if w.q_bias is not None:
+                q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
+        return self.rope_write_and_attend(w, q, k, v, rope, cache, layer, md, window)
+
+    def rope_write_and_attend(self, w, q, k, v, rope, cache: KVCache, layer, md: AttentionMetadata, window):
+        """q/k norms (where the family has them), rope, then the form's write and attend: the part of
+        self_attention after the projections, which every backend shares."""
+        if w.q_norm is not None:  # one RMSNorm over each head's vector, before the rotation
+            q, k = rms_norm(q, w.q_norm, self.cfg.rms_norm_eps), rms_norm(k, w.k_norm, self.cfg.rms_norm_eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.attention.write_and_attend(q, k, v, cache, layer, md, self.sm_scale)
+        return self.attention.write_and_attend(q, k, v, cache, layer, md, self.sm_scale, window)
 
     @property
     def sm_scale(self) -> float:

@@ -22,7 +22,7 @@ from jaxcb.kernels.cpu import ATTENTION_DTYPES
 from jaxcb.kernels.packed_matmul import (
     pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
 )
-from jaxcb.model.llama import LayerWeights, Llama, apply_rope
+from jaxcb.model.llama import LayerWeights, Llama
 
 
 class PackedLayerWeights(NamedTuple):
@@ -34,11 +34,15 @@ class PackedLayerWeights(NamedTuple):
     mlp_norm: jax.Array  # [D]
     gate_up_proj: jax.Array  # panels of [D, F] each for gate and up, in pairs (`pack_gate_up`)
     down_proj: jax.Array  # panels of [F, D]
+    qkv_bias: Optional[jax.Array] = None  # [(Hq + 2 Hkv) K]: q's, k's, v's (cfg.qkv_bias)
+    q_norm: Optional[jax.Array] = None  # [K] (cfg.qk_norm)
+    k_norm: Optional[jax.Array] = None  # [K]
 
     @staticmethod
     def pack(w: LayerWeights) -> "PackedLayerWeights":
         d = w.q_proj.shape[0]
         qkv = jnp.concatenate([p.reshape(d, -1) for p in (w.q_proj, w.k_proj, w.v_proj)], axis=1)
+        bias = None if w.q_bias is None else jnp.concatenate([b.reshape(-1) for b in (w.q_bias, w.k_bias, w.v_bias)])
         return PackedLayerWeights(
             w.attn_norm,
             pack_columns(qkv),
@@ -46,6 +50,7 @@ class PackedLayerWeights(NamedTuple):
             w.mlp_norm,
             pack_gate_up(w.gate_proj, w.up_proj),
             pack_columns(w.down_proj),
+            bias, w.q_norm, w.k_norm,
         )
 
 
@@ -73,21 +78,25 @@ class CpuBackend(Backend):
         del model.lm_head
         return head
 
-    def self_attention(self, w: PackedLayerWeights, h, rope, cache: KVCache, layer, md: AttentionMetadata):
+    def self_attention(self, w: PackedLayerWeights, h, rope, cache: KVCache, layer, md: AttentionMetadata,
+                       window=None):
         cfg = self.cfg
-        if self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES:
-            # q/k/v, rope and the cache write in one kernel call, then attention over the cache.
+        llama_attention = w.qkv_bias is None and w.q_norm is None
+        if self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES and llama_attention:
+            # q/k/v, rope and the cache write in one kernel call, then attention over the cache. (A
+            # family with q/k/v biases or q/k norms takes the path below: its projections, then XLA.)
             q, k_cache, v_cache = packed_qkv(h, w.qkv_proj, w.attn_norm, cfg.rms_norm_eps, *rope, cache.k, cache.v,
                                              layer, md.slot_mapping, cfg.num_heads)
             cache = KVCache(k_cache, v_cache)
-            return self.attention.attend(q, cache, layer, md, self.sm_scale), cache
+            return self.attention.attend(q, cache, layer, md, self.sm_scale, window), cache
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
+        if w.qkv_bias is not None:
+            qkv = qkv + w.qkv_bias
         q_, k_, v_ = (qkv[:, :q].reshape(-1, cfg.num_heads, cfg.head_dim),
                       qkv[:, q : q + kv].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
                       qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-        q_, k_ = apply_rope(q_, *rope), apply_rope(k_, *rope)
-        return self.attention.write_and_attend(q_, k_, v_, cache, layer, md, self.sm_scale)
+        return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
 
     def add_attention_output(self, w: PackedLayerWeights, h, attn):
         return packed_matmul(attn.reshape(attn.shape[0], -1), w.o_proj, self.cfg.hidden_size, residual=h)

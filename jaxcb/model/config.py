@@ -8,14 +8,27 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from jaxcb.config import ConfigError, ModelConfig, RopeScalingConfig
+from jaxcb.model.families import read_architecture
 
 
 @dataclass(frozen=True)
 class RopeScaling:
+    """How the rotary frequencies are stretched past the context a model was trained at."""
+
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+    rope_type: str = "llama3"  # llama3 | yarn
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: Optional[float] = None  # yarn: the cos/sin scale; None: 0.1 ln(factor) + 1
+    truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
+
+
+ROPE_TYPES = ("llama3", "yarn")
+# yarn keys that change the frequencies in ways jaxcb does not compute: refused by name.
+_REFUSED_YARN_KEYS = ("mscale", "mscale_all_dim", "partial_rotary_factor")
 
 
 @dataclass(frozen=True)
@@ -31,12 +44,25 @@ class LlamaConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    # How the family differs from Llama (`jaxcb.model.families`): Llama's by default.
+    architecture: str = "llama"
+    qkv_bias: bool = False  # a bias on q, k and v
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
+    sliding_window: int = 0  # tokens a windowed layer's query sees, its own included; 0: no window
+    layer_types: Optional[tuple[str, ...]] = None  # per layer; None: every layer alike
     rope_scaling: Optional[RopeScaling] = None
     dtype: str = "float32"  # parameter / activation dtype
 
     @property
     def num_query_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's window in tokens, 0 where the layer sees the whole context."""
+        from jaxcb.model.families import layer_windows
+
+        return layer_windows(self.num_layers, self.sliding_window, self.layer_types)
 
     def kv_bytes_per_token(self, cache_itemsize: int) -> int:
         """Bytes of K and V that one token occupies in the cache, over all layers."""
@@ -55,8 +81,21 @@ def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
     kind = rs.get("rope_type", rs.get("type"))
     if kind in ("default", None):
         return None
-    if kind != "llama3":
-        raise ConfigError(f"config.json rope_scaling type {kind!r} is not supported; jaxcb supports 'llama3'")
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"config.json rope_scaling type {kind!r} is not supported; jaxcb supports "
+                          f"{', '.join(map(repr, ROPE_TYPES))}")
+    if kind == "yarn":
+        refused = [k for k in _REFUSED_YARN_KEYS if rs.get(k) not in (None, 1, 1.0)]
+        if refused:
+            raise ConfigError(f"config.json rope_scaling (yarn) sets {', '.join(f'{k}={rs[k]}' for k in refused)}, "
+                              f"which jaxcb does not compute")
+        original = rs.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+        factor = rs.get("factor") or hf["max_position_embeddings"] / original
+        attention_factor = rs.get("attention_factor")
+        return RopeScaling(float(factor), 1.0, 4.0, int(original), rope_type="yarn",
+                           beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
+                           attention_factor=None if attention_factor is None else float(attention_factor),
+                           truncate=bool(rs.get("truncate", True)))
     return RopeScaling(
         factor=float(rs["factor"]),
         low_freq_factor=float(rs["low_freq_factor"]),
@@ -79,14 +118,11 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
         raise ConfigError(f"model.checkpoint={checkpoint_dir} has no config.json; is it a Hugging Face Llama directory?")
     with open(path) as f:
         hf = json.load(f)
-    archs = hf.get("architectures") or ["LlamaForCausalLM"]
-    if hf.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in archs:
-        raise ConfigError(
-            f"{path} describes model_type={hf.get('model_type')!r}; jaxcb serves Llama-family models only"
-        )
+    arch = read_architecture(hf, path)
     num_heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
     return dict(
+        **arch,
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
         intermediate_size=int(hf["intermediate_size"]),
@@ -106,12 +142,17 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
 
 
 _ARCH = [f.name for f in fields(LlamaConfig) if f.name not in ("rope_scaling", "dtype")]
+# What a preset without a checkpoint leaves unset is Llama's.
+_LLAMA_DEFAULTS = {f.name: f.default for f in fields(LlamaConfig) if f.name in (
+    "architecture", "qkv_bias", "qk_norm", "sliding_window", "layer_types")}
 
 
 def _preset_rope(rs: Optional[RopeScalingConfig]) -> Optional[RopeScaling]:
     if rs is None:
         return None
-    return RopeScaling(rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings)
+    return RopeScaling(rs.factor, rs.low_freq_factor, rs.high_freq_factor, rs.original_max_position_embeddings,
+                       rope_type=rs.rope_type, beta_fast=rs.beta_fast, beta_slow=rs.beta_slow,
+                       attention_factor=rs.attention_factor)
 
 
 def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
@@ -126,15 +167,21 @@ def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
     for name in _ARCH:
         preset = getattr(m, name)
         ckpt = from_ckpt.get(name)
-        if preset is not None and ckpt is not None and preset != ckpt:
+        if name == "layer_types" and preset is not None:
+            preset = list(preset)
+        if preset is not None and name in from_ckpt and preset != ckpt:
             conflicts.append(f"model.{name}={preset} but config.json says {ckpt}")
         values[name] = preset if preset is not None else ckpt
+        if values[name] is None and name in _LLAMA_DEFAULTS:
+            values[name] = _LLAMA_DEFAULTS[name]
     if conflicts:
         raise ConfigError(
             f"model={m.name} does not match {m.checkpoint}/config.json: " + "; ".join(conflicts)
             + " (use model=hf to take the architecture from the checkpoint)"
         )
-    missing = [n for n, v in values.items() if v is None]
+    missing = [n for n, v in values.items() if v is None and n not in _LLAMA_DEFAULTS]
+    if values["layer_types"] is not None:
+        values["layer_types"] = tuple(values["layer_types"])
     if missing:
         raise ConfigError(
             f"model={m.name}: {', '.join('model.' + n for n in missing)} unset and not found in a config.json; "

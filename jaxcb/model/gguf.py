@@ -3,10 +3,20 @@
 Owns turning a `.gguf` file into what the loader gets from a Hugging Face directory:
 config.json's fields (`read_gguf_config`), the tensors under their HF names in HF layout
 (`GGUFCheckpoint`: dequantized to float32 by llama.cpp's own `gguf` library, with the q/k row
-permutation of llama.cpp's convert script undone), and the metadata that jaxcb.tokenizer builds
-the tokenizer from (`open_gguf`, `metadata`). Whatever it cannot honour (another architecture, a
-tensor type it does not dequantize) is refused before any weight is read. It builds no model and
-places nothing on a device: the loader does that, the same way for both formats.
+permutation of llama.cpp's convert script undone where it made one), and the metadata that
+jaxcb.tokenizer builds the tokenizer from (`open_gguf`, `metadata`). Whatever it cannot honour
+(another architecture, a tensor type it does not dequantize) is refused before any weight is read.
+It builds no model and places nothing on a device: the loader does that, the same way for both formats.
+
+llama.cpp's architectures and the families (`jaxcb.model.families`) they hold:
+
+    general.architecture    family    q/k rows permuted  the family's own tensors
+    llama                   llama     yes                -
+    llama, with a window    mistral   yes                -
+    qwen2                   qwen2     no                 blk.{i}.attn_{q,k,v}.bias
+    qwen3                   qwen3     no                 blk.{i}.attn_{q,k}_norm.weight
+
+A window ({arch}.attention.sliding_window) is on every layer: a GGUF has no per-layer types.
 """
 
 from __future__ import annotations
@@ -21,18 +31,25 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxcb.model.config import RopeScaling
+from jaxcb.model.families import FAMILIES
 from jaxcb.model.loader import CheckpointError
 
 # Tensor types that `gguf.quants.dequantize` reads and that the tests check.
 READABLE_TYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )
-# llama.* metadata that jaxcb reads or checks; any other llama.* key is refused, not ignored.
-KNOWN_LLAMA_KEYS = frozenset({
+# general.architecture -> the family its models are (a llama file with a sliding window is a Mistral:
+# llama.cpp writes Mistral as llama).
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# The architectures whose q/k rows llama.cpp's convert script permutes (its LlamaModel.permute).
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+# {arch}.* metadata that jaxcb reads or checks (the same for each architecture); any other {arch}.* key
+# is refused, not ignored.
+KNOWN_ARCH_KEYS = frozenset({
     "block_count", "context_length", "embedding_length", "feed_forward_length", "vocab_size",
     "attention.head_count", "attention.head_count_kv", "attention.layer_norm_rms_epsilon",
-    "attention.key_length", "attention.value_length", "rope.freq_base", "rope.dimension_count",
-    "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
+    "attention.key_length", "attention.value_length", "attention.sliding_window", "rope.freq_base",
+    "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
     "rope.scaling.finetuned", "expert_count", "expert_used_count",
 })
 # GGUF tensor name -> HF name ({i}: the layer).
@@ -49,6 +66,11 @@ GGUF_TO_HF_NAMES = {
     "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
     "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blk.{i}.attn_q.bias": "model.layers.{i}.self_attn.q_proj.bias",  # qwen2
+    "blk.{i}.attn_k.bias": "model.layers.{i}.self_attn.k_proj.bias",
+    "blk.{i}.attn_v.bias": "model.layers.{i}.self_attn.v_proj.bias",
+    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # qwen3
+    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of Llama 3's rope scaling: a divisor per frequency
 
@@ -114,56 +136,53 @@ def _f32(value: float) -> float:
 def read_gguf_config(path: str) -> dict[str, Any]:
     """The GGUF's architecture under ModelConfig's field names, as `read_hf_config` gives config.json's.
 
-    Raises CheckpointError listing every problem: another architecture, a llama.* key jaxcb does
+    Raises CheckpointError listing every problem: another architecture, an {arch}.* key jaxcb does
     not know, a mixture of experts, rope scaling it cannot reproduce, a file split in parts."""
     reader = open_gguf(path)
     arch = metadata(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_FAMILIES:
         raise CheckpointError(
-            f"{path} holds a {arch!r} model (general.architecture); jaxcb serves Llama-family models only"
+            f"{path} holds a {arch!r} model (general.architecture); jaxcb serves GGUF files of "
+            f"{', '.join(GGUF_FAMILIES)} (llama.cpp writes Mistral as llama)"
         )
-    problems = []
-    unknown = sorted(k for k in reader.fields if k.startswith("llama.") and k[len("llama."):] not in KNOWN_LLAMA_KEYS)
-    problems += [f"metadata {k}={metadata(reader, k)!r} is not understood by jaxcb" for k in unknown]
-    if (metadata(reader, "split.count", 1) or 1) > 1:
-        problems.append(
-            f"the model is split over {metadata(reader, 'split.count')} files; merge them into one with "
-            f"llama.cpp's `llama-gguf-split --merge`"
-        )
-    if (metadata(reader, "llama.expert_count", 0) or 0) > 0:
-        problems.append(f"llama.expert_count={metadata(reader, 'llama.expert_count')}: mixtures of experts are not supported")
-    scaling_type = metadata(reader, "llama.rope.scaling.type", "none")
-    if scaling_type != "none":
-        problems.append(f"llama.rope.scaling.type={scaling_type!r} is not supported (jaxcb has Llama 3's rope scaling only)")
+    problems = _metadata_problems(reader, arch)
 
     def need(key: str, default: Any = None):
-        value = metadata(reader, f"llama.{key}", default)
+        value = metadata(reader, f"{arch}.{key}", default)
         if value is None:
-            problems.append(f"metadata llama.{key} is missing")
+            problems.append(f"metadata {arch}.{key} is missing")
         elif isinstance(value, list):
-            problems.append(f"metadata llama.{key} differs between layers ({value[:4]}...); jaxcb needs one value")
+            problems.append(f"metadata {arch}.{key} differs between layers ({value[:4]}...); jaxcb needs one value")
             return None
         return value
 
     hidden, num_heads = need("embedding_length"), need("attention.head_count")
     num_layers, intermediate = need("block_count"), need("feed_forward_length")
     num_kv_heads = need("attention.head_count_kv", num_heads)
+    window = need("attention.sliding_window", 0)
     tokens = metadata(reader, "tokenizer.ggml.tokens")
-    vocab_size = len(tokens) if tokens else metadata(reader, "llama.vocab_size")
+    vocab_size = len(tokens) if tokens else metadata(reader, f"{arch}.vocab_size")
     if vocab_size is None:
-        problems.append("neither tokenizer.ggml.tokens nor llama.vocab_size gives the vocabulary size")
-    elif metadata(reader, "llama.vocab_size", vocab_size) != vocab_size:
-        problems.append(f"llama.vocab_size={metadata(reader, 'llama.vocab_size')} but tokenizer.ggml.tokens has {vocab_size}")
-    head_dim = metadata(reader, "llama.attention.key_length") or (hidden // num_heads if hidden and num_heads else None)
+        problems.append(f"neither tokenizer.ggml.tokens nor {arch}.vocab_size gives the vocabulary size")
+    elif metadata(reader, f"{arch}.vocab_size", vocab_size) != vocab_size:
+        problems.append(f"{arch}.vocab_size={metadata(reader, f'{arch}.vocab_size')} but tokenizer.ggml.tokens has "
+                        f"{vocab_size}")
+    head_dim = metadata(reader, f"{arch}.attention.key_length") or (hidden // num_heads if hidden and num_heads else None)
     for key in ("attention.value_length", "rope.dimension_count"):
-        if metadata(reader, f"llama.{key}", head_dim) != head_dim:
-            problems.append(f"llama.{key}={metadata(reader, f'llama.{key}')} differs from the head size {head_dim}")
+        if metadata(reader, f"{arch}.{key}", head_dim) != head_dim:
+            problems.append(f"{arch}.{key}={metadata(reader, f'{arch}.{key}')} differs from the head size {head_dim}")
     if problems:
         raise CheckpointError(f"{path} cannot be served by jaxcb ({len(problems)} problems): " + "; ".join(problems))
-    theta = _f32(metadata(reader, "llama.rope.freq_base", 10000.0))
+    family = FAMILIES["mistral" if arch == "llama" and window else GGUF_FAMILIES[arch]]
+    theta = _f32(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
     tensor_names = {t.name for t in reader.tensors}
     eos_ids = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     return dict(
+        architecture=family.name,
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        sliding_window=int(window),  # every layer's: a GGUF has no per-layer types
+        layer_types=None,
         vocab_size=int(vocab_size),
         hidden_size=int(hidden),
         intermediate_size=int(intermediate),
@@ -171,14 +190,35 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         num_heads=int(num_heads),
         num_kv_heads=int(num_kv_heads),
         head_dim=int(head_dim),
-        rms_norm_eps=_f32(metadata(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=_f32(metadata(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=theta,
-        max_position_embeddings=int(metadata(reader, "llama.context_length", 2048)),
+        max_position_embeddings=int(metadata(reader, f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=_rope_scaling(reader, path, int(head_dim), theta),
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(i) for i in eos_ids if i is not None}) or None,
     )
+
+
+def _metadata_problems(reader, arch: str) -> list[str]:
+    """What the file's metadata says that jaxcb does not honour: unknown {arch}.* keys, experts, rope
+    scaling other than Llama 3's, a split file."""
+    prefix = f"{arch}."
+    unknown = sorted(k for k in reader.fields if k.startswith(prefix) and k[len(prefix):] not in KNOWN_ARCH_KEYS)
+    problems = [f"metadata {k}={metadata(reader, k)!r} is not understood by jaxcb" for k in unknown]
+    if (metadata(reader, "split.count", 1) or 1) > 1:
+        problems.append(
+            f"the model is split over {metadata(reader, 'split.count')} files; merge them into one with "
+            f"llama.cpp's `llama-gguf-split --merge`"
+        )
+    if (metadata(reader, f"{arch}.expert_count", 0) or 0) > 0:
+        problems.append(f"{arch}.expert_count={metadata(reader, f'{arch}.expert_count')}: mixtures of experts are not "
+                        f"supported")
+    scaling_type = metadata(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none":
+        problems.append(f"{arch}.rope.scaling.type={scaling_type!r} is not supported (jaxcb reads Llama 3's rope "
+                        f"scaling only from a GGUF)")
+    return problems
 
 
 def _rope_scaling(reader, path: str, head_dim: int, theta: float) -> Optional[RopeScaling]:
@@ -265,12 +305,14 @@ class GGUFTensorInfo:
 
 
 class GGUFCheckpoint:
-    """A GGUF's tensors by HF name, read one at a time as float32 in HF layout."""
+    """A GGUF's tensors by HF name, read one at a time as float32 in HF layout: the q/k rows (and
+    biases) of an architecture that llama.cpp permutes put back in HF order, the others as written."""
 
     def __init__(self, path: str, num_heads: int, num_kv_heads: int):
         self.path = path
         self._reader = open_gguf(path)
-        self._num_heads = {"q_proj": num_heads, "k_proj": num_kv_heads}
+        permuted = metadata(self._reader, "general.architecture") in PERMUTED_QK_ARCHITECTURES
+        self._num_heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
         self._by_name = {hf_name(t.name): t for t in self._reader.tensors if t.name != ROPE_FREQS}
         self.tensors = {
             name: GGUFTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))

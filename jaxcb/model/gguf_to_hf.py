@@ -1,10 +1,11 @@
-"""Write a GGUF file out as a Hugging Face Llama directory that jaxcb and transformers both load.
+"""Write a GGUF file out as a Hugging Face directory that jaxcb and transformers both load.
 
-config.json and generation_config.json from its metadata, model.safetensors with its tensors
-dequantized (q/k rows in HF order) and cast to the chosen dtype, tokenizer.json and
-tokenizer_config.json (with the chat template) from its tokenizer. The GGUF is checked as
-loading checks it before anything is written, and tensors are written one at a time, so the
-model is never whole in memory. `scripts/convert_checkpoint.py` is the command line.
+config.json (the family's model_type and keys: `jaxcb.model.families`) and generation_config.json
+from its metadata, model.safetensors with its tensors dequantized (q/k rows in HF order) and cast
+to the chosen dtype, tokenizer.json and tokenizer_config.json (with the chat template) from its
+tokenizer. The GGUF is checked as loading checks it before anything is written, and tensors are
+written one at a time, so the model is never whole in memory. `scripts/convert_checkpoint.py` is
+the command line.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxcb.model.config import LlamaConfig
+from jaxcb.model.families import FAMILIES
 from jaxcb.model.gguf import read_gguf_config
 from jaxcb.model.loader import open_gguf_checkpoint
 
@@ -30,13 +32,14 @@ def gguf_llama_config(path: str, dtype: str) -> LlamaConfig:
 
 
 def hf_config_json(path: str, dtype: str) -> dict[str, Any]:
-    """config.json of a transformers LlamaForCausalLM with the GGUF's architecture."""
+    """config.json of the transformers model of the GGUF's family (LlamaForCausalLM, Qwen2ForCausalLM, ...)."""
     c = read_gguf_config(path)
+    family = FAMILIES[c["architecture"]]
     rope = c["rope_scaling"]
     eos = c["eos_token_ids"] or []
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": list(family.architectures),
+        "model_type": family.name,
         "vocab_size": c["vocab_size"],
         "hidden_size": c["hidden_size"],
         "intermediate_size": c["intermediate_size"],
@@ -56,12 +59,22 @@ def hf_config_json(path: str, dtype: str) -> dict[str, Any]:
         },
         "max_position_embeddings": c["max_position_embeddings"],
         "tie_word_embeddings": c["tie_word_embeddings"],
-        "attention_bias": False,
-        "mlp_bias": False,
+        **_family_keys(family.name, c["sliding_window"]),
         "bos_token_id": c["bos_token_id"],
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "torch_dtype": dtype,
     }
+
+
+def _family_keys(family: str, window: int) -> dict[str, Any]:
+    """The config.json keys by which the family differs from Llama, in the 4.x form that every
+    transformers reads: a GGUF's window is on every layer."""
+    if family == "llama":
+        return {"attention_bias": False, "mlp_bias": False}
+    if family == "mistral":
+        return {"sliding_window": window or None}
+    qwen = {"use_sliding_window": bool(window), "sliding_window": window or None, "max_window_layers": 0}
+    return dict(qwen, attention_bias=False) if family == "qwen3" else qwen
 
 
 def write_hf_side_files(path: str, out_dir: str, dtype: str = "float32") -> None:
@@ -101,7 +114,7 @@ def write_safetensors(
 
 
 def convert_gguf_to_hf(path: str, out_dir: str, dtype: str = "float32") -> str:
-    """Write the GGUF at `path` as an HF Llama directory at out_dir (which must be new or empty)."""
+    """Write the GGUF at `path` as an HF directory at out_dir (which must be new or empty)."""
     if dtype not in SAFETENSORS_DTYPES:
         raise ValueError(f"dtype={dtype!r} must be one of {', '.join(SAFETENSORS_DTYPES)}")
     if os.path.exists(out_dir) and os.listdir(out_dir):

@@ -26,7 +26,7 @@ Axis letters in einsums: t tokens, d hidden, h heads, k head_dim, f MLP width, v
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Optional, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +40,12 @@ INIT_STD = 0.02
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """f32[head_dim // 2]: rotary frequencies, with Llama 3's frequency-dependent scaling if given."""
+    """f32[head_dim // 2]: rotary frequencies, with Llama 3's or YaRN's scaling if given."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     if scaling is None:
         return inv_freq.astype(np.float32)
+    if scaling.rope_type == "yarn":
+        return yarn_inv_freq(head_dim, theta, scaling)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -54,6 +56,35 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
+    """YaRN: the frequencies that turn fewer than `beta_slow` times over the original context are divided
+    by `factor` (interpolated), those that turn more than `beta_fast` times kept (extrapolated), with a
+    linear ramp between, over dimensions (as transformers computes it, in float32)."""
+    pos_freqs = theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / ((high + 0.001 if low == high else high) - low),
+                   0, 1).astype(np.float32)
+    keep = 1 - ramp  # the share of the unscaled (extrapolated) frequency
+    return ((1.0 / (scaling.factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep).astype(np.float32)
+
+
+def rope_attention_factor(scaling: RopeScaling | None) -> float:
+    """What YaRN multiplies cos and sin by (so q.k by its square): 1 for the other rope types."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 1.0 if scaling.factor <= 1 else 0.1 * math.log(scaling.factor) + 1.0
 
 
 def rope_angles(
@@ -84,7 +115,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 class LayerWeights(NamedTuple):
-    """One decoder layer's weights (stacked: every layer's, each with a leading [num_layers] axis)."""
+    """One decoder layer's weights (stacked: every layer's, each with a leading [num_layers] axis).
+    The family's own weights are None where its architecture has none (`jaxcb.model.families`)."""
 
     attn_norm: jax.Array  # [D]
     q_proj: jax.Array  # [D, Hq, K]
@@ -95,6 +127,18 @@ class LayerWeights(NamedTuple):
     gate_proj: jax.Array  # [D, F]
     up_proj: jax.Array  # [D, F]
     down_proj: jax.Array  # [F, D]
+    q_bias: Optional[jax.Array] = None  # [Hq, K]: cfg.qkv_bias
+    k_bias: Optional[jax.Array] = None  # [Hkv, K]
+    v_bias: Optional[jax.Array] = None  # [Hkv, K]
+    q_norm: Optional[jax.Array] = None  # [K]: cfg.qk_norm, one weight shared by every head
+    k_norm: Optional[jax.Array] = None  # [K]
+
+
+def layer_weight_names(cfg: LlamaConfig) -> tuple[str, ...]:
+    """The `LayerWeights` fields this architecture has."""
+    optional = {"q_bias": cfg.qkv_bias, "k_bias": cfg.qkv_bias, "v_bias": cfg.qkv_bias, "q_norm": cfg.qk_norm,
+                "k_norm": cfg.qk_norm}
+    return tuple(name for name in LayerWeights._fields if optional.get(name, True))
 
 
 class StepWeights(NamedTuple):
@@ -124,9 +168,17 @@ class DecoderLayers(nnx.Module):
         self.gate_proj = nnx.Param(normal(rngs.params(), (L, D, F), dt))
         self.up_proj = nnx.Param(normal(rngs.params(), (L, D, F), dt))
         self.down_proj = nnx.Param(normal(rngs.params(), (L, F, D), dt))
+        if cfg.qkv_bias:
+            self.q_bias = nnx.Param(normal(rngs.params(), (L, Hq, K), dt))
+            self.k_bias = nnx.Param(normal(rngs.params(), (L, Hkv, K), dt))
+            self.v_bias = nnx.Param(normal(rngs.params(), (L, Hkv, K), dt))
+        if cfg.qk_norm:
+            self.q_norm = nnx.Param(jnp.ones((L, K), dt))
+            self.k_norm = nnx.Param(jnp.ones((L, K), dt))
 
     def weights(self) -> LayerWeights:
-        return LayerWeights(*(getattr(self, name).get_value() for name in LayerWeights._fields))
+        return LayerWeights(**{name: getattr(self, name).get_value() for name in LayerWeights._fields
+                               if hasattr(self, name)})
 
 
 class Llama(nnx.Module):
@@ -149,7 +201,8 @@ def build_rope_table(cfg: LlamaConfig, max_len: int, sharding: jax.sharding.Shar
     the step: XLA fuses whatever computes the angles into every layer's q and k rotations, where it
     runs once per head. Computed by the same XLA cos/sin as `rope_angles`, so the values are the same bits."""
     inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    return jax.jit(lambda: jnp.stack(rope_angles(jnp.arange(max_len, dtype=jnp.int32), inv_freq)),
+    scale = rope_attention_factor(cfg.rope_scaling)
+    return jax.jit(lambda: jnp.stack(rope_angles(jnp.arange(max_len, dtype=jnp.int32), inv_freq)) * scale,
                    out_shardings=sharding)()
 
 
@@ -181,8 +234,9 @@ class LayerOps(Protocol):
         cache: KVCache,
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
+        window: Optional[jax.Array] = None,  # i32[]: the layer's sliding window (NO_WINDOW: none); None: no layer has one
     ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
-        """Norm, project q/k/v, rope, write every row's new K/V, then attend."""
+        """Norm, project q/k/v (+ bias), q/k norms, rope, write every row's new K/V, then attend."""
         ...
 
     def add_attention_output(
@@ -215,21 +269,34 @@ def forward(
     rope = (cos_sin[0], cos_sin[1])  # f32[T, head_dim // 2] each
 
     def layer_step(carry, xs):
-        (h, cache), (layer, lw) = carry, xs
-        attn, cache = ops.self_attention(lw, h, rope, cache, layer, md)
+        (h, cache), (layer, window, lw) = carry, xs
+        attn, cache = ops.self_attention(lw, h, rope, cache, layer, md, window)
         h = ops.add_attention_output(lw, h, attn.astype(h.dtype))
         return (ops.add_mlp(lw, h), cache), None
 
     # What attention derives from the step's metadata (the kernel's tile table) is built once, here.
     md = ops.attention.prepare_step(md, token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads, cache.k.shape[3])
     h = jnp.take(w.embed, token_ids, axis=0)
+    # Each layer's window, a traced i32[] (it changes from layer to layer inside the scan); None when
+    # no layer has one, so that a model without windows compiles the attention it always had.
+    windows = layer_window_array(cfg)
     if isinstance(w.layers, list):
         for i, lw in enumerate(w.layers):
-            (h, cache), _ = layer_step((h, cache), (jnp.int32(i), lw))
+            window = None if windows is None else windows[i]
+            (h, cache), _ = layer_step((h, cache), (jnp.int32(i), window, lw))
     else:
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (h, cache), _ = jax.lax.scan(layer_step, (h, cache), (layers, w.layers))
+        (h, cache), _ = jax.lax.scan(layer_step, (h, cache), (layers, windows, w.layers))
     return rms_norm(h, w.final_norm, cfg.rms_norm_eps), cache
+
+
+def layer_window_array(cfg: LlamaConfig) -> Optional[jax.Array]:
+    """i32[L]: each layer's sliding window, NO_WINDOW for a layer without one; None when no layer has one."""
+    if not any(cfg.layer_windows):
+        return None
+    from jaxcb.kernels.attention import NO_WINDOW
+
+    return jnp.asarray([w or NO_WINDOW for w in cfg.layer_windows], jnp.int32)
 
 
 def build_random_model(cfg: LlamaConfig, seed: int) -> Llama:

@@ -50,6 +50,7 @@ class HFTensorRule:
     layered: bool  # True: fills index [layer] of a [num_layers, ...] stacked parameter
     hf_shape: Callable[[LlamaConfig], tuple[int, ...]]
     to_param: Callable[[np.ndarray, LlamaConfig], np.ndarray]
+    applies: Callable[[LlamaConfig], bool] = lambda c: True  # the architecture has this tensor
 
 
 def _t(x, c):  # [out, in] -> [in, out]
@@ -102,6 +103,25 @@ HF_RULES: dict[str, HFTensorRule] = {
     "model.layers.{i}.mlp.down_proj.weight": HFTensorRule(
         ("layers", "down_proj"), True, lambda c: (c.hidden_size, c.intermediate_size), _t
     ),
+    # The families' own tensors (jaxcb/model/families.py).
+    "model.layers.{i}.self_attn.q_proj.bias": HFTensorRule(
+        ("layers", "q_bias"), True, lambda c: (c.num_heads * c.head_dim,),
+        lambda x, c: x.reshape(c.num_heads, c.head_dim), lambda c: c.qkv_bias,
+    ),
+    "model.layers.{i}.self_attn.k_proj.bias": HFTensorRule(
+        ("layers", "k_bias"), True, lambda c: (c.num_kv_heads * c.head_dim,),
+        lambda x, c: x.reshape(c.num_kv_heads, c.head_dim), lambda c: c.qkv_bias,
+    ),
+    "model.layers.{i}.self_attn.v_proj.bias": HFTensorRule(
+        ("layers", "v_bias"), True, lambda c: (c.num_kv_heads * c.head_dim,),
+        lambda x, c: x.reshape(c.num_kv_heads, c.head_dim), lambda c: c.qkv_bias,
+    ),
+    "model.layers.{i}.self_attn.q_norm.weight": HFTensorRule(
+        ("layers", "q_norm"), True, lambda c: (c.head_dim,), lambda x, c: x, lambda c: c.qk_norm,
+    ),
+    "model.layers.{i}.self_attn.k_norm.weight": HFTensorRule(
+        ("layers", "k_norm"), True, lambda c: (c.head_dim,), lambda x, c: x, lambda c: c.qk_norm,
+    ),
 }
 
 
@@ -141,7 +161,7 @@ def _expand_hf_names(cfg: LlamaConfig) -> dict[str, tuple[HFTensorRule, Optional
     """Every HF tensor name this architecture expects -> (rule, layer)."""
     names = {}
     for pattern, rule in HF_RULES.items():
-        if rule.param == ("lm_head",) and cfg.tie_word_embeddings:
+        if rule.param == ("lm_head",) and cfg.tie_word_embeddings or not rule.applies(cfg):
             continue
         if rule.layered:
             for i in range(cfg.num_layers):

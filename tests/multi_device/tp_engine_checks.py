@@ -167,6 +167,23 @@ def test_pallas_kernel_runs_per_shard_under_tp2_in_the_interpreter():
     np.testing.assert_allclose(forward_logits(tp2), forward_logits(engine(1)), rtol=1e-4, atol=1e-5)
 
 
+# Qwen's pieces on the tiny model: q/k/v biases (split with their heads), q/k norms (one weight, on
+# every device) and a sliding window shorter than forward_logits' 21-token sequence.
+QWEN_PIECES = ("model.qkv_bias=true", "model.qk_norm=true", "model.sliding_window=5")
+
+
+@pytest.mark.parametrize("layer_loop", ["unrolled", "scan"])
+def test_qwen_biases_qk_norms_and_a_window_under_tp2_give_one_device_logits(layer_loop):
+    one, tp2 = (uncompiled_engine(tp, *QWEN_PIECES, f"model.layer_loop={layer_loop}") for tp in (1, 2))
+    assert one.model_config.qk_norm and one.model_config.layer_windows == (5, 5, 5)
+    layers = tp2.runner.weights.layers
+    first = layers[0] if isinstance(layers, list) else layers
+    assert first.q_norm.sharding.spec == P() and first.qkv_bias.sharding.spec in (P("tp"), P(None, "tp"))
+    np.testing.assert_allclose(forward_logits(tp2), forward_logits(one), rtol=1e-5, atol=1e-5)
+    # The pieces are in play: without them the tiny model's logits differ.
+    assert np.abs(forward_logits(one) - forward_logits(engine(1))).max() > 1e-3
+
+
 COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
 
 

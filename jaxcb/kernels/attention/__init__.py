@@ -14,6 +14,14 @@ attention only through an `AttentionForm`, chosen once from `attention.impl`:
 Every attend function takes q [T, Hq, D], the stacked caches, kv_lens [R], block_tables
 [R, W], query_start_loc [R + 1], num_seqs, layer and sm_scale, and returns [T, Hq, D].
 
+Sliding window: `window` is None (no window: the forms compile exactly as without the argument)
+or a traced i32[] -- it varies per layer inside the layer scan -- with Hugging Face's meaning
+(Mistral, Qwen2, Gemma): the token at position p sees key j iff j <= p and p - j < window.
+`NO_WINDOW` (or any window >= the context) is none, for the full layers of a model that mixes
+both. The pallas, cpu and xla forms skip the KV tiles or blocks that lie wholly before the
+window of a query tile's first token (the xla form's short-table path masks them instead);
+blocks that every layer's window has left stay allocated until the sequence ends, never read.
+
 Invariant of every form (and of every backend that writes the cache itself): in each layer,
 every row's new K/V is written before any row's attention reads the cache (`write_and_attend`:
 the whole step's write, then the attend). So a sequence attends to its own new tokens, and
@@ -41,7 +49,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxcb.config import AttentionConfig, ConfigError
 from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, scatter_blocks, scatter_kv_rows
-from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
+from jaxcb.kernels.attention.reference import NO_WINDOW, ragged_paged_attention_reference
 from jaxcb.kernels.attention.xla import ragged_paged_attention_xla
 from jaxcb.sharding import HEADS_SPEC, KV_CACHE_SPEC
 
@@ -51,7 +59,9 @@ log = logging.getLogger(__name__)
 def zeros_buffer(shape: tuple[int, ...], dtype, sharding=None) -> jax.Array:
     return jax.numpy.zeros(shape, dtype, device=sharding)
 
-__all__ = ["AttentionForm", "AttentionMetadata", "KVCache", "NULL_BLOCK", "SWAP_CHUNK", "select_attention"]
+__all__ = [
+    "AttentionForm", "AttentionMetadata", "KVCache", "NO_WINDOW", "NULL_BLOCK", "SWAP_CHUNK", "select_attention",
+]
 
 
 @dataclasses.dataclass
@@ -119,9 +129,12 @@ class AttentionForm:
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
         sm_scale: float,
+        window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window; None: none
     ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
         q_in = q.astype(cache.k.dtype) if self.computes_in_cache_dtype else q
         prepared = {} if md.tiles is None else {"tiles": md.tiles}
+        if window is not None:  # passed only when there is one: without it every form compiles as before
+            prepared["window"] = window
         out = self.attend_fn(
             q_in, cache.k, cache.v, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs, layer,
             sm_scale=sm_scale, **prepared,
@@ -137,24 +150,27 @@ class AttentionForm:
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
         sm_scale: float,
+        window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window (traced); None: none
     ) -> tuple[jax.Array, KVCache]:  # ([T, num_q_heads, head_dim], cache with this layer's new K/V)
         """Write the new tokens' K/V into the cache, then attend over it (per shard of heads under TP)."""
 
-        def write_then_attend(q, k, v, cache, layer, md):
+        def write_then_attend(q, k, v, cache, layer, md, window):
             cache = self.write(cache, layer, k, v, md.slot_mapping)
-            return self.attend(q, cache, layer, md, sm_scale), cache
+            return self.attend(q, cache, layer, md, sm_scale, window), cache
 
         if self.mesh is None:
-            return write_then_attend(q, k, v, cache, layer, md)
+            return write_then_attend(q, k, v, cache, layer, md, window)
         cache_spec = KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC)
+        # The window, like the layer, is replicated (None is an empty pytree: no operand at all).
         return jax.shard_map(
             write_then_attend,
             mesh=self.mesh,
-            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, cache_spec, PartitionSpec(), PartitionSpec()),
+            in_specs=(HEADS_SPEC, HEADS_SPEC, HEADS_SPEC, cache_spec, PartitionSpec(), PartitionSpec(),
+                      PartitionSpec()),
             out_specs=(HEADS_SPEC, cache_spec),
             # A pallas_call's output declares no varying mesh axes, which the check would demand.
             check_vma=False,
-        )(q, k, v, cache, layer, md)
+        )(q, k, v, cache, layer, md, window)
 
 
 def pallas_form(interpret: bool = False) -> AttentionForm:

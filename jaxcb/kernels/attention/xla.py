@@ -9,6 +9,11 @@ Short block tables gather each tile's whole context at once. Longer ones list th
 block) pairs each tile really sees and attend to a chunk of pairs per loop iteration, with an
 online softmax combined per tile by sorted segment reductions: blocks are read straight from
 the stacked cache, and the work follows the batch's real context rather than its longest.
+
+A sliding window (`window`, a traced i32[]; None: none) masks keys outside each token's window;
+the long-table path lists no pair for a block before the window of its tile's first token, so
+those blocks are never read. The short-table path gathers them and masks them (scores and V
+alike, so even NaN there cannot reach the output): a few blocks, not worth a second shape.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ def ragged_paged_attention_xla(
     tokens_per_tile: int | None = None,
     gather_max_width: int = GATHER_MAX_WIDTH,
     pairs_per_chunk: int | None = None,
+    window: jax.Array | None = None,  # i32[]: sliding window (keys p - window < j <= p); None: none
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
-    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer)
+    check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer,
+                           window=window)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs_max, width = block_tables.shape
@@ -65,11 +72,13 @@ def ragged_paged_attention_xla(
     q_tiles = q[jnp.clip(tok, 0, num_tokens - 1)].reshape(num_tiles, tq, num_kv_heads, group, head_dim)
     q_tiles = q_tiles.transpose(0, 2, 3, 1, 4).reshape(num_tiles, num_kv_heads, group * tq, head_dim)
 
+    window = None if window is None else jnp.reshape(window, ())
     if width <= gather_max_width:
-        out = _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale)
+        out = _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale, window)
     else:
         out = _attend_block_pairs(
-            q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk
+            q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk,
+            window,
         )
     out = out.reshape(num_tiles, num_kv_heads, group, tq, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles * tq, num_q_heads, head_dim).astype(q.dtype)
@@ -79,13 +88,18 @@ def ragged_paged_attention_xla(
 
 
 
+def _window_start(pos0: jax.Array, window: jax.Array) -> jax.Array:  # i32[G]
+    """The first key any token of each tile sees: its first token's window starts earliest."""
+    return jnp.maximum(pos0 - window + 1, 0)
+
+
 def _shapes(q_tiles, k_cache, block_tables, tq):
     num_tiles, num_kv_heads, rows, head_dim = q_tiles.shape
     num_layers, _, num_blocks, block_size, _ = k_cache.shape
     return num_tiles, num_kv_heads, rows // tq, head_dim, num_layers, num_blocks, block_size, block_tables.shape[1]
 
 
-def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale):
+def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale, window):
     """Short tables: gather each tile's whole context in one go, attend in one einsum
     (fewer, larger ops than the loop: faster when the context is a few blocks)."""
     num_tiles, num_kv_heads, group, head_dim, num_layers, num_blocks, block_size, width = _shapes(
@@ -100,6 +114,8 @@ def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len,
     v = v_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
     key_pos = jnp.arange(ctx)
     key_valid = key_pos[None, :] < kv_len[:, None]  # [G, C]
+    if window is not None:  # keys before every token's window: as if past kv_len
+        key_valid &= key_pos[None, :] >= _window_start(pos0, window)[:, None]
     # Slots past kv_len may hold stale values or NaN: scores there are masked below, and V is
     # zeroed so that 0 * NaN cannot reach the output.
     v = jnp.where(key_valid[:, None, :, None], v, 0)
@@ -107,6 +123,8 @@ def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len,
     scores = jnp.einsum("ghrd,ghcd->ghrc", q_tiles, k, preferred_element_type=jnp.float32) * sm_scale
     q_pos = pos0[:, None] + offs[None, :]  # [G, tq]
     visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [G, tq, C]
+    if window is not None:
+        visible &= q_pos[:, :, None] - key_pos[None, None, :] < window
     visible = jnp.broadcast_to(visible[:, None], (num_tiles, group, tq, ctx)).reshape(num_tiles, 1, group * tq, ctx)
     scores = jnp.where(visible, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -123,14 +141,14 @@ def default_pairs_per_chunk(rows: int) -> int:
 
 
 def _attend_block_pairs(
-    q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk
+    q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk, window
 ):
     """Long tables: attend over the (tile, block) pairs that are really visible, a chunk of
     pairs per loop iteration with an online softmax. Pairs are listed tile by tile, so a tile's
     partial results are combined with sorted segment reductions; the loop runs
     ceil(real pairs / chunk) times. Cost follows the context the batch really has, not
     tiles x the longest context (one 1,000-token sequence among 63 short ones no longer makes
-    every tile walk 64 blocks)."""
+    every tile walk 64 blocks), and with a window it starts at the block of the tile's first key in it."""
     num_tiles, num_kv_heads, group, head_dim, num_layers, num_blocks, block_size, width = _shapes(
         q_tiles, k_cache, block_tables, tq
     )
@@ -139,10 +157,16 @@ def _attend_block_pairs(
     num_pairs = -(-num_tiles * width // chunk) * chunk  # a whole number of chunks, >= every real count
     # Blocks a tile sees: up to its last token's position (causal), at most the table width.
     seen = jnp.where(q_count > 0, jnp.minimum((pos0 + q_count + block_size - 1) // block_size, width), 0)
+    if window is not None:  # ... from the block of the first key in its first token's window
+        window_start = _window_start(pos0, window)  # i32[G]
+        first_col = window_start // block_size  # i32[G]
+        seen = jnp.where(q_count > 0, seen - first_col, 0)
     pair_end = jnp.cumsum(seen)
     pair = jnp.arange(num_pairs)
     pair_tile = jnp.minimum(jnp.searchsorted(pair_end, pair, side="right"), num_tiles - 1)
     pair_col = pair - (pair_end[pair_tile] - seen[pair_tile])
+    if window is not None:
+        pair_col += first_col[pair_tile]
     pair_real = pair < pair_end[-1]
     pair_block = block_tables[seq[pair_tile], jnp.clip(pair_col, 0, width - 1)]
 
@@ -163,11 +187,15 @@ def _attend_block_pairs(
         v = v_flat[ids].astype(jnp.float32)
         key_pos = col[:, None] * block_size + jnp.arange(block_size)[None, :]  # [C, S]
         key_valid = real[:, None] & (key_pos < kv_len[tile][:, None])
+        if window is not None:  # keys of the first block before every token's window: as if past kv_len
+            key_valid &= key_pos >= window_start[tile][:, None]
         # Slots past kv_len may hold stale values or NaN: their scores are masked and V zeroed,
         # so 0 * NaN cannot reach the output.
         v = jnp.where(key_valid[:, None, :, None], v, 0.0)
         scores = jnp.einsum("chrd,chsd->chrs", q_scaled[tile], k)
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= row_pos[tile][:, :, None])  # [C, rows, S]
+        if window is not None:
+            visible &= row_pos[tile][:, :, None] - key_pos[:, None, :] < window
         scores = jnp.where(visible[:, None], scores, -jnp.inf)
         m_new = jnp.maximum(m, jax.ops.segment_max(scores.max(axis=-1), tile, num_tiles, indices_are_sorted=True))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)

@@ -2,7 +2,10 @@
 //
 // Same contract as pallas_kernels/ragged_paged_attention_reference.py: q [T, Hq, D], the
 // stacked caches [L, Hkv, NB, BS, D], kv_lens [R], block_tables [R, W],
-// query_start_loc [R + 1], num_seqs [], layer []; out [T, Hq, D] with padding tokens 0.
+// query_start_loc [R + 1], num_seqs [], layer [], and optionally window []; out [T, Hq, D] with
+// padding tokens 0. With a window (a sliding window, as Hugging Face's Mistral or Qwen2) the token
+// at position p sees key j iff j <= p and p - j < window; blocks before the window of a tile's
+// first token are never read. Without the operand: no window.
 //
 // Why C++: on CPU the XLA path spends most of its time gathering K/V blocks into fresh
 // buffers and in many small ops. Here each (sequence, KV head, tile of query tokens) reads
@@ -19,7 +22,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -41,6 +46,7 @@ namespace {
 constexpr int64_t kTokensPerTile = 16;  // query tokens of one sequence per work item
 constexpr int64_t kMaxBlockSize = 64;
 constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kNoWindow = std::numeric_limits<int64_t>::max() / 2;  // no window operand: keys from 0
 
 using jaxcb::Bf16ToFloat;
 using jaxcb::FloatToBf16;
@@ -110,13 +116,14 @@ inline float Dot(const float* q, const float* k, int64_t D) {
   return dot;
 }
 
-// One query row (already scaled) against the first `visible` keys of a block: the online
-// softmax update of its running max m, sum l and output acc. k and v hold the block's rows
-// (D floats each); sc is scratch for kMaxBlockSize scores.
-inline void AttendRowScalar(const float* q, const float* k, const float* v, int64_t visible, int64_t D, float& m,
-                            float& l, float* acc, float* sc) {
+// One query row (already scaled) against keys [first, visible) of a block (first < visible; a sliding
+// window starts at first): the online softmax update of its running max m, sum l and output acc. k and
+// v hold the block's rows (D floats each); rows before first are never read. sc is scratch for
+// kMaxBlockSize scores.
+inline void AttendRowScalar(const float* q, const float* k, const float* v, int64_t first, int64_t visible, int64_t D,
+                            float& m, float& l, float* acc, float* sc) {
   float block_max = -1e30f;
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t j = first; j < visible; ++j) {
     sc[j] = Dot(q, k + j * D, D);
     block_max = std::max(block_max, sc[j]);
   }
@@ -124,7 +131,7 @@ inline void AttendRowScalar(const float* q, const float* k, const float* v, int6
   const float correction = std::exp(m - m_new);
   float sum = l * correction;
   for (int64_t d = 0; d < D; ++d) acc[d] *= correction;
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t j = first; j < visible; ++j) {
     const float p = std::exp(sc[j] - m_new);
     sum += p;
     for (int64_t d = 0; d < D; ++d) acc[d] += p * v[j * D + d];
@@ -241,10 +248,10 @@ constexpr Accumulate16Fn kAccumulate16[5] = {nullptr, AccumulateValues16<1>, Acc
                                              AccumulateValues16<3>, AccumulateValues16<4>};
 
 // AttendRow for blocks of 16 rows and D % 16 == 0: the block's keys scored as one vector.
-// Scores past `visible` (NaN or not) are masked to -inf before use.
-inline void AttendRow16(const float* q, const float* k, const float* v, int64_t visible, int64_t D, float& m,
-                        float& l, float* acc, float* sc) {
-  const __mmask16 seen = static_cast<__mmask16>((1u << visible) - 1);
+// Scores outside [first, visible) (NaN or not) are masked to -inf before use; values there are not read.
+inline void AttendRow16(const float* q, const float* k, const float* v, int64_t first, int64_t visible, int64_t D,
+                        float& m, float& l, float* acc, float* sc) {
+  const __mmask16 seen = static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << first) - 1));
   const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, Dot16(q, k, D));
   const float m_new = std::max(m, _mm512_reduce_max_ps(scores));
   const float correction = std::exp(m - m_new);
@@ -252,52 +259,56 @@ inline void AttendRow16(const float* q, const float* k, const float* v, int64_t 
   _mm512_storeu_ps(sc, p);
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t chunk = std::min<int64_t>(64, D - d0);
-    kAccumulate16[chunk / 16](sc, v + d0, visible, D, correction, acc + d0);
+    kAccumulate16[chunk / 16](sc + first, v + first * D + d0, visible - first, D, correction, acc + d0);
   }
   l = l * correction + _mm512_reduce_add_ps(p);
   m = m_new;
 }
 #endif
 
-// AttendRowScalar for D % 8 == 0. Keys are scored 8 at a time while 8 rows of the block remain
-// (a group may run past `visible`: those scores, NaN or not, are replaced by -inf before use).
-inline void AttendRow(const float* q, const float* k, const float* v, int64_t block_rows, int64_t visible, int64_t D,
-                      float& m, float& l, float* acc, float* sc) {
-  if (D % 8) return AttendRowScalar(q, k, v, visible, D, m, l, acc, sc);
+// AttendRowScalar for D % 8 == 0. Keys are scored 8 at a time while 8 rows of the block remain,
+// from the group that holds `first` (a group may run outside [first, visible): those scores, NaN or
+// not, are replaced by -inf before use).
+inline void AttendRow(const float* q, const float* k, const float* v, int64_t block_rows, int64_t first,
+                      int64_t visible, int64_t D, float& m, float& l, float* acc, float* sc) {
+  if (D % 8) return AttendRowScalar(q, k, v, first, visible, D, m, l, acc, sc);
 #if defined(__AVX512F__)
   if (block_rows % 16 == 0 && D % 16 == 0) {  // larger blocks: one online-softmax update per 16 keys
-    for (int64_t j = 0; j < visible; j += 16)
-      AttendRow16(q, k + j * D, v + j * D, std::min<int64_t>(16, visible - j), D, m, l, acc, sc);
+    for (int64_t j = first / 16 * 16; j < visible; j += 16)
+      AttendRow16(q, k + j * D, v + j * D, std::max<int64_t>(first - j, 0), std::min<int64_t>(16, visible - j), D, m,
+                  l, acc, sc);
     return;
   }
 #endif
-  int64_t j = 0;
+  const int64_t lo = first / 8 * 8;  // the first group of 8 scored
+  int64_t j = lo;
   for (; j < visible && j + 8 <= block_rows; j += 8) _mm256_storeu_ps(sc + j, Dot8(q, k + j * D, D));
   for (; j < visible; ++j) sc[j] = Dot(q, k + j * D, D);
   const int64_t padded = (visible + 7) / 8 * 8;  // <= kMaxBlockSize: block sizes are multiples of 8 or scored above
+  for (int64_t t = lo; t < first; ++t) sc[t] = -INFINITY;
   for (int64_t t = visible; t < padded; ++t) sc[t] = -INFINITY;
   __m256 mx = _mm256_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
+  for (int64_t t = lo; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
   const float m_new = std::max(m, HorizontalMax(mx));
   const float correction = std::exp(m - m_new);
   __m256 sum = _mm256_setzero_ps();
   const __m256 shift = _mm256_set1_ps(m_new);
-  for (int64_t t = 0; t < padded; t += 8) {
+  for (int64_t t = lo; t < padded; t += 8) {
     const __m256 p = jaxcb::Exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + t), shift));
     sum = _mm256_add_ps(sum, p);
     _mm256_storeu_ps(sc + t, p);
   }
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     const int64_t chunk = std::min<int64_t>(64, D - d0);
-    kAccumulate[chunk / 8](sc, v + d0, visible, D, correction, acc + d0);
+    kAccumulate[chunk / 8](sc + first, v + first * D + d0, visible - first, D, correction, acc + d0);
   }
   l = l * correction + HorizontalSum(sum);
   m = m_new;
 }
 #else
-inline void AttendRow(const float* q, const float* k, const float* v, int64_t, int64_t visible, int64_t D, float& m,
-                      float& l, float* acc, float* sc) {
-  AttendRowScalar(q, k, v, visible, D, m, l, acc, sc);
+inline void AttendRow(const float* q, const float* k, const float* v, int64_t, int64_t first, int64_t visible,
+                      int64_t D, float& m, float& l, float* acc, float* sc) {
+  AttendRowScalar(q, k, v, first, visible, D, m, l, acc, sc);
 }
 #endif
 
@@ -320,14 +331,20 @@ inline int64_t KeysSeen(int32_t kv_len, int32_t q_len, int32_t first_token) {
   return static_cast<int64_t>(kv_len) - q_len + first_token + tile_tokens;
 }
 
-// One (sequence, KV head, query tile): rows are (token, head-in-group) pairs.
+// The first key a work item's tile sees: the start of its first query token's window (the earliest).
+inline int64_t FirstKeySeen(int32_t kv_len, int32_t q_len, int32_t first_token, int64_t window) {
+  return std::max<int64_t>(0, static_cast<int64_t>(kv_len) - q_len + first_token - window + 1);
+}
+
+// One (sequence, KV head, query tile): rows are (token, head-in-group) pairs. Blocks before the
+// window of the tile's first token are skipped; a row's keys before its own window are masked.
 // Q: the element type of q and out; C: the cache's (float, or uint16_t holding bf16).
 // first_block_of_next() says what the last block fetches ahead: the first block of the item
 // this thread runs next (claimed then), so that no item starts on a block still in memory.
 template <typename Q, typename C, typename NextFetch>
 void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
-                int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer, const WorkItem& item, float sm_scale,
-                Q* out, NextFetch&& first_block_of_next) {
+                int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer, int64_t window, const WorkItem& item,
+                float sm_scale, Q* out, NextFetch&& first_block_of_next) {
   const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
   const int64_t tile_tokens = std::min<int64_t>(kTokensPerTile, q_len - item.first_token);
   const int64_t rows = tile_tokens * group;
@@ -357,7 +374,8 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
 
   const int64_t head_base = (static_cast<int64_t>(layer) * s.num_kv_heads + item.kv_head) * s.num_blocks;
   const int64_t num_blocks_seen = last_pos / BS + 1;  // causal: the tile's last token sees up to last_pos
-  for (int64_t b = 0; b < num_blocks_seen; ++b) {
+  const int64_t first_block = FirstKeySeen(kv_len, q_len, item.first_token, window) / BS;
+  for (int64_t b = first_block; b < num_blocks_seen; ++b) {
     const int64_t block_start = b * BS;
     const int64_t keys = std::min<int64_t>(BS, last_pos + 1 - block_start);  // <= kv_len - block_start
     // The next block's lines, fetched a share per row so that no one burst fills the miss queue.
@@ -384,9 +402,11 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
         PrefetchBlock(next_k + lo, n);
         PrefetchBlock(next_v + lo, n);
       }
-      const int64_t visible = std::min<int64_t>(keys, pos0 + row / group + 1 - block_start);
-      if (visible <= 0) continue;
-      AttendRow(&qf[row * D], kb, vb, BS, visible, D, m[row], l[row], &acc[row * D], sc);
+      const int64_t row_pos = pos0 + row / group;
+      const int64_t visible = std::min<int64_t>(keys, row_pos + 1 - block_start);
+      const int64_t first = std::max<int64_t>(0, row_pos - window + 1 - block_start);  // the row's window
+      if (visible <= first) continue;
+      AttendRow(&qf[row * D], kb, vb, BS, first, visible, D, m[row], l[row], &acc[row * D], sc);
     }
   }
 
@@ -405,7 +425,7 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
 template <typename Q, typename C>
 ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
                   const int32_t* kv_lens, const int32_t* block_tables, const int32_t* qsl, int32_t num_seqs,
-                  int32_t layer, float sm_scale, Q* out) {
+                  int32_t layer, int64_t window, float sm_scale, Q* out) {
   std::memset(out, 0, s.num_tokens * s.num_q_heads * s.head_dim * sizeof(Q));
   if (num_seqs < 0 || num_seqs > s.num_seqs_max)
     return ffi::Error::InvalidArgument("num_seqs=" + std::to_string(num_seqs) + " is outside [0, " +
@@ -413,6 +433,8 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
   if (layer < 0 || layer >= s.num_layers)
     return ffi::Error::InvalidArgument("layer=" + std::to_string(layer) + " is outside [0, " +
                                        std::to_string(s.num_layers) + ")");
+  if (window < 1)
+    return ffi::Error::InvalidArgument("window=" + std::to_string(window) + " must be >= 1 (a token sees itself)");
   std::vector<WorkItem> items;
   for (int32_t r = 0; r < num_seqs; ++r) {
     const int32_t q_begin = qsl[r], q_len = qsl[r + 1] - qsl[r], kv_len = kv_lens[r];
@@ -439,14 +461,16 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
       if (j >= n) return {};
       const WorkItem& other = items[j];
       const int32_t q_len = qsl[other.seq + 1] - qsl[other.seq];
-      const int64_t keys = std::min<int64_t>(s.block_size, KeysSeen(kv_lens[other.seq], q_len, other.first_token));
+      const int64_t first = FirstKeySeen(kv_lens[other.seq], q_len, other.first_token, window) / s.block_size;
+      const int64_t keys = std::min<int64_t>(
+          s.block_size, KeysSeen(kv_lens[other.seq], q_len, other.first_token) - first * s.block_size);
       const int64_t at = ((static_cast<int64_t>(layer) * s.num_kv_heads + other.kv_head) * s.num_blocks +
-                          block_tables[other.seq * s.width]) * s.block_size * s.head_dim;
+                          block_tables[other.seq * s.width + first]) * s.block_size * s.head_dim;
       return {reinterpret_cast<const char*>(k_cache + at), reinterpret_cast<const char*>(v_cache + at),
               keys * s.head_dim * static_cast<int64_t>(sizeof(C))};
     };
     AttendTile<Q, C>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
-                     qsl[item.seq + 1] - qsl[item.seq], layer, item, sm_scale, out, first_block_of_next);
+                     qsl[item.seq + 1] - qsl[item.seq], layer, window, item, sm_scale, out, first_block_of_next);
   });
   return ffi::Error::Success();
 }
@@ -454,7 +478,8 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
 ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start_loc,
-                                    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer, float sm_scale,
+                                    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
+                                    std::optional<ffi::Buffer<ffi::S32>> window, float sm_scale,
                                     ffi::Result<ffi::AnyBuffer> out) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || td.size() != 2)
@@ -463,6 +488,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   if (s.block_size > kMaxBlockSize || s.head_dim > kMaxHeadDim || s.num_q_heads % s.num_kv_heads)
     return ffi::Error::InvalidArgument("block_size <= 64, head_dim <= 256 and num_q_heads % num_kv_heads == 0");
   const int32_t n = num_seqs.typed_data()[0], lyr = layer.typed_data()[0];
+  const int64_t win = window.has_value() ? window->typed_data()[0] : kNoWindow;
   if (k_cache.element_type() != v_cache.element_type())
     return ffi::Error::InvalidArgument("k_cache and v_cache must have the same dtype");
   const bool q_f32 = q.element_type() == ffi::F32, cache_f32 = k_cache.element_type() == ffi::F32;
@@ -473,7 +499,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
     using C = std::remove_pointer_t<decltype(cache_type)>;
     return Attend<Q, C>(pool, s, q_data, reinterpret_cast<const C*>(k_cache.untyped_data()),
                         reinterpret_cast<const C*>(v_cache.untyped_data()), kv_lens.typed_data(),
-                        block_tables.typed_data(), query_start_loc.typed_data(), n, lyr, sm_scale,
+                        block_tables.typed_data(), query_start_loc.typed_data(), n, lyr, win, sm_scale,
                         reinterpret_cast<Q*>(out->untyped_data()));
   };
   const auto* q_float = reinterpret_cast<const float*>(q.untyped_data());
@@ -495,5 +521,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedPagedAttention, RaggedPagedAttentionImp
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // window: absent, no window
                                   .Attr<float>("sm_scale")
                                   .Ret<ffi::AnyBuffer>());

@@ -1,0 +1,132 @@
+"""The model families jaxcb serves, and how each differs from Llama: the one file to read (and to
+extend) for a new family.
+
+Every family runs the one forward in `llama.py`. What differs is a property of the
+architecture (`LlamaConfig`), read here from a checkpoint's config.json, in transformers 5's
+schema (`layer_types`, `rope_parameters`) or the 4.x keys most Hub checkpoints carry
+(`use_sliding_window`, `max_window_layers`, `rope_theta`):
+
+    family   model_type  differs from Llama by
+    llama    llama       (Llama 2 / 3 / 3.1 / 3.2, SmolLM2)
+    mistral  mistral     a sliding window on every layer (`sliding_window`: 4096 in the 7B v0.1,
+                         null from v0.2 on)
+    qwen2    qwen2       bias on the q, k and v projections (not on o); tied embeddings in the small
+                         sizes; with `use_sliding_window`, a window on the layers from
+                         `max_window_layers` on
+    qwen3    qwen3       RMSNorm over each head's q and k before RoPE (`qk_norm`); an explicit
+                         `head_dim`; the window as qwen2's
+
+What a family's config may say that jaxcb does not compute is refused by name here (a bias on
+o_proj or the MLP, an unknown layer type), never dropped. The GGUF metadata of each family maps
+onto the same fields (`jaxcb.model.gguf`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from jaxcb.config import ConfigError
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    architectures: tuple[str, ...]  # config.json "architectures" that name it
+    qkv_bias: bool = False  # bias on q, k, v (and only there)
+    qk_norm: bool = False  # RMSNorm over each head's q and k, before RoPE
+    # How the window is written in the 4.x keys: "every_layer" (mistral: `sliding_window` alone),
+    # "from_max_window_layers" (qwen: `use_sliding_window`, from layer `max_window_layers` on), None: no window.
+    window_keys: Optional[str] = None
+    # config.json keys that are true (or not null) for an architecture jaxcb does not compute, with
+    # what they mean: refused by name.
+    refused_keys: tuple[tuple[str, str], ...] = ()
+
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (
+    Family("llama", ("LlamaForCausalLM",),
+           refused_keys=(("attention_bias", "a bias on q/k/v/o"), ("mlp_bias", "a bias on the MLP"))),
+    Family("mistral", ("MistralForCausalLM",), window_keys="every_layer"),
+    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, window_keys="from_max_window_layers"),
+    Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True, window_keys="from_max_window_layers",
+           refused_keys=(("attention_bias", "a bias on q/k/v/o"),)),
+)}
+
+
+def family_of(hf: dict[str, Any], path: str = "config.json") -> Family:
+    """The family a config.json describes, by `model_type` (or `architectures` without one); a
+    ConfigError naming what it says otherwise."""
+    model_type = hf.get("model_type")
+    if model_type is None:
+        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        match = [f for f in FAMILIES.values() if set(archs) & set(f.architectures)]
+        if match:
+            return match[0]
+        model_type = "/".join(archs)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    raise ConfigError(
+        f"{path} describes model_type={model_type!r}; jaxcb serves the families {', '.join(FAMILIES)} "
+        f"(jaxcb/model/families.py says how each differs from Llama)"
+    )
+
+
+def read_architecture(hf: dict[str, Any], path: str = "config.json") -> dict[str, Any]:
+    """The architecture properties a family adds to Llama's, as `ModelConfig` fields."""
+    family = family_of(hf, path)
+    for key, meaning in family.refused_keys:
+        if hf.get(key):
+            raise ConfigError(f"{path} sets {key}={hf[key]!r} ({meaning}), which jaxcb's {family.name} does not "
+                              f"compute")
+    num_layers = int(hf["num_hidden_layers"])
+    window, layer_types = _window(hf, family, num_layers, path)
+    return dict(architecture=family.name, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+                sliding_window=window, layer_types=layer_types)
+
+
+def _window(hf: dict[str, Any], family: Family, num_layers: int, path: str) -> tuple[int, Optional[list[str]]]:
+    """(the window in tokens, 0 for none; each layer's type, None when every layer is the same)."""
+    if family.window_keys is None:
+        if hf.get("sliding_window"):
+            raise ConfigError(f"{path} sets sliding_window={hf['sliding_window']}, which jaxcb's {family.name} does "
+                              f"not read; a {family.name} checkpoint has no window")
+        return 0, None
+    use = hf.get("use_sliding_window", True) if family.window_keys == "from_max_window_layers" else True
+    window = int(hf.get("sliding_window") or 0) if use else 0
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:  # transformers 5 writes each layer's type
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown or len(layer_types) != num_layers:
+            raise ConfigError(f"{path} layer_types must be {num_layers} of {', '.join(LAYER_TYPES)}; "
+                              f"got {len(layer_types)} entries" + (f" with {', '.join(unknown)}" if unknown else ""))
+        layer_types = list(layer_types)
+    elif window and family.window_keys == "from_max_window_layers":
+        first = int(hf.get("max_window_layers", num_layers))
+        layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    if not window or layer_types is not None and SLIDING_ATTENTION not in layer_types:
+        return 0, None
+    if layer_types is not None and FULL_ATTENTION not in layer_types:
+        layer_types = None  # every layer windowed
+    return window, layer_types
+
+
+def layer_windows(num_layers: int, sliding_window: int, layer_types: Optional[tuple[str, ...]]) -> tuple[int, ...]:
+    """Each layer's window in tokens (0: the layer sees the whole context)."""
+    if not sliding_window:
+        return (0,) * num_layers
+    if not layer_types:
+        return (sliding_window,) * num_layers
+    return tuple(sliding_window if t == SLIDING_ATTENTION else 0 for t in layer_types)
+
+
+def describe(architecture: str, qkv_bias: bool, qk_norm: bool, windows: tuple[int, ...]) -> str:
+    """One phrase for the start-up log: the family and what it adds to Llama."""
+    extras = [name for name, on in (("q/k/v bias", qkv_bias), ("q/k norms", qk_norm)) if on]
+    windowed = [i for i, w in enumerate(windows) if w]
+    if windowed:
+        where = "every layer" if len(windowed) == len(windows) else f"{len(windowed)} of {len(windows)} layers"
+        extras.append(f"a sliding window of {max(windows)} on {where}")
+    return architecture + (f" ({', '.join(extras)})" if extras else "")

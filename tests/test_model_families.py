@@ -1,0 +1,249 @@
+"""Qwen2, Qwen3 and Mistral beside Llama: each family's differences read from config.json in both
+schemas (or refused by name), its logits equal to transformers' on random weights with a sliding
+window shorter than the prompts, in every attention form and backend, and its greedy tokens through
+the engine (chunked prefill, prefix caching, preemption) equal to transformers' generate."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hf_checkpoints import FAMILY_HF, TINY_HF, make_hf_family, write_word_tokenizer
+from test_hf_parity import ATTENTION, hf_logits, hf_model_config, jax_logits
+from engine_factory import CACHE_DIR
+from jaxcb.backends import select_backend
+from jaxcb.backends.base import Backend
+from jaxcb.config import AttentionConfig, ConfigError, compose_config
+from jaxcb.engine import Engine
+from jaxcb.kernels.attention import select_attention
+from jaxcb.model.config import read_hf_config
+from jaxcb.model.loader import load_model
+from jaxcb.sampling_params import SamplingParams
+
+FAMILIES = list(FAMILY_HF)
+# Up to 37 tokens: past every family's window (7 or 11), and not a multiple of the 8-token block.
+PROMPTS = [[1, 5, 9, 77, 3], [1] + list(range(10, 47)), [1, 130, 129, 4, 4, 4, 4, 8, 100, 64, 33, 21, 17]]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (directory, the transformers model saved there, jaxcb's model, its LlamaConfig)."""
+    out = {}
+    for family in FAMILIES:
+        path = tmp_path_factory.mktemp(family)
+        hf = make_hf_family(str(path), family)
+        write_word_tokenizer(str(path), TINY_HF["vocab_size"])
+        model, cfg = load_model(hf_model_config(path))
+        out[family] = (path, hf, model, cfg)
+    return out
+
+
+def test_each_family_reads_its_differences_from_config_json(checkpoints):
+    got = {f: checkpoints[f][3] for f in FAMILIES}
+    assert (got["qwen2"].architecture, got["qwen2"].qkv_bias, got["qwen2"].qk_norm) == ("qwen2", True, False)
+    assert got["qwen2"].layer_windows == (0, 7, 7)  # max_window_layers=1: the first layer sees everything
+    assert (got["qwen3"].qkv_bias, got["qwen3"].qk_norm, got["qwen3"].layer_windows) == (False, True, (0, 0, 11))
+    assert (got["mistral"].qkv_bias, got["mistral"].qk_norm, got["mistral"].layer_windows) == (False, False, (7, 7, 7))
+
+
+def assert_logits_match(model, hf, backend, label: str) -> None:
+    """jaxcb's fp32 logits of every prompt within 1e-4 of transformers'."""
+    for prompt in PROMPTS:
+        diff = np.abs(jax_logits(model, prompt, backend=backend) - hf_logits(hf, prompt)).max()
+        assert diff <= 1e-4, f"{label}: max |logits diff| {diff} for a prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("impl", list(ATTENTION))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_in_fp32_in_every_attention_form(checkpoints, family, impl):
+    _, hf, model, cfg = checkpoints[family]
+    assert_logits_match(model, hf, Backend(cfg, select_attention(ATTENTION[impl])), f"{family}, {impl}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cpu_backend_matches_transformers(checkpoints, family):
+    path, hf, _, _ = checkpoints[family]
+    m = hf_model_config(path)
+    model, cfg = load_model(m)  # prepare takes the weights over: a model of its own
+    m.backend, m.layer_loop = "cpu", "unrolled"
+    backend = select_backend(m, cfg, AttentionConfig())
+    assert backend.name == "cpu"
+    assert_logits_match(model, hf, backend, family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_window_decides_the_logits_past_it(checkpoints, family):
+    """Parity with the window is not parity by accident: without it, the long prompt's logits differ."""
+    import dataclasses
+
+    _, hf, model, cfg = checkpoints[family]
+    no_window = Backend(dataclasses.replace(cfg, sliding_window=0, layer_types=None), select_attention(ATTENTION["xla"]))
+    diff = np.abs(jax_logits(model, PROMPTS[1], backend=no_window) - hf_logits(hf, PROMPTS[1])).max()
+    assert diff > 1e-3
+
+
+# --- the engine: greedy tokens -----------------------------------------------------------------
+
+def transformers_greedy(hf, prompt, max_new_tokens):
+    """(transformers' greedy tokens, how many of them to compare: up to the first step whose top-2
+    logits lie within 1e-4 of each other, where float rounding may pick either)."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    for i, logits in enumerate(out.logits):
+        top2 = torch.topk(logits[0], 2).values
+        if float(top2[0] - top2[1]) < 1e-4:
+            return tokens, i + 1  # this step's token may differ; the ones after it are not compared
+    return tokens, len(tokens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_through_the_engine_equal_transformers_generate(checkpoints, family):
+    path, hf, _, _ = checkpoints[family]
+    # A 16-token budget cuts the 37-token prompt into chunks; 13 usable blocks of 8 tokens hold fewer
+    # than the six sequences need together, so some are preempted and recomputed; the prompts share
+    # their first tokens, so prefix caching finds them.
+    e = Engine(compose_config([
+        "model=hf", f"model.checkpoint={path}", "model.dtype=float32", "engine.max_model_len=80",
+        "scheduler.max_num_batched_tokens=16", "scheduler.max_num_seqs=6", "cache.block_size=8",
+        "cache.num_blocks=14", "engine.token_buckets=[8,16]", "engine.seq_buckets=[6]",
+        "engine.sampling_variants=[greedy,full]", "engine.masked_sampling=false", "engine.prompt_logprobs=false",
+        f"engine.compilation_cache_dir={CACHE_DIR}",
+    ]), progress=False)
+    prompts = PROMPTS + [PROMPTS[1][:20] + [3, 4, 5], PROMPTS[1][:30], PROMPTS[2] * 2]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ids = [e.add_request(p, params) for p in prompts]
+    done = {}
+    while e.has_unfinished_requests():
+        done.update({out.request_id: out.outputs[0].token_ids for out in e.step() if out.finished})
+    assert e.scheduler.num_preemptions > 0, "the cache should have been small enough to preempt"
+    assert e.last_stats.prefix_cache_hits > 0, "the shared first tokens should have been found in the cache"
+    compared = 0
+    for request_id, prompt in zip(ids, prompts):
+        theirs, n = transformers_greedy(hf, prompt, 24)
+        assert done[request_id][:n] == theirs[:n], f"{family}: prompt of {len(prompt)} tokens"
+        compared += n
+    assert compared >= len(prompts) * 12, f"only {compared} tokens compared"  # near-ties are rare, not the rule
+    print(f"{family}: {compared} of {len(prompts) * 24} greedy tokens compared with transformers")
+
+
+# --- config.json as checkpoints carry it --------------------------------------------------------
+
+def write_config(tmp_path, **fields):
+    """config.json of TINY_HF's shapes with `fields`; transformers 5's rope_parameters replace rope_theta."""
+    base = {k: v for k, v in TINY_HF.items() if not (k == "rope_theta" and "rope_parameters" in fields)}
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(base, **fields), f)
+    return str(tmp_path)
+
+
+def test_qwen2_5s_hub_config_with_use_sliding_window_false_has_no_window(tmp_path):
+    """Qwen2.5's config.json says sliding_window=131072 beside use_sliding_window=false."""
+    cfg = read_hf_config(write_config(tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"],
+                                      use_sliding_window=False, sliding_window=131072, max_window_layers=28))
+    assert (cfg["sliding_window"], cfg["layer_types"], cfg["qkv_bias"]) == (0, None, True)
+
+
+def test_transformers_5s_layer_types_and_rope_parameters_are_read(tmp_path):
+    cfg = read_hf_config(write_config(
+        tmp_path, model_type="qwen3", sliding_window=5, use_sliding_window=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert (cfg["sliding_window"], cfg["rope_theta"], cfg["rope_scaling"], cfg["qk_norm"]) == (5, 1e6, None, True)
+
+
+@pytest.mark.parametrize("fields, named", [
+    (dict(model_type="qwen3", attention_bias=True), "attention_bias"),
+    (dict(model_type="llama", mlp_bias=True), "mlp_bias"),
+    (dict(model_type="llama", sliding_window=64), "sliding_window"),
+    (dict(model_type="gemma2"), "gemma2"),
+    (dict(model_type="qwen2", rope_scaling={"rope_type": "longrope", "factor": 4.0}), "longrope"),
+    (dict(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7,
+                                              "original_max_position_embeddings": 64}), "mscale"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=4, layer_types=["chunked_attention"] * 3),
+     "chunked_attention"),
+])
+def test_what_a_family_does_not_compute_is_refused_by_name(tmp_path, fields, named):
+    with pytest.raises(ConfigError, match=named):
+        read_hf_config(write_config(tmp_path, **fields))
+
+
+def test_qwen_s_hub_yarn_rope_scaling_is_read(tmp_path):
+    """As Qwen2.5's model card says to add it for 128k contexts (4.x keys: "type", no rope_theta)."""
+    cfg = read_hf_config(write_config(tmp_path, model_type="qwen2", rope_scaling={
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}))
+    rs = cfg["rope_scaling"]
+    assert (rs.rope_type, rs.factor, rs.original_max_position_embeddings, rs.attention_factor) == ("yarn", 4.0, 32768, None)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_yarn_rope_scaling_matches_transformers(tmp_path, family):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    hf = make_hf_family(str(tmp_path), family, use_sliding_window=False, rope_parameters=yarn)
+    model, cfg = load_model(hf_model_config(tmp_path))
+    assert cfg.rope_scaling.rope_type == "yarn"
+    assert_logits_match(model, hf, None, f"{family}, yarn")
+    plain = make_hf_family(str(tmp_path / "plain"), family, use_sliding_window=False)
+    assert np.abs(hf_logits(plain, PROMPTS[1]) - hf_logits(hf, PROMPTS[1])).max() > 1e-3  # yarn changes them
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing(tmp_path):
+    """Qwen's embedding has more rows than its tokenizer has tokens (152,064 against 151,665): a model
+    may sample a padding id, which must decode to no text, never crash the detokenizer."""
+    from jaxcb.detokenizer import IncrementalDetokenizer
+    from jaxcb.tokenizer import ByteTokenizer, load_tokenizer
+
+    write_word_tokenizer(str(tmp_path), 120)  # the model's vocabulary is larger: 131 rows
+    for tokenizer, ids, text in ((load_tokenizer(str(tmp_path)), [5, 125, 130, 6], "w5 w6"),
+                                 (ByteTokenizer(), [72, 300, 105], "Hi")):
+        detok = IncrementalDetokenizer(tokenizer, stop=[])
+        for token in ids:
+            assert detok.add_token(token) is None
+        detok.finish()
+        assert detok.text == text
+        assert tokenizer.decode([ids[1]], skip_special_tokens=False) == ""
+
+
+# --- the new presets on a GPU --------------------------------------------------------------------
+
+@pytest.mark.parametrize("name, tensor_parallel_size", [("qwen3_8b", 1), ("qwen2_5_7b", 1), ("mistral_7b", 1),
+                                                        ("qwen3_8b", 2)])
+def test_each_presets_whole_step_lowers_for_an_h200(name, tensor_parallel_size):
+    """forward_step (the layer scan, K/V writes, the kernel's launches, logits) of the real shapes, for an
+    abstract H200 mesh, as tests/test_cuda_lowering.py lowers llama8b's."""
+    from cuda_variants import preset
+    from jaxcb.kernels.triton_calls import triton_calls
+    from test_cuda_lowering import lower_step
+
+    cfg = preset(name)
+    lowered = lower_step(name, tensor_parallel_size, 256, 64, 64)
+    text = lowered.as_text()
+    assert f"mhlo.num_partitions = {tensor_parallel_size}" in text and "@jaxcb_" not in text
+    calls = triton_calls(lowered)
+    assert calls, "no Triton kernel in the step"
+    rows = 256 * cfg.num_query_groups  # each device's query rows: its KV heads' groups of every token
+    kv_heads = cfg.num_kv_heads // tensor_parallel_size
+    # q as the kernel reads it: its KV heads x (rows + one prefill tile of slack) x head_dim
+    assert all(f"tensor<{kv_heads}x{rows + 64}x{cfg.head_dim}xbf16>" in call.operand_types for call in calls), \
+        [call.operand_types for call in calls]
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b", "qwen2_5_7b", "mistral_7b", "llama8b"])
+def test_start_ups_memory_plan_counts_every_weight_of_each_family(name):
+    """The cache is planned from the weights' bytes (jaxcb.startup_memory): biases and q/k norms included."""
+    from cuda_variants import preset
+    from jaxcb.model.llama import build_abstract_model, count_params
+    from jaxcb.startup_memory import weight_bytes
+
+    cfg = preset(name)
+    assert weight_bytes(cfg).total == 2 * count_params(build_abstract_model(cfg))  # bfloat16
+
+
+def test_attention_flops_count_only_the_keys_a_window_lets_a_token_see():
+    from jaxcb.benchmark import attended_keys
+
+    assert attended_keys(10, 0) == 55 and attended_keys(10, 10) == 55
+    assert attended_keys(10, 4) == 1 + 2 + 3 + 4 * 7
