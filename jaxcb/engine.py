@@ -164,7 +164,8 @@ class Engine:
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
         buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name)
-        workers, when = compile_plan(cfg.engine)
+        platform = jax.default_backend()
+        workers, when = compile_plan(cfg.engine, platform=platform)
         self.runner = ModelRunner(
             weights,
             backend,
@@ -181,6 +182,7 @@ class Engine:
             tp=self.tp,
             compile_workers=workers,
             compile_rare_variants=when,
+            compile_inline=platform == "cpu",  # XLA:CPU: never a compile beside a step (runner/compiler.py)
         )
         del weights, kv_cache  # the runner holds them
         if compile_buckets:
@@ -416,6 +418,7 @@ class Engine:
         expired, stops = self.output.expire(time.monotonic())
         for seq, status in stops:
             self.scheduler.finish(seq.seq_id, status)
+        self.runner.compiler.compile_wanted()  # inline (CPU): what the last request or step asked for
         if self._held:
             self._release_held()
         sched_out = self.scheduler.schedule()

@@ -62,7 +62,8 @@ def test_unrolled_step_takes_one_array_per_layer_and_slices_no_weight():
     layers = e.runner.weights.layers
     assert isinstance(layers, list) and len(layers) == cfg.num_layers
     shapes = [leaf.shape for leaf in jax.tree.leaves(layers)]
-    assert len(shapes) == cfg.num_layers * len(type(layers[0])._fields)
+    # Every field this (Llama) architecture has; the families' own weights are None here.
+    assert len(shapes) == cfg.num_layers * sum(getattr(layers[0], name) is not None for name in type(layers[0])._fields)
     assert set(shapes) == layer_weight_shapes(e)
     assert e.runner.compiled
     for executable in e.runner.compiled.values():
@@ -94,8 +95,8 @@ def test_unrolling_frees_the_stacked_weights_and_keeps_every_value():
     cfg = resolve_llama_config(compose_config(["model=tiny"]).model)
     model = build_random_model(cfg, seed=0)
     stacked = model.layers.weights()
-    expected = {name: np.array(w, copy=True) for name, w in stacked._asdict().items()}
-    refs = [weakref.ref(w) for w in stacked]
+    expected = {name: np.array(w, copy=True) for name, w in stacked._asdict().items() if w is not None}
+    refs = [weakref.ref(w) for w in stacked if w is not None]
     del stacked
     class Unfused(Backend):  # the layers as they come, to compare value for value
         def prepare_layers(self, layers):
@@ -106,4 +107,6 @@ def test_unrolling_frees_the_stacked_weights_and_keeps_every_value():
     assert all(ref() is None for ref in refs)
     for i, layer in enumerate(weights.layers):
         for name, w in layer._asdict().items():
-            np.testing.assert_array_equal(np.asarray(w), expected[name][i])
+            assert (w is None) == (name not in expected), name
+            if w is not None:
+                np.testing.assert_array_equal(np.asarray(w), expected[name][i])

@@ -63,6 +63,14 @@ def test_a_step_size_start_up_did_not_plan_is_a_recompile(lazy_engine):
     assert c.num_recompiles == 1
 
 
+def test_on_cpu_rare_variants_compile_on_first_use_and_never_in_the_background():
+    from jaxcb.config import ConfigError
+
+    assert compile_plan(EngineConfig(), num_cores=16, platform="cpu") == (8, "first_use")
+    with pytest.raises(ConfigError, match="compile_rare_variants=background .* XLA:CPU"):
+        compile_plan(EngineConfig(compile_rare_variants="background"), platform="cpu")
+
+
 def test_auto_compiles_on_first_use_with_few_cores_and_in_the_background_with_many():
     assert compile_plan(EngineConfig(), num_cores=2) == (1, "first_use")  # a second thread gains ~nothing there
     assert compile_plan(EngineConfig(), num_cores=4) == (4, "first_use")
@@ -71,12 +79,22 @@ def test_auto_compiles_on_first_use_with_few_cores_and_in_the_background_with_ma
 
 
 def test_a_request_whose_variant_is_compiling_waits_while_the_others_run():
+    """The background path (a GPU host's): the held requests wait, the others run. The compile is a
+    stand-in that holds until told: XLA:CPU must never compile beside a step (the next test)."""
     engine = make_engine(*VARIANTS, "engine.compile_rare_variants=first_use")
     compiler = engine.runner.compiler
+    compiler.inline = False  # as on a GPU host
     assert StepVariant.MASKED not in compiler.ready
     gate = threading.Event()
-    real = compiler._compile_variant
-    compiler._compile_variant = lambda variant: (gate.wait(300), real(variant))  # hold the compile until told
+    masked = [key for key in compiler.keys if key.variant == StepVariant.MASKED]
+    ready_made = {key: compiler.lower(key).compile() for key in masked}  # here, before any step runs
+
+    def held_then_ready(variant):  # what a background compile ends with, after the gate opens
+        gate.wait(300)
+        compiler.compiled.update(ready_made)
+        compiler._mark_ready(variant)
+
+    compiler._compile_variant = held_then_ready
     free_blocks = engine.block_pool.num_free_blocks
     plain = engine.add_request([72, 105, 33], SamplingParams(max_tokens=4))
     masked = engine.add_request([72, 105, 33], SamplingParams(max_tokens=4, allowed_token_ids=[5, 7]))
@@ -140,3 +158,21 @@ def test_the_process_exits_after_the_background_compile_under_way_not_in_the_mid
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert done.read_text() == "finished"
+
+
+def test_on_cpu_a_rare_variant_compiles_on_the_engine_thread_before_the_next_step():
+    engine = make_engine(*VARIANTS, "engine.compile_rare_variants=first_use")
+    compiler = engine.runner.compiler
+    assert compiler.inline and StepVariant.MASKED not in compiler.ready
+    threads = set()
+    real = compiler._compile_one
+    compiler._compile_one = lambda key: (threads.add(threading.get_ident()), real(key))[1]
+    masked = engine.add_request([72, 105, 33], SamplingParams(max_tokens=4, allowed_token_ids=[5, 7]))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert set(done[masked].outputs[0].token_ids) <= {5, 7}
+    assert threads == {threading.get_ident()}  # every compile on this (the engine's) thread
+    assert StepVariant.MASKED in compiler.ready and engine.num_recompiles == 0

@@ -8,6 +8,12 @@ for (random, masked, prompt-logprobs) are deferred unless `when` is `startup`:
     background  compiled after start-up, one bucket at a time, on one thread of their own
     first_use   compiled, on that thread, when a step first needs the variant
 
+`inline` (XLA:CPU): no compile ever runs beside other work. A variant a step needs is compiled on
+the engine's own thread when its next step begins (`compile_wanted`), so the whole engine waits
+for it. XLA:CPU's JIT does not survive a compile on one thread while another walks its stack (a
+C++ exception, a backtrace): the process dies with SIGSEGV in the unwinder, seen in the test
+suite when a variant compiled in the background while steps ran.
+
 Until a variant is ready, `serving` says which variant serves a step that needs it: full serves
 random rows (slower sampling, nobody waits); a masked or prompt-logprobs row has nothing to
 stand in for it, so the engine holds such requests back (`Engine`) and the other rows run. A
@@ -57,9 +63,17 @@ def _stop_background_compiles() -> None:
         compiler.stop()
 
 
-def compile_plan(engine_cfg, num_cores: Optional[int] = None) -> tuple[int, str]:
+def compile_plan(engine_cfg, num_cores: Optional[int] = None, platform: Optional[str] = None) -> tuple[int, str]:
     """(threads compiling at start-up, when the rare variants compile) from engine.compile_workers and
-    engine.compile_rare_variants, `auto` resolved from the host's cores."""
+    engine.compile_rare_variants, `auto` resolved from the host's cores; on the CPU platform the rare
+    variants compile on first use, inline (module docstring)."""
+    if platform == "cpu" and engine_cfg.compile_rare_variants == "background":
+        from jaxcb.config import ConfigError
+
+        raise ConfigError("engine.compile_rare_variants=background compiles beside running steps, which XLA:CPU does "
+                          "not survive; on CPU use first_use (what auto picks) or startup")
+    if platform == "cpu" and engine_cfg.compile_rare_variants == "auto":
+        return compile_plan(engine_cfg, num_cores)[0], "first_use"
     cores = num_cores or os.cpu_count() or 1
     workers = engine_cfg.compile_workers
     if workers == "auto":
@@ -73,16 +87,21 @@ def compile_plan(engine_cfg, num_cores: Optional[int] = None) -> tuple[int, str]
 
 class StepCompiler:
     def __init__(self, lower: Callable[[BucketKey], object], keys: Iterable[BucketKey], *, workers: int = 1,
-                 when: str = "startup"):
+                 when: str = "startup", inline: bool = False):
         """`keys`: every bucket and variant the engine may run; `workers`: threads compiling at start-up;
-        `when`: when the deferred variants compile (module docstring)."""
+        `when`: when the deferred variants compile; `inline`: on the engine's thread, never beside a
+        step, and start-up's compiles one at a time (module docstring)."""
+        if inline and when == "background":
+            raise ValueError("a background compile runs beside the steps, which inline compiles never do")
         if when not in WHEN:
             raise ValueError(f"when={when!r} must be one of {', '.join(WHEN)}")
         self.lower = lower
         self.keys = list(keys)
         self._planned = frozenset(self.keys)
         self.variants: tuple[StepVariant, ...] = tuple(sorted({key.variant for key in self.keys}))
-        self.workers = max(1, workers)
+        self.workers = 1 if inline else max(1, workers)
+        self.inline = inline
+        self._wanted: set[StepVariant] = set()  # inline: variants to compile when the next step begins
         self.when = when
         deferred = set(self.variants) - (EAGER_VARIANTS if when != "startup" else set(self.variants))
         self.deferred: tuple[StepVariant, ...] = tuple(sorted(deferred))
@@ -178,7 +197,13 @@ class StepCompiler:
 
     def request(self, variant: StepVariant) -> None:
         """Start compiling a deferred variant's buckets in the background, once; a no-op if it is ready
-        or under way."""
+        or under way. Inline: note it for `compile_wanted`."""
+        if self.inline:
+            if variant not in self._ready and variant not in self._wanted:
+                self._wanted.add(variant)
+                log.info("the %s step variant compiles before the next step (engine.compile_rare_variants=first_use; "
+                         "on CPU the engine waits for it)", variant.label)
+            return
         with self._lock:
             pending = self._pending.get(variant)
             if variant in self._ready or (pending is not None and not pending.cancelled()):
@@ -233,9 +258,20 @@ class StepCompiler:
         log.info("the %s step variant is ready: %d buckets in %.1f s", variant.label,
                  sum(1 for key in self.keys if key.variant == variant), time.perf_counter() - t0)
 
+    def compile_wanted(self) -> None:
+        """Inline: compile, here and now, the variants a request or a step asked for (the engine calls
+        this on its own thread before each step). A no-op otherwise, and when nothing is wanted."""
+        while self._wanted:
+            variant = min(self._wanted)
+            self._compile_variant(variant)
+            self._wanted.discard(variant)
+
     def wait(self, variants: Iterable[StepVariant], timeout: float) -> None:
         """Wait up to `timeout` seconds for any of these variants' background compiles to finish
-        (the engine, when nothing else can run); raises what a compile raised."""
+        (the engine, when nothing else can run); raises what a compile raised. Inline: compile them."""
+        if self.inline:
+            self.compile_wanted()
+            return
         futures = [self._pending[v] for v in variants if v in self._pending]
         done, _ = concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
         for future in done:

@@ -115,12 +115,13 @@ class ModelRunner:
         tp: Optional[TensorParallel] = None,
         compile_workers: int = 1,
         compile_rare_variants: str = "startup",
+        compile_inline: bool = False,
     ):
         """`weights`: the model's, as `backend.prepare` made them.
         `sampling_variants`: the sampling levels compiled for every bucket (full among them);
         `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias);
         `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk);
-        `compile_workers`, `compile_rare_variants`: how and when they compile (`compiler.StepCompiler`)."""
+        `compile_workers`, `compile_rare_variants`, `compile_inline`: how and when they compile (`compiler.StepCompiler`)."""
         self.backend = backend
         self.weights = weights
         self.tp = tp
@@ -132,7 +133,7 @@ class ModelRunner:
             [StepVariant.PROMPT_LOGPROBS] if prompt_logprobs else [])
         self.compiler = StepCompiler(
             self._lower, [BucketKey(*bucket, variant) for variant in self.variants for bucket in buckets.all()],
-            workers=compile_workers, when=compile_rare_variants,
+            workers=compile_workers, when=compile_rare_variants, inline=compile_inline,
         )
         self.num_steps = 0
         self.swap_space = swap_space
