@@ -16,9 +16,10 @@ REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
         self._prefix_offset = 0
@@ -30,19 +31,28 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> Optional[str]:
         """Append a token; return the stop string it completed, if any."""
         self.token_ids.append(token_id)
-        decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full = decode(self.token_ids[self._prefix_offset :])
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
             self.text += full[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
         return self._check_stop()
 
+    def add_stop_token(self, token_id: int) -> None:
+        """Append the EOS or stop token that ends the sequence: its id counts, its text never shows
+        (with skip_special_tokens=False it would: `</s>`)."""
+        self.finish()
+        self.token_ids.append(token_id)
+        self._prefix_offset = self._read_offset = len(self.token_ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
     def finish(self) -> None:
         """Flush what was held back (a character that never completed shows as U+FFFD)."""
         if not self.stopped and self._read_offset < len(self.token_ids):
-            prefix = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
-            full = self.tokenizer.decode(self.token_ids[self._prefix_offset :])
+            prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self.token_ids[self._prefix_offset :])
             self.text += full[len(prefix) :]
             self._read_offset = len(self.token_ids)
             self._check_stop()

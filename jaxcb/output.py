@@ -124,7 +124,8 @@ class OutputProcessor:
     def add(self, group: RequestGroup) -> None:
         want_logprobs = group.params.logprobs is not None
         group.completions = [
-            CompletionState(i, IncrementalDetokenizer(self.tokenizer, group.params.stop), [] if want_logprobs else None)
+            CompletionState(i, IncrementalDetokenizer(self.tokenizer, group.params.stop, group.params.skip_special_tokens),
+                            [] if want_logprobs else None)
             for i in range(group.params.n)
         ]
         if group.params.prompt_logprobs is not None:
@@ -179,7 +180,13 @@ class OutputProcessor:
             c = group.completions[seq.sample_index]
             if c.finish_reason is not None:
                 continue  # a token drawn after the stop (async scheduling), already trimmed
-            stop_string = c.detokenizer.add_token(token)
+            if self._ends_on_token(c, token, group.params):
+                # Its id counts, its text never shows (as vLLM): a stop token id's text, or with
+                # skip_special_tokens=false, EOS's "</s>".
+                c.detokenizer.add_stop_token(token)
+                stop_string = None
+            else:
+                stop_string = c.detokenizer.add_token(token)
             if c.logprobs is not None and logprobs is not None:
                 c.logprobs.append(logprobs)
             status = RequestStatus.FINISHED_STOPPED if stop_string is not None else self._token_stop(seq, token, group)
@@ -199,6 +206,11 @@ class OutputProcessor:
                 del self.groups[request_id]
                 self.timed_groups.pop(request_id, None)
         return outputs, stops
+
+    def _ends_on_token(self, c: CompletionState, token: int, params: SamplingParams) -> bool:
+        """Whether `token`, the completion's next, is an EOS or stop token that stops it."""
+        stop_status = token_stop_status(params, token, len(c.token_ids) + 1, 0, self.eos_token_ids, 1 << 62)
+        return stop_status is RequestStatus.FINISHED_STOPPED
 
     def _token_stop(self, seq: Sequence, token: int, group: RequestGroup) -> Optional[RequestStatus]:
         num_output = len(group.completions[seq.sample_index].token_ids)

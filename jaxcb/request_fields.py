@@ -37,7 +37,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "logits_processors": "logits_processors are not supported",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported; send a prompt that fits max_model_len",
     "include_stop_str_in_output": "include_stop_str_in_output is not supported: stop strings are never in the text",
-    "skip_special_tokens": "skip_special_tokens=false is not supported: special tokens are never in the text",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "add_special_tokens": "add_special_tokens is not supported",
@@ -57,7 +56,6 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 # Fields accepted when their value is what jaxcb does anyway (the OpenAI and vLLM defaults).
 HONOURED_VALUES: dict[str, tuple[Any, ...]] = {
-    "skip_special_tokens": (True,),
     "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,),
     "echo": (False,),

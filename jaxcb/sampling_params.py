@@ -35,6 +35,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # False: special tokens (a Mistral model's [TOOL_CALLS]) are in the text; the EOS or stop token
+    # that ends the sequence never is
+    skip_special_tokens: bool = True
     logprobs: Optional[int] = None  # also return the top-n log-probabilities of each chosen token
     # Constraints, all through the step's token bitmask (jaxcb.structured) or its sparse bias list.
     # output must match this: {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} (or a spec)
@@ -64,6 +67,9 @@ class SamplingParams:
             setattr(self, name, float(value))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be true or false", "ignore_eos")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise InvalidRequestError(f"skip_special_tokens={self.skip_special_tokens!r} must be true or false",
+                                      "skip_special_tokens")
         self.stop = _list_of(self.stop, "stop", lambda s: isinstance(s, str) and s, "a non-empty string")
         self.stop_token_ids = _list_of(self.stop_token_ids, "stop_token_ids", _is_int, "a token id")
         self.bad_words = _list_of(self.bad_words, "bad_words", lambda w: isinstance(w, str) and w.strip(),

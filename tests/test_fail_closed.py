@@ -18,7 +18,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_t
 COMPLETION = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
 SAMPLE_VALUES = {  # a value of the shape a client would send, for each refused field
     "best_of": 3, "guided_json": {"type": "object"}, "functions": [{"name": "f"}], "suffix": "end", "echo": True,
-    "skip_special_tokens": False,
 }
 
 

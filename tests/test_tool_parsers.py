@@ -15,7 +15,7 @@ from jaxcb.server.tool_grammar import tool_call_grammar
 from jaxcb.server.tool_parsers import TOOL_CALL_PARSERS, ParsedToolOutput, ToolCallDelta, get_tool_parser
 from jaxcb.tokenizer import TINY_CHAT_TEMPLATE
 
-SYNTAXES = ("hermes", "llama3_json", "pythonic")
+SYNTAXES = ("hermes", "llama3_json", "pythonic", "mistral")
 
 
 def _calls(parsed: ParsedToolOutput) -> list[tuple[str, dict]]:
@@ -28,6 +28,10 @@ def _hermes(name: str, arguments: str, sep: str = "\n") -> str:
 
 def _llama3(name: str, arguments: str) -> str:
     return f'{{"name": "{name}", "parameters": {arguments}}}'
+
+
+def _mistral(*calls: tuple[str, str]) -> str:
+    return "[TOOL_CALLS][" + ", ".join(f'{{"name": "{name}", "arguments": {arguments}}}' for name, arguments in calls) + "]"
 
 
 def _random_pieces(text: str, rng: random.Random) -> list[str]:
@@ -84,11 +88,22 @@ STREAM_CASES = {
         "unclosed [f(x=",
         "a trailing [",
     ],
+    "mistral": [
+        _mistral(("get_weather", '{"city": "Paris", "days": 3}')),
+        "I will check. " + _mistral(("a", '{"x": [1, {"y": "]"}]}'), ("b", "{}")) + " Done.",
+        _mistral(("quote", r'{"s": "say \"hi\" [TOOL_CALLS]", "é": "naïve"}')),
+        '[TOOL_CALLS][{"arguments": {"k": 1}, "name": "late_name"}]',
+        '[TOOL_CALLS] [{"name": "unclosed", "arguments": {"k": 1}}',
+        "A plain answer with [brackets], a [TOOL_ and a lone [",
+        "[TOOL_CALLS] not a list",
+        "   \n  ",
+    ],
 }
 # Calls whose text turns out malformed after their head: a stream may have announced them already.
 LATE_MALFORMED = {
     "hermes": _hermes("f", '{"x": 1') + " cut",
     "llama3_json": _llama3("f", '{"x": 1') + ' oops}; ' + _llama3("g", "{}"),
+    "mistral": '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1} oops}]',
 }
 
 
@@ -96,7 +111,8 @@ LATE_MALFORMED = {
 def test_single_call_is_parsed_with_compact_arguments(syntax):
     text = {"hermes": _hermes("get_weather", '{"city" : "Paris",\n "days": 3}'),
             "llama3_json": _llama3("get_weather", '{"city" : "Paris",\n "days": 3}'),
-            "pythonic": '[get_weather(city="Paris", days=3)]'}[syntax]
+            "pythonic": '[get_weather(city="Paris", days=3)]',
+            "mistral": _mistral(("get_weather", '{"city" : "Paris",\n "days": 3}'))}[syntax]
     parsed = get_tool_parser(syntax, None).parse(text)
     assert parsed.content is None
     [call] = parsed.tool_calls
@@ -108,7 +124,8 @@ def test_single_call_is_parsed_with_compact_arguments(syntax):
 def test_several_calls_are_parsed_in_order(syntax):
     text = {"hermes": _hermes("a", '{"x": 1}') + "\n" + _hermes("b", "{}"),
             "llama3_json": _llama3("a", '{"x": 1}') + "; " + _llama3("b", "{}"),
-            "pythonic": "[a(x=1), b()]"}[syntax]
+            "pythonic": "[a(x=1), b()]",
+            "mistral": _mistral(("a", '{"x": 1}'), ("b", "{}"))}[syntax]
     parsed = get_tool_parser(syntax, None).parse(text)
     assert (parsed.content, _calls(parsed)) == (None, [("a", {"x": 1}), ("b", {})])
     assert len({call.id for call in parsed.tool_calls}) == 2
@@ -118,7 +135,8 @@ def test_several_calls_are_parsed_in_order(syntax):
 def test_text_before_a_call_is_content(syntax):
     text = {"hermes": "Let me check.\n" + _hermes("a", '{"x": 1}'),
             "llama3_json": "Let me check.\n<|python_tag|>" + _llama3("a", '{"x": 1}'),
-            "pythonic": 'Let me check.\n[a(x=1)]'}[syntax]
+            "pythonic": 'Let me check.\n[a(x=1)]',
+            "mistral": "Let me check.\n" + _mistral(("a", '{"x": 1}'))}[syntax]
     parsed = get_tool_parser(syntax, None).parse(text)
     assert (parsed.content, _calls(parsed)) == ("Let me check.", [("a", {"x": 1})])
 
@@ -142,6 +160,9 @@ def test_output_without_a_call_is_all_content(syntax):
     ("pythonic", "[a(x=open('f'))]"),
     ("pythonic", "[a(x=1)"),
     ("pythonic", "[a(**kw)]"),
+    ("mistral", '[TOOL_CALLS][{"name": "a", "arguments": {"x": 1,}}]'),
+    ("mistral", '[TOOL_CALLS]{"name": "a", "arguments": {}}'),
+    ("mistral", '[TOOL_CALLS][{"name": 7, "arguments": {}}] and text'),
 ])
 def test_malformed_call_stays_content(syntax, text):
     parsed = get_tool_parser(syntax, None).parse(text)
@@ -184,6 +205,8 @@ FUZZ_FRAGMENTS = {
     "llama3_json": [_llama3("f", '{"x": "a;b"}'), '{"name": "f", "parameters": ', '{"x": [1, "}"]}', "}", ";", " ",
                     "text", "<|python_tag|>", "<|py", '"', "{"],
     "pythonic": ["[f(x=1, y='a]')]", "[", "f(", "x=1", ", ", "y='a]'", ")", "]", "text", " ", "(", '"'],
+    "mistral": [_mistral(("f", '{"x": [1, "]"]}')), "[TOOL_CALLS]", "[", "]", ", ", '{"name": "f", "arguments": ',
+                '{"x": [1, "}"]}', "}", " ", "text", "[TOOL", '"', "{"],
 }
 
 
@@ -242,6 +265,7 @@ def test_pythonic_stream_holds_a_possible_call_list_and_sends_each_call_whole():
     ("You may call them as [func_name1(params_name1=params_value1), func_name2(params)] "
      "<|python_tag|> ipython", "pythonic"),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", "hermes"),
+    ('{{- "[AVAILABLE_TOOLS] " + tools|tojson + "[/AVAILABLE_TOOLS]" }}{{- "[TOOL_CALLS] " + calls|tojson }}', "mistral"),
     (None, "hermes"),
 ])
 def test_auto_picks_the_syntax_from_the_chat_template(template, expected):
@@ -249,9 +273,9 @@ def test_auto_picks_the_syntax_from_the_chat_template(template, expected):
 
 
 def test_unknown_parser_name_is_refused_naming_the_valid_ones():
-    with pytest.raises(ValueError, match="server.tool_call_parser='mistral'.*auto, hermes, llama3_json, pythonic"):
-        get_tool_parser("mistral", None)
-    assert TOOL_CALL_PARSERS == ("auto", "hermes", "llama3_json", "pythonic")
+    with pytest.raises(ValueError, match="server.tool_call_parser='granite'.*auto, hermes, llama3_json, pythonic, mistral"):
+        get_tool_parser("granite", None)
+    assert TOOL_CALL_PARSERS == ("auto", "hermes", "llama3_json", "pythonic", "mistral")
 
 
 # --- grammars --------------------------------------------------------------------------------
@@ -312,7 +336,8 @@ def _random_walk(matcher: "llguidance.LLMatcher", rng: random.Random, max_tokens
     raise AssertionError(f"no EOS after {max_tokens} tokens: {bytes(out)!r}")
 
 
-SEPARATORS = {"hermes": r"<tool_call>\n|\n</tool_call>(\n(?=<))?", "llama3_json": ";", "pythonic": ", "}
+SEPARATORS = {"hermes": r"<tool_call>\n|\n</tool_call>(\n(?=<))?", "llama3_json": ";", "pythonic": ", ",
+              "mistral": ", "}
 
 
 def _without_strings_and_separators(syntax: str, output: str) -> str:
@@ -377,3 +402,15 @@ def test_grammar_refuses_tools_the_syntax_cannot_write():
         tool_call_grammar(get_tool_parser("pythonic", None), [_function("f", {"anyOf": [{}]})], "required", True)
     with pytest.raises(ValueError, match="tools.0 must be"):
         tool_call_grammar(get_tool_parser("hermes", None), [_function("f", {"type": "string"})], "required", True)
+
+
+@pytest.mark.parametrize("syntax", SYNTAXES)
+def test_calls_written_into_a_conversation_read_back_as_the_same_calls(syntax):
+    """server.tool_prompt_fallback writes an assistant turn's calls in the parser's syntax (tool_prompt)."""
+    from jaxcb.server.tool_prompt import calls_text
+
+    calls = [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}},
+             {"function": {"name": "ping", "arguments": {}}}]
+    parsed = get_tool_parser(syntax, None).parse(calls_text(syntax, calls))
+    assert parsed.content is None
+    assert _calls(parsed) == [("get_weather", {"city": "Paris", "days": 3}), ("ping", {})]

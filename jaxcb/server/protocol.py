@@ -68,6 +68,7 @@ class _SamplingFields(_Strict):
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
@@ -201,6 +202,7 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
         stop=stop,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
         logprobs=logprobs,
         structured_outputs=structured_outputs,
         logit_bias=req.logit_bias,

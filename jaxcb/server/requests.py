@@ -11,6 +11,7 @@ a field back into the body's (chat's `top_logprobs` is the engine's `logprobs`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -100,4 +101,6 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
         params = sampling_params(req, max_tokens, logprobs, plan.structured)
     except InvalidRequestError as e:
         raise _renamed(e, renamed) from None
+    if plan.tool_parser is not None and plan.tool_parser.reads_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] must reach the parser
     return PlannedRequest([plan.prompt_ids], params, req.priority, req.cache_salt, req.timeout, plan, renamed)

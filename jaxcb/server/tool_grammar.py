@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
-from jaxcb.server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, ToolParser
+from jaxcb.server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, MISTRAL_TOOL_CALLS, ToolParser
 
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 _PLAIN_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions",
@@ -36,6 +36,11 @@ def _hermes_call(name: str, parameters: dict[str, Any]) -> str:
 
 def _llama3_json_call(name: str, parameters: dict[str, Any]) -> str:
     head = json.dumps('{"name":"' + name + '","parameters":')
+    return f'{head} {_json_rule(parameters)} "}}"'
+
+
+def _mistral_call(name: str, parameters: dict[str, Any]) -> str:
+    head = json.dumps('{"name":"' + name + '","arguments":')
     return f'{head} {_json_rule(parameters)} "}}"'
 
 
@@ -84,6 +89,9 @@ _SYNTAXES: dict[str, _Syntax] = {  # keyed by ToolParser.name
     "hermes": _Syntax(_hermes_call, list_sep=r'"\n"'),
     "llama3_json": _Syntax(_llama3_json_call, list_sep='";"'),
     "pythonic": _Syntax(_pythonic_call, list_open='"["', list_sep='", "', list_close='"]"'),
+    # The marker as text: the grammar cannot name the tokenizer's special token, and the parser reads either.
+    "mistral": _Syntax(_mistral_call, list_open=json.dumps(MISTRAL_TOOL_CALLS + "["), list_sep='", "',
+                       list_close='"]"'),
 }
 
 

@@ -1,8 +1,10 @@
 """Tool calls in model output: parse them and stream them.
 
 Owns the syntaxes a model writes OpenAI-style tool calls in (`server.tool_call_parser`): `hermes`
-(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`), `llama3_json` (`{"name": ...,
-"parameters": {...}}`, `;`-separated, maybe after `<|python_tag|>`) and `pythonic` (`[f(a=1), g()]`).
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Qwen, Hermes), `llama3_json` (`{"name":
+..., "parameters": {...}}`, `;`-separated, maybe after `<|python_tag|>`), `pythonic` (`[f(a=1), g()]`)
+and `mistral` (`[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`: Mistral's v0.3 tokenizers;
+`[TOOL_CALLS]` is a special token there, kept in the text of requests with tools, `chat.py`).
 Each syntax has one `_scan` of the text so far: `parse` is its final reading, and a
 `ToolCallStreamer` sends what each new reading adds, so stream and non-stream agree by
 construction. The grammars that make a model write valid calls are `tool_grammar`'s. Imports
@@ -65,11 +67,12 @@ class _Scan:
     partial: Optional[tuple[int, str, str]] = None  # a call still being written: arguments so far
 
 
-TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "pythonic")
+TOOL_CALL_PARSERS: tuple[str, ...] = ("auto", "hermes", "llama3_json", "pythonic", "mistral")
 _ID_CHARS = string.ascii_letters + string.digits
 _JSON_WS = re.compile(r"[ \t\n\r]*")
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"  # also written by tool_grammar
 _PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"  # also written by tool_grammar
 # A JSON call's head, complete once its arguments object opens. JSON whitespace (not \s) so that
 # the head never matches an object that `_read_object` refuses.
 _CALL_HEAD = re.compile(r'[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\]|\\.)*")'
@@ -218,6 +221,9 @@ class ToolCallStreamer:
 class ToolParser(abc.ABC):
     """One tool call syntax: how to read it. `tool_grammar` writes it, by `name`."""
     name: str = ""
+    # Its markers are special tokens in the tokenizers that write them: a request it reads keeps
+    # special tokens in its text (skip_special_tokens=False), as vLLM's parser for the syntax asks.
+    reads_special_tokens: bool = False
 
     def parse(self, text: str, cut: bool = False) -> ParsedToolOutput:
         """A finished completion as content and calls. `cut`: it ended before the model finished (max_tokens,
@@ -295,6 +301,50 @@ class Llama3JsonToolParser(ToolParser):
         return scan
 
 
+class MistralToolParser(ToolParser):
+    """`[TOOL_CALLS]` then a JSON list of `{"name": ..., "arguments": {...}}` objects; text before the
+    marker is content, and so is text after the list."""
+    name = "mistral"
+    reads_special_tokens = True
+
+    def _scan(self, text: str, final: bool) -> _Scan:
+        tag = text.find(MISTRAL_TOOL_CALLS)
+        if tag == -1:
+            return _Scan([text[:_decided_end(text, MISTRAL_TOOL_CALLS, final)]])
+        scan = _Scan([text[:tag]])
+        pos = _skip_ws(text, tag + len(MISTRAL_TOOL_CALLS))
+        if pos == len(text) and not final:
+            return scan
+        if not text.startswith("[", pos):
+            scan.content.append(text[tag:])  # a marker with no list: text
+            return scan
+        resume, pos = tag, pos + 1  # `resume`: where content picks up if what follows is not a call
+        while True:
+            start = _skip_ws(text, pos)
+            if start == len(text) and not final:
+                return scan
+            is_object = text.startswith("{", start)
+            end = _bracket_end(text, start) if is_object else None
+            if not final and is_object and end is None:  # being written
+                scan.partial = _partial_call(text[start:], start)
+                return scan
+            call = _parse_call(text[start:end]) if end else None
+            if call is None:
+                break
+            scan.calls.append((start, *call))
+            resume = pos = _skip_ws(text, end)
+            if pos == len(text) and not final:
+                return scan
+            if text.startswith(",", pos):
+                pos += 1
+                continue
+            if text.startswith("]", pos):
+                resume = pos + 1
+            break
+        scan.content.append(text[resume:])
+        return scan
+
+
 def _literal(node: ast.AST) -> Any:
     """A pythonic argument value as JSON data; ValueError if it is not a literal."""
     if isinstance(node, ast.Name) and node.id in _PY_NAMES:  # JSON's names too: grammars write JSON
@@ -356,12 +406,14 @@ class PythonicToolParser(ToolParser):
 
 
 _PARSERS: dict[str, type[ToolParser]] = {
-    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
+    parser.name: parser for parser in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser, MistralToolParser)}
 
 
 def _detect_syntax(chat_template: str) -> str:
     if HERMES_OPEN in chat_template:
         return "hermes"
+    if MISTRAL_TOOL_CALLS in chat_template:
+        return "mistral"
     # Before llama3_json: pythonic Llama templates mention ipython and the python tag as well.
     if re.search(r"\[\s*func_name\d*\s*\(", chat_template):
         return "pythonic"

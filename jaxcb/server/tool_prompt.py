@@ -36,6 +36,10 @@ _INSTRUCTIONS = {
         "To call functions, reply with nothing but a Python list of calls with keyword arguments:\n"
         "[function_name(parameter=\"value\"), other_function()]"
     ),
+    "mistral": (
+        "To call functions, reply with [TOOL_CALLS] and a JSON list of the calls, each its name and arguments:\n"
+        "[TOOL_CALLS][{\"name\": \"function_name\", \"arguments\": {\"parameter\": \"value\"}}]"
+    ),
 }
 
 
@@ -66,6 +70,8 @@ def calls_text(syntax: str, calls: list[dict[str, Any]]) -> str:
                          for n, a in named)
     if syntax == "llama3_json":
         return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in named)
+    if syntax == "mistral":
+        return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in named], ensure_ascii=False)
     return "[" + ", ".join(f"{n}(" + ", ".join(f"{k}={_py_literal(v)}" for k, v in a.items()) + ")"
                            for n, a in named) + "]"
 
