@@ -15,6 +15,13 @@ shared memory, not the large one's, and as many of them run at once on an SM as 
 Split-KV is chosen per launch from occupancy (`choose_num_splits`): the programs an SM holds at
 once (`ProgramResources`, from ptxas), the waves the launch makes over the GPU's SMs, and the
 context. Pure jax.numpy and arithmetic: no Pallas here.
+
+Head dim 256 (Gemma 2 and 3) keeps the query tiles -- the tile table is built once per step from
+the batch alone (`step_tile_table`), which knows no head dim -- and changes only what a launch
+holds: 16-key KV tiles (`default_kv_tile`) and 8 warps for the 64-row prefill tiles
+(`default_num_warps`). At Gemma 2's shapes (window and cap) 32-key tiles took the decode launch to
+166 registers and 89 KiB, two programs an SM (16 keys: 140 and 48 KiB, three), and at 4 warps the
+prefill launch's 64 x 256 f32 accumulator spilled 436 bytes or more whatever the KV tile.
 """
 
 from __future__ import annotations
@@ -50,12 +57,16 @@ class ProgramResources:
         return max(1, min(by_registers, by_shared, SM_MAX_WARPS // self.num_warps))
 
 
-# ptxas -v on the engine's launches (bf16, head_dim 128, block 16, kv_tile 32, 4 warps, 3 stages, group 4):
-# tests/test_triton_resources.py compiles them and holds these figures to what it reports.
+# ptxas -v on the engine's launches (bf16, block 16, 3 stages, the default KV tile and warps): llama8b (head
+# dim 128, group 4, 32-key tiles, 4 warps) and Gemma 2 9B (head dim 256, group 2, 16-key tiles, the prefill
+# launch at 8 warps; a window and the cap). tests/test_triton_resources.py compiles them and holds these
+# figures to what it reports.
 MEASURED_RESOURCES = {
     # (rows, head_dim, itemsize, kv_tile, num_warps, num_stages) -> ProgramResources
     (16, 128, 2, 32, 4, 3): ProgramResources(96, 45 * 1024),
     (64, 128, 2, 32, 4, 3): ProgramResources(164, 64 * 1024),
+    (16, 256, 2, 16, 4, 3): ProgramResources(140, 48 * 1024),
+    (64, 256, 2, 16, 8, 3): ProgramResources(230, 80 * 1024, num_warps=8),
 }
 
 
@@ -71,6 +82,19 @@ def program_resources(rows: int, head_dim: int, itemsize: int, kv_tile: int, num
     threads = 32 * num_warps
     registers = min(255, 64 + (rows * head_dim + rows * kv_tile) * 4 // (4 * threads) * 2)
     return ProgramResources(registers, shared, num_warps)
+
+
+def default_kv_tile(head_dim: int) -> int:
+    """Keys of a KV tile: 32, or 16 above head dim 128, where a 32-key tile's K/V in three stages take a
+    decode program to 89 KiB of shared memory and two programs an SM (16 keys: 48 KiB, four)."""
+    return 32 if head_dim <= 128 else 16
+
+
+def default_num_warps(rows: int, head_dim: int) -> int:
+    """Warps of a launch whose query tiles have `rows` rows: 4, or 8 where the tile's f32 accumulator
+    (rows x head_dim) is larger than 64 x 128: at 4 warps it spills (the 64-row tiles at head dim 256,
+    the 128-row ones at 128)."""
+    return 4 if rows * head_dim <= 64 * 128 else 8
 
 
 def _next_pow2(n: int) -> int:
@@ -131,15 +155,17 @@ class QueryTiles:
         return num_decode, min(self.num_tiles, num_tokens // self.prefill_tokens + num_prefill_seqs)
 
     def launches(self, num_tokens: int, num_seqs_max: int, num_kv_heads: int, max_context: int, *, head_dim: int,
-                 itemsize: int, kv_tile: int, num_warps: int, num_stages: int,
+                 itemsize: int, kv_tile: int, num_warps: Optional[int], num_stages: int,
                  num_splits: Optional[int] = None) -> tuple[Launch, ...]:
-        """The kernel's launches for a bucket, decode tiles first, each with its split-KV (`num_splits`
-        for every launch where given; else `choose_num_splits` from that launch's occupancy)."""
+        """The kernel's launches for a bucket, decode tiles first, each with its warps (`num_warps` for every
+        launch where given; else `default_num_warps` for its tiles) and split-KV (`num_splits` where given;
+        else `choose_num_splits` from that launch's occupancy)."""
         out = []
         for cls, (rows, programs) in enumerate(zip(self.classes, self.num_class_tiles(num_tokens, num_seqs_max))):
-            per_sm = program_resources(rows, head_dim, itemsize, kv_tile, num_warps, num_stages).programs_per_sm
+            warps = num_warps or default_num_warps(rows, head_dim)
+            per_sm = program_resources(rows, head_dim, itemsize, kv_tile, warps, num_stages).programs_per_sm
             splits = num_splits or choose_num_splits(programs, num_kv_heads, max_context, per_sm)
-            out.append(Launch(cls, rows, programs, splits))
+            out.append(Launch(cls, rows, programs, splits, warps))
         return tuple(out)
 
 
@@ -186,6 +212,7 @@ class Launch:
     block_m: int  # rows of its query tiles
     num_programs: int  # grid axis 0: tiles of this class a bucket can need
     num_splits: int  # grid axis 2
+    num_warps: int = 4
 
 
 def two_class_tile_table(

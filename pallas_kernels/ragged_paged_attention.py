@@ -12,6 +12,11 @@ Sliding window (`window`, a traced i32[] or None), as Hugging Face's Mistral, Qw
 the token at position p sees key j iff j <= p and p - j < window; a window >= the context
 (`NO_WINDOW`) is no window. None compiles the kernel without it, exactly as before.
 
+Logit soft-capping (`softcap`, a static float c > 0 or None), as Hugging Face's Gemma 2: each
+score q.k * sm_scale becomes c * tanh(score / c) before the causal and window masks and the
+softmax, so the online softmax's running max (and split-KV's merge) works on capped scores. None
+compiles the kernel without it, exactly as before.
+
 Cache layout: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`, so one
 block of one head is a contiguous [block_size, head_dim] tile. The layer is an argument:
 a model's layer scan passes the whole stacked cache, which is never copied.
@@ -37,8 +42,11 @@ Work decomposition (after vLLM's Triton "unified attention"):
     Each tile class is a launch of its own (`QueryTiles.launches`): the decode launch first, over
     the table's decode tiles (they follow the prefill tiles: it starts at their count), then, in a
     bucket that can hold a prefill tile, the prefill launch, which writes its rows into the decode
-    launch's output (aliased: no copy; in a step with no prefill its programs return at once). A decode program so has the registers and shared memory
-    of a 16-row tile, not of the 64-row one, and more of them fit an SM.
+    launch's output (aliased: no copy; in a step with no prefill its programs return at once). A
+    decode program so has the registers and shared memory of a 16-row tile, not of the 64-row one,
+    and more of them fit an SM. Each launch has its own warps (`default_num_warps`: 8 where a tile's
+    f32 accumulator would spill at 4, as the 64-row tiles at head dim 256 do), and head dims above
+    128 read 16-key KV tiles (`default_kv_tile`).
 
 The wrapper turns the ragged batch into a per-tile table (which sequence, first token,
 number of tokens, position of the first token, context length, tile class; `query_tiles.py`)
@@ -51,6 +59,7 @@ In this file: the reference, the shape and dtype checks, the kernel, the jitted 
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Optional
 
 import jax
@@ -59,7 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.query_tiles import Launch, query_tiles, two_class_tile_table
+from pallas_kernels.query_tiles import Launch, default_kv_tile, query_tiles, two_class_tile_table
 
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 NO_WINDOW = 2**30  # a window longer than any context: a full-attention layer of a model with windowed ones
@@ -78,12 +87,13 @@ def ragged_paged_attention_reference(
     *,
     sm_scale: float,
     window: Optional[jax.Array] = None,  # i32[]: sliding window (keys p - window < j <= p); None: none
+    softcap: Optional[float] = None,  # static: scores -> softcap * tanh(scores / softcap); None: none
 ) -> jax.Array:  # [T, num_q_heads, head_dim], q.dtype
     """The definition, written for clarity, not speed: it gathers every sequence's whole block table and
     then every token's sequence, which is O(T x context). Keys outside a sequence's `kv_lens` or outside
     a token's window never contribute, even if they hold NaN."""
     check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer,
-                           window=window)
+                           window=window, softcap=softcap)
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = k_cache.shape
     num_seqs_max, max_blocks = block_tables.shape
@@ -114,6 +124,8 @@ def ragged_paged_attention_reference(
     k_tok = k_seq[seq].astype(jnp.float32)  # [T, C, Hkv, D]
     v_tok = v_seq[seq].astype(jnp.float32)
     scores = jnp.einsum("thgd,tchd->thgc", qg, k_tok) * sm_scale
+    if softcap is not None:  # as transformers' Gemma 2: capped before the mask
+        scores = softcap * jnp.tanh(scores / softcap)
     visible = (key_idx[None, :] <= q_pos[:, None]) & (key_idx[None, :] < kv_lens[seq][:, None]) & is_real[:, None]
     if window is not None:
         visible &= q_pos[:, None] - key_idx[None, :] < jnp.reshape(window, ())
@@ -130,7 +142,7 @@ def ragged_paged_attention_reference(
 
 def check_attention_inputs(
     q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, *, q_may_differ_from_cache=False,
-    window=None,
+    window=None, softcap=None,
 ) -> None:
     """Shape and dtype checks with messages that name the offending argument. An implementation
     that reads the cache in one dtype and computes in q's passes q_may_differ_from_cache."""
@@ -166,18 +178,22 @@ def check_attention_inputs(
     if window is not None and (getattr(window, "dtype", None) != jnp.int32 or jnp.shape(window) not in ((), (1,))):
         raise ValueError(f"window must be an int32 scalar array (None: no window), got "
                          f"{getattr(window, 'dtype', type(window).__name__)}{list(jnp.shape(window))}")
+    # A static number, the same in every layer of a model (a jit's static argument), never an array.
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, numbers.Real)
+                                or not 0 < softcap < float("inf")):
+        raise ValueError(f"softcap must be a positive Python float (None: no capping), got {softcap!r}")
 
 
 def _attend(
     tile, head, split,  # the program's ids, read outside the class branches (the interpreter wants them there)
     tiles_ref, layer_ref, window_ref, block_tables_ref, q_ref, k_ref, v_ref, o_ref, split_refs, *,
     block_m: int, group: int, pages_per_tile: int, num_kv_heads: int, num_blocks: int, sm_scale: float,
-    num_splits: int,
+    num_splits: int, softcap: Optional[float],
 ):
     """One (query tile, KV head, split) program with a tile of `block_m` rows. With a window
     (`window_ref` i32[1]; None: none, and none of its code), the KV loop starts at the first KV tile
     that the tile's first row -- the one whose window starts earliest -- can see: whole tiles before
-    it are never read."""
+    it are never read. With a `softcap` the scores are capped before the masks (None: none of its code)."""
     seq, q_start, q_count, pos0, kv_len = (tiles_ref[i, tile] for i in range(5))
     block_size, head_dim = k_ref.shape[1], k_ref.shape[2]
     kv_tile = pages_per_tile * block_size
@@ -223,6 +239,8 @@ def _attend(
         # so a NaN score never survives); only V needs zeroing, where 0 * NaN would reach the output.
         v = jnp.where(key_valid[:, None], v, jnp.zeros_like(v))
         s = plgpu.dot(q, k.T).astype(jnp.float32) * sm_scale  # [block_m, kv_tile]
+        if softcap is not None:  # before the masks: a masked key stays MASK_VALUE, far below -softcap
+            s = softcap * jnp.tanh(s * (1.0 / softcap))
         visible = key_valid[None, :] & (key_pos[None, :] <= row_pos[:, None])
         if window_ref is not None:
             visible &= row_pos[:, None] - key_pos[None, :] < window
@@ -303,10 +321,12 @@ def _combine_splits(acc: jax.Array, m: jax.Array, l_sum: jax.Array) -> jax.Array
 
 
 def kernel_launches(num_tokens: int, num_seqs_max: int, width: int, *, group: int, num_kv_heads: int, head_dim: int,
-                    block_size: int, dtype, block_m: int = 16, prefill_block_m: int = 64, kv_tile: int = 32,
-                    num_warps: int = 4, num_stages: int = 3, num_splits: Optional[int] = None) -> tuple[Launch, ...]:
+                    block_size: int, dtype, block_m: int = 16, prefill_block_m: int = 64,
+                    kv_tile: Optional[int] = None, num_warps: Optional[int] = None, num_stages: int = 3,
+                    num_splits: Optional[int] = None) -> tuple[Launch, ...]:
     """The launches `ragged_paged_attention` makes for a bucket of `num_tokens` tokens, `num_seqs_max`
     sequences and block tables `width` blocks wide (the same defaults): decode tiles first."""
+    kv_tile = kv_tile or default_kv_tile(head_dim)
     plan = query_tiles(num_tokens, num_seqs_max, group, block_size, block_m, prefill_block_m, kv_tile)
     return plan.launches(num_tokens, num_seqs_max, num_kv_heads, width * block_size, head_dim=head_dim,
                          itemsize=jnp.dtype(dtype).itemsize, kv_tile=plan.pages_per_tile * block_size,
@@ -314,7 +334,7 @@ def kernel_launches(num_tokens: int, num_seqs_max: int, width: int, *, group: in
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_m", "prefill_block_m", "kv_tile", "num_warps",
-                                             "num_stages", "interpret", "num_splits"))
+                                             "num_stages", "interpret", "num_splits", "softcap"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
@@ -328,17 +348,19 @@ def ragged_paged_attention(
     sm_scale: float,
     block_m: int = 16,  # rows of a decode tile
     prefill_block_m: int = 64,  # rows of a prefill tile
-    kv_tile: int = 32,
-    num_warps: int = 4,
+    kv_tile: Optional[int] = None,  # keys per KV tile; None: `default_kv_tile(head_dim)` (32; 16 above head dim 128)
+    num_warps: Optional[int] = None,  # every launch's warps; None: each launch's `default_num_warps`
     num_stages: int = 3,  # 3: the next K/V tile loads while this one is computed (`_attend`)
     interpret: bool = False,
     tiles: Optional[jax.Array] = None,  # i32[6, num_tiles]: `step_tile_table`, built once per step; None: here
     num_splits: Optional[int] = None,  # split-KV programs per (tile, KV head); None: `choose_num_splits`
     window: Optional[jax.Array] = None,  # i32[]: sliding window, an operand (it varies by layer); None: none
+    softcap: Optional[float] = None,  # static: logit soft-cap c (scores -> c * tanh(scores / c)); None: none
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
     check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer,
-                           window=window)
+                           window=window, softcap=softcap)
     num_tokens, num_q_heads, head_dim = q.shape
+    kv_tile = kv_tile or default_kv_tile(head_dim)
     num_layers, num_kv_heads, num_blocks, block_size, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     num_seqs_max, width = block_tables.shape
@@ -361,7 +383,7 @@ def ragged_paged_attention(
                                prefill_block_m=prefill_block_m, kv_tile=kv_tile, num_warps=num_warps,
                                num_stages=num_stages, num_splits=num_splits)
     static = dict(group=group, pages_per_tile=pages_per_tile, num_kv_heads=num_kv_heads, num_blocks=num_blocks,
-                  sm_scale=sm_scale, num_tiles=num_tiles)
+                  sm_scale=sm_scale, num_tiles=num_tiles, softcap=None if softcap is None else float(softcap))
     operands = (tiles, jnp.reshape(layer, (1,)), block_tables, q_rows, k_cache.reshape(flat), v_cache.reshape(flat))
     if window is not None:  # after the cache: the operands before it keep their places
         operands += (jnp.reshape(window, (1,)),)
@@ -385,7 +407,7 @@ def ragged_paged_attention(
             grid=(spec.num_programs, num_kv_heads, spec.num_splits),
             out_shape=out_shape,
             input_output_aliases={1 + len(operands): 0} if aliased else {},
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+            compiler_params=plgpu.CompilerParams(num_warps=spec.num_warps, num_stages=num_stages),
             interpret=interpret,
             name="ragged_paged_attention_" + ("decode" if spec.tile_class == 0 else "prefill"),
         )(jnp.reshape(first, (1,)), *operands, *((out,) if aliased else ()))

@@ -7,9 +7,11 @@ import numpy as np
 from jaxcb.kernels.attention.testing import RaggedBatch, make_ragged_batch  # noqa: F401  (re-exported for tests)
 
 
-def dense_attention(batch: RaggedBatch, sm_scale: float, window: int | None = None) -> np.ndarray:
+def dense_attention(batch: RaggedBatch, sm_scale: float, window: int | None = None,
+                    softcap: float | None = None) -> np.ndarray:
     """f64 causal attention, one sequence at a time, straight from the blocks: the ground truth. With a
-    `window`, the token at position p sees keys p - window < j <= p (Hugging Face's sliding window)."""
+    `window`, the token at position p sees keys p - window < j <= p (Hugging Face's sliding window); with a
+    `softcap` c, every score s is c * tanh(s / c) before the mask (Gemma 2's logit soft-capping)."""
     _, num_kv_heads, _, block_size, head_dim = batch.k_cache.shape
     group = batch.q.shape[1] // num_kv_heads
     out = np.zeros(batch.q.shape, np.float64)
@@ -21,6 +23,8 @@ def dense_attention(batch: RaggedBatch, sm_scale: float, window: int | None = No
         q = batch.q[start : start + q_len].astype(np.float64)
         k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)  # [Hq, C, D]
         s = np.einsum("qhd,hcd->hqc", q, k) * sm_scale
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
         pos = np.arange(kv_len - q_len, kv_len)[:, None]
         keys = np.arange(kv_len)[None, :]
         s = np.where((keys <= pos) & (pos - keys < (window or kv_len + 1)), s, -np.inf)

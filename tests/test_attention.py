@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from attention_batches import blocks_outside_every_window, dense_attention, make_ragged_batch
+from attention_batches import RaggedBatch, blocks_outside_every_window, dense_attention, make_ragged_batch
 from jaxcb.kernels.attention import NO_WINDOW
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
 from jaxcb.kernels.attention.inputs import check_batch_values
@@ -347,11 +347,13 @@ def test_blocks_wholly_outside_every_window_never_reach_the_output(impl, window,
     assert_matches(out, expected, batch, 1e-5)
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["no softcap", "softcap"])
 @pytest.mark.parametrize("tensor_parallel", [False, True], ids=["one-device", "shard_map"])
 @pytest.mark.parametrize("form", ["reference", "xla", "cpu", "pallas-interpret"])
-def test_write_and_attend_takes_a_traced_window_per_layer_in_a_layer_scan(form, tensor_parallel):
+def test_write_and_attend_takes_a_traced_window_per_layer_in_a_layer_scan(form, tensor_parallel, softcap):
     """As a model with sliding-window layers calls it: a jitted scan over layers, each layer's window an
-    i32[] carried by the scan (NO_WINDOW for a full layer), under shard_map replicated like the layer."""
+    i32[] carried by the scan (NO_WINDOW for a full layer), under shard_map replicated like the layer; and as
+    Gemma 2 calls it, with one static softcap for every layer."""
     from jax.sharding import Mesh
 
     from jaxcb.kernels.attention import REFERENCE, AttentionMetadata, KVCache
@@ -372,7 +374,8 @@ def test_write_and_attend_takes_a_traced_window_per_layer_in_a_layer_scan(form, 
     def layers(cache):
         def layer_step(cache, x):
             layer, window = x
-            out, cache = attention.write_and_attend(q, new_k, new_v, cache, layer, md, SM_SCALE, window=window)
+            out, cache = attention.write_and_attend(q, new_k, new_v, cache, layer, md, SM_SCALE, window=window,
+                                                    softcap=softcap)
             return cache, out
 
         return jax.lax.scan(layer_step, cache, (jnp.arange(3, dtype=jnp.int32), windows))[1]
@@ -381,5 +384,181 @@ def test_write_and_attend_takes_a_traced_window_per_layer_in_a_layer_scan(form, 
         out = np.asarray(layers(KVCache(k_cache, v_cache)))  # new K/V go to the null block: the cache is unchanged
         for layer, window in enumerate([5, NO_WINDOW, 37]):
             expected = np.asarray(REFERENCE.attend(q, KVCache(k_cache, v_cache), jnp.int32(layer), md, SM_SCALE,
-                                                   window=jnp.int32(window)))
+                                                   window=jnp.int32(window), softcap=softcap))
             assert_matches(out[layer], expected, batch, 1e-5)
+
+
+# --- logit soft-capping (Gemma 2) ----------------------------------------------------------------
+
+# Gemma 2's cap, and one that bites: q scaled so that scores reach +-10 (`capped_batch`).
+SOFTCAPS = [50.0, 5.0]
+
+
+def capped_batch(kind: str, block_size: int = 8, seed: int = 0, head_dim: int = 16, **kw):
+    """A windowed-test batch with q x 3: scores of a few units, some past 5, so that a cap of 5 bites."""
+    batch = make_ragged_batch(WINDOWED_BATCHES[kind], block_size=block_size, num_kv_heads=2, group=3,
+                              head_dim=head_dim, seed=seed, **kw)
+    batch.q *= 3
+    return batch
+
+
+def window_arg(window):
+    return {} if window is None else {"window": jnp.int32(window)}
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("kind", sorted(WINDOWED_BATCHES))
+def test_reference_with_a_softcap_equals_dense_attention(kind, softcap, window):
+    batch = capped_batch(kind)
+    expected = dense_attention(batch, SM_SCALE, window=window, softcap=softcap)
+    assert_matches(run("reference", batch, softcap=softcap, **window_arg(window)), expected, batch, 1e-5)
+
+
+def test_a_softcap_of_5_bites_and_one_of_50_barely_does():
+    """The capped batches really exercise the cap: at 5 the output moves by a good part of its scale, at 50
+    (Gemma 2's) by far less, but by more than the tests' tolerance."""
+    batch = capped_batch("mixed", seed=1)
+    n = batch.num_real_tokens
+    plain = run("reference", batch)
+    scale = np.abs(plain[:n]).max()
+    moved = {c: np.abs(run("reference", batch, softcap=c)[:n] - plain[:n]).max() / scale for c in SOFTCAPS}
+    assert moved[5.0] > 0.2 and 1e-3 < moved[50.0] < moved[5.0], moved
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("kind", sorted(WINDOWED_BATCHES))
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
+def test_implementation_with_a_softcap_equals_the_reference(impl, kind, softcap, window):
+    batch = capped_batch(kind, seed=int(softcap))
+    expected = run("reference", batch, softcap=softcap, **window_arg(window))
+    assert_matches(run(impl, batch, softcap=softcap, **window_arg(window)), expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(params=ragged_batches(max_kv=100), softcap=st.sampled_from([1.0, 5.0, 50.0]),
+       window=st.one_of(st.none(), st.integers(1, 120)))
+def test_implementation_with_a_softcap_equals_the_reference_on_random_batches(impl, params, softcap, window):
+    batch = make_ragged_batch(**params)
+    batch.q *= 3
+    expected = run("reference", batch, softcap=softcap, **window_arg(window))
+    assert_matches(run(impl, batch, softcap=softcap, **window_arg(window)), expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv_kernel_merges_capped_scores_and_equals_the_reference(num_splits, window):
+    """Each split's running max is over capped scores, and the merge weighs the splits by them."""
+    batch = capped_batch("mixed", seed=num_splits)
+    expected = run("reference", batch, softcap=5.0, **window_arg(window))
+    out = run("pallas-interpret", batch, num_splits=num_splits, softcap=5.0, **window_arg(window))
+    assert_matches(out, expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
+def test_implementation_with_a_softcap_in_bf16_equals_the_reference(impl):
+    batch = capped_batch("mixed", block_size=16, seed=4)
+    expected = run("reference", batch, jnp.bfloat16, softcap=5.0, window=jnp.int32(37))
+    assert_matches(run(impl, batch, jnp.bfloat16, softcap=5.0, window=jnp.int32(37)), expected, batch, 2e-2)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas-interpret", "cpu"])
+def test_head_dim_256_with_a_softcap_and_a_window_equals_the_reference(impl):
+    """Gemma 2's shapes in small: head dim 256, two query heads a KV head, its cap and a window."""
+    batch = make_ragged_batch(WINDOWED_BATCHES["mixed"], block_size=16, num_kv_heads=2, group=2, head_dim=256,
+                              seed=256)
+    expected = dense_attention(batch, SM_SCALE, window=37, softcap=5.0)
+    assert_matches(run(impl, batch, softcap=5.0, window=jnp.int32(37)), expected, batch, 1e-5)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(8, 64), (16, 64), (64, 128), (16, 12)],
+                         ids=["avx2-8-keys", "avx512-16-keys", "avx512-block-64", "scalar"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_cpu_kernel_caps_on_each_of_its_vector_paths(block_size, head_dim, window):
+    """The C++ kernel caps the scores where it scores them, 8 or 16 keys at a time or one by one, before
+    it masks the keys outside the context or the window (NaN there, capped or not, never reaches the output)."""
+    batch = make_ragged_batch(WINDOWED_BATCHES["mixed"], block_size=block_size, num_kv_heads=2, group=3,
+                              head_dim=head_dim, seed=head_dim)
+    batch.q *= 3
+    expected = dense_attention(batch, SM_SCALE, window=window, softcap=5.0)
+    assert_matches(run("cpu", batch, softcap=5.0, **window_arg(window)), expected, batch, 1e-5)
+
+
+def softcap_probe(block_size: int, head_dim: int, scores: np.ndarray) -> RaggedBatch:
+    """One decode sequence per score s, each seeing two keys of one shared block: key 0 scores 0 with value
+    e1, key 1 scores s with value e2 (q = s / SM_SCALE e0, K1 = e0). Its output is then softmax([0, cap(s)])
+    over [e1, e2], so log(out[2] / out[1]) = cap(s): the cap itself, read back through the kernel."""
+    num = len(scores)
+    shape = (1, 1, 2, block_size, head_dim)
+    k_cache, v_cache = np.full(shape, np.nan, np.float32), np.full(shape, np.nan, np.float32)
+    k_cache[0, 0, 1, :2] = 0.0
+    k_cache[0, 0, 1, 1, 0] = 1.0
+    v_cache[0, 0, 1, :2] = 0.0
+    v_cache[0, 0, 1, 0, 1] = v_cache[0, 0, 1, 1, 2] = 1.0
+    q = np.zeros((num, 1, head_dim), np.float32)
+    q[:, 0, 0] = scores / SM_SCALE
+    tables = np.ones((num, 1), np.int32)
+    kv_lens = np.full(num, 2, np.int32)
+    qsl = np.arange(num + 1, dtype=np.int32)
+    return RaggedBatch(q, k_cache, v_cache, kv_lens, tables, qsl, num, 0, [(1, 2)] * num)
+
+
+@pytest.mark.parametrize("block_size, head_dim", [(8, 64), (16, 64), (16, 12)],
+                         ids=["avx2-8-keys", "avx512-16-keys", "scalar"])
+@pytest.mark.parametrize("softcap", [5.0, 50.0])
+def test_cpu_kernels_tanh_is_exact_to_a_millionth_on_each_vector_path(block_size, head_dim, softcap):
+    """The C++ kernel's tanh is a rational approximation (vector_tanh.h), the same on every path: the cap
+    it applies, read back through the kernel (`softcap_probe`), is within 1e-6 of softcap * tanh(s / softcap)
+    (f64), relative to the larger of it and 1, from scores near 0 to far past the cap, of either sign."""
+    magnitudes = np.geomspace(1e-3, 40 * softcap, 400)
+    scores = np.concatenate([magnitudes, -magnitudes]).astype(np.float32)
+    batch = softcap_probe(block_size, head_dim, scores)
+    out = run("cpu", batch, softcap=softcap)[:, 0].astype(np.float64)
+    capped = np.log(out[:, 2] / out[:, 1])
+    expected = softcap * np.tanh(scores.astype(np.float64) / softcap)
+    # The readback itself (two exps, a division, a log in f32) adds ~1e-7 of the larger of the two logits.
+    err = np.abs(capped - expected) / np.maximum(np.abs(expected), 1.0)
+    assert err.max() <= 1e-6, f"max error {err.max():.2e} at s={scores[err.argmax()]}"
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla", "xla-pairs", "pallas-interpret", "cpu"])
+def test_softcap_none_lowers_exactly_the_program_without_it(impl):
+    """No cap is no code: a model without one compiles what it compiled before soft-capping existed (the C++
+    kernel's call carries no softcap attribute); a cap changes the program."""
+    args = capped_batch("mixed").args(jnp)
+
+    def lowered(**kw):
+        return jax.jit(lambda *a: IMPLS[impl](*a, sm_scale=SM_SCALE, **kw)).lower(*args).as_text()
+
+    plain = lowered()
+    assert lowered(softcap=None) == plain
+    assert lowered(softcap=5.0) != plain
+    assert "softcap" not in plain
+
+
+def test_softcap_is_refused_unless_a_positive_python_float():
+    """A static number, never an array: a jitted form would refuse an array as an unhashable static argument,
+    the others say what they take."""
+    batch = make_ragged_batch([(2, 5)], block_size=8, num_kv_heads=2, group=2, head_dim=16)
+    for impl in IMPLS.values():
+        for bad in (0.0, -5.0, float("inf"), float("nan"), True):
+            with pytest.raises(ValueError, match="softcap must be a positive Python float"):
+                impl(*batch.args(jnp), sm_scale=1.0, softcap=bad)
+        with pytest.raises((TypeError, ValueError), match="softcap|static"):
+            impl(*batch.args(jnp), sm_scale=1.0, softcap=jnp.asarray(50.0))
+
+
+def test_the_cpu_kernel_refuses_a_bad_softcap_or_an_unknown_attribute():
+    """The FFI call's attributes: what jit-level checks never see (another caller of the target)."""
+    from jaxcb.kernels.cpu import ATTENTION_TARGET
+
+    batch = make_ragged_batch([(2, 5)], block_size=8, num_kv_heads=1, group=1, head_dim=16)
+    q, k, v, kv_lens, tables, qsl, n, layer = batch.args(jnp)
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    args = (q, k, v, kv_lens, tables, qsl, jnp.reshape(n, ()), jnp.reshape(layer, ()))
+    with pytest.raises(Exception, match="softcap=-1.0+ must be a positive float"):
+        jax.block_until_ready(call(*args, sm_scale=np.float32(1.0), softcap=np.float32(-1.0)))
+    with pytest.raises(Exception, match="unknown attribute soft_cap"):
+        jax.block_until_ready(call(*args, sm_scale=np.float32(1.0), soft_cap=np.float32(5.0)))

@@ -211,16 +211,21 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     for ours_part, native_part in zip(call(*args, eps=np.float32(1e-5)), native):
         np.testing.assert_allclose(np.asarray(ours_part), np.asarray(native_part), rtol=1e-5, atol=1e-4)
 
-    # Blocks of 16 and head_dim 64: the AVX-512 build scores a whole block per pass here.
+    # Blocks of 16 and head_dim 64: the AVX-512 build scores a whole block per pass here; with a logit
+    # soft-cap too (q x 4: scores well past the cap of 5), capped by Tanh16 there and by Tanh8 here.
     batch = make_ragged_batch([(1, 37), (5, 80), (1, 16), (17, 17)], block_size=16, num_kv_heads=2, group=3,
                               head_dim=64, seed=1)
+    batch.q *= 4
     for dtype in (jnp.float32, jnp.bfloat16):
-        args = batch.args(jnp, dtype)
-        native = ragged_paged_attention_cpu(*args, sm_scale=0.125)
-        q, kc, vc, kv_lens, tables, qsl, num_seqs, layer = args
-        ours = avx2("attention", q.shape, q.dtype, q, kc, vc, kv_lens, tables, qsl, jnp.reshape(num_seqs, ()),
-                    jnp.reshape(layer, ()), sm_scale=np.float32(0.125))
-        np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(native, np.float32), rtol=1e-2, atol=1e-2)
+        for cap in ({}, {"softcap": np.float32(5.0)}):
+            args = batch.args(jnp, dtype)
+            native = ragged_paged_attention_cpu(*args, sm_scale=0.125, **cap)
+            q, kc, vc, kv_lens, tables, qsl, num_seqs, layer = args
+            ours = avx2("attention", q.shape, q.dtype, q, kc, vc, kv_lens, tables, qsl, jnp.reshape(num_seqs, ()),
+                        jnp.reshape(layer, ()), sm_scale=np.float32(0.125), **cap)
+            tol = 1e-5 if dtype == jnp.float32 else 1e-2
+            np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(native, np.float32), rtol=tol,
+                                       atol=tol)
 
     logits = jnp.asarray(rng.standard_normal((5, 1000), np.float32))
     np.testing.assert_array_equal(np.asarray(avx2("argmax", (5,), jnp.int32, logits)), np.asarray(jnp.argmax(logits, -1)))

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from cuda_variants import ENGINE_LLAMA8B, KERNEL_VARIANTS, LLAMA8B, PREFILL_TILE_VARIANTS, KernelVariant, preset
+from cuda_variants import (
+    ENGINE_LLAMA8B, GEMMA2_9B, GEMMA3_4B, KERNEL_VARIANTS, LLAMA8B, PREFILL_TILE_VARIANTS, KernelVariant, preset,
+)
 from benchmarks.reference_generate import forward_step
 from jaxcb.backends import Backend
 from jaxcb.backends.base import fuse_layer_weights
@@ -91,11 +93,13 @@ def test_llama8b_kernel_launch_grids_warps_and_stages(num_tokens, num_seqs, widt
 def lower_and_check_launch(variant: KernelVariant, num_tokens: int, num_seqs: int, width: int):
     """The kernel's launches, checked for the variant's grids, warps, stages and padded q operand."""
     calls = lower_kernel(variant, num_tokens, num_seqs, width)
+    launches = variant.launches(num_tokens, num_seqs, width)
     assert [call.grid for call in calls] == variant.expected_grids(num_tokens, num_seqs, width)
     rows = num_tokens * variant.group + spare_rows(variant, num_tokens, num_seqs)
     dtype = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}[variant.dtype]
-    for call in calls:
-        assert (call.num_warps, call.num_stages) == (variant.num_warps, variant.num_stages)
+    for call, launch in zip(calls, launches, strict=True):
+        assert (call.num_warps, call.num_stages) == (launch.num_warps, variant.num_stages)
+        assert variant.num_warps in (None, launch.num_warps)
         assert call.operand_types[4] == f"tensor<{variant.num_kv_heads}x{rows}x{variant.head_dim}x{dtype}>"
     return calls
 
@@ -127,6 +131,39 @@ def test_a_window_adds_one_i32_operand_after_the_cache_and_no_window_adds_nothin
         assert window.operand_types[7] == "tensor<1xi32>"
         assert plain.operand_types[7:] == window.operand_types[8:]  # the prefill launch's aliased output
         assert "tensor<1xi32>" not in plain.operand_types[3:]
+
+
+def test_softcap_none_lowers_exactly_the_program_without_it_and_a_cap_adds_no_operand():
+    """softcap=None is the kernel as it was before soft-capping existed: the same lowered module, text for text.
+    A cap is static: no operand, and one tanh (libdevice's) in each launch's kernel."""
+    plain = lower_for_gpu(ENGINE_LLAMA8B.kernel(), *ENGINE_LLAMA8B.args(512, 64, 128))
+    explicit_none = lower_for_gpu(functools.partial(ENGINE_LLAMA8B.kernel(), softcap=None),
+                                  *ENGINE_LLAMA8B.args(512, 64, 128))
+    assert plain.as_text() == explicit_none.as_text()
+    capped = dataclasses.replace(ENGINE_LLAMA8B, softcap=50.0)
+    plain_calls, capped_calls = triton_calls(plain), lower_and_check_launch(capped, 512, 64, 128)
+    for call, cap in zip(plain_calls, capped_calls, strict=True):
+        assert call.operand_types == cap.operand_types
+        assert "tanh" not in call.ir_text()
+        assert cap.ir_text().count("__nv_tanhf") == 1
+
+
+@pytest.mark.parametrize("variant", [GEMMA2_9B, GEMMA3_4B], ids=lambda v: v.name)
+@pytest.mark.parametrize(
+    "num_tokens, num_seqs, width",
+    [(1, 1, 64), (1, 1, 512), (32, 32, 256), (256, 256, 256), (512, 64, 128), (2048, 256, 512)],
+    ids=["decode-1", "decode-1-8k", "decode-32-4k", "decode-256-4k", "mixed-512", "mixed-2048-256"],
+)
+def test_head_dim_256_launches_take_16_key_tiles_and_8_warps_for_prefill_tiles(variant, num_tokens, num_seqs, width):
+    """Gemma's head dim 256 keeps the query tiles (16-row decode, 64-row prefill: at group 2, 8 and 32
+    tokens) and takes the kernel's own KV tile and warps for it: 16 keys a KV tile, 4 warps for the decode
+    launch and 8 for the prefill launch, whose 64 x 256 accumulator spills at 4."""
+    calls = lower_and_check_launch(variant, num_tokens, num_seqs, width)
+    assert [call.num_warps for call in calls] == [4, 8][: len(calls)]
+    plan = variant.tile_plan(num_tokens, num_seqs)
+    assert (plan.pages_per_tile * variant.block_size, plan.decode_tokens) == (16, 8)
+    assert plan.prefill_tokens == (32 if len(plan.classes) == 2 else 8)
+    assert all(call.operand_types[7] == "tensor<1xi32>" for call in calls)  # the window, after the cache
 
 
 def lower_step(model: str, tensor_parallel_size: int, num_tokens: int, num_seqs: int, width: int):

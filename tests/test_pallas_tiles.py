@@ -108,7 +108,8 @@ def run(batch, dtype=jnp.float32, impl=ragged_paged_attention, **kw):
 
 def assert_matches_reference(batch, rtol=1e-5, dtype=jnp.float32, **kw):
     out = run(batch, dtype, interpret=True, **kw)
-    expected = run(batch, dtype, impl=ragged_paged_attention_reference)
+    semantics = {name: kw[name] for name in ("window", "softcap") if name in kw}  # the rest is how the kernel runs
+    expected = run(batch, dtype, impl=ragged_paged_attention_reference, **semantics)
     n = batch.num_real_tokens
     err = np.abs(out[:n] - expected[:n]).max() / np.abs(expected[:n]).max()
     assert err <= rtol, f"relative error {err:.2e} > {rtol} for {batch.seqs}"
@@ -198,3 +199,44 @@ def test_a_step_without_prefill_tiles_runs_the_decode_launch_alone_and_equals_th
     batch = make_ragged_batch([(1, 20), (1, 90), (4, 33), (0, 5), (1, 1)], block_size=16, num_kv_heads=2, group=4,
                               head_dim=16, pad_tokens=40, seed=5)  # a bucket that could hold a prefill
     assert_matches_reference(batch)
+
+
+# --- head dim 256 (Gemma 2 and 3) ---------------------------------------------------------------
+
+def test_head_dim_256_keeps_the_query_tiles_and_takes_16_key_tiles_and_8_warps_for_prefill_tiles():
+    """The tile table knows no head dim (`step_tile_table`, built before the layers): head dim 256 changes
+    only the KV tile (16 keys) and the prefill launch's warps (8: its 64 x 256 accumulator spills at 4)."""
+    from jaxcb.kernels.attention.pallas import kernel_launches
+
+    def launches(head_dim):
+        return [(launch.block_m, launch.num_warps) for launch in kernel_launches(
+            512, 64, 128, group=2, num_kv_heads=8, head_dim=head_dim, block_size=16, dtype=jnp.bfloat16)]
+
+    assert launches(128) == [(16, 4), (64, 4)]
+    assert launches(256) == [(16, 4), (64, 8)]
+    plan = query_tiles(512, 64, group=2, block_size=16, kv_tile=16)
+    assert (plan.decode_tokens, plan.prefill_tokens, plan.pages_per_tile) == (8, 32, 1)
+    assert plan.num_tiles == query_tiles(512, 64, group=2, block_size=16).num_tiles  # the same table
+
+
+def gemma_batch(seed: int, **kw):
+    """Gemma 2's heads in small: two query heads a KV head at head dim 256, and a MIXED batch."""
+    return make_ragged_batch(MIXED, block_size=16, num_kv_heads=2, group=2, head_dim=256, seed=seed, **kw)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("softcap, window", [(None, None), (50.0, 37), (5.0, None)],
+                         ids=["plain", "gemma2 cap and window", "cap 5"])
+def test_head_dim_256_equals_the_reference_with_the_step_tile_table(softcap, window, num_splits):
+    """The kernel at head dim 256 with its own KV tile and warps, reading the tile table built once per step
+    without a head dim (as `AttentionForm.prepare_step` builds it), whole and split over the context."""
+    batch = gemma_batch(seed=7)
+    batch.q *= 3  # scores past 5: a cap of 5 bites
+    q, k, v, kv_lens, tables, qsl, num_seqs, layer = batch.args(jnp)
+    tiles = step_tile_table(qsl, kv_lens, num_seqs, num_tokens=q.shape[0], group=2, block_size=16)
+    kw = dict(softcap=softcap, **({} if window is None else {"window": jnp.int32(window)}))
+    assert_matches_reference(batch, tiles=tiles, num_splits=num_splits, **kw)
+
+
+def test_head_dim_256_in_bf16_equals_the_reference():
+    assert_matches_reference(gemma_batch(seed=8), rtol=2e-2, dtype=jnp.bfloat16, softcap=50.0, window=jnp.int32(37))

@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-from cuda_variants import ENGINE_LLAMA8B, KERNEL_VARIANTS, PREFILL_TILE_VARIANTS
+from cuda_variants import ENGINE_LLAMA8B, GEMMA2_9B, KERNEL_VARIANTS, PREFILL_TILE_VARIANTS
 from jaxcb.kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, lower_for_gpu, ptxas_resources, triton_calls
 from pallas_kernels.query_tiles import MEASURED_RESOURCES, ProgramResources
 
@@ -31,6 +31,7 @@ BUCKET = (64, 16)
 DECODE_ONLY_BUCKET = (4, 4)
 VARIANTS = [(v, BUCKET) for v in KERNEL_VARIANTS + PREFILL_TILE_VARIANTS] + [
     (ENGINE_LLAMA8B, DECODE_ONLY_BUCKET),
+    (GEMMA2_9B, DECODE_ONLY_BUCKET),
 ]
 
 
@@ -52,11 +53,11 @@ def test_every_kernel_variant_fits_the_h200_without_spills(tmp_path):
         for call, rows in zip(launches(v, bucket), plan.classes):
             r = ptxas_resources(call)
             toolchain = r.toolchain
-            per_sm = ProgramResources(r.registers, r.shared_bytes, v.num_warps).programs_per_sm
+            per_sm = ProgramResources(r.registers, r.shared_bytes, call.num_warps).programs_per_sm
             kind = "decode" if rows == plan.block_m else "prefill"
             lines.append(
                 f"| {v.name} | {v.dtype} | {v.head_dim} | {v.block_size} | {v.group} | "
-                f"{kind}: {rows} x {plan.pages_per_tile * v.block_size} | {bucket[0]}/{bucket[1]} | {v.num_warps} | "
+                f"{kind}: {rows} x {plan.pages_per_tile * v.block_size} | {bucket[0]}/{bucket[1]} | {call.num_warps} | "
                 f"{v.num_stages} | {r.registers} | {r.spill_store_bytes}/{r.spill_load_bytes} | "
                 f"{r.shared_bytes / 1024:.0f} | {per_sm} |"
             )
@@ -90,14 +91,15 @@ def kv_loops(call) -> list[str]:
     return [body.split("scf.yield")[0] for body in ttgir.split("scf.for ")[1:]]
 
 
-@pytest.mark.parametrize("window", [False, True], ids=["no window", "window"])
+@pytest.mark.parametrize("variant", [ENGINE_LLAMA8B, dataclasses.replace(ENGINE_LLAMA8B, window=True), GEMMA2_9B],
+                         ids=["no window", "window", "gemma2_9b"])
 @pytest.mark.parametrize("bucket", [BUCKET, DECODE_ONLY_BUCKET], ids=["both classes", "decode only"])
-def test_each_kv_loop_loads_the_next_tile_while_it_computes_this_one(bucket, window):
+def test_each_kv_loop_loads_the_next_tile_while_it_computes_this_one(bucket, variant):
     """The engine's kernel, pipelined by Triton at num_stages=3: in every tile class's loop the K and V
     copies are asynchronous, and the wait at the top of an iteration leaves the 2 newest copy groups (the
     next tile's K and V) in flight while this tile's dots run; with a sliding window too (its loop starts
-    at the window's first tile)."""
-    calls = launches(dataclasses.replace(ENGINE_LLAMA8B, window=window), bucket)
+    at the window's first tile), and at Gemma 2's head dim 256 with its soft-cap."""
+    calls = launches(variant, bucket)
     assert len(calls) == (2 if bucket == BUCKET else 1)
     for body in (loop for call in calls for loop in kv_loops(call)):
         assert body.count("ttg.async_copy_global_to_local") == 2  # the next tile's K and V
@@ -105,15 +107,15 @@ def test_each_kv_loop_loads_the_next_tile_while_it_computes_this_one(bucket, win
         assert "dot" in body.split("async_copy_global_to_local")[0]  # this tile's dots before the next copies
 
 
-def test_the_split_choice_reads_the_occupancy_ptxas_reports_for_each_engine_launch():
+@pytest.mark.parametrize("v", [ENGINE_LLAMA8B, GEMMA2_9B], ids=lambda v: v.name)
+def test_the_split_choice_reads_the_occupancy_ptxas_reports_for_each_engine_launch(v):
     """MEASURED_RESOURCES, which choose_num_splits reads, holds what ptxas reports for the engine's decode
-    and prefill launches (llama8b, bf16), to the programs an SM runs."""
-    v = ENGINE_LLAMA8B
+    and prefill launches (llama8b, and Gemma 2 at head dim 256; bf16), to the programs an SM runs."""
     plan = v.tile_plan(*BUCKET)
     for call, rows in zip(launches(v, BUCKET), plan.classes):
         r = ptxas_resources(call)
-        key = (rows, v.head_dim, 2, plan.pages_per_tile * v.block_size, v.num_warps, v.num_stages)
+        key = (rows, v.head_dim, 2, plan.pages_per_tile * v.block_size, call.num_warps, v.num_stages)
         table = MEASURED_RESOURCES[key]
-        measured = ProgramResources(r.registers, r.shared_bytes, v.num_warps)
+        measured = ProgramResources(r.registers, r.shared_bytes, call.num_warps)
         assert (table.programs_per_sm, abs(table.registers - r.registers) <= 8) == (measured.programs_per_sm, True), (
             key, r.registers, r.shared_bytes)

@@ -22,6 +22,11 @@ both. The pallas, cpu and xla forms skip the KV tiles or blocks that lie wholly 
 window of a query tile's first token (the xla form's short-table path masks them instead);
 blocks that every layer's window has left stay allocated until the sequence ends, never read.
 
+Logit soft-capping (Gemma 2): `softcap` is None (no capping: every form compiles exactly as without
+the argument) or a static Python float c > 0, the same in every layer: each score q.k * sm_scale
+becomes c * tanh(score / c), then the causal and window masks, then the softmax (transformers'
+Gemma 2). A static argument of each form's jit (the C++ kernel's attribute), never an operand.
+
 Invariant of every form (and of every backend that writes the cache itself): in each layer,
 every row's new K/V is written before any row's attention reads the cache (`write_and_attend`:
 the whole step's write, then the attend). So a sequence attends to its own new tokens, and
@@ -130,11 +135,14 @@ class AttentionForm:
         md: AttentionMetadata,
         sm_scale: float,
         window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window; None: none
+        softcap: Optional[float] = None,  # static: logit soft-cap, scores -> c * tanh(scores / c); None: none
     ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
         q_in = q.astype(cache.k.dtype) if self.computes_in_cache_dtype else q
         prepared = {} if md.tiles is None else {"tiles": md.tiles}
         if window is not None:  # passed only when there is one: without it every form compiles as before
             prepared["window"] = window
+        if softcap is not None:  # likewise
+            prepared["softcap"] = softcap
         out = self.attend_fn(
             q_in, cache.k, cache.v, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs, layer,
             sm_scale=sm_scale, **prepared,
@@ -151,17 +159,19 @@ class AttentionForm:
         md: AttentionMetadata,
         sm_scale: float,
         window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window (traced); None: none
+        softcap: Optional[float] = None,  # static: logit soft-cap (Gemma 2's 50.0); None: none
     ) -> tuple[jax.Array, KVCache]:  # ([T, num_q_heads, head_dim], cache with this layer's new K/V)
         """Write the new tokens' K/V into the cache, then attend over it (per shard of heads under TP)."""
 
         def write_then_attend(q, k, v, cache, layer, md, window):
             cache = self.write(cache, layer, k, v, md.slot_mapping)
-            return self.attend(q, cache, layer, md, sm_scale, window), cache
+            return self.attend(q, cache, layer, md, sm_scale, window, softcap), cache
 
         if self.mesh is None:
             return write_then_attend(q, k, v, cache, layer, md, window)
         cache_spec = KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC)
-        # The window, like the layer, is replicated (None is an empty pytree: no operand at all).
+        # The window, like the layer, is replicated (None is an empty pytree: no operand at all); the softcap is
+        # a constant of the traced function.
         return jax.shard_map(
             write_then_attend,
             mesh=self.mesh,

@@ -2,7 +2,8 @@
 
 `ragged_paged_attention_cpu` takes the same arguments and gives the same result as the other
 attention forms (a sliding window is the kernel's optional last operand, an i32[]: it varies by
-layer); q (and the result) and the cache may differ in dtype (float32 / bfloat16 each): an f32
+layer; a logit soft-cap its optional attribute `softcap`, absent when None, so that the call is
+then the one it always was); q (and the result) and the cache may differ in dtype (float32 / bfloat16 each): an f32
 model can keep a bf16 cache, read as f32. `write_kv_rows` writes one layer's
 new K/V rows into the paged cache in place (XLA:CPU's scatter into a bfloat16 cache converts
 the whole cache to f32 and back, twice per layer).
@@ -32,10 +33,11 @@ def ragged_paged_attention_cpu(
     *,
     sm_scale: float,
     window: jax.Array | None = None,  # i32[]: sliding window (keys p - window < j <= p); None: none
+    softcap: float | None = None,  # static: scores -> softcap * tanh(scores / softcap); None: none
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
     check_attention_inputs(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, q_may_differ_from_cache=True,
-        window=window,
+        window=window, softcap=softcap,
     )
     for name, dtype in (("q", q.dtype), ("the KV cache", k_cache.dtype)):
         if jnp.dtype(dtype).name not in ATTENTION_DTYPES:
@@ -44,9 +46,10 @@ def ragged_paged_attention_cpu(
     load_cpu_kernels()
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     windowed = () if window is None else (jnp.reshape(window, ()),)  # the kernel's optional last operand
+    capped = {} if softcap is None else {"softcap": np.float32(softcap)}  # the kernel's optional attribute
     return call(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc,
-        jnp.reshape(num_seqs, ()), jnp.reshape(layer, ()), *windowed, sm_scale=np.float32(sm_scale),
+        jnp.reshape(num_seqs, ()), jnp.reshape(layer, ()), *windowed, sm_scale=np.float32(sm_scale), **capped,
     )
 
 

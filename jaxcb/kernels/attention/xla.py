@@ -14,6 +14,9 @@ A sliding window (`window`, a traced i32[]; None: none) masks keys outside each 
 the long-table path lists no pair for a block before the window of its tile's first token, so
 those blocks are never read. The short-table path gathers them and masks them (scores and V
 alike, so even NaN there cannot reach the output): a few blocks, not worth a second shape.
+
+A logit soft-cap (`softcap`, a static float c; None: none, and no op of it) caps every score to
+c * tanh(score / c) before the masks, in both paths: the online softmax's max is the capped one.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def default_tokens_per_tile(num_tokens: int, num_seqs_max: int) -> int:
     return min(16, 1 << (per_seq.bit_length() - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "tokens_per_tile", "gather_max_width", "pairs_per_chunk"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "tokens_per_tile", "gather_max_width", "pairs_per_chunk",
+                                             "softcap"))
 def ragged_paged_attention_xla(
     q: jax.Array,  # [T, num_q_heads, head_dim]
     k_cache: jax.Array,  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
@@ -52,9 +56,10 @@ def ragged_paged_attention_xla(
     gather_max_width: int = GATHER_MAX_WIDTH,
     pairs_per_chunk: int | None = None,
     window: jax.Array | None = None,  # i32[]: sliding window (keys p - window < j <= p); None: none
+    softcap: float | None = None,  # static: scores -> softcap * tanh(scores / softcap); None: none
 ) -> jax.Array:  # [T, num_q_heads, head_dim]; padding tokens -> 0
     check_attention_inputs(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer,
-                           window=window)
+                           window=window, softcap=softcap)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     num_seqs_max, width = block_tables.shape
@@ -74,11 +79,12 @@ def ragged_paged_attention_xla(
 
     window = None if window is None else jnp.reshape(window, ())
     if width <= gather_max_width:
-        out = _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale, window)
+        out = _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale, window,
+                               softcap)
     else:
         out = _attend_block_pairs(
             q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk,
-            window,
+            window, softcap,
         )
     out = out.reshape(num_tiles, num_kv_heads, group, tq, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.reshape(num_tiles * tq, num_q_heads, head_dim).astype(q.dtype)
@@ -86,6 +92,11 @@ def ragged_paged_attention_xla(
     dest = jnp.where(tok_valid, tok, num_tokens).reshape(-1)
     return jnp.zeros_like(q).at[dest].set(out, mode="drop")
 
+
+
+def _cap(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """Gemma 2's logit soft-cap, softcap * tanh(scores / softcap); the scores as they are without one."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def _window_start(pos0: jax.Array, window: jax.Array) -> jax.Array:  # i32[G]
@@ -99,7 +110,7 @@ def _shapes(q_tiles, k_cache, block_tables, tq):
     return num_tiles, num_kv_heads, rows // tq, head_dim, num_layers, num_blocks, block_size, block_tables.shape[1]
 
 
-def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale, window):
+def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len, layer, tq, sm_scale, window, softcap):
     """Short tables: gather each tile's whole context in one go, attend in one einsum
     (fewer, larger ops than the loop: faster when the context is a few blocks)."""
     num_tiles, num_kv_heads, group, head_dim, num_layers, num_blocks, block_size, width = _shapes(
@@ -120,7 +131,7 @@ def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len,
     # zeroed so that 0 * NaN cannot reach the output.
     v = jnp.where(key_valid[:, None, :, None], v, 0)
 
-    scores = jnp.einsum("ghrd,ghcd->ghrc", q_tiles, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = _cap(jnp.einsum("ghrd,ghcd->ghrc", q_tiles, k, preferred_element_type=jnp.float32) * sm_scale, softcap)
     q_pos = pos0[:, None] + offs[None, :]  # [G, tq]
     visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [G, tq, C]
     if window is not None:
@@ -141,7 +152,8 @@ def default_pairs_per_chunk(rows: int) -> int:
 
 
 def _attend_block_pairs(
-    q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk, window
+    q_tiles, k_cache, v_cache, block_tables, seq, q_count, pos0, kv_len, layer, tq, sm_scale, pairs_per_chunk, window,
+    softcap,
 ):
     """Long tables: attend over the (tile, block) pairs that are really visible, a chunk of
     pairs per loop iteration with an online softmax. Pairs are listed tile by tile, so a tile's
@@ -192,7 +204,7 @@ def _attend_block_pairs(
         # Slots past kv_len may hold stale values or NaN: their scores are masked and V zeroed,
         # so 0 * NaN cannot reach the output.
         v = jnp.where(key_valid[:, None, :, None], v, 0.0)
-        scores = jnp.einsum("chrd,chsd->chrs", q_scaled[tile], k)
+        scores = _cap(jnp.einsum("chrd,chsd->chrs", q_scaled[tile], k), softcap)
         visible = key_valid[:, None, :] & (key_pos[:, None, :] <= row_pos[tile][:, :, None])  # [C, rows, S]
         if window is not None:
             visible &= row_pos[tile][:, :, None] - key_pos[:, None, :] < window

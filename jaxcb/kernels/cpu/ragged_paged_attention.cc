@@ -5,7 +5,10 @@
 // query_start_loc [R + 1], num_seqs [], layer [], and optionally window []; out [T, Hq, D] with
 // padding tokens 0. With a window (a sliding window, as Hugging Face's Mistral or Qwen2) the token
 // at position p sees key j iff j <= p and p - j < window; blocks before the window of a tile's
-// first token are never read. Without the operand: no window.
+// first token are never read. Without the operand: no window. With the attribute softcap (a float
+// c > 0; Gemma 2's logit soft-capping) each score q.k * sm_scale becomes c * tanh(score / c)
+// before the masks and the softmax (vector_tanh.h, in every vector path). Without it: no capping,
+// and the call is the one it was before the attribute existed.
 //
 // Why C++: on CPU the XLA path spends most of its time gathering K/V blocks into fresh
 // buffers and in many small ops. Here each (sequence, KV head, tile of query tokens) reads
@@ -26,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -33,6 +37,7 @@
 #include "bf16.h"
 #include "parallel_for.h"
 #include "vector_exp.h"
+#include "vector_tanh.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -110,6 +115,25 @@ struct WorkItem {
   int32_t first_token;  // offset of the tile's first query token within the sequence's new tokens
 };
 
+// Gemma 2's logit soft-cap: a score s becomes cap * tanh(s / cap), on one score or a vector of them.
+// cap 0 is none (on() is false, and no caller applies it).
+struct SoftCap {
+  float cap = 0.0f, inv = 0.0f;
+
+  bool on() const { return cap > 0.0f; }
+  float operator()(float s) const { return cap * jaxcb::Tanh(s * inv); }
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 operator()(__m256 s) const {
+    return _mm256_mul_ps(_mm256_set1_ps(cap), jaxcb::Tanh8(_mm256_mul_ps(s, _mm256_set1_ps(inv))));
+  }
+#endif
+#if defined(__AVX512F__)
+  __m512 operator()(__m512 s) const {
+    return _mm512_mul_ps(_mm512_set1_ps(cap), jaxcb::Tanh16(_mm512_mul_ps(s, _mm512_set1_ps(inv))));
+  }
+#endif
+};
+
 inline float Dot(const float* q, const float* k, int64_t D) {
   float dot = 0.0f;
   for (int64_t d = 0; d < D; ++d) dot += q[d] * k[d];
@@ -119,12 +143,13 @@ inline float Dot(const float* q, const float* k, int64_t D) {
 // One query row (already scaled) against keys [first, visible) of a block (first < visible; a sliding
 // window starts at first): the online softmax update of its running max m, sum l and output acc. k and
 // v hold the block's rows (D floats each); rows before first are never read. sc is scratch for
-// kMaxBlockSize scores.
+// kMaxBlockSize scores. Every path caps a score (cap) before it masks any.
 inline void AttendRowScalar(const float* q, const float* k, const float* v, int64_t first, int64_t visible, int64_t D,
-                            float& m, float& l, float* acc, float* sc) {
+                            const SoftCap& cap, float& m, float& l, float* acc, float* sc) {
   float block_max = -1e30f;
   for (int64_t j = first; j < visible; ++j) {
     sc[j] = Dot(q, k + j * D, D);
+    if (cap.on()) sc[j] = cap(sc[j]);
     block_max = std::max(block_max, sc[j]);
   }
   const float m_new = std::max(m, block_max);
@@ -250,9 +275,11 @@ constexpr Accumulate16Fn kAccumulate16[5] = {nullptr, AccumulateValues16<1>, Acc
 // AttendRow for blocks of 16 rows and D % 16 == 0: the block's keys scored as one vector.
 // Scores outside [first, visible) (NaN or not) are masked to -inf before use; values there are not read.
 inline void AttendRow16(const float* q, const float* k, const float* v, int64_t first, int64_t visible, int64_t D,
-                        float& m, float& l, float* acc, float* sc) {
+                        const SoftCap& cap, float& m, float& l, float* acc, float* sc) {
   const __mmask16 seen = static_cast<__mmask16>(((1u << visible) - 1) & ~((1u << first) - 1));
-  const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, Dot16(q, k, D));
+  __m512 dots = Dot16(q, k, D);
+  if (cap.on()) dots = cap(dots);
+  const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, dots);
   const float m_new = std::max(m, _mm512_reduce_max_ps(scores));
   const float correction = std::exp(m - m_new);
   const __m512 p = jaxcb::Exp16(_mm512_sub_ps(scores, _mm512_set1_ps(m_new)));
@@ -270,20 +297,23 @@ inline void AttendRow16(const float* q, const float* k, const float* v, int64_t 
 // from the group that holds `first` (a group may run outside [first, visible): those scores, NaN or
 // not, are replaced by -inf before use).
 inline void AttendRow(const float* q, const float* k, const float* v, int64_t block_rows, int64_t first,
-                      int64_t visible, int64_t D, float& m, float& l, float* acc, float* sc) {
-  if (D % 8) return AttendRowScalar(q, k, v, first, visible, D, m, l, acc, sc);
+                      int64_t visible, int64_t D, const SoftCap& cap, float& m, float& l, float* acc, float* sc) {
+  if (D % 8) return AttendRowScalar(q, k, v, first, visible, D, cap, m, l, acc, sc);
 #if defined(__AVX512F__)
   if (block_rows % 16 == 0 && D % 16 == 0) {  // larger blocks: one online-softmax update per 16 keys
     for (int64_t j = first / 16 * 16; j < visible; j += 16)
-      AttendRow16(q, k + j * D, v + j * D, std::max<int64_t>(first - j, 0), std::min<int64_t>(16, visible - j), D, m,
-                  l, acc, sc);
+      AttendRow16(q, k + j * D, v + j * D, std::max<int64_t>(first - j, 0), std::min<int64_t>(16, visible - j), D, cap,
+                  m, l, acc, sc);
     return;
   }
 #endif
   const int64_t lo = first / 8 * 8;  // the first group of 8 scored
   int64_t j = lo;
-  for (; j < visible && j + 8 <= block_rows; j += 8) _mm256_storeu_ps(sc + j, Dot8(q, k + j * D, D));
-  for (; j < visible; ++j) sc[j] = Dot(q, k + j * D, D);
+  for (; j < visible && j + 8 <= block_rows; j += 8) {
+    const __m256 dots = Dot8(q, k + j * D, D);
+    _mm256_storeu_ps(sc + j, cap.on() ? cap(dots) : dots);
+  }
+  for (; j < visible; ++j) sc[j] = cap.on() ? cap(Dot(q, k + j * D, D)) : Dot(q, k + j * D, D);
   const int64_t padded = (visible + 7) / 8 * 8;  // <= kMaxBlockSize: block sizes are multiples of 8 or scored above
   for (int64_t t = lo; t < first; ++t) sc[t] = -INFINITY;
   for (int64_t t = visible; t < padded; ++t) sc[t] = -INFINITY;
@@ -307,8 +337,8 @@ inline void AttendRow(const float* q, const float* k, const float* v, int64_t bl
 }
 #else
 inline void AttendRow(const float* q, const float* k, const float* v, int64_t, int64_t first, int64_t visible,
-                      int64_t D, float& m, float& l, float* acc, float* sc) {
-  AttendRowScalar(q, k, v, first, visible, D, m, l, acc, sc);
+                      int64_t D, const SoftCap& cap, float& m, float& l, float* acc, float* sc) {
+  AttendRowScalar(q, k, v, first, visible, D, cap, m, l, acc, sc);
 }
 #endif
 
@@ -344,7 +374,7 @@ inline int64_t FirstKeySeen(int32_t kv_len, int32_t q_len, int32_t first_token, 
 template <typename Q, typename C, typename NextFetch>
 void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                 int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer, int64_t window, const WorkItem& item,
-                float sm_scale, Q* out, NextFetch&& first_block_of_next) {
+                float sm_scale, const SoftCap& cap, Q* out, NextFetch&& first_block_of_next) {
   const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
   const int64_t tile_tokens = std::min<int64_t>(kTokensPerTile, q_len - item.first_token);
   const int64_t rows = tile_tokens * group;
@@ -406,7 +436,7 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
       const int64_t visible = std::min<int64_t>(keys, row_pos + 1 - block_start);
       const int64_t first = std::max<int64_t>(0, row_pos - window + 1 - block_start);  // the row's window
       if (visible <= first) continue;
-      AttendRow(&qf[row * D], kb, vb, BS, first, visible, D, m[row], l[row], &acc[row * D], sc);
+      AttendRow(&qf[row * D], kb, vb, BS, first, visible, D, cap, m[row], l[row], &acc[row * D], sc);
     }
   }
 
@@ -425,7 +455,7 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
 template <typename Q, typename C>
 ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
                   const int32_t* kv_lens, const int32_t* block_tables, const int32_t* qsl, int32_t num_seqs,
-                  int32_t layer, int64_t window, float sm_scale, Q* out) {
+                  int32_t layer, int64_t window, float sm_scale, const SoftCap& cap, Q* out) {
   std::memset(out, 0, s.num_tokens * s.num_q_heads * s.head_dim * sizeof(Q));
   if (num_seqs < 0 || num_seqs > s.num_seqs_max)
     return ffi::Error::InvalidArgument("num_seqs=" + std::to_string(num_seqs) + " is outside [0, " +
@@ -470,7 +500,7 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
               keys * s.head_dim * static_cast<int64_t>(sizeof(C))};
     };
     AttendTile<Q, C>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
-                     qsl[item.seq + 1] - qsl[item.seq], layer, window, item, sm_scale, out, first_block_of_next);
+                     qsl[item.seq + 1] - qsl[item.seq], layer, window, item, sm_scale, cap, out, first_block_of_next);
   });
   return ffi::Error::Success();
 }
@@ -479,8 +509,22 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
                                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> query_start_loc,
                                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
-                                    std::optional<ffi::Buffer<ffi::S32>> window, float sm_scale,
+                                    std::optional<ffi::Buffer<ffi::S32>> window, ffi::Dictionary attrs,
                                     ffi::Result<ffi::AnyBuffer> out) {
+  // Attributes: sm_scale, and softcap where there is one (a dictionary: an attribute that may be absent).
+  for (std::string_view name : attrs)
+    if (name != "sm_scale" && name != "softcap")
+      return ffi::Error::InvalidArgument("unknown attribute " + std::string(name) + " (takes sm_scale, softcap)");
+  const ffi::ErrorOr<float> sm_scale = attrs.get<float>("sm_scale");
+  if (!sm_scale.has_value()) return sm_scale.error();
+  SoftCap cap;
+  if (attrs.contains("softcap")) {
+    const ffi::ErrorOr<float> softcap = attrs.get<float>("softcap");
+    if (!softcap.has_value()) return softcap.error();
+    if (!(*softcap > 0.0f) || !std::isfinite(*softcap))
+      return ffi::Error::InvalidArgument("softcap=" + std::to_string(*softcap) + " must be a positive float");
+    cap = SoftCap{*softcap, 1.0f / *softcap};
+  }
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 5 || td.size() != 2)
     return ffi::Error::InvalidArgument("expected q [T, Hq, D], caches [L, Hkv, NB, BS, D], tables [R, W]");
@@ -499,7 +543,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
     using C = std::remove_pointer_t<decltype(cache_type)>;
     return Attend<Q, C>(pool, s, q_data, reinterpret_cast<const C*>(k_cache.untyped_data()),
                         reinterpret_cast<const C*>(v_cache.untyped_data()), kv_lens.typed_data(),
-                        block_tables.typed_data(), query_start_loc.typed_data(), n, lyr, win, sm_scale,
+                        block_tables.typed_data(), query_start_loc.typed_data(), n, lyr, win, *sm_scale, cap,
                         reinterpret_cast<Q*>(out->untyped_data()));
   };
   const auto* q_float = reinterpret_cast<const float*>(q.untyped_data());
@@ -522,5 +566,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedPagedAttention, RaggedPagedAttentionImp
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .OptionalArg<ffi::Buffer<ffi::S32>>()  // window: absent, no window
-                                  .Attr<float>("sm_scale")
+                                  .Attrs()  // sm_scale, and softcap (absent: no capping)
                                   .Ret<ffi::AnyBuffer>());
