@@ -37,7 +37,7 @@ class RopeScalingConfig:
     """RoPE scaling, as HF's `rope_scaling`: llama3 (Llama 3.1's frequency-dependent scaling) or yarn
     (Qwen2.5/Qwen3's long-context configs)."""
 
-    rope_type: str = "llama3"  # llama3 | yarn
+    rope_type: str = "llama3"  # llama3 | yarn | linear (positions / factor: Gemma 3's full layers)
     factor: float = 8.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -92,6 +92,14 @@ class ModelConfig:
     qk_norm: Optional[bool] = None  # RMSNorm over each head's q and k before RoPE (qwen3)
     sliding_window: Optional[int] = None  # tokens a query sees, its own included, on windowed layers; 0: none
     layer_types: Optional[list[str]] = None  # per layer: full_attention | sliding_attention; unset: all windowed
+    embed_scale: Optional[bool] = None  # embeddings times sqrt(hidden_size) (gemma)
+    norm_offset: Optional[bool] = None  # RMSNorm scales by (1 + w) in float32 (gemma)
+    hidden_act: Optional[str] = None  # silu (SwiGLU) | gelu_tanh (GeGLU, gemma)
+    sandwich_norms: Optional[bool] = None  # norms after attention and after the MLP too (gemma)
+    attn_logit_softcap: Optional[float] = None  # attention scores -> c tanh(scores / c); 0: none (gemma2: 50)
+    final_logit_softcap: Optional[float] = None  # logits -> c tanh(logits / c); 0: none (gemma2: 30)
+    query_pre_attn_scalar: Optional[float] = None  # scores scaled by its -1/2 power; 0: head_dim's (gemma: 256)
+    rope_local_theta: Optional[float] = None  # RoPE base of the windowed layers; 0: the model's rope (gemma3: 10000)
     bos_token_id: Optional[int] = None
     eos_token_ids: Optional[list[int]] = None
 

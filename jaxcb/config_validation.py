@@ -314,6 +314,7 @@ def validate_model_config(m: ModelConfig) -> None:
 
     require(m.architecture is None or m.architecture in FAMILIES,
             f"model.architecture={m.architecture!r} must be one of {', '.join(FAMILIES)}")
+    require(m.hidden_act in (None, "silu", "gelu_tanh"), f"model.hidden_act={m.hidden_act!r} must be silu or gelu_tanh")
     require(m.sliding_window is None or m.sliding_window >= 0,
             f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)")
     if m.layer_types is not None:
@@ -324,7 +325,7 @@ def validate_model_config(m: ModelConfig) -> None:
                 f"model.layer_types has {len(m.layer_types)} entries but model.num_layers={m.num_layers}")
     if m.rope_scaling is not None:
         require(
-            m.rope_scaling.rope_type in ("llama3", "yarn"),
-            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3', 'yarn' or "
+            m.rope_scaling.rope_type in ("llama3", "yarn", "linear"),
+            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3', 'yarn', 'linear' or "
             f"set model.rope_scaling=null",
         )

@@ -51,7 +51,7 @@ def weight_bytes(cfg: LlamaConfig, tensor_parallel_size: int = 1) -> WeightBytes
     qkv = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * k // tp
     gate_up = 2 * d * f // tp
     qkv_bias = (cfg.num_heads + 2 * cfg.num_kv_heads) * k // tp if cfg.qkv_bias else 0
-    qk_norm = 2 * k if cfg.qk_norm else 0
+    qk_norm = (2 * k if cfg.qk_norm else 0) + (2 * d if cfg.sandwich_norms else 0)  # per-head q/k; post-attn/MLP
     per_layer = qkv + gate_up + cfg.num_heads * k * d // tp + f * d // tp + 2 * d + qkv_bias + qk_norm
     head = 0 if cfg.tie_word_embeddings else d * v // (tp if v % tp == 0 else 1)
     total = cfg.num_layers * per_layer + v * d + d + head

@@ -79,6 +79,13 @@ FAMILY_HF = {
     "qwen2": dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),  # layer 0 full, 1-2 windowed
     "qwen3": dict(use_sliding_window=True, sliding_window=11, max_window_layers=2),  # layers 0-1 full, 2 windowed
     "mistral": dict(sliding_window=7),  # every layer windowed
+    # Caps small enough to bite on a random model's scores and logits; a query scale that is not head_dim's.
+    "gemma2": dict(sliding_window=7, query_pre_attn_scalar=13, attn_logit_softcapping=0.5,
+                   final_logit_softcapping=1.5, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
+    # Layers 0 and 2 windowed with the local base, layer 1 full with the global base, linearly scaled.
+    "gemma3": dict(sliding_window=7, sliding_window_pattern=2, query_pre_attn_scalar=13, tie_word_embeddings=True,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
 }
 
 
@@ -89,10 +96,13 @@ def make_hf_family(out_dir: str, family: str, seed: int = 0, **overrides):
     import transformers
 
     classes = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-               "mistral": ("MistralConfig", "MistralForCausalLM")}
+               "mistral": ("MistralConfig", "MistralForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
     config_cls, model_cls = (getattr(transformers, name) for name in classes[family])
     fields = dict(TINY_HF, **FAMILY_HF[family])
     fields.update(overrides)
+    if "rope_parameters" in fields:
+        fields.pop("rope_theta", None)
     config = config_cls(**fields)
     config._attn_implementation = "eager"  # the sliding window as a mask, exactly
     torch.manual_seed(seed)

@@ -45,6 +45,13 @@ def test_each_family_reads_its_differences_from_config_json(checkpoints):
     assert got["qwen2"].layer_windows == (0, 7, 7)  # max_window_layers=1: the first layer sees everything
     assert (got["qwen3"].qkv_bias, got["qwen3"].qk_norm, got["qwen3"].layer_windows) == (False, True, (0, 0, 11))
     assert (got["mistral"].qkv_bias, got["mistral"].qk_norm, got["mistral"].layer_windows) == (False, False, (7, 7, 7))
+    g2, g3 = got["gemma2"], got["gemma3"]
+    assert (g2.embed_scale, g2.norm_offset, g2.hidden_act, g2.sandwich_norms) == (True, True, "gelu_tanh", True)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.query_pre_attn_scalar) == (0.5, 1.5, 13)
+    assert g2.layer_windows == (7, 0, 7) and g2.tie_word_embeddings  # every other layer, from the first
+    assert (g3.qk_norm, g3.attn_logit_softcap, g3.final_logit_softcap, g3.layer_windows) == (True, 0, 0, (7, 0, 7))
+    assert (g3.rope_theta, g3.rope_scaling.rope_type, g3.rope_scaling.factor, g3.rope_local_theta) == (
+        1000.0, "linear", 2.0, 100.0)
 
 
 def assert_logits_match(model, hf, backend, label: str) -> None:
@@ -62,11 +69,18 @@ def test_logits_match_transformers_in_fp32_in_every_attention_form(checkpoints, 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_cpu_backend_matches_transformers(checkpoints, family):
+def test_the_cpu_backend_matches_transformers_or_refuses_by_name(checkpoints, family):
+    """The packed C++ matmul fuses Llama's norms and SwiGLU: Gemma's layout is refused by it (auto takes xla)."""
     path, hf, _, _ = checkpoints[family]
     m = hf_model_config(path)
     model, cfg = load_model(m)  # prepare takes the weights over: a model of its own
     m.backend, m.layer_loop = "cpu", "unrolled"
+    if family.startswith("gemma"):
+        with pytest.raises(ConfigError, match=f"model.backend=cpu: .*not {cfg.architecture}'s"):
+            select_backend(m, cfg, AttentionConfig())
+        m.backend = "auto"
+        assert select_backend(m, cfg, AttentionConfig()).name == "xla"
+        return
     backend = select_backend(m, cfg, AttentionConfig())
     assert backend.name == "cpu"
     assert_logits_match(model, hf, backend, family)
@@ -84,6 +98,16 @@ def test_the_window_decides_the_logits_past_it(checkpoints, family):
 
 
 # --- the engine: greedy tokens -----------------------------------------------------------------
+
+def family_engine(path, *overrides: str) -> Engine:
+    return Engine(compose_config([
+        "model=hf", f"model.checkpoint={path}", "model.dtype=float32", "engine.max_model_len=80",
+        "scheduler.max_num_batched_tokens=16", "scheduler.max_num_seqs=6", "cache.block_size=8",
+        "cache.num_blocks=14", "engine.token_buckets=[8,16]", "engine.seq_buckets=[6]",
+        "engine.sampling_variants=[greedy,full]", "engine.masked_sampling=false", "engine.prompt_logprobs=false",
+        f"engine.compilation_cache_dir={CACHE_DIR}", *overrides,
+    ]), progress=False)
+
 
 def transformers_greedy(hf, prompt, max_new_tokens):
     """(transformers' greedy tokens, how many of them to compare: up to the first step whose top-2
@@ -105,13 +129,7 @@ def test_greedy_tokens_through_the_engine_equal_transformers_generate(checkpoint
     # A 16-token budget cuts the 37-token prompt into chunks; 13 usable blocks of 8 tokens hold fewer
     # than the six sequences need together, so some are preempted and recomputed; the prompts share
     # their first tokens, so prefix caching finds them.
-    e = Engine(compose_config([
-        "model=hf", f"model.checkpoint={path}", "model.dtype=float32", "engine.max_model_len=80",
-        "scheduler.max_num_batched_tokens=16", "scheduler.max_num_seqs=6", "cache.block_size=8",
-        "cache.num_blocks=14", "engine.token_buckets=[8,16]", "engine.seq_buckets=[6]",
-        "engine.sampling_variants=[greedy,full]", "engine.masked_sampling=false", "engine.prompt_logprobs=false",
-        f"engine.compilation_cache_dir={CACHE_DIR}",
-    ]), progress=False)
+    e = family_engine(path)
     prompts = PROMPTS + [PROMPTS[1][:20] + [3, 4, 5], PROMPTS[1][:30], PROMPTS[2] * 2]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ids = [e.add_request(p, params) for p in prompts]
@@ -159,7 +177,8 @@ def test_transformers_5s_layer_types_and_rope_parameters_are_read(tmp_path):
     (dict(model_type="qwen3", attention_bias=True), "attention_bias"),
     (dict(model_type="llama", mlp_bias=True), "mlp_bias"),
     (dict(model_type="llama", sliding_window=64), "sliding_window"),
-    (dict(model_type="gemma2"), "gemma2"),
+    (dict(model_type="gemma4"), "gemma4"),
+    (dict(model_type="gemma2", hidden_activation="gelu"), "hidden_activation"),
     (dict(model_type="qwen2", rope_scaling={"rope_type": "longrope", "factor": 4.0}), "longrope"),
     (dict(model_type="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7,
                                               "original_max_position_embeddings": 64}), "mscale"),
@@ -210,7 +229,7 @@ def test_ids_past_the_tokenizer_decode_to_nothing(tmp_path):
 # --- the new presets on a GPU --------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, tensor_parallel_size", [("qwen3_8b", 1), ("qwen2_5_7b", 1), ("mistral_7b", 1),
-                                                        ("qwen3_8b", 2)])
+                                                        ("qwen3_8b", 2), ("gemma2_9b", 1), ("gemma3_12b", 1)])
 def test_each_presets_whole_step_lowers_for_an_h200(name, tensor_parallel_size):
     """forward_step (the layer scan, K/V writes, the kernel's launches, logits) of the real shapes, for an
     abstract H200 mesh, as tests/test_cuda_lowering.py lowers llama8b's."""
@@ -231,7 +250,7 @@ def test_each_presets_whole_step_lowers_for_an_h200(name, tensor_parallel_size):
         [call.operand_types for call in calls]
 
 
-@pytest.mark.parametrize("name", ["qwen3_8b", "qwen2_5_7b", "mistral_7b", "llama8b"])
+@pytest.mark.parametrize("name", ["qwen3_8b", "qwen2_5_7b", "mistral_7b", "llama8b", "gemma2_9b", "gemma3_12b"])
 def test_start_ups_memory_plan_counts_every_weight_of_each_family(name):
     """The cache is planned from the weights' bytes (jaxcb.startup_memory): biases and q/k norms included."""
     from cuda_variants import preset
@@ -247,3 +266,79 @@ def test_attention_flops_count_only_the_keys_a_window_lets_a_token_see():
 
     assert attended_keys(10, 0) == 55 and attended_keys(10, 10) == 55
     assert attended_keys(10, 4) == 1 + 2 + 3 + 4 * 7
+
+
+# --- Gemma -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cap", ["attn_logit_softcap", "final_logit_softcap"])
+def test_gemma2s_caps_decide_its_logits(checkpoints, cap):
+    """Both soft-caps bite on the test model (small caps): parity is not parity by accident."""
+    import dataclasses
+
+    _, hf, model, cfg = checkpoints["gemma2"]
+    uncapped = Backend(dataclasses.replace(cfg, **{cap: 0.0}), select_attention(ATTENTION["xla"]))
+    assert np.abs(jax_logits(model, PROMPTS[1], backend=uncapped) - hf_logits(hf, PROMPTS[1])).max() > 1e-3
+
+
+def gemma3_hub_config(t5: dict) -> dict:
+    """The 4.x keys the Hub's Gemma 3 config.json carries, for the same model as transformers 5's form."""
+    hub = {k: v for k, v in t5.items() if k not in ("layer_types", "rope_parameters")}
+    rp = t5["rope_parameters"]
+    hub.update(rope_theta=rp["full_attention"]["rope_theta"], rope_local_base_freq=rp["sliding_attention"]["rope_theta"],
+               rope_scaling={k: v for k, v in rp["full_attention"].items() if k != "rope_theta"},
+               sliding_window_pattern=2)
+    return hub
+
+
+def test_a_hub_form_gemma3_config_loads_to_the_same_model_as_transformers_5s(checkpoints, tmp_path):
+    path = checkpoints["gemma3"][0]
+    with open(path / "config.json") as f:
+        t5 = json.load(f)
+    (tmp_path / "config.json").write_text(json.dumps(gemma3_hub_config(t5)))
+    ours = {k: v for k, v in read_hf_config(str(tmp_path)).items()}
+    theirs = read_hf_config(str(path))
+    assert ours == theirs
+
+
+def test_gemma3_for_conditional_generation_serves_its_text_tower(checkpoints, tmp_path):
+    """Gemma 3 4B and up: config.json's text_config, the text weights under language_model, an image
+    tower beside them (ignored: images are refused at the door)."""
+    from safetensors.numpy import load_file, save_file
+
+    path, hf, model, _ = checkpoints["gemma3"]
+    with open(path / "config.json") as f:
+        text = json.load(f)
+    multimodal = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                  "text_config": {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype", "dtype")},
+                  "vision_config": {"model_type": "siglip_vision_model"}, "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(multimodal))
+    tensors = {"language_model." + k: v for k, v in load_file(str(path / "model.safetensors")).items()}
+    tensors["vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((2, 3), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    tower, cfg = load_model(hf_model_config(tmp_path))
+    assert cfg.architecture == "gemma3_text" and cfg.rope_local_theta == 100.0
+    assert_logits_match(tower, hf, None, "gemma3 text tower")
+
+
+def test_an_image_in_a_chat_message_is_refused_by_name():
+    from jaxcb.errors import InvalidRequestError
+    from jaxcb.server.protocol import ChatCompletionRequest, message_text
+
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:..."}}]}])
+    with pytest.raises(InvalidRequestError, match="images are not supported"):
+        message_text(req.messages[0])
+
+
+def test_gemma2s_final_cap_keeps_greedy_tokens_and_gives_transformers_prompt_logprobs(checkpoints):
+    """tanh keeps the order, so greedy tokens cannot tell a capped head from an uncapped one: prompt
+    logprobs can, and they are transformers' (log-softmax of the capped logits)."""
+    path, hf, _, _ = checkpoints["gemma2"]
+    e = family_engine(path, "engine.prompt_logprobs=true", "engine.compile_rare_variants=startup")
+    prompt = PROMPTS[1]
+    rid = e.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    out = [o for _ in range(100) for o in e.step() if o.finished and o.request_id == rid][0]
+    ours = [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])]
+    theirs = torch.log_softmax(torch.tensor(hf_logits(hf, prompt)), dim=-1).numpy()
+    expected = [theirs[i, token] for i, token in enumerate(prompt[1:])]
+    np.testing.assert_allclose(ours, expected, atol=1e-4)

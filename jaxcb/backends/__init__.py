@@ -87,6 +87,8 @@ def select_backend(
             why_not.append("it needs model.layer_loop=unrolled")
         if mesh is not None:
             why_not.append(f"it runs on one device (engine.tensor_parallel_size={mesh.size})")
+        if arch.norm_offset or arch.sandwich_norms or arch.hidden_act != "silu" or arch.final_logit_softcap:
+            why_not.append(f"its fused norms, SwiGLU MLP and LM head are Llama's, not {arch.architecture}'s")
         if not why_not and kernels_error is not None:
             why_not.append(kernels_error)
     if model.backend == "cpu" and why_not:

@@ -30,8 +30,8 @@ from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig
 from jaxcb.sampling import Argmax, xla_argmax
 from jaxcb.sharding import TP_AXIS
-from jaxcb.model.llama import (LayerWeights, Llama, StepWeights, apply_rope, build_rope_table,
-                               layer_weight_names, rms_norm)
+from jaxcb.model.llama import (LayerWeights, Llama, StepWeights, apply_rope, build_local_rope_table,
+                               build_rope_table, layer_weight_names, rms_norm)
 
 if TYPE_CHECKING:
     from jaxcb.startup_memory import WeightBytes
@@ -51,6 +51,8 @@ class FusedLayerWeights(NamedTuple):
     qkv_bias: Optional[jax.Array] = None  # [G, (Hq + 2 Hkv) / G, K], grouped as qkv_proj (cfg.qkv_bias)
     q_norm: Optional[jax.Array] = None  # [K] (cfg.qk_norm)
     k_norm: Optional[jax.Array] = None  # [K]
+    post_attn_norm: Optional[jax.Array] = None  # [D] (cfg.sandwich_norms)
+    post_mlp_norm: Optional[jax.Array] = None  # [D]
 
 
 def _tp_groups(w: LayerWeights) -> tuple[int, Optional[jax.sharding.Mesh]]:
@@ -113,7 +115,8 @@ def fuse_layer_weights(w: LayerWeights, mesh: Optional[jax.sharding.Mesh] = None
     qkv = fuse_qkv(w.q_proj, w.k_proj, w.v_proj, groups, mesh)
     gate_up = fuse_gate_up(w.gate_proj, w.up_proj, groups, mesh)
     bias = fuse_qkv_bias(dict(q_bias=w.q_bias, k_bias=w.k_bias, v_bias=w.v_bias), groups, mesh)
-    return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj, bias, w.q_norm, w.k_norm)
+    return FusedLayerWeights(w.attn_norm, qkv, w.o_proj, w.mlp_norm, gate_up, w.down_proj, bias, w.q_norm, w.k_norm,
+                             w.post_attn_norm, w.post_mlp_norm)
 
 
 def fuse_stacked_weights(parts: dict[str, jax.Array]) -> FusedLayerWeights:
@@ -125,7 +128,13 @@ def fuse_stacked_weights(parts: dict[str, jax.Array]) -> FusedLayerWeights:
     bias = fuse_qkv_bias(parts, groups, mesh)
     gate_up = fuse_gate_up(parts.pop("gate_proj"), parts.pop("up_proj"), groups, mesh)
     return FusedLayerWeights(parts.pop("attn_norm"), qkv, parts.pop("o_proj"), parts.pop("mlp_norm"), gate_up,
-                             parts.pop("down_proj"), bias, parts.pop("q_norm", None), parts.pop("k_norm", None))
+                             parts.pop("down_proj"), bias, parts.pop("q_norm", None), parts.pop("k_norm", None),
+                             parts.pop("post_attn_norm", None), parts.pop("post_mlp_norm", None))
+
+
+def cap_logits(logits: jax.Array, cap: float) -> jax.Array:
+    """c tanh(logits / c) (Gemma 2's final soft-cap; 0: none). Monotonic, so the argmax is the uncapped one's."""
+    return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
 def split_layers(stacked: jax.Array) -> tuple[jax.Array, ...]:
@@ -172,7 +181,7 @@ class Backend:
             layers = self.prepare_layers(parts)
         head = self.prepare_head(model)
         weights = StepWeights(model.embed.get_value(), layers, model.final_norm.get_value(), head,
-                              build_rope_table(cfg, max_len, replicated))
+                              build_rope_table(cfg, max_len, replicated), build_local_rope_table(cfg, max_len, replicated))
         del model.embed, model.layers, model.final_norm
         return weights
 
@@ -193,7 +202,7 @@ class Backend:
         each device: start-up's memory plan (`jaxcb.startup_memory`). Scanned: one of the two fused
         copies beside the originals; unrolled: one stacked weight split into layers (gate or up), the
         larger. Fusing rewrites without adding; the rotary table comes on top."""
-        rope_table = max_len * self.cfg.head_dim * 4  # f32[2, max_len, K // 2]
+        rope_table = max_len * self.cfg.head_dim * 4 * (2 if self.cfg.rope_local_theta else 1)  # f32[2, max_len, K // 2]
         transient = weights.gate_up // 2 if self.unroll_layers else max(weights.qkv, weights.gate_up)
         return transient, weights.total + rope_table
 
@@ -213,7 +222,7 @@ class Backend:
         md: AttentionMetadata,
         window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window; None: no layer has one
     ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
-        x = rms_norm(h, w.attn_norm, self.cfg.rms_norm_eps)
+        x = self.norm(h, w.attn_norm)
         if isinstance(w, FusedLayerWeights):  # one matmul; each device group's q, k, v sliced out
             qkv = jnp.einsum("td,dgnk->tgnk", x, w.qkv_proj)
             if w.qkv_bias is not None:
@@ -231,31 +240,43 @@ class Backend:
         """q/k norms (where the family has them), rope, then the form's write and attend: the part of
         self_attention after the projections, which every backend shares."""
         if w.q_norm is not None:  # one RMSNorm over each head's vector, before the rotation
-            q, k = rms_norm(q, w.q_norm, self.cfg.rms_norm_eps), rms_norm(k, w.k_norm, self.cfg.rms_norm_eps)
+            q, k = self.norm(q, w.q_norm), self.norm(k, w.k_norm)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.attention.write_and_attend(q, k, v, cache, layer, md, self.sm_scale, window)
+        softcap = self.cfg.attn_logit_softcap or None
+        if softcap is None:  # the forms' own call when nothing caps: every form compiles as without the argument
+            return self.attention.write_and_attend(q, k, v, cache, layer, md, self.sm_scale, window)
+        return self.attention.write_and_attend(q, k, v, cache, layer, md, self.sm_scale, window, softcap=softcap)
+
+    def norm(self, x: jax.Array, weight: jax.Array) -> jax.Array:
+        """The model's RMSNorm: Llama's, or Gemma's (1 + w) (cfg.norm_offset)."""
+        return rms_norm(x, weight, self.cfg.rms_norm_eps, self.cfg.norm_offset)
 
     @property
     def sm_scale(self) -> float:
-        return 1.0 / math.sqrt(self.cfg.head_dim)
+        return 1.0 / math.sqrt(self.cfg.query_pre_attn_scalar or self.cfg.head_dim)
 
     def add_attention_output(self, w: LayerWeights, h: jax.Array, attn: jax.Array) -> jax.Array:
-        return h + jnp.einsum("thk,hkd->td", attn, w.o_proj)
+        out = jnp.einsum("thk,hkd->td", attn, w.o_proj)
+        return h + (out if w.post_attn_norm is None else self.norm(out, w.post_attn_norm))
 
     def add_mlp(self, w: LayerWeights, h: jax.Array) -> jax.Array:
-        x = rms_norm(h, w.mlp_norm, self.cfg.rms_norm_eps)
+        x = self.norm(h, w.mlp_norm)
         if isinstance(w, FusedLayerWeights):
             gate_up = jnp.einsum("td,dgcf->tgcf", x, w.gate_up_proj)
             gate, up = (gate_up[:, :, c].reshape(x.shape[0], -1) for c in (0, 1))
         else:
             gate = jnp.einsum("td,df->tf", x, w.gate_proj)
             up = jnp.einsum("td,df->tf", x, w.up_proj)
-        return h + jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w.down_proj)
+        act = jax.nn.silu(gate) if self.cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
+        out = jnp.einsum("tf,fd->td", act * up, w.down_proj)
+        return h + (out if w.post_mlp_norm is None else self.norm(out, w.post_mlp_norm))
 
     def logits(self, w: StepWeights, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]
         if w.head is None:
-            return jnp.einsum("td,vd->tv", hidden, w.embed).astype(jnp.float32)
-        return jnp.einsum("td,dv->tv", hidden, w.head).astype(jnp.float32)
+            logits = jnp.einsum("td,vd->tv", hidden, w.embed).astype(jnp.float32)
+        else:
+            logits = jnp.einsum("td,dv->tv", hidden, w.head).astype(jnp.float32)
+        return cap_logits(logits, self.cfg.final_logit_softcap)
 
     def logits_and_argmax(self, w: StepWeights, hidden: jax.Array, want_logits: jax.Array
                           ) -> tuple[jax.Array, Optional[jax.Array]]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from jaxcb.config import ConfigError, ModelConfig, RopeScalingConfig
-from jaxcb.model.families import read_architecture
+from jaxcb.model.families import read_architecture, text_config
 
 
 @dataclass(frozen=True)
@@ -19,14 +19,14 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
-    rope_type: str = "llama3"  # llama3 | yarn
+    rope_type: str = "llama3"  # llama3 | yarn | linear
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
     attention_factor: Optional[float] = None  # yarn: the cos/sin scale; None: 0.1 ln(factor) + 1
     truncate: bool = True  # yarn: the ramp's ends rounded to whole dimensions
 
 
-ROPE_TYPES = ("llama3", "yarn")
+ROPE_TYPES = ("llama3", "yarn", "linear")
 # yarn keys that change the frequencies in ways jaxcb does not compute: refused by name.
 _REFUSED_YARN_KEYS = ("mscale", "mscale_all_dim", "partial_rotary_factor")
 
@@ -50,6 +50,15 @@ class LlamaConfig:
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE
     sliding_window: int = 0  # tokens a windowed layer's query sees, its own included; 0: no window
     layer_types: Optional[tuple[str, ...]] = None  # per layer; None: every layer alike
+    # Gemma's (jaxcb.model.families): Llama's values by default.
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    norm_offset: bool = False  # RMSNorm scales by (1 + w), in float32
+    hidden_act: str = "silu"  # the MLP's gate: silu (SwiGLU) | gelu_tanh (GeGLU)
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too, before each residual add
+    attn_logit_softcap: float = 0.0  # scores -> c tanh(scores / c); 0: none
+    final_logit_softcap: float = 0.0  # logits -> c tanh(logits / c); 0: none
+    query_pre_attn_scalar: float = 0.0  # scores scaled by its -1/2 power; 0: head_dim's
+    rope_local_theta: float = 0.0  # the windowed layers' RoPE base, unscaled; 0: the global rope everywhere
     rope_scaling: Optional[RopeScaling] = None
     dtype: str = "float32"  # parameter / activation dtype
 
@@ -69,11 +78,18 @@ class LlamaConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * cache_itemsize
 
 
+def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers 5's "rope_parameters": one dict, or one per layer type (Gemma 3), of which the
+    full-attention layers' is the model's rope (the windowed layers' base is `rope_local_theta`)."""
+    rp = hf.get("rope_parameters") or {}
+    return rp.get("full_attention") or {} if isinstance(rp.get("full_attention"), dict) else rp
+
+
 def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
     rs = hf.get("rope_scaling") or None
     if rs is None:
         # transformers 5 writes rope settings under "rope_parameters".
-        rp = hf.get("rope_parameters") or {}
+        rp = _rope_parameters(hf)
         if rp.get("rope_type", "default") not in ("default", None):
             rs = rp
     if rs is None:
@@ -84,6 +100,8 @@ def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
     if kind not in ROPE_TYPES:
         raise ConfigError(f"config.json rope_scaling type {kind!r} is not supported; jaxcb supports "
                           f"{', '.join(map(repr, ROPE_TYPES))}")
+    if kind == "linear":  # positions divided by factor: every frequency alike (Gemma 3's full layers)
+        return RopeScaling(float(rs["factor"]), 1.0, 4.0, 0, rope_type="linear")
     if kind == "yarn":
         refused = [k for k in _REFUSED_YARN_KEYS if rs.get(k) not in (None, 1, 1.0)]
         if refused:
@@ -107,8 +125,7 @@ def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
 def _hf_rope_theta(hf: dict[str, Any]) -> float:
     if "rope_theta" in hf:
         return float(hf["rope_theta"])
-    rp = hf.get("rope_parameters") or {}
-    return float(rp.get("rope_theta", 10000.0))
+    return float(_rope_parameters(hf).get("rope_theta", 10000.0))
 
 
 def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
@@ -117,7 +134,7 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError(f"model.checkpoint={checkpoint_dir} has no config.json; is it a Hugging Face Llama directory?")
     with open(path) as f:
-        hf = json.load(f)
+        hf = text_config(json.load(f))
     arch = read_architecture(hf, path)
     num_heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
@@ -144,7 +161,8 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
 _ARCH = [f.name for f in fields(LlamaConfig) if f.name not in ("rope_scaling", "dtype")]
 # What a preset without a checkpoint leaves unset is Llama's.
 _LLAMA_DEFAULTS = {f.name: f.default for f in fields(LlamaConfig) if f.name in (
-    "architecture", "qkv_bias", "qk_norm", "sliding_window", "layer_types")}
+    "architecture", "qkv_bias", "qk_norm", "sliding_window", "layer_types", "embed_scale", "norm_offset", "hidden_act",
+    "sandwich_norms", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar", "rope_local_theta")}
 
 
 def _preset_rope(rs: Optional[RopeScalingConfig]) -> Optional[RopeScaling]:

@@ -15,6 +15,15 @@ schema (`layer_types`, `rope_parameters`) or the 4.x keys most Hub checkpoints c
                          `max_window_layers` on
     qwen3    qwen3       RMSNorm over each head's q and k before RoPE (`qk_norm`); an explicit
                          `head_dim`; the window as qwen2's
+    gemma2   gemma2      embeddings scaled by sqrt(hidden); RMSNorm by (1 + w) in float32; GeGLU
+                         (tanh GELU); norms after attention and after the MLP too; attention
+                         scores and final logits soft-capped (50, 30); queries scaled by
+                         `query_pre_attn_scalar`; a window on every other layer (from the first)
+    gemma3   gemma3_text Gemma 2's layout with q/k norms, no soft-caps, five windowed layers to one
+                         full (`sliding_window_pattern`), the windowed layers' own RoPE base
+                         (`rope_local_base_freq`), the full layers' linear RoPE scaling; `gemma3`
+                         (Gemma3ForConditionalGeneration, 4B and up) is its text tower
+                         (`text_config`; images are refused)
 
 What a family's config may say that jaxcb does not compute is refused by name here (a bias on
 o_proj or the MLP, an unknown layer type), never dropped. The GGUF metadata of each family maps
@@ -44,6 +53,18 @@ class Family:
     # config.json keys that are true (or not null) for an architecture jaxcb does not compute, with
     # what they mean: refused by name.
     refused_keys: tuple[tuple[str, str], ...] = ()
+    gemma: bool = False  # Gemma's layout: scaled embeddings, (1 + w) norms, GeGLU, sandwich norms
+    # Values config.json may leave out, as transformers' config class defaults them.
+    defaults: tuple[tuple[str, Any], ...] = ()
+
+
+GEMMA3_TEXT_DEFAULTS = (  # Gemma3TextConfig's, for the text_config of a Gemma3ForConditionalGeneration
+    ("vocab_size", 262208), ("head_dim", 256), ("num_attention_heads", 8), ("num_key_value_heads", 4),
+    ("rms_norm_eps", 1e-6), ("rope_theta", 1_000_000.0), ("rope_local_base_freq", 10_000.0),
+    ("max_position_embeddings", 131072), ("sliding_window", 4096), ("sliding_window_pattern", 6),
+    ("query_pre_attn_scalar", 256), ("hidden_activation", "gelu_pytorch_tanh"), ("tie_word_embeddings", True),
+)
+GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -53,7 +74,34 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, window_keys="from_max_window_layers"),
     Family("qwen3", ("Qwen3ForCausalLM",), qk_norm=True, window_keys="from_max_window_layers",
            refused_keys=(("attention_bias", "a bias on q/k/v/o"),)),
+    Family("gemma2", ("Gemma2ForCausalLM",), window_keys="every_other_layer", gemma=True,
+           refused_keys=(("attention_bias", "a bias on q/k/v/o"),),
+           defaults=(("hidden_activation", "gelu_pytorch_tanh"), ("query_pre_attn_scalar", 256),
+                     ("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("sliding_window", 4096),
+                     ("tie_word_embeddings", True))),
+    Family("gemma3_text", ("Gemma3ForCausalLM",), qk_norm=True, window_keys="sliding_window_pattern", gemma=True,
+           refused_keys=(("attention_bias", "a bias on q/k/v/o"),), defaults=GEMMA3_TEXT_DEFAULTS),
 )}
+# Gemma3ForConditionalGeneration: config.json's text_config describes the tower jaxcb serves.
+MULTIMODAL_TEXT_TOWERS = {"gemma3": "gemma3_text"}
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config of the language model: config.json itself, or the text_config of a multimodal
+    checkpoint (Gemma 3 4B and up), with its family's defaults for what it leaves out."""
+    if hf.get("model_type") in MULTIMODAL_TEXT_TOWERS:
+        text = dict(hf.get("text_config") or {})
+        text["model_type"] = MULTIMODAL_TEXT_TOWERS[hf["model_type"]]
+        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
+            text.setdefault(key, hf.get(key))
+        hf = text
+    family = FAMILIES.get(hf.get("model_type"))
+    if family is not None and family.defaults:
+        defaults = dict(family.defaults)
+        if "rope_parameters" in hf:  # transformers 5 keeps the bases there
+            defaults.pop("rope_theta", None), defaults.pop("rope_local_base_freq", None)
+        hf = {**defaults, **{k: v for k, v in hf.items() if v is not None or k not in defaults}}
+    return hf
 
 
 def family_of(hf: dict[str, Any], path: str = "config.json") -> Family:
@@ -83,8 +131,31 @@ def read_architecture(hf: dict[str, Any], path: str = "config.json") -> dict[str
                               f"compute")
     num_layers = int(hf["num_hidden_layers"])
     window, layer_types = _window(hf, family, num_layers, path)
-    return dict(architecture=family.name, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+    arch = dict(architecture=family.name, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
                 sliding_window=window, layer_types=layer_types)
+    if family.gemma:
+        arch.update(_gemma(hf, path))
+    return arch
+
+
+def _gemma(hf: dict[str, Any], path: str) -> dict[str, Any]:
+    activation = hf.get("hidden_activation") or hf.get("hidden_act")
+    if activation not in GEMMA_ACTIVATIONS:
+        raise ConfigError(f"{path} sets hidden_activation={activation!r}; jaxcb computes "
+                          f"{', '.join(GEMMA_ACTIVATIONS)} for Gemma")
+    rope_local = hf.get("rope_local_base_freq")
+    rp = hf.get("rope_parameters") or {}
+    if isinstance(rp.get("sliding_attention"), dict):  # transformers 5: one rope per layer type
+        local = rp["sliding_attention"]
+        if local.get("rope_type", "default") != "default":
+            raise ConfigError(f"{path} rope_parameters.sliding_attention.rope_type={local['rope_type']!r}: "
+                              f"jaxcb's windowed layers take an unscaled rope")
+        rope_local = local.get("rope_theta", rope_local)
+    return dict(embed_scale=True, norm_offset=True, hidden_act=GEMMA_ACTIVATIONS[activation], sandwich_norms=True,
+                attn_logit_softcap=float(hf.get("attn_logit_softcapping") or 0.0),
+                final_logit_softcap=float(hf.get("final_logit_softcapping") or 0.0),
+                query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar") or 0.0),
+                rope_local_theta=float(rope_local or 0.0))
 
 
 def _window(hf: dict[str, Any], family: Family, num_layers: int, path: str) -> tuple[int, Optional[list[str]]]:
@@ -106,6 +177,11 @@ def _window(hf: dict[str, Any], family: Family, num_layers: int, path: str) -> t
     elif window and family.window_keys == "from_max_window_layers":
         first = int(hf.get("max_window_layers", num_layers))
         layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
+    elif window and family.window_keys == "every_other_layer":  # as transformers' Gemma2Config: from the first
+        layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
+    elif window and family.window_keys == "sliding_window_pattern":  # Gemma3's: every pattern-th layer full
+        pattern = int(hf.get("sliding_window_pattern") or 6)
+        layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
     if not window or layer_types is not None and SLIDING_ATTENTION not in layer_types:
         return 0, None
     if layer_types is not None and FULL_ATTENTION not in layer_types:

@@ -46,6 +46,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
         return inv_freq.astype(np.float32)
     if scaling.rope_type == "yarn":
         return yarn_inv_freq(head_dim, theta, scaling)
+    if scaling.rope_type == "linear":
+        return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
     old_len = scaling.original_max_position_embeddings
     low_wavelen = old_len / scaling.low_freq_factor
     high_wavelen = old_len / scaling.high_freq_factor
@@ -107,10 +109,13 @@ def apply_rope(
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in f32, as HF does, then scaled in the activation dtype."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: bool = False) -> jax.Array:
+    """RMSNorm computed in f32, as HF does, then scaled in the activation dtype (Llama's order); with
+    `offset`, Gemma's: scaled by (1 + weight) in f32, then cast."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 
@@ -132,12 +137,14 @@ class LayerWeights(NamedTuple):
     v_bias: Optional[jax.Array] = None  # [Hkv, K]
     q_norm: Optional[jax.Array] = None  # [K]: cfg.qk_norm, one weight shared by every head
     k_norm: Optional[jax.Array] = None  # [K]
+    post_attn_norm: Optional[jax.Array] = None  # [D]: cfg.sandwich_norms, on attention's output
+    post_mlp_norm: Optional[jax.Array] = None  # [D]: on the MLP's output
 
 
 def layer_weight_names(cfg: LlamaConfig) -> tuple[str, ...]:
     """The `LayerWeights` fields this architecture has."""
     optional = {"q_bias": cfg.qkv_bias, "k_bias": cfg.qkv_bias, "v_bias": cfg.qkv_bias, "q_norm": cfg.qk_norm,
-                "k_norm": cfg.qk_norm}
+                "k_norm": cfg.qk_norm, "post_attn_norm": cfg.sandwich_norms, "post_mlp_norm": cfg.sandwich_norms}
     return tuple(name for name in LayerWeights._fields if optional.get(name, True))
 
 
@@ -149,6 +156,7 @@ class StepWeights(NamedTuple):
     final_norm: jax.Array  # [D]
     head: Any  # the backend's LM head
     rope_table: jax.Array  # f32[2, max_len, K // 2]: cos and sin of every position's rotary angles
+    local_rope_table: Optional[jax.Array] = None  # the same for the windowed layers' base (cfg.rope_local_theta)
 
 
 class DecoderLayers(nnx.Module):
@@ -159,12 +167,13 @@ class DecoderLayers(nnx.Module):
         Hq, Hkv, K = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         dt = jnp.dtype(cfg.dtype)
         normal = nnx.initializers.normal(INIT_STD)
-        self.attn_norm = nnx.Param(jnp.ones((L, D), dt))
+        norm = jnp.zeros if cfg.norm_offset else jnp.ones  # a norm scales by 1 at init: Gemma's by 1 + w
+        self.attn_norm = nnx.Param(norm((L, D), dt))
         self.q_proj = nnx.Param(normal(rngs.params(), (L, D, Hq, K), dt))
         self.k_proj = nnx.Param(normal(rngs.params(), (L, D, Hkv, K), dt))
         self.v_proj = nnx.Param(normal(rngs.params(), (L, D, Hkv, K), dt))
         self.o_proj = nnx.Param(normal(rngs.params(), (L, Hq, K, D), dt))
-        self.mlp_norm = nnx.Param(jnp.ones((L, D), dt))
+        self.mlp_norm = nnx.Param(norm((L, D), dt))
         self.gate_proj = nnx.Param(normal(rngs.params(), (L, D, F), dt))
         self.up_proj = nnx.Param(normal(rngs.params(), (L, D, F), dt))
         self.down_proj = nnx.Param(normal(rngs.params(), (L, F, D), dt))
@@ -173,8 +182,11 @@ class DecoderLayers(nnx.Module):
             self.k_bias = nnx.Param(normal(rngs.params(), (L, Hkv, K), dt))
             self.v_bias = nnx.Param(normal(rngs.params(), (L, Hkv, K), dt))
         if cfg.qk_norm:
-            self.q_norm = nnx.Param(jnp.ones((L, K), dt))
-            self.k_norm = nnx.Param(jnp.ones((L, K), dt))
+            self.q_norm = nnx.Param(norm((L, K), dt))
+            self.k_norm = nnx.Param(norm((L, K), dt))
+        if cfg.sandwich_norms:
+            self.post_attn_norm = nnx.Param(norm((L, D), dt))
+            self.post_mlp_norm = nnx.Param(norm((L, D), dt))
 
     def weights(self) -> LayerWeights:
         return LayerWeights(**{name: getattr(self, name).get_value() for name in LayerWeights._fields
@@ -190,7 +202,7 @@ class Llama(nnx.Module):
         normal = nnx.initializers.normal(INIT_STD)
         self.embed = nnx.Param(normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dt))
         self.layers = DecoderLayers(cfg, rngs=rngs)
-        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dt))
+        self.final_norm = nnx.Param((jnp.zeros if cfg.norm_offset else jnp.ones)((cfg.hidden_size,), dt))
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dt))
 
@@ -200,8 +212,20 @@ def build_rope_table(cfg: LlamaConfig, max_len: int, sharding: jax.sharding.Shar
     f32 of memory (4 MiB for head_dim 128 at 8,192 positions). A gather from it replaces cos/sin in
     the step: XLA fuses whatever computes the angles into every layer's q and k rotations, where it
     runs once per head. Computed by the same XLA cos/sin as `rope_angles`, so the values are the same bits."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-    scale = rope_attention_factor(cfg.rope_scaling)
+    return _rope_table(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_len, sharding)
+
+
+def build_local_rope_table(cfg: LlamaConfig, max_len: int, sharding: jax.sharding.Sharding | None = None
+                           ) -> Optional[jax.Array]:
+    """The windowed layers' table (their own base, unscaled), where the model has one (Gemma 3)."""
+    if not cfg.rope_local_theta:
+        return None
+    return _rope_table(cfg.head_dim, cfg.rope_local_theta, None, max_len, sharding)
+
+
+def _rope_table(head_dim: int, theta: float, scaling: RopeScaling | None, max_len: int, sharding) -> jax.Array:
+    inv_freq = jnp.asarray(rope_inv_freq(head_dim, theta, scaling))
+    scale = rope_attention_factor(scaling)
     return jax.jit(lambda: jnp.stack(rope_angles(jnp.arange(max_len, dtype=jnp.int32), inv_freq)) * scale,
                    out_shardings=sharding)()
 
@@ -265,11 +289,17 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden] final-normed, updated cache)
     cfg = ops.cfg
     # Clipped: padding tokens may carry any position.
-    cos_sin = jnp.take(w.rope_table, positions, axis=1, mode="clip")
-    rope = (cos_sin[0], cos_sin[1])  # f32[T, head_dim // 2] each
+    cos_sin = jnp.take(w.rope_table, positions, axis=1, mode="clip")  # f32[2, T, head_dim // 2]
+    if w.local_rope_table is not None:  # the windowed layers' own base: [2 (global, local), 2, T, K // 2]
+        cos_sin = jnp.stack([cos_sin, jnp.take(w.local_rope_table, positions, axis=1, mode="clip")])
+        local = jnp.asarray([bool(win) for win in cfg.layer_windows], jnp.int32)  # i32[L]: 1 on windowed layers
+    else:
+        local = None
 
     def layer_step(carry, xs):
-        (h, cache), (layer, window, lw) = carry, xs
+        (h, cache), (layer, window, is_local, lw) = carry, xs
+        cs = cos_sin if is_local is None else cos_sin[is_local]
+        rope = (cs[0], cs[1])  # f32[T, head_dim // 2] each
         attn, cache = ops.self_attention(lw, h, rope, cache, layer, md, window)
         h = ops.add_attention_output(lw, h, attn.astype(h.dtype))
         return (ops.add_mlp(lw, h), cache), None
@@ -277,17 +307,19 @@ def forward(
     # What attention derives from the step's metadata (the kernel's tile table) is built once, here.
     md = ops.attention.prepare_step(md, token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads, cache.k.shape[3])
     h = jnp.take(w.embed, token_ids, axis=0)
+    if cfg.embed_scale:  # Gemma: sqrt(hidden) rounded to the activation dtype first, as transformers does
+        h = h * jnp.asarray(math.sqrt(cfg.hidden_size), h.dtype)
     # Each layer's window, a traced i32[] (it changes from layer to layer inside the scan); None when
     # no layer has one, so that a model without windows compiles the attention it always had.
     windows = layer_window_array(cfg)
     if isinstance(w.layers, list):
         for i, lw in enumerate(w.layers):
             window = None if windows is None else windows[i]
-            (h, cache), _ = layer_step((h, cache), (jnp.int32(i), window, lw))
+            (h, cache), _ = layer_step((h, cache), (jnp.int32(i), window, None if local is None else local[i], lw))
     else:
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (h, cache), _ = jax.lax.scan(layer_step, (h, cache), (layers, windows, w.layers))
-    return rms_norm(h, w.final_norm, cfg.rms_norm_eps), cache
+        (h, cache), _ = jax.lax.scan(layer_step, (h, cache), (layers, windows, local, w.layers))
+    return rms_norm(h, w.final_norm, cfg.rms_norm_eps, cfg.norm_offset), cache
 
 
 def layer_window_array(cfg: LlamaConfig) -> Optional[jax.Array]:

@@ -34,8 +34,22 @@ from jaxcb.sharding import TensorParallel
 log = logging.getLogger(__name__)
 
 ORBAX_PARAMS_DIR = "params"
-# Buffers that some HF checkpoints carry but that are derived from the config, not learnt.
-IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+# Buffers that some HF checkpoints carry but that are derived from the config, not learnt; and the
+# image towers of multimodal checkpoints (Gemma 3 4B and up), whose text tower alone jaxcb serves
+# (a request with an image is refused at the door).
+IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
+                                r"|(model\.)?(vision_tower|multi_modal_projector)\..*")
+# Where a multimodal checkpoint keeps its text tower: transformers 4's and 5's layouts.
+TEXT_TOWER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                       ("language_model.lm_head.", "lm_head."))
+
+
+def text_tower_name(name: str) -> str:
+    """A tensor's name as a text-only checkpoint has it."""
+    for prefix, replacement in TEXT_TOWER_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
 
 
 class CheckpointError(ValueError):
@@ -122,6 +136,19 @@ HF_RULES: dict[str, HFTensorRule] = {
     "model.layers.{i}.self_attn.k_norm.weight": HFTensorRule(
         ("layers", "k_norm"), True, lambda c: (c.head_dim,), lambda x, c: x, lambda c: c.qk_norm,
     ),
+    "model.layers.{i}.pre_feedforward_layernorm.weight": HFTensorRule(
+        ("layers", "mlp_norm"), True, lambda c: (c.hidden_size,), lambda x, c: x, lambda c: c.sandwich_norms,
+    ),
+    "model.layers.{i}.post_feedforward_layernorm.weight": HFTensorRule(
+        ("layers", "post_mlp_norm"), True, lambda c: (c.hidden_size,), lambda x, c: x, lambda c: c.sandwich_norms,
+    ),
+}
+# With a norm after attention and after the MLP (Gemma), post_attention_layernorm is the former; the
+# MLP's input norm is pre_feedforward_layernorm.
+SANDWICH_RULES = {
+    "model.layers.{i}.post_attention_layernorm.weight": HFTensorRule(
+        ("layers", "post_attn_norm"), True, lambda c: (c.hidden_size,), lambda x, c: x
+    ),
 }
 
 
@@ -161,6 +188,7 @@ def _expand_hf_names(cfg: LlamaConfig) -> dict[str, tuple[HFTensorRule, Optional
     """Every HF tensor name this architecture expects -> (rule, layer)."""
     names = {}
     for pattern, rule in HF_RULES.items():
+        rule = SANDWICH_RULES.get(pattern, rule) if cfg.sandwich_norms else rule
         if rule.param == ("lm_head",) and cfg.tie_word_embeddings or not rule.applies(cfg):
             continue
         if rule.layered:
@@ -201,7 +229,7 @@ def load_hf_params(
     cfg: LlamaConfig, directory: str, abstract_state: dict, tp: Optional[TensorParallel] = None
 ) -> dict:
     """Pure-dict parameters filled from a HF safetensors directory (split over `tp`'s mesh if given)."""
-    tensors = index_checkpoint(directory)
+    tensors = {text_tower_name(name): info for name, info in index_checkpoint(directory).items()}
     check_hf_checkpoint(cfg, tensors)
     return _fill_params(cfg, lambda name: read_tensor(tensors[name]), abstract_state, tp)
 

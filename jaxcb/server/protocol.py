@@ -218,6 +218,10 @@ def message_text(message: ChatMessage) -> Optional[str]:
     parts = []
     for part in message.content:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise InvalidRequestError("only text content parts ({'type': 'text', 'text': ...}) are supported", "messages")
+            kind = part.get("type")
+            what = "images are" if kind in ("image_url", "image", "input_image") else f"a content part of type {kind!r} is"
+            raise InvalidRequestError(f"{what} not supported: jaxcb serves text models (of a multimodal checkpoint such "
+                                      f"as Gemma 3's, the text tower); only text content parts ({{'type': 'text', "
+                                      f"'text': ...}}) are", "messages")
         parts.append(part["text"])
     return "".join(parts)
