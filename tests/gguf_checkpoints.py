@@ -1,14 +1,17 @@
 """Factories for GGUF files, written with llama.cpp's own `gguf` writer as its convert script would.
 
-`write_gguf` takes HF-named float32 tensors and an HF config (llama, mistral, qwen2, qwen3), writes
-them under the architecture llama.cpp's convert_hf_to_gguf.py gives that model_type (Mistral is
-llama), permutes q/k rows as it does for llama only, quantizes the matrices with
-`gguf.quants.quantize` (norms and biases stay F32, as llama.cpp keeps them) and writes the
-{arch}.* metadata and a small byte-level BPE tokenizer.
+`write_gguf` takes HF-named float32 tensors and an HF config (llama, mistral, qwen2, qwen3, gemma2,
+gemma3_text), writes them under the architecture llama.cpp's convert_hf_to_gguf.py gives that
+model_type (Mistral is llama) and the names it gives them (Gemma's from the gguf library's own
+tensor map, as the converter takes them), permutes q/k rows as it does for llama only, stores
+Gemma's norms as 1 + w as it does, quantizes the matrices with `gguf.quants.quantize` (norms and
+biases stay F32, as llama.cpp keeps them) and writes the {arch}.* metadata its model class writes
+and a small byte-level BPE tokenizer.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -48,14 +51,54 @@ HF_TO_GGUF = {
     "self_attn.k_norm.weight": "attn_k_norm.weight",
 }
 # config.json model_type -> the general.architecture llama.cpp writes it as.
-GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                     "gemma3_text": "gemma3"}
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
+    if arch in GEMMA_ARCHITECTURES:  # the converter's map_tensor_name: the gguf library's table
+        return _gguf_tensor_map(arch).get_name(hf_name, try_suffixes=(".weight", ".bias"))
     if hf_name in HF_TO_GGUF:
         return HF_TO_GGUF[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)  # model.layers.{i}.{rest}
     return f"blk.{layer}.{HF_TO_GGUF[rest]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_tensor_map(arch: str):
+    import gguf
+
+    model_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    return gguf.get_tensor_name_map(model_arch, 64)
+
+
+def write_gemma_metadata(w, c: dict, arch: str) -> None:
+    """The {arch}.* keys llama.cpp's Gemma2Model / Gemma3Model write beside the shared ones: gemma2 its
+    caps and window (and no rope base); gemma3 the full layers' rope base and linear scaling, the
+    windowed layers' base (from transformers 5's rope_parameters), a final cap if set, the window. Neither
+    writes query_pre_attn_scalar or the layer pattern."""
+    import gguf
+
+    w.add_key_length(c["head_dim"])
+    w.add_value_length(c["head_dim"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
+        w.add_sliding_window(c["sliding_window"])
+        return
+    rope = c.get("rope_parameters") or {}
+    full, local = rope.get("full_attention", rope), rope.get("sliding_attention", {})
+    w.add_rope_freq_base(full.get("rope_theta", c.get("rope_theta", 1_000_000.0)))
+    if "rope_theta" in local:
+        w.add_rope_freq_base_swa(local["rope_theta"])
+    if full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if c.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(c["final_logit_softcapping"])
+    if c.get("sliding_window_pattern") != 1:
+        w.add_sliding_window(c["sliding_window"])
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
@@ -128,12 +171,13 @@ def write_gguf(
     rope_freqs: Optional[np.ndarray] = None,
     raw: Optional[dict[str, tuple[np.ndarray, object]]] = None,
     metadata: Optional[dict] = None,
+    omit: tuple[str, ...] = (),
 ) -> str:
     """Write `tensors` (HF names, HF layout, float32) and `hf_config`'s architecture as a GGUF at path.
 
     arch: general.architecture (by default what llama.cpp writes the config's model_type as); raw:
     GGUF tensor name -> (uint8 block bytes, ggml type), written as they are (replacing any tensor of
-    that name); metadata: extra key -> value pairs."""
+    that name); metadata: extra key -> value pairs; omit: keys left out (as an older converter does)."""
     import gguf
 
     c = hf_config
@@ -148,10 +192,13 @@ def write_gguf(
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    w.add_rope_freq_base(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])  # transformers 5: rope_parameters
+    if arch in GEMMA_ARCHITECTURES:
+        write_gemma_metadata(w, c, arch)
+    else:
+        w.add_rope_freq_base(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])  # transformers 5: rope_parameters
     if arch == "llama":  # LlamaModel's own key
         w.add_rope_dimension_count(head_dim)
-    if "head_dim" in c:  # TextModel writes the head size whenever config.json states it
+    if "head_dim" in c and arch not in GEMMA_ARCHITECTURES:  # TextModel writes the head size when config.json has it
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if gguf_window(c):
@@ -169,13 +216,19 @@ def write_gguf(
         w.add_chat_template(chat_template)
     for key, value in (metadata or {}).items():
         w.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
+    for key in omit:
+        del w.kv_data[0][key.format(arch=arch)]
     raw = dict(raw or {})
     for name, value in tensors.items():
-        gname = gguf_tensor_name(name)
+        if arch == "gemma2" and name == "lm_head.weight":  # Gemma2Model drops it: llama.cpp ties gemma2's
+            continue
+        gname = gguf_tensor_name(name, arch)
         if gname in raw:
             continue
         if arch == "llama" and ("q_proj." in name or "k_proj." in name):  # weights, and biases too
             value = llama_cpp_permute(value, heads if "q_proj." in name else kv_heads)
+        if arch in GEMMA_ARCHITECTURES and name.endswith("norm.weight"):  # Gemma's RMSNorm scales by 1 + w
+            value = value + np.float32(1.0)
         data, kind = quantize(value, qtype if value.ndim == 2 else "F32")
         w.add_tensor(gname, data, raw_dtype=kind)
     for gname, (data, kind) in raw.items():

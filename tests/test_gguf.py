@@ -23,7 +23,8 @@ from gguf_checkpoints import (
 )
 from hf_checkpoints import TINY_HF, make_hf_llama, write_word_tokenizer
 from jaxcb.config import ModelConfig
-from jaxcb.model.gguf import GGUFCheckpoint, llama3_inv_freq, llama3_scaling_from_divisors, read_gguf_config
+from jaxcb.model.gguf import GGUFCheckpoint, read_gguf_config
+from jaxcb.model.gguf_rope import llama3_inv_freq, llama3_scaling_from_divisors
 from jaxcb.model.gguf_to_hf import gguf_llama_config
 from jaxcb.model.loader import CheckpointError, load_model, open_gguf_checkpoint
 from jaxcb.sampling_params import SamplingParams
@@ -161,8 +162,8 @@ def test_random_blocks_dequantize_as_gguf_does_with_q_and_k_rows_in_hf_order(tmp
 
 def test_another_architecture_is_refused_by_name(tiny, tmp_path):
     hf_dir, _, torch_model = tiny
-    path = write_gguf(str(tmp_path / "g.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="gemma2")
-    with pytest.raises(CheckpointError, match="holds a 'gemma2' model .*jaxcb serves GGUF files of llama, qwen2, qwen3"):
+    path = write_gguf(str(tmp_path / "g.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="phi3")
+    with pytest.raises(CheckpointError, match="holds a 'phi3' model .*GGUF files of llama, qwen2, qwen3, gemma2, gemma3"):
         load_model(model_config(path))
 
 
@@ -304,9 +305,9 @@ def test_convert_gguf_to_orbax_loads_with_the_same_weights(tiny, tmp_path):
 
 def test_convert_to_hf_refuses_a_gguf_it_cannot_load(tiny, tmp_path):
     hf_dir, _, torch_model = tiny
-    path = write_gguf(str(tmp_path / "g.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="gemma2")
+    path = write_gguf(str(tmp_path / "g.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="phi3")
     proc = run_convert(path, tmp_path / "out", "--to", "hf")
-    assert proc.returncode == 2 and "'gemma2' model" in proc.stderr
+    assert proc.returncode == 2 and "'phi3' model" in proc.stderr
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -3,26 +3,47 @@
 Owns turning a `.gguf` file into what the loader gets from a Hugging Face directory:
 config.json's fields (`read_gguf_config`), the tensors under their HF names in HF layout
 (`GGUFCheckpoint`: dequantized to float32 by llama.cpp's own `gguf` library, with the q/k row
-permutation of llama.cpp's convert script undone where it made one), and the metadata that
-jaxcb.tokenizer builds the tokenizer from (`open_gguf`, `metadata`). Whatever it cannot honour
-(another architecture, a tensor type it does not dequantize) is refused before any weight is read.
-It builds no model and places nothing on a device: the loader does that, the same way for both formats.
+permutation of llama.cpp's convert script undone where it made one, and Gemma's norms stored as
+1 + w given back as w), and the metadata that jaxcb.tokenizer builds the tokenizer from
+(`open_gguf`, `metadata`). Whatever it cannot honour (another architecture, a key or a tensor type
+it does not read) is refused before any weight is read. It builds no model and places nothing on a
+device: the loader does that, the same way for both formats.
 
 llama.cpp's architectures and the families (`jaxcb.model.families`) they hold:
 
-    general.architecture    family    q/k rows permuted  the family's own tensors
-    llama                   llama     yes                -
-    llama, with a window    mistral   yes                -
-    qwen2                   qwen2     no                 blk.{i}.attn_{q,k,v}.bias
-    qwen3                   qwen3     no                 blk.{i}.attn_{q,k}_norm.weight
+    general.architecture    family       q/k rows permuted  the family's own tensors and keys
+    llama                   llama        yes                -
+    llama, with a window    mistral      yes                -
+    qwen2                   qwen2        no                 blk.{i}.attn_{q,k,v}.bias
+    qwen3                   qwen3        no                 blk.{i}.attn_{q,k}_norm.weight
+    gemma2                  gemma2       no                 blk.{i}.{post_attention,ffn,post_ffw}_norm.weight;
+                                                            {arch}.{attn,final}_logit_softcapping
+    gemma3                  gemma3_text  no                 gemma2's norms, blk.{i}.attn_{q,k}_norm.weight;
+                                                            rope.freq_base_swa, rope.scaling.type=linear,
+                                                            final_logit_softcapping
 
-A window ({arch}.attention.sliding_window) is on every layer: a GGUF has no per-layer types.
+A llama/qwen window ({arch}.attention.sliding_window) is on every layer: a GGUF has no per-layer
+types. Gemma's ffn_norm is the MLP's input norm (pre_feedforward_layernorm), post_attention_norm
+the norm after attention. For what llama.cpp's converter leaves out of a Gemma file, jaxcb takes
+what llama.cpp's own loader assumes (which is transformers' default wherever the two agree):
+
+- the layer pattern: gemma2 windows every other layer from the first, gemma3 five layers of
+  each six (the sixth full), as llama.cpp's set_swa_pattern(2) / (6) and transformers' configs;
+  {arch}.attention.sliding_window_pattern, which llama.cpp does not read for them, is refused;
+- query_pre_attn_scalar: the head size, save for the 27B models (gemma2's 46 layers, gemma3's
+  62), where it is hidden_size / num_heads: llama.cpp's rule, which gives every released Gemma 2
+  and 3 its config.json value (transformers' default of 256 would be wrong for the 27Bs);
+- the windowed layers' RoPE base: gemma3.rope.freq_base_swa when written (llama.cpp's converter
+  writes it from transformers 5's rope_parameters), else 10000; gemma3.rope.freq_base is the full
+  layers' base, and a linear rope scaling applies to the full layers only;
+- gemma2's caps and window: 50 and 30, 4096 (its converter always writes them); no
+  gemma2.rope.freq_base: 10000. gemma3 must state its window (its converter writes it whenever
+  the model has one).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -31,7 +52,8 @@ from typing import Any, Optional
 import numpy as np
 
 from jaxcb.model.config import RopeScaling
-from jaxcb.model.families import FAMILIES
+from jaxcb.model.families import FAMILIES, FULL_ATTENTION, GEMMA_ACTIVATIONS, SLIDING_ATTENTION
+from jaxcb.model.gguf_rope import ROPE_FREQS, llama3_scaling_from_divisors
 from jaxcb.model.loader import CheckpointError
 
 # Tensor types that `gguf.quants.dequantize` reads and that the tests check.
@@ -40,7 +62,7 @@ READABLE_TYPES = (
 )
 # general.architecture -> the family its models are (a llama file with a sliding window is a Mistral:
 # llama.cpp writes Mistral as llama).
-GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2", "gemma3": "gemma3_text"}
 # The architectures whose q/k rows llama.cpp's convert script permutes (its LlamaModel.permute).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 # {arch}.* metadata that jaxcb reads or checks (the same for each architecture); any other {arch}.* key
@@ -52,6 +74,21 @@ KNOWN_ARCH_KEYS = frozenset({
     "rope.dimension_count", "rope.scaling.type", "rope.scaling.factor", "rope.scaling.original_context_length",
     "rope.scaling.finetuned", "expert_count", "expert_used_count",
 })
+# The {arch}.* keys an architecture adds to those; refused in any other.
+ARCH_KEYS = {
+    "gemma2": frozenset({"attn_logit_softcapping", "final_logit_softcapping"}),
+    "gemma3": frozenset({"final_logit_softcapping", "rope.freq_base_swa"}),
+}
+# {arch}.rope.scaling.type values an architecture may carry, besides none (Llama 3's comes as rope_freqs.weight).
+ROPE_SCALING_TYPES = {"gemma3": ("linear",)}
+# Gemma: its converter stores every norm as 1 + w (jaxcb's parameter is w); its layer pattern as llama.cpp
+# fixes it (of each n layers, the last sees the whole context); the layer count of its 27B model, whose
+# queries llama.cpp scales by hidden_size / num_heads instead of the head size.
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+GEMMA_WINDOW_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# {arch}.attention.sliding_window when the file leaves it out (None: it must say); 0: no window.
+DEFAULT_WINDOWS = {"gemma2": 4096, "gemma3": None}
 # GGUF tensor name -> HF name ({i}: the layer).
 GGUF_TO_HF_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,15 +109,26 @@ GGUF_TO_HF_NAMES = {
     "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",  # qwen3
     "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
-ROPE_FREQS = "rope_freqs.weight"  # llama.cpp's form of Llama 3's rope scaling: a divisor per frequency
+# Gemma's four norms a layer (gguf.constants' MODEL_TENSORS for GEMMA2 / GEMMA3): ffn_norm is the MLP's input
+# norm there, not the one after attention; no biases.
+GEMMA_TO_HF_NAMES = {
+    **{k: v for k, v in GGUF_TO_HF_NAMES.items() if not k.endswith(".bias")},
+    "blk.{i}.post_attention_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blk.{i}.ffn_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "blk.{i}.post_ffw_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 
 
 def _name_table(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:
     return [(re.compile(re.escape(src).replace(r"\{i\}", r"(?P<i>\d+)")), dst) for src, dst in table.items()]
 
 
-_TO_HF = _name_table(GGUF_TO_HF_NAMES)
-_TO_GGUF = _name_table({hf: gg for gg, hf in GGUF_TO_HF_NAMES.items()})
+def _name_tables(arch: str) -> tuple[list[tuple[re.Pattern, str]], list[tuple[re.Pattern, str]]]:
+    table = GEMMA_TO_HF_NAMES if arch in GEMMA_ARCHITECTURES else GGUF_TO_HF_NAMES
+    return _name_table(table), _name_table({hf: gg for gg, hf in table.items()})
+
+
+_NAME_TABLES = {arch: _name_tables(arch) for arch in GGUF_FAMILIES}
 
 
 def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
@@ -91,12 +139,14 @@ def _rename(name: str, table: list[tuple[re.Pattern, str]]) -> str:
     return name  # not ours: kept, so that a check reports it by the name the file uses
 
 
-def hf_name(gguf_name: str) -> str:
-    return _rename(gguf_name, _TO_HF)
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
+    """The HF name of the tensor `gguf_name` of a general.architecture=arch file."""
+    return _rename(gguf_name, _NAME_TABLES.get(arch, _NAME_TABLES["llama"])[0])
 
 
-def gguf_name(hf_tensor_name: str) -> str:
-    return _rename(hf_tensor_name, _TO_GGUF)
+def gguf_name(hf_tensor_name: str, arch: str = "llama") -> str:
+    """The name a general.architecture=arch file gives the HF tensor `hf_tensor_name`."""
+    return _rename(hf_tensor_name, _NAME_TABLES.get(arch, _NAME_TABLES["llama"])[1])
 
 
 @functools.lru_cache(maxsize=4)
@@ -159,7 +209,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     hidden, num_heads = need("embedding_length"), need("attention.head_count")
     num_layers, intermediate = need("block_count"), need("feed_forward_length")
     num_kv_heads = need("attention.head_count_kv", num_heads)
-    window = need("attention.sliding_window", 0)
+    window = need("attention.sliding_window", DEFAULT_WINDOWS.get(arch, 0))
     tokens = metadata(reader, "tokenizer.ggml.tokens")
     vocab_size = len(tokens) if tokens else metadata(reader, f"{arch}.vocab_size")
     if vocab_size is None:
@@ -177,7 +227,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     theta = _f32(metadata(reader, f"{arch}.rope.freq_base", 10000.0))
     tensor_names = {t.name for t in reader.tensors}
     eos_ids = [metadata(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return dict(
+    config = dict(
         architecture=family.name,
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
@@ -198,13 +248,43 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         bos_token_id=metadata(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted({int(i) for i in eos_ids if i is not None}) or None,
     )
+    if arch in GEMMA_ARCHITECTURES:
+        config.update(_gemma_config(reader, arch, config))
+    return config
+
+
+def _gemma_config(reader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's fields (`jaxcb.model.families`), with what llama.cpp assumes for the keys its converter
+    leaves out (the module docstring lists them)."""
+    num_layers, window = config["num_layers"], config["sliding_window"]
+    pattern = GEMMA_WINDOW_PATTERN[arch]
+    layer_types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(num_layers)]
+    if not window or FULL_ATTENTION not in layer_types:  # as read_hf_config: None when every layer is alike
+        layer_types = None
+    if num_layers == GEMMA_27B_LAYERS[arch]:
+        query_pre_attn_scalar = config["hidden_size"] // config["num_heads"]
+    else:
+        query_pre_attn_scalar = config["head_dim"]
+    attn_cap, final_cap = (50.0, 30.0) if arch == "gemma2" else (0.0, 0.0)
+    return dict(
+        sliding_window=int(window),
+        layer_types=layer_types,
+        embed_scale=True,
+        norm_offset=True,
+        hidden_act=GEMMA_ACTIVATIONS["gelu_pytorch_tanh"],
+        sandwich_norms=True,
+        attn_logit_softcap=_f32(metadata(reader, f"{arch}.attn_logit_softcapping", attn_cap)),
+        final_logit_softcap=_f32(metadata(reader, f"{arch}.final_logit_softcapping", final_cap)),
+        query_pre_attn_scalar=float(query_pre_attn_scalar),
+        rope_local_theta=_f32(metadata(reader, f"{arch}.rope.freq_base_swa", 10000.0)) if arch == "gemma3" else 0.0,
+    )
 
 
 def _metadata_problems(reader, arch: str) -> list[str]:
     """What the file's metadata says that jaxcb does not honour: unknown {arch}.* keys, experts, rope
-    scaling other than Llama 3's, a split file."""
-    prefix = f"{arch}."
-    unknown = sorted(k for k in reader.fields if k.startswith(prefix) and k[len(prefix):] not in KNOWN_ARCH_KEYS)
+    scaling it does not compute, a split file."""
+    prefix, known = f"{arch}.", KNOWN_ARCH_KEYS | ARCH_KEYS.get(arch, frozenset())
+    unknown = sorted(k for k in reader.fields if k.startswith(prefix) and k[len(prefix):] not in known)
     problems = [f"metadata {k}={metadata(reader, k)!r} is not understood by jaxcb" for k in unknown]
     if (metadata(reader, "split.count", 1) or 1) > 1:
         problems.append(
@@ -214,14 +294,19 @@ def _metadata_problems(reader, arch: str) -> list[str]:
     if (metadata(reader, f"{arch}.expert_count", 0) or 0) > 0:
         problems.append(f"{arch}.expert_count={metadata(reader, f'{arch}.expert_count')}: mixtures of experts are not "
                         f"supported")
-    scaling_type = metadata(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling_type != "none":
-        problems.append(f"{arch}.rope.scaling.type={scaling_type!r} is not supported (jaxcb reads Llama 3's rope "
-                        f"scaling only from a GGUF)")
+    scaling_type, allowed = metadata(reader, f"{arch}.rope.scaling.type", "none"), ROPE_SCALING_TYPES.get(arch, ())
+    if scaling_type != "none" and scaling_type not in allowed:
+        reads = f"{', '.join(allowed)} from a {arch} GGUF" if allowed else "Llama 3's rope scaling only from a GGUF"
+        problems.append(f"{arch}.rope.scaling.type={scaling_type!r} is not supported (jaxcb reads {reads})")
+    elif scaling_type != "none" and not metadata(reader, f"{arch}.rope.scaling.factor"):
+        problems.append(f"{arch}.rope.scaling.type={scaling_type!r} without {arch}.rope.scaling.factor")
     return problems
 
 
 def _rope_scaling(reader, path: str, head_dim: int, theta: float) -> Optional[RopeScaling]:
+    arch = metadata(reader, "general.architecture")
+    if metadata(reader, f"{arch}.rope.scaling.type", "none") == "linear":  # positions / factor (Gemma 3's full layers)
+        return RopeScaling(_f32(metadata(reader, f"{arch}.rope.scaling.factor")), 1.0, 4.0, 0, rope_type="linear")
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
@@ -229,72 +314,6 @@ def _rope_scaling(reader, path: str, head_dim: int, theta: float) -> Optional[Ro
         raise CheckpointError(f"{path}: {ROPE_FREQS} should be F32 of shape ({head_dim // 2},), "
                               f"not {tensor.tensor_type.name} {tuple(tensor.shape)}")
     return llama3_scaling_from_divisors(np.asarray(tensor.data, np.float64), head_dim, theta, path)
-
-
-def llama3_scaling_from_divisors(divisors: np.ndarray, head_dim: int, theta: float, path: str) -> Optional[RopeScaling]:
-    """The Llama 3 rope scaling whose frequencies are `inv_freq / divisors`, or CheckpointError.
-
-    Llama 3 divides the frequency of a long wavelength by `factor`, keeps a short one, and
-    between `high` and `low` wavelengths interpolates with s = (L / w - lf) / (hf - lf), which
-    rises linearly in 1 / w from 0 at w = low = L / lf to 1 at w = high = L / hf. The divisors
-    give back `factor` and that line; L, lf, hf are chosen to draw it, then checked."""
-    if np.allclose(divisors, 1.0, rtol=1e-6):
-        return None
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    refusal = CheckpointError(
-        f"{path}: {ROPE_FREQS} holds rope frequency divisors {np.round(divisors, 4).tolist()} that no Llama 3 "
-        f"rope scaling reproduces; jaxcb cannot serve this model's rope"
-    )
-    try:
-        with np.errstate(divide="raise", over="raise", invalid="raise"):
-            scaling = _fit_llama3_scaling(divisors, inv_freq)
-    except (ArithmeticError, FloatingPointError, ValueError):
-        raise refusal from None
-    expected = (inv_freq / divisors).astype(np.float32)
-    if not np.allclose(llama3_inv_freq(inv_freq, scaling), expected, rtol=1e-4, atol=0):
-        raise refusal
-    return scaling
-
-
-def _fit_llama3_scaling(divisors: np.ndarray, inv_freq: np.ndarray) -> RopeScaling:
-    wavelen = 2 * math.pi / inv_freq
-    factor = float(divisors.max())
-    if factor <= 1.0:
-        raise ValueError("Llama 3 only slows frequencies down")
-    kept, slowed = np.isclose(divisors, 1.0, rtol=1e-5), np.isclose(divisors, factor, rtol=1e-5)
-    between = ~(kept | slowed)
-    s = (1 / divisors - 1 / factor) / (1 - 1 / factor)
-    below = wavelen[kept].max() if kept.any() else wavelen.min() / 2
-    above = wavelen[slowed].min() if slowed.any() else wavelen.max() * 2
-    if between.sum() >= 2:
-        slope, offset = np.polyfit(1 / wavelen[between], s[between], 1)  # s = slope / w + offset
-        low, high = -slope / offset, slope / (1 - offset)
-    else:  # no band to fit: put its ends in the gaps between the wavelengths the model has
-        low = math.sqrt((wavelen[between].max() if between.any() else below) * above)
-        if between.any():
-            w, si = wavelen[between][0], s[between][0]
-            high = 1 / (1 / low + (1 / w - 1 / low) / si)
-        else:
-            high = math.sqrt(below * low)
-    if not 0 < high < low:
-        raise ValueError("the band's ends are out of order")
-    length = max(1, round(low))
-    return RopeScaling(
-        factor=float(f"{factor:.6g}"),
-        low_freq_factor=float(f"{length / low:.6g}"),
-        high_freq_factor=float(f"{length / high:.6g}"),
-        original_max_position_embeddings=length,
-    )
-
-
-def llama3_inv_freq(inv_freq: np.ndarray, scaling: RopeScaling) -> np.ndarray:
-    """f64[head_dim // 2]: Llama 3's scaled rotary frequencies, as transformers computes them."""
-    wavelen = 2 * math.pi / inv_freq
-    length = scaling.original_max_position_embeddings
-    low, high = length / scaling.low_freq_factor, length / scaling.high_freq_factor
-    smooth = (length / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-    banded = inv_freq * ((1 - smooth) / scaling.factor + smooth)
-    return np.where(wavelen < high, inv_freq, np.where(wavelen > low, inv_freq / scaling.factor, banded))
 
 
 @dataclass(frozen=True)
@@ -306,18 +325,25 @@ class GGUFTensorInfo:
 
 class GGUFCheckpoint:
     """A GGUF's tensors by HF name, read one at a time as float32 in HF layout: the q/k rows (and
-    biases) of an architecture that llama.cpp permutes put back in HF order, the others as written."""
+    biases) of an architecture that llama.cpp permutes put back in HF order, Gemma's norms (stored as
+    1 + w) given back as w, the others as written."""
 
     def __init__(self, path: str, num_heads: int, num_kv_heads: int):
         self.path = path
         self._reader = open_gguf(path)
-        permuted = metadata(self._reader, "general.architecture") in PERMUTED_QK_ARCHITECTURES
+        self.arch = metadata(self._reader, "general.architecture")
+        permuted = self.arch in PERMUTED_QK_ARCHITECTURES
         self._num_heads = {"q_proj": num_heads, "k_proj": num_kv_heads} if permuted else {}
-        self._by_name = {hf_name(t.name): t for t in self._reader.tensors if t.name != ROPE_FREQS}
+        self._norm_offset = self.arch in GEMMA_ARCHITECTURES
+        self._by_name = {hf_name(t.name, self.arch): t for t in self._reader.tensors if t.name != ROPE_FREQS}
         self.tensors = {
             name: GGUFTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
             for name, t in self._by_name.items()
         }
+
+    def gguf_name(self, hf_tensor_name: str) -> str:
+        """The name this file gives (or would give) an HF tensor."""
+        return gguf_name(hf_tensor_name, self.arch)
 
     def type_problems(self) -> list[str]:
         return [
@@ -328,7 +354,7 @@ class GGUFCheckpoint:
         ]
 
     def read(self, name: str) -> np.ndarray:
-        """f32[shape] of the HF tensor `name`: dequantized, and q/k rows back in HF order."""
+        """f32[shape] of the HF tensor `name`: dequantized, q/k rows back in HF order, a Gemma norm less 1."""
         from gguf.quants import dequantize
 
         tensor, info = self._by_name[name], self.tensors[name]
@@ -336,6 +362,8 @@ class GGUFCheckpoint:
         projection = name.rsplit(".", 2)[-2]  # model.layers.3.self_attn.q_proj.weight -> q_proj
         if projection in self._num_heads:
             value = unpermute_rope_rows(value, self._num_heads[projection])
+        if self._norm_offset and name.endswith("norm.weight"):
+            value = value - np.float32(1.0)
         return value
 
 
