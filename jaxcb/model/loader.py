@@ -238,11 +238,11 @@ def open_gguf_checkpoint(cfg: LlamaConfig, path: str, check_tokenizer: bool = Tr
     """The GGUF's tensors (a `GGUFCheckpoint`), checked before any is read as an HF directory's are,
     and their types and (unless model.tokenizer replaces it) its tokenizer too: one CheckpointError
     lists every problem."""
-    from jaxcb.model.gguf import GGUFCheckpoint, gguf_name
+    from jaxcb.model.gguf import GGUFCheckpoint
     from jaxcb.tokenizer import gguf_tokenizer_problems
 
     checkpoint = GGUFCheckpoint(path, cfg.num_heads, cfg.num_kv_heads)
-    problems = checkpoint.type_problems() + hf_checkpoint_problems(cfg, checkpoint.tensors, display=gguf_name)
+    problems = checkpoint.type_problems() + hf_checkpoint_problems(cfg, checkpoint.tensors, display=checkpoint.gguf_name)
     if check_tokenizer:
         problems += gguf_tokenizer_problems(path)
     if problems:
