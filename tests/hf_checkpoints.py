@@ -80,7 +80,7 @@ FAMILY_HF = {
     "qwen3": dict(use_sliding_window=True, sliding_window=11, max_window_layers=2),  # layers 0-1 full, 2 windowed
     "mistral": dict(sliding_window=7),  # every layer windowed
     # Caps small enough to bite on a random model's scores and logits; a query scale that is not head_dim's.
-    "gemma2": dict(sliding_window=7, query_pre_attn_scalar=13, attn_logit_softcapping=0.5,
+    "gemma2": dict(sliding_window=7, query_pre_attn_scalar=13, attn_logit_softcapping=0.02,
                    final_logit_softcapping=1.5, tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"),
     # Layers 0 and 2 windowed with the local base, layer 1 full with the global base, linearly scaled.
     "gemma3": dict(sliding_window=7, sliding_window_pattern=2, query_pre_attn_scalar=13, tie_word_embeddings=True,

@@ -47,7 +47,7 @@ def test_each_family_reads_its_differences_from_config_json(checkpoints):
     assert (got["mistral"].qkv_bias, got["mistral"].qk_norm, got["mistral"].layer_windows) == (False, False, (7, 7, 7))
     g2, g3 = got["gemma2"], got["gemma3"]
     assert (g2.embed_scale, g2.norm_offset, g2.hidden_act, g2.sandwich_norms) == (True, True, "gelu_tanh", True)
-    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.query_pre_attn_scalar) == (0.5, 1.5, 13)
+    assert (g2.attn_logit_softcap, g2.final_logit_softcap, g2.query_pre_attn_scalar) == (0.02, 1.5, 13)
     assert g2.layer_windows == (7, 0, 7) and g2.tie_word_embeddings  # every other layer, from the first
     assert (g3.qk_norm, g3.attn_logit_softcap, g3.final_logit_softcap, g3.layer_windows) == (True, 0, 0, (7, 0, 7))
     assert (g3.rope_theta, g3.rope_scaling.rope_type, g3.rope_scaling.factor, g3.rope_local_theta) == (
