@@ -59,3 +59,32 @@ def test_a_chat_request_read_by_the_mistral_parser_keeps_special_tokens():
     no_tools = plan_chat_completion(ChatCompletionRequest(**{**body, "tools": None}), tokenizer,
                                     get_tool_parser("mistral", None), 4096)
     assert no_tools.params.skip_special_tokens  # no tools, no parser: as asked (the default)
+
+
+GEMMA2_TEMPLATE = (  # Gemma 2's chat template: no system role, turns must alternate, no tools
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}")
+
+
+def test_tools_reach_a_gemma_template_that_refuses_system_turns_and_wants_turns_to_alternate():
+    """Gemma's templates render no tools: the fallback writes them into the first user turn, and two
+    tool results into one user turn."""
+    tokenizer = ByteTokenizer()
+    tokenizer.chat_template = GEMMA2_TEMPLATE
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "What time is it in two zones?"},
+                {"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "c2"}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "10:00"},
+                {"role": "tool", "tool_call_id": "c2", "content": "11:00"}]
+    body = {"model": "tiny", "messages": messages, "tools": [tool]}
+    plan = plan_chat_completion(ChatCompletionRequest(**body), tokenizer, get_tool_parser("hermes", None), 8192)
+    prompt = tokenizer.decode(plan.prompts[0])
+    first_user = prompt.split("<start_of_turn>user\n")[1]
+    assert first_user.startswith("You can call the functions") and "get_time" in first_user
+    assert "What time is it in two zones?" in first_user
+    assert "10:00" in prompt and "11:00" in prompt and prompt.count("<start_of_turn>user") == 2

@@ -25,7 +25,7 @@ from jaxcb.structured.spec import (
     from_structured_outputs,
     strict_schema,
 )
-from jaxcb.tokenizer import Tokenizer, chat_prompt_ids
+from jaxcb.tokenizer import ChatTemplateError, Tokenizer, chat_prompt_ids
 
 
 @dataclass
@@ -136,7 +136,13 @@ def _messages_with_tools(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
     """(messages, tools) to render: as given when the template renders the request's tool use, else
     with the tools written into the conversation; InvalidRequestError when that is off."""
     messages = template_messages(req)
-    dropped = template_ignores_tools(tokenizer, messages, tools or None)
+    try:
+        dropped = template_ignores_tools(tokenizer, messages, tools or None)
+    except ChatTemplateError:  # e.g. Gemma's: tool turns break the alternation it demands
+        uses_tools = tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if not uses_tools:
+            raise
+        dropped = "tools" if tools else "messages"
     if dropped is None:
         return messages, tools or None
     if not fallback:
@@ -144,7 +150,12 @@ def _messages_with_tools(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
             f"{dropped}: this model's chat template does not render tools, so the model would never see them; "
             "start the server with a chat template that does (server.chat_template=FILE) or with "
             "server.tool_prompt_fallback=true, or send the request without them", dropped)
-    return with_tools_in_messages(parser.name, messages, tools or None), None
+    written = with_tools_in_messages(parser.name, messages, tools or None)
+    try:
+        tokenizer.apply_chat_template(written, True, None)
+    except ChatTemplateError:  # a template that refuses a system turn (Gemma 2's): the definitions go to the user
+        written = with_tools_in_messages(parser.name, messages, tools or None, system_turn=False)
+    return written, None
 
 
 def _strict_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -99,8 +99,11 @@ def template_ignores_tools(tokenizer: Tokenizer, messages: list[dict[str, Any]],
 
 
 def with_tools_in_messages(syntax: str, messages: list[dict[str, Any]],
-                           tools: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The conversation with its tools, calls and results written as plain turns (see the module's doc)."""
+                           tools: Optional[list[dict[str, Any]]], system_turn: bool = True) -> list[dict[str, Any]]:
+    """The conversation with its tools, calls and results written as plain turns (see the module's doc).
+    Results that follow one another make one user turn (templates that want turns to alternate, as
+    Gemma's, refuse two). `system_turn=False`, for a template that refuses a system message (Gemma 2's):
+    the definitions open the first user turn instead."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.get("tool_calls"):
@@ -108,13 +111,23 @@ def with_tools_in_messages(syntax: str, messages: list[dict[str, Any]],
             content = f"{m['content']}\n{text}" if m.get("content") else text
             out.append({"role": "assistant", "content": content})
         elif m["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
+            result = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1].get("tool_result"):
+                out[-1] = {**out[-1], "content": f"{out[-1]['content']}\n{result}"}
+            else:
+                out.append({"role": "user", "content": result, "tool_result": True})
         else:
             out.append({k: v for k, v in m.items() if k != "tool_call_id"})
+    out = [{k: v for k, v in m.items() if k != "tool_result"} for m in out]
     if tools:
         block = _tools_text(syntax, tools)
-        if out and out[0]["role"] in ("system", "developer"):
+        first = out[0]["role"] if out else None
+        if first in ("system", "developer"):
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{block}" if out[0]["content"] else block}
-        else:
+        elif system_turn:
             out.insert(0, {"role": "system", "content": block})
+        elif first == "user":  # the definitions before the question
+            out[0] = {**out[0], "content": f"{block}\n\n{out[0]['content']}" if out[0]["content"] else block}
+        else:
+            out.insert(0, {"role": "user", "content": block})
     return out
