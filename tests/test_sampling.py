@@ -1,5 +1,7 @@
 """In-jit sampling: each parameter does what it says, and a row's draw depends only on its own key."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,10 +37,18 @@ def counts_of(rows, prompt=(), output=()):
     return PenaltyCounts(jnp.asarray(seen), jnp.asarray(out))
 
 
+@functools.partial(jax.jit, static_argnames="level")
+def _sample_jitted(logits, s, counts, level):
+    # Jitted as the step runs it: op by op, the sampler's many small operations would each compile
+    # an executable of their own, and a process that compiles and drops thousands of them is what
+    # XLA:CPU's unwinder crashes in (docs/architecture.md).
+    return sample(logits, s, level, 3, counts=counts)
+
+
 def draw(logits, s, counts=None, level=FULL):
     rows = logits.shape[0]
     counts = counts_of(rows) if counts is None else counts
-    tok, lp, top_ids, top_lp = sample(jnp.asarray(logits, jnp.float32), s, level, 3, counts=counts)
+    tok, lp, top_ids, top_lp = _sample_jitted(jnp.asarray(logits, jnp.float32), s, counts, level)
     return np.asarray(tok), np.asarray(lp), np.asarray(top_ids), np.asarray(top_lp)
 
 
@@ -120,10 +130,11 @@ def test_a_row_draws_the_same_token_at_every_level_that_serves_it():
 def test_below_full_no_logprobs_are_computed_and_greedy_takes_the_given_argmax():
     logits = np.random.default_rng(0).standard_normal((4, VOCAB)).astype(np.float32)
     s = arrays(4, temperature=[0, 0, 0, 0])
-    tok, lp, top_ids, top_lp = (np.asarray(a) for a in sample(jnp.asarray(logits), s, RANDOM, 3))
+    tok, lp, top_ids, top_lp = (np.asarray(a) for a in jax.jit(lambda lg, s: sample(lg, s, RANDOM, 3))(
+        jnp.asarray(logits), s))
     assert np.all(lp == 0) and np.all(top_ids == 0) and np.all(top_lp == 0)
     given = jnp.array([5, 6, 7, 8], jnp.int32)  # what a backend's fused matmul-argmax found
-    tok, *_ = sample(None, s, GREEDY, 3, logits_argmax=given)
+    tok, *_ = jax.jit(lambda s, g: sample(None, s, GREEDY, 3, logits_argmax=g))(s, given)
     np.testing.assert_array_equal(tok, given)
     full = draw(logits, s)
     expected = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
