@@ -43,7 +43,7 @@ def test_a_3_12_venv_that_is_up_to_date_is_kept(tmp_path):
     venv.mkdir()
     for stamp in (".python-3.12", ".installed", ".installed-test"):  # newer than pyproject.toml
         (venv / stamp).touch()
-    assert make_n(tmp_path) == [".venv/bin/python -m pytest -n 2"]
+    assert make_n(tmp_path) == ['.venv/bin/python -m pytest -n 2 --reruns 1 --only-rerun "crashed while running"']
 
 
 def test_make_serve_installs_and_serves_smollm2_unless_args_name_a_model(tmp_path):
