@@ -342,3 +342,20 @@ def test_gemma2s_final_cap_keeps_greedy_tokens_and_gives_transformers_prompt_log
     theirs = torch.log_softmax(torch.tensor(hf_logits(hf, prompt)), dim=-1).numpy()
     expected = [theirs[i, token] for i, token in enumerate(prompt[1:])]
     np.testing.assert_allclose(ours, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_end_of_turn_ids_come_from_generation_config_json(checkpoints, family, tmp_path):
+    """Qwen's <|im_end|> and Gemma's <end_of_turn> are listed in generation_config.json, not config.json."""
+    import shutil
+
+    from jaxcb.model_setup import load_model_and_tokenizer
+
+    path = tmp_path / family
+    shutil.copytree(checkpoints[family][0], path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 107]}))
+    _, _, tokenizer = load_model_and_tokenizer(hf_model_config(path), AttentionConfig(impl="xla"))
+    assert {2, 107} <= set(tokenizer.eos_token_ids)
+    (path / "generation_config.json").unlink()
+    _, _, tokenizer = load_model_and_tokenizer(hf_model_config(path), AttentionConfig(impl="xla"))
+    assert 107 not in tokenizer.eos_token_ids
