@@ -94,12 +94,17 @@ def token_stop_status(
 ) -> Optional[RequestStatus]:
     """Whether the sequence stops on its `num_output`-th token `token`: on EOS or a stop token id
     once min_tokens are out (FINISHED_STOPPED), at max_tokens or max_model_len (FINISHED_LENGTH)."""
-    if num_output >= params.min_tokens:
-        if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
-            return RequestStatus.FINISHED_STOPPED
+    if stops_on_token(params, token, num_output, eos_token_ids):
+        return RequestStatus.FINISHED_STOPPED
     if num_output >= params.max_tokens or num_prompt + num_output >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def stops_on_token(params: SamplingParams, token: int, num_output: int, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether the `num_output`-th token is an EOS or stop token id that ends the sequence (min_tokens out)."""
+    return num_output >= params.min_tokens and (
+        token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids))
 
 
 def _advance_constraint(seq: Sequence, token: int) -> Optional[RequestStatus]:
@@ -180,7 +185,7 @@ class OutputProcessor:
             c = group.completions[seq.sample_index]
             if c.finish_reason is not None:
                 continue  # a token drawn after the stop (async scheduling), already trimmed
-            if self._ends_on_token(c, token, group.params):
+            if stops_on_token(group.params, token, len(c.token_ids) + 1, self.eos_token_ids):
                 # Its id counts, its text never shows (as vLLM): a stop token id's text, or with
                 # skip_special_tokens=false, EOS's "</s>".
                 c.detokenizer.add_stop_token(token)
@@ -206,11 +211,6 @@ class OutputProcessor:
                 del self.groups[request_id]
                 self.timed_groups.pop(request_id, None)
         return outputs, stops
-
-    def _ends_on_token(self, c: CompletionState, token: int, params: SamplingParams) -> bool:
-        """Whether `token`, the completion's next, is an EOS or stop token that stops it."""
-        stop_status = token_stop_status(params, token, len(c.token_ids) + 1, 0, self.eos_token_ids, 1 << 62)
-        return stop_status is RequestStatus.FINISHED_STOPPED
 
     def _token_stop(self, seq: Sequence, token: int, group: RequestGroup) -> Optional[RequestStatus]:
         num_output = len(group.completions[seq.sample_index].token_ids)
