@@ -76,7 +76,8 @@ def load_model_and_tokenizer(
         eos |= checkpoint_eos_token_ids(m.checkpoint)
     tokenizer.eos_token_ids = sorted(eos)
     checkpoint_dtype = read_checkpoint_config(m.checkpoint).get("checkpoint_dtype") if m.checkpoint else None
-    _, dtype_reason = choose_model_dtype(m.dtype, checkpoint_dtype)
+    _, dtype_reason = choose_model_dtype(m.dtype, checkpoint_dtype,
+                                         packed_cpu_backend=m.backend != "xla" and cfg.llama_layers)
     log.info(
         "model=%s: %s, %d layers, hidden %d, %d/%d heads, vocab %d, %s (%s); tokenizer %s; %s; attention %s",
         m.name, describe(cfg.architecture, cfg.qkv_bias, cfg.qk_norm, cfg.layer_windows),

@@ -99,8 +99,8 @@ TWO_DEVICES = AbstractMesh((2,), ("tp",), axis_types=(AxisType.Auto,))
 
 
 def test_auto_picks_the_cpu_backend_only_where_it_applies():
-    assert select().name == "cpu" and select("xla").name == "xla"
-    for change in (dict(platform="gpu"), dict(dtype="bfloat16"), dict(layer_loop="scan"), dict(mesh=TWO_DEVICES)):
+    assert select().name == "cpu" and select("xla").name == "xla" and select(dtype="bfloat16").name == "cpu"
+    for change in (dict(platform="gpu"), dict(dtype="float16"), dict(layer_loop="scan"), dict(mesh=TWO_DEVICES)):
         assert select(**change).name == "xla"
     assert select(platform="gpu").unroll_layers is False and select("xla").unroll_layers is True
 
@@ -109,7 +109,7 @@ def test_auto_picks_the_cpu_backend_only_where_it_applies():
     "change,reason",
     [
         (dict(platform="gpu"), "runs on CPU only"),
-        (dict(dtype="bfloat16"), r"takes float32 weights \(model.dtype=bfloat16\)"),
+        (dict(dtype="float16"), r"takes float32 or bfloat16 weights \(model.dtype=float16\)"),
         (dict(layer_loop="scan"), "needs model.layer_loop=unrolled"),
         (dict(mesh=TWO_DEVICES), r"one device \(engine.tensor_parallel_size=2\)"),
     ],

@@ -48,23 +48,41 @@ def test_hf_preset_reads_architecture_from_checkpoint(tmp_path):
     assert (arch.hidden_size, arch.num_layers, arch.num_heads, arch.num_kv_heads) == (48, 3, 6, 2)
 
 
-def test_hf_preset_serves_float32_on_cpu_and_the_checkpoints_dtype_elsewhere(tmp_path):
+def test_hf_preset_serves_a_float32_checkpoint_in_float32_on_cpu_and_the_checkpoints_dtype_elsewhere(tmp_path):
     from hf_checkpoints import make_hf_llama
-    from jaxcb.model.config import choose_model_dtype, resolve_llama_config, resolve_model_dtype
+    from jaxcb.model.config import choose_model_dtype, resolve_llama_config
 
-    make_hf_llama(str(tmp_path))
+    make_hf_llama(str(tmp_path))  # a float32 checkpoint
     cfg = compose_config("model=hf", f"model.checkpoint={tmp_path}")
     assert cfg.model.dtype == "auto" and resolve_llama_config(cfg.model).dtype == "float32"  # this is a CPU
     assert resolve_llama_config(compose_config("model=hf", f"model.checkpoint={tmp_path}",
                                                "model.dtype=bfloat16").model).dtype == "bfloat16"
     for ckpt, want in (("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("float16", "float16"), (None, "bfloat16")):
-        assert resolve_model_dtype("auto", ckpt, platform="gpu") == want
-    assert resolve_model_dtype("auto", "bfloat16", platform="cpu") == "float32"
-    assert resolve_model_dtype("float16", "bfloat16", platform="cpu") == "float16"
+        assert choose_model_dtype("auto", ckpt, platform="gpu")[0] == want
+    assert choose_model_dtype("float16", "bfloat16", platform="cpu")[0] == "float16"
     # The log says what auto chose and why.
-    assert "float32 on CPU" in choose_model_dtype("auto", "bfloat16", platform="cpu")[1]
     assert choose_model_dtype("auto", "float16", platform="gpu") == ("float16", "model.dtype=auto: the checkpoint's float16 on gpu")
     assert "quantized or random" in choose_model_dtype("auto", None, platform="gpu")[1]
+
+
+@pytest.mark.parametrize("checkpoint", ["bfloat16", None])
+def test_auto_dtype_on_cpu_serves_bf16_weights_in_bf16_only_where_the_cpu_backend_multiplies_them_fast(checkpoint):
+    from jaxcb.model.config import choose_model_dtype
+
+    def auto(speedup, packed=True, ckpt=checkpoint):
+        return choose_model_dtype("auto", ckpt, platform="cpu", packed_cpu_backend=packed,
+                                  cpu_bf16_speedup=lambda: speedup)
+
+    dtype, why = auto(5.2)
+    assert dtype == "bfloat16" and "bf16 matmul runs 5.2x float32's speed" in why
+    assert auto(1.0)[0] == "bfloat16"
+    dtype, why = auto(0.7)  # a CPU without AMX or fast bf16 dot products
+    assert dtype == "float32" and "runs 0.70x float32's speed" in why
+    dtype, why = auto(None)  # no C++ compiler: XLA's bf16 dot is slow here
+    assert dtype == "float32" and "bf16 matmul is unavailable" in why
+    assert auto(5.2, packed=False)[0] == "float32"  # the xla backend, or a family the cpu backend does not run
+    for ckpt in ("float32", "float16"):  # transformers' reference precision, and no loss in converting
+        assert auto(5.2, ckpt=ckpt)[0] == "float32"
 
 
 def test_large_preset_without_weights_says_which_option_to_add():

@@ -2,14 +2,14 @@
 
 import jax.numpy as jnp
 
-from jaxcb.model.config import resolve_llama_config, resolve_model_dtype
+from jaxcb.model.config import choose_model_dtype, resolve_llama_config
 from jaxcb.model.llama import build_abstract_model, count_params
 from test_config import compose_config
 
 
 def test_llama8b_has_8_030_261_248_params_and_128_KiB_of_bf16_kv_per_token():
     cfg = compose_config("model=llama8b", "model.init=random")
-    assert cfg.model.dtype == "auto" and resolve_model_dtype("auto", None, platform="gpu") == "bfloat16"
+    assert cfg.model.dtype == "auto" and choose_model_dtype("auto", None, platform="gpu")[0] == "bfloat16"
     cfg.model.dtype = "bfloat16"  # what auto gives a random-init model on a GPU
     arch = resolve_llama_config(cfg.model)
     model = build_abstract_model(arch)  # nnx.eval_shape: ShapeDtypeStructs, nothing allocated

@@ -82,7 +82,9 @@ CONVERSATIONS = {
 @pytest.fixture(scope="module")
 def llm():
     # Room for tool definitions, which SmolLM2's prompts carry in the conversation (the tool prompt fallback).
-    return LLM(compose_config(BASE + VARIANTS + ("model=smollm2", "engine.max_model_len=512")), progress=False)
+    # float32, as the transformers reference runs (auto serves bf16 where this CPU multiplies bf16 fast).
+    return LLM(compose_config(BASE + VARIANTS + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=512")),
+               progress=False)
 
 
 @pytest.fixture(scope="module")

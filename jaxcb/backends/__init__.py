@@ -1,7 +1,7 @@
 """Backends: the layer operations the model calls, chosen once at start-up.
 
     xla   XLA's dot everywhere (`base.Backend`): any platform, any dtype, any mesh
-    cpu   the packed C++ matmul (`cpu.CpuBackend`): CPU, float32 weights, one device
+    cpu   the packed C++ matmul (`cpu.CpuBackend`): CPU, float32 or bfloat16 weights, one device
     auto  cpu where it applies and its C++ kernels build; xla elsewhere
 
 Only this package and `jaxcb.kernels` know which backend runs or import the C++ kernels;
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "cpu", "xla")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
-__all__ = ["Backend", "BACKENDS", "resolve_layer_loop", "select_backend"]
+__all__ = ["Backend", "BACKENDS", "bf16_matmul_speedup", "resolve_layer_loop", "select_backend"]
 
 
 def resolve_layer_loop(layer_loop: str, platform: str | None = None) -> str:
@@ -45,6 +45,17 @@ def _cpu_kernels_error() -> Optional[str]:
     except CpuKernelUnavailable as e:
         return str(e)
     return None
+
+
+def bf16_matmul_speedup() -> Optional[float]:
+    """How many times float32's speed the `cpu` backend multiplies bf16 weights at on this CPU
+    (`jaxcb.kernels.cpu.bf16_speedup`); None where its C++ kernels do not build."""
+    from jaxcb.kernels.cpu import CpuKernelUnavailable, bf16_speedup
+
+    try:
+        return bf16_speedup()
+    except CpuKernelUnavailable:
+        return None
 
 
 def _cpu_row_argmax(platform: str, one_device: bool, kernels_error: Optional[str] = None) -> Argmax:
@@ -81,13 +92,13 @@ def select_backend(
     if model.backend != "xla":
         if platform != "cpu":
             why_not.append(f"it runs on CPU only (this is {platform})")
-        if arch.dtype != "float32":
-            why_not.append(f"it takes float32 weights (model.dtype={arch.dtype})")
+        if arch.dtype not in ("float32", "bfloat16"):
+            why_not.append(f"it takes float32 or bfloat16 weights (model.dtype={arch.dtype})")
         if layer_loop != "unrolled":
             why_not.append("it needs model.layer_loop=unrolled")
         if mesh is not None:
             why_not.append(f"it runs on one device (engine.tensor_parallel_size={mesh.size})")
-        if arch.norm_offset or arch.sandwich_norms or arch.hidden_act != "silu" or arch.final_logit_softcap:
+        if not arch.llama_layers:
             why_not.append(f"its fused norms, SwiGLU MLP and LM head are Llama's, not {arch.architecture}'s")
         if not why_not and kernels_error is not None:
             why_not.append(kernels_error)

@@ -5,7 +5,13 @@ q/k/v fused into one matrix and gate/up into another, and the LM head the same w
 layers run unrolled, one packed weight set per layer. XLA:CPU's dot re-packs its weight
 operand on every call and streams it at a few GB/s for a decode step's few rows, where the
 packed kernel runs near the machine's matmul peak. The arithmetic is the XLA backend's; only
-who multiplies changes. Float32 weights, one device.
+who multiplies changes. One device.
+
+Float32 or bfloat16 weights. bf16 weights stay bf16 in memory and each product accumulates in
+float32, on the fastest path this CPU runs (`jaxcb.kernels.cpu.bf16_matmul_path`: AMX tiles,
+AVX512-BF16 dot products, or widening to float32). Whatever the weights, the residual stream,
+norms, rotary embedding, attention's softmax and the logits are float32: a bf16 model here is
+bf16 weights (and x rounded to bf16 at each product), not bf16 arithmetic.
 """
 
 from __future__ import annotations
@@ -43,14 +49,15 @@ class PackedLayerWeights(NamedTuple):
         d = w.q_proj.shape[0]
         qkv = jnp.concatenate([p.reshape(d, -1) for p in (w.q_proj, w.k_proj, w.v_proj)], axis=1)
         bias = None if w.q_bias is None else jnp.concatenate([b.reshape(-1) for b in (w.q_bias, w.k_bias, w.v_bias)])
+        f32 = lambda v: None if v is None else v.astype(jnp.float32)  # noqa: E731 (the float32 stream's vectors)
         return PackedLayerWeights(
-            w.attn_norm,
+            f32(w.attn_norm),
             pack_columns(qkv),
             pack_columns(w.o_proj.reshape(-1, w.o_proj.shape[-1])),
-            w.mlp_norm,
+            f32(w.mlp_norm),
             pack_gate_up(w.gate_proj, w.up_proj),
             pack_columns(w.down_proj),
-            bias, w.q_norm, w.k_norm,
+            f32(bias), f32(w.q_norm), f32(w.k_norm),
         )
 
 
@@ -60,6 +67,11 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def describe(self) -> str:
+        if self.cfg.dtype == "bfloat16":
+            from jaxcb.kernels.cpu import BF16_MATMUL_DESCRIPTIONS, bf16_matmul_path
+
+            return f"backend cpu (the packed C++ matmul, bf16 weights on {BF16_MATMUL_DESCRIPTIONS[bf16_matmul_path()]}; " \
+                   "layers unrolled)"
         return "backend cpu (the packed C++ matmul; layers unrolled)"
 
     def prepare_layers(self, layers: list[LayerWeights]) -> list[PackedLayerWeights]:
@@ -81,6 +93,7 @@ class CpuBackend(Backend):
     def self_attention(self, w: PackedLayerWeights, h, rope, cache: KVCache, layer, md: AttentionMetadata,
                        window=None):
         cfg = self.cfg
+        h = h.astype(jnp.float32)  # a bf16 model's embeddings: the stream is float32 from here
         llama_attention = w.qkv_bias is None and w.q_norm is None
         if self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES and llama_attention:
             # q/k/v, rope and the cache write in one kernel call, then attention over the cache. (A
@@ -99,7 +112,8 @@ class CpuBackend(Backend):
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
 
     def add_attention_output(self, w: PackedLayerWeights, h, attn):
-        return packed_matmul(attn.reshape(attn.shape[0], -1), w.o_proj, self.cfg.hidden_size, residual=h)
+        attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
+        return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=h.astype(jnp.float32))
 
     def add_mlp(self, w: PackedLayerWeights, h):
         return packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm,

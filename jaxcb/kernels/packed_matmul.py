@@ -1,5 +1,10 @@
 """The packed C++ matmul for CPU (`jaxcb.kernels.cpu`), as the `cpu` backend's linear layers use it.
 
+Weights are float32 (`pack_columns`) or bfloat16 (`pack_columns` of a bf16 matrix: pairs of rows
+in uint32 words, which the kernels multiply on AVX512-BF16 dot products, or widened to float32
+where the CPU has none: `jaxcb.kernels.cpu.bf16_matmul_path`). Activations, norms and outputs are
+float32 either way: a bf16 product accumulates in float32, and x is rounded to bf16 on its way in.
+
 - `packed_matmul`: float32 x @ w with w packed once by `pack_columns`. It can RMS-normalise x
   on the way in and add a residual on the way out.
 - `packed_qkv`: a decoder layer's q/k/v projection (normed x @ w), with rope over q and k and
@@ -21,16 +26,38 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.kernels.cpu import (
-    ATTENTION_DTYPES, MATMUL_ARGMAX_TARGET, MATMUL_TARGET, MLP_TARGET, PANEL, QKV_TARGET, load_cpu_kernels,
+    ATTENTION_DTYPES, MATMUL_ARGMAX_TARGET, MATMUL_TARGET, MLP_TARGET, PANEL, QKV_TARGET, bf16_matmul_path,
+    load_cpu_kernels,
 )
 
 
-def pack_columns(w: jax.Array) -> jax.Array:  # [K, N] -> [ceil(N / 16), K, 16], zero-padded columns
-    """The layout `packed_matmul` reads: panel p holds columns [16p, 16p + 16) of w, row by row."""
+def pack_columns(w: jax.Array) -> jax.Array:
+    """The layout `packed_matmul` reads: panel p holds columns [16p, 16p + 16) of w, row by row.
+
+    float32 w [K, N] -> f32[ceil(N / 16), K, 16]; bfloat16 w -> u32[ceil(N / 16), depth, 16], each
+    word the pair of rows (2i, 2i + 1) of one column (row 2i in the low half), the layout of
+    AVX512-BF16's pair dot products and of AMX's B tiles, with K padded to a multiple of 32 (a B
+    tile's 16 pairs): depth = `packed_depth(K, bf16)`. Padding (columns, rows) is zeros."""
     k, n = w.shape
     panels = -(-n // PANEL)
+    if w.dtype == jnp.bfloat16:
+        w = jnp.pad(w, ((0, 2 * _pair_depth(k) - k), (0, panels * PANEL - n)))
+        pairs = w.reshape(-1, 2, panels, PANEL).transpose(2, 0, 3, 1)  # [P, K / 2, 16, 2]
+        return jax.lax.bitcast_convert_type(pairs, jnp.uint32)
+    if w.dtype != jnp.float32:
+        raise ValueError(f"the CPU matmul packs float32 or bfloat16 weights, not {w.dtype}; use model.backend=xla")
     w = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
     return w.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def _pair_depth(k: int) -> int:
+    return -(-k // 32) * 16
+
+
+def packed_depth(k: int, packed: jax.Array) -> int:
+    """The rows of a packed weight for input width k: k (float32), or the pairs of k padded to a
+    multiple of 32 (bf16, packed as uint32)."""
+    return _pair_depth(k) if packed.dtype == jnp.uint32 else k
 
 
 def _optional_inputs(x: jax.Array, n: int, norm: jax.Array | None, residual: jax.Array | None) -> tuple:
@@ -44,21 +71,30 @@ def _optional_inputs(x: jax.Array, n: int, norm: jax.Array | None, residual: jax
             jnp.zeros((0, n), jnp.float32) if residual is None else residual.reshape(-1, n))
 
 
+def _load_for(*packed: jax.Array) -> None:
+    """Loads the kernels, and before a first bf16 product chooses its path (probed, timed, logged)."""
+    load_cpu_kernels()
+    if any(p.dtype == jnp.uint32 for p in packed):
+        bf16_matmul_path()
+
+
 def _check_packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> None:
-    if x.dtype != jnp.float32 or packed.dtype != jnp.float32:
-        raise ValueError(f"the CPU matmul takes float32, got x {x.dtype} and w {packed.dtype}; use model.backend=xla")
-    if packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != x.shape[-1] or packed.shape[0] != -(-n // PANEL):
+    if x.dtype != jnp.float32 or packed.dtype not in (jnp.float32, jnp.uint32):
+        raise ValueError(f"the CPU matmul takes float32 x and weights packed from float32 or bfloat16, got x {x.dtype} "
+                         f"and w {packed.dtype}; use model.backend=xla")
+    if (packed.ndim != 3 or packed.shape[2] != PANEL or packed.shape[1] != packed_depth(x.shape[-1], packed)
+            or packed.shape[0] != -(-n // PANEL)):
         raise ValueError(f"packed weight {packed.shape} does not match x {x.shape} and n={n}")
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, norm: jax.Array | None = None, eps: float = 0.0,
                   residual: jax.Array | None = None) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
-    """x @ w for float32, with `packed = pack_columns(w)` and n = w.shape[1]. With `norm` ([K]) x
+    """x @ w for float32 x, with `packed = pack_columns(w)` and n = w.shape[1]. With `norm` ([K]) x
     is RMS-normalised first (`rms_norm(x, norm, eps)`, fused into the kernel's packing of x); with
     `residual` ([..., n]) the result is residual + x @ w."""
     _check_packed_matmul(x, packed, n)
     norm, residual = _optional_inputs(x, n, norm, residual)
-    load_cpu_kernels()
+    _load_for(packed)
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
         rows, packed, norm, residual, eps=np.float32(eps))
@@ -97,7 +133,7 @@ def packed_qkv(
         raise ValueError(f"caches {k_cache.dtype} {k_cache.shape} / {v_cache.dtype} {v_cache.shape}: the CPU q/k/v "
                          f"projection writes two caches of one shape, in one of {ATTENTION_DTYPES}")
     norm, _ = _optional_inputs(h, 1, norm, None)
-    load_cpu_kernels()
+    _load_for(packed)
     call = jax.ffi.ffi_call(QKV_TARGET, (jax.ShapeDtypeStruct((t, num_q_heads, head_dim), jnp.float32),
                                          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                                          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
@@ -116,7 +152,7 @@ def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Ar
     _check_packed_matmul(x, packed, n)
     if n == 0 and x.shape[0] > 0:
         raise ValueError("the row argmax of rows with no columns is undefined (n=0)")
-    load_cpu_kernels()
+    _load_for(packed)
     out = (jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
     return jax.ffi.ffi_call(MATMUL_ARGMAX_TARGET, out)(x, packed, jnp.asarray(want_y, jnp.int32).reshape(()))
 
@@ -126,6 +162,9 @@ def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> 
     so that one tile sees the same 16 columns of both."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {gate.shape} and up {up.shape} must have the same shape")
+    if gate.dtype == jnp.bfloat16:  # whole 32-column blocks: down's bf16 rows come in 32s (packed_mlp)
+        pad = ((0, 0), (0, -gate.shape[1] % 32))
+        gate, up = jnp.pad(gate, pad), jnp.pad(up, pad)
     pairs = jnp.stack([pack_columns(gate), pack_columns(up)], axis=1)  # [Q, 2, K, 16]
     return pairs.reshape(-1, *pairs.shape[2:])
 
@@ -135,15 +174,17 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
     """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
     `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
     `residual` as in `packed_matmul`."""
-    if x.dtype != jnp.float32 or gate_up.dtype != jnp.float32 or down.dtype != jnp.float32:
-        raise ValueError(f"the CPU MLP takes float32, got x {x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; "
-                         "use model.backend=xla")
-    f = down.shape[1]
-    if (gate_up.ndim != 3 or gate_up.shape[0] != 2 * -(-f // PANEL) or gate_up.shape[1:] != (x.shape[-1], PANEL)
+    if x.dtype != jnp.float32 or gate_up.dtype != down.dtype or down.dtype not in (jnp.float32, jnp.uint32):
+        raise ValueError(f"the CPU MLP takes float32 x and weights packed alike from float32 or bfloat16, got x "
+                         f"{x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; use model.backend=xla")
+    # bf16: gate/up padded to whole pairs of panels (pack_gate_up), which down's padding rows meet
+    f = gate_up.shape[0] // 2 * PANEL if down.dtype == jnp.uint32 else down.shape[1]
+    if (gate_up.ndim != 3 or gate_up.shape[0] != 2 * -(-f // PANEL) or down.shape[1] != packed_depth(f, down)
+            or gate_up.shape[1:] != (packed_depth(x.shape[-1], gate_up), PANEL)
             or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):
         raise ValueError(f"packed gate/up {gate_up.shape} and down {down.shape} do not match x {x.shape} and n={n}")
     norm, residual = _optional_inputs(x, n, norm, residual)
-    load_cpu_kernels()
+    _load_for(gate_up, down)
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
         rows, gate_up, down, norm, residual, eps=np.float32(eps))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, fields
-from typing import Any, Optional
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Optional
 
 from jaxcb.config import ConfigError, ModelConfig, RopeScalingConfig
 from jaxcb.model.families import read_architecture, text_config
@@ -72,6 +72,12 @@ class LlamaConfig:
         from jaxcb.model.families import layer_windows
 
         return layer_windows(self.num_layers, self.sliding_window, self.layer_types)
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether the layers are Llama's (norms, SwiGLU MLP, LM head): what the `cpu` backend's
+        fused kernels compute."""
+        return not (self.norm_offset or self.sandwich_norms or self.hidden_act != "silu" or self.final_logit_softcap)
 
     def kv_bytes_per_token(self, cache_itemsize: int) -> int:
         """Bytes of K and V that one token occupies in the cache, over all layers."""
@@ -209,30 +215,48 @@ def resolve_llama_config(m: ModelConfig) -> LlamaConfig:
         rope = from_ckpt.get("rope_scaling")
     else:
         rope = _preset_rope(m.rope_scaling)
-    return LlamaConfig(**values, rope_scaling=rope, dtype=resolve_model_dtype(m.dtype, from_ckpt.get("checkpoint_dtype")))
+    cfg = LlamaConfig(**values, rope_scaling=rope)
+    dtype, _ = choose_model_dtype(m.dtype, from_ckpt.get("checkpoint_dtype"),
+                                  packed_cpu_backend=m.backend != "xla" and cfg.llama_layers)
+    return replace(cfg, dtype=dtype)
 
 
-def resolve_model_dtype(requested: str, checkpoint_dtype: Optional[str], platform: Optional[str] = None) -> str:
-    return choose_model_dtype(requested, checkpoint_dtype, platform)[0]
+def _cpu_bf16_speedup() -> Optional[float]:
+    from jaxcb.backends import bf16_matmul_speedup  # only here: it builds and probes the C++ kernels
+
+    return bf16_matmul_speedup()
 
 
 def choose_model_dtype(
-    requested: str, checkpoint_dtype: Optional[str], platform: Optional[str] = None
+    requested: str, checkpoint_dtype: Optional[str], platform: Optional[str] = None, packed_cpu_backend: bool = False,
+    cpu_bf16_speedup: Callable[[], Optional[float]] = _cpu_bf16_speedup,
 ) -> tuple[str, str]:
-    """(dtype, why) of `model.dtype`. auto: float32 on CPU (its fast path, and transformers'
-    reference, are float32); elsewhere the checkpoint's dtype, with float32 (or an unknown one:
-    quantized or random weights) served as bfloat16."""
+    """(dtype, why) of `model.dtype`. auto: elsewhere than on CPU the checkpoint's dtype, with
+    float32 (or an unknown one: quantized or random weights) served as bfloat16. On CPU bf16
+    checkpoints and weights of no stated dtype are served in bfloat16 where the `cpu` backend runs
+    them (`packed_cpu_backend`) and this CPU multiplies bf16 at least as fast as float32
+    (`cpu_bf16_speedup`: AMX, or bf16 dot products); else, and for float32 and float16
+    checkpoints, in float32, transformers' reference precision."""
     if requested != "auto":
         return requested, f"model.dtype={requested}"
     if platform is None:
         import jax  # only here: the config modules stay host-only otherwise
 
         platform = jax.default_backend()
+    source = f"a {checkpoint_dtype} checkpoint" if checkpoint_dtype else "weights of no stated dtype (quantized or random)"
     if platform == "cpu":
-        return "float32", "model.dtype=auto: float32 on CPU, where the fast path and transformers' reference run"
+        if checkpoint_dtype not in ("bfloat16", None):
+            return "float32", f"model.dtype=auto: float32 on CPU for {source}"
+        if not packed_cpu_backend:
+            return "float32", f"model.dtype=auto: float32 on CPU for {source}: only the cpu backend multiplies bf16 fast"
+        speedup = cpu_bf16_speedup()
+        if speedup is not None and speedup >= 1.0:
+            return "bfloat16", (f"model.dtype=auto: bfloat16 on CPU for {source}: this CPU's bf16 matmul runs "
+                                f"{speedup:.1f}x float32's speed")
+        measured = "is unavailable" if speedup is None else f"runs {speedup:.2f}x float32's speed"
+        return "float32", f"model.dtype=auto: float32 on CPU for {source}: this CPU's bf16 matmul {measured}"
     if checkpoint_dtype in ("bfloat16", "float16"):
         return checkpoint_dtype, f"model.dtype=auto: the checkpoint's {checkpoint_dtype} on {platform}"
-    source = f"a {checkpoint_dtype} checkpoint" if checkpoint_dtype else "weights of no stated dtype (quantized or random)"
     return "bfloat16", f"model.dtype=auto: bfloat16 on {platform} for {source}"
 
 

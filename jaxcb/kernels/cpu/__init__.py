@@ -16,14 +16,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import jax
 
+log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (
     HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc", HERE / "kv_cache_write.cc",
@@ -109,7 +112,7 @@ def build_library(source_dir: Path = HERE) -> Path:
 
 
 @functools.cache
-def load_cpu_kernels() -> None:
+def load_cpu_kernels() -> ctypes.CDLL:
     """Builds (once per machine) and registers the kernels with XLA; raises CpuKernelUnavailable."""
     path = build_library()
     try:
@@ -124,3 +127,83 @@ def load_cpu_kernels() -> None:
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")
     jax.ffi.register_ffi_target(LAZY_ZEROS_TARGET, jax.ffi.pycapsule(lib.JaxcbLazyZeros), platform="cpu")
+    return lib
+
+
+# The bf16 matmul's paths (packed_matmul.cc's Bf16Matmul), best last.
+BF16_MATMUL_PATHS = {1: "widen", 2: "avx512-bf16", 3: "amx"}
+BF16_MATMUL_DESCRIPTIONS = {
+    "widen": "bf16 weights widened to float32 for float FMAs",
+    "avx512-bf16": "AVX512-BF16 dot products (vdpbf16ps), accumulating in float32",
+    "amx": "AMX tiles (tdpbf16ps), accumulating in float32",
+}
+_PROBE = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.JaxcbTimeBf16Matmul.restype = ctypes.c_double
+path = int(sys.argv[2])
+if path and lib.JaxcbProbeBf16Matmul(path) != 1:
+    sys.exit(3)
+print(lib.JaxcbTimeBf16Matmul(path))
+"""
+
+
+def _time_path(library: str, path: int) -> float | None:
+    """Nanoseconds per decode-sized tile of `path`, or None when it does not run and compute
+    right here. Tried in a child process: a CPU whose flags list an instruction it cannot run
+    (some VMs) kills the child, not the engine."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, library, str(path)], capture_output=True, text=True,
+                              timeout=120)
+        return float(done.stdout) if done.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+@functools.cache
+def bf16_matmul_path() -> str:
+    """The bf16 matmul path the kernels take on this machine (a name of BF16_MATMUL_PATHS): of the
+    paths built for this CPU, the fastest that runs and computes right, timed once per process
+    (by what runs, not by /proc/cpuinfo alone), and logged once."""
+    lib = load_cpu_kernels()
+    built = lib.JaxcbBf16MatmulPaths()
+    library = str(build_library())
+    times = {}
+    for code, name in BF16_MATMUL_PATHS.items():
+        if built & (1 << code):
+            times[code] = _time_path(library, code)
+            if times[code] is None:
+                log.warning("the %s bf16 matmul is built for this CPU but does not run right here; falling back", name)
+    ran = {code: t for code, t in times.items() if t is not None}
+    chosen = min(ran, key=ran.get) if ran else 1
+    name = BF16_MATMUL_PATHS[lib.JaxcbSelectBf16Matmul(chosen)]
+    timings = ", ".join(f"{BF16_MATMUL_PATHS[c]} {t / 1000:.2f} us" for c, t in ran.items())
+    log.info("CPU bf16 matmul: %s (a decode tile: %s)", BF16_MATMUL_DESCRIPTIONS[name], timings or "not timed")
+    _BF16_TILE_NS[name] = ran.get(chosen)
+    return name
+
+
+_BF16_TILE_NS: dict[str, float | None] = {}
+
+
+@functools.cache
+def bf16_speedup() -> float | None:
+    """How many times faster this CPU multiplies bf16 weights than float32 ones, on the path it
+    takes (a decode tile, compute-bound: the bytes saved come on top); None when not measured."""
+    name = bf16_matmul_path()
+    f32 = _time_path(str(build_library()), 0)
+    bf16 = _BF16_TILE_NS.get(name)
+    return None if not f32 or not bf16 else f32 / bf16
+
+
+def select_bf16_matmul(name: str) -> str:
+    """Makes every later bf16 kernel call take path `name` (tests and benchmarks compare paths);
+    returns the path in use, the current one when this build lacks `name`."""
+    code = {v: k for k, v in BF16_MATMUL_PATHS.items()}[name]
+    return BF16_MATMUL_PATHS[load_cpu_kernels().JaxcbSelectBf16Matmul(code)]
+
+
+def bf16_matmul_paths_built() -> list[str]:
+    """The bf16 paths this machine's build of the kernels has (what runs is another matter)."""
+    built = load_cpu_kernels().JaxcbBf16MatmulPaths()
+    return [name for code, name in BF16_MATMUL_PATHS.items() if built & (1 << code)]
