@@ -31,11 +31,14 @@ def kv_cache_shape(model: LlamaConfig, num_blocks: int, block_size: int) -> tupl
     return (model.num_layers, model.num_kv_heads, num_blocks, block_size, model.head_dim)
 
 
-def default_cache_dtype(requested: str) -> jnp.dtype:
-    """`auto` is bf16 on accelerators and f32 on CPU, where a bf16 scatter costs time in the whole cache."""
+def default_cache_dtype(requested: str, model_dtype: str = "float32") -> jnp.dtype:
+    """`auto` is bf16 on accelerators; on CPU the model's dtype, bf16 for a bf16 model (half the
+    bytes attention reads) and f32 otherwise."""
     if requested != "auto":
         return jnp.dtype(requested)
-    return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    if jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.bfloat16 if model_dtype == "bfloat16" else jnp.float32)
+    return jnp.dtype(jnp.bfloat16)
 
 
 def format_bytes(n: int) -> str:
@@ -206,7 +209,7 @@ def plan_kv_cache(
     not pin gigabytes it cannot use -- and refuses a size the host's available memory cannot
     hold. Fails if one sequence of max_model_len would not fit.
     """
-    dtype = default_cache_dtype(cache.dtype)
+    dtype = default_cache_dtype(cache.dtype, model.dtype)
     bytes_per_block = model.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * cache.block_size
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if cache.num_blocks is not None:

@@ -192,3 +192,33 @@ def test_nothing_outside_the_backends_and_kernels_imports_the_cpu_kernels_or_nam
 def test_the_model_package_imports_nothing_from_the_cpu_kernels():
     for path in (ROOT / "jaxcb" / "model").rglob("*.py"):
         assert not any(m.startswith(CPU_ONLY_MODULES) for m in imported_modules(ast.parse(path.read_text()))), path
+
+
+def test_the_cpu_backend_in_bf16_computes_what_float32_does_on_the_same_bf16_weights():
+    """bf16 weights multiply with float32 accumulation and a float32 residual stream: against the xla
+    backend in float32 on the same (bf16-valued) weights, only x's rounding to bf16 at each product
+    and the bf16 cache differ."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.reference_generate import greedy_generate
+    from jaxcb.backends import Backend
+    from jaxcb.backends.cpu import CpuBackend
+    from jaxcb.kernels.attention import select_attention
+    from jaxcb.model.llama import build_random_model
+
+    bf16 = resolve_llama_config(compose_config(["model=tiny", "model.dtype=bfloat16"]).model)
+    f32 = dataclasses.replace(bf16, dtype="float32")
+    ours = greedy_generate(build_random_model(bf16, seed=0), PROMPTS[1], 8, cache_dtype=jnp.bfloat16,
+                           backend=CpuBackend(bf16, select_attention(AttentionConfig(impl="cpu")), unroll_layers=True))
+    widened = build_random_model(f32, seed=0)
+    nnx.update(widened, jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(build_random_model(bf16, seed=0))))
+    reference = greedy_generate(widened, PROMPTS[1], 8, backend=Backend(f32, select_attention(), unroll_layers=True))
+    assert ours.token_ids == reference.token_ids
+    got, want = np.stack(ours.logits), np.stack(reference.logits)
+    assert got.dtype == np.float32  # the LM head accumulates and writes float32
+    np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max())  # measured: 0.003

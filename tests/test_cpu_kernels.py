@@ -191,6 +191,18 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     ours = avx2("matmul", (m, n), jnp.float32, x, packed, norm, residual, eps=np.float32(1e-5))
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-4)
 
+    # bf16 weights: the AVX2 build widens them (its only bf16 path); the native one takes its chosen
+    # path, so both are compared with the float32 sum of the same bf16 products.
+    packed16 = pack_columns(w.astype(jnp.bfloat16))
+    ours = avx2("matmul", (m, n), jnp.float32, x, packed16, norm, residual, eps=np.float32(1e-5))
+    native = packed_matmul(x, packed16, n, norm=norm, eps=1e-5, residual=residual)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-4, atol=1e-3)
+    gate16, up16, down16 = (jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16) for s in ((k, f), (k, f), (f, n)))
+    ours = avx2("mlp", (m, n), jnp.float32, x, pack_gate_up(gate16, up16), pack_columns(down16), norm, residual,
+                eps=np.float32(1e-5))
+    native = packed_mlp(x, pack_gate_up(gate16, up16), pack_columns(down16), n, norm=norm, eps=1e-5, residual=residual)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=2e-2, atol=2e-2 * np.abs(native).max())
+
     gate_up = pack_gate_up(*(jnp.asarray(rng.standard_normal((k, f), np.float32)) for _ in range(2)))
     down = pack_columns(jnp.asarray(rng.standard_normal((f, n), np.float32)))
     x3 = x * 3  # gates of both signs and beyond the sigmoid's flat ends

@@ -139,6 +139,12 @@ def test_cache_layout_puts_one_block_of_one_head_contiguous():
     assert default_cache_dtype("bfloat16") == jnp.bfloat16
 
 
+def test_auto_cache_dtype_on_cpu_follows_the_model_dtype():
+    assert default_cache_dtype("auto", "bfloat16") == jnp.bfloat16  # this is a CPU
+    assert default_cache_dtype("auto", "float32") == jnp.float32
+    assert default_cache_dtype("float32", "bfloat16") == jnp.float32  # an explicit value wins
+
+
 @pytest.mark.parametrize("form", ["xla", "cpu"])
 def test_write_kv_scatters_tokens_to_their_slots_and_drops_nothing_else(form):
     write_kv = FORMS[form]().write

@@ -1,5 +1,6 @@
 """The C++ packed-weight matmul kernels compute x @ w (and the fused q/k/v, MLP and LM-head forms)
-for every shape, and refuse what they cannot multiply. The backend that runs them: test_backends.py."""
+for every shape, in float32 and with bf16 weights on every bf16 path this CPU runs, and refuse what
+they cannot multiply. The backend that runs them: test_backends.py."""
 
 
 import jax
@@ -111,11 +112,13 @@ def test_packed_mlp_normalises_x_and_adds_the_residual_when_asked():
 # with a head_dim off the 16-column panels; one KV head per q head.
 @pytest.mark.parametrize("t,k,hq,hkv,d", [(64, 768, 12, 4, 64), (100, 64, 4, 2, 32), (40, 48, 5, 1, 32),
                                           (13, 40, 6, 2, 10), (1, 16, 2, 2, 8)])
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16])
-def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq, hkv, d, cache_dtype):
+@pytest.mark.parametrize("cache_dtype,weight_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
+                                                      (jnp.bfloat16, jnp.bfloat16)])
+def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq, hkv, d, cache_dtype, weight_dtype):
     rng = np.random.default_rng(t + k + d)
     n = (hq + 2 * hkv) * d
-    h, w = jnp.asarray(rng.standard_normal((t, k), np.float32)), jnp.asarray(rng.standard_normal((k, n), np.float32))
+    h = jnp.asarray(rng.standard_normal((t, k), np.float32))
+    w = jnp.asarray(rng.standard_normal((k, n), np.float32), weight_dtype)
     norm = jnp.asarray(rng.standard_normal(k, np.float32))
     angles = rng.standard_normal((t, d // 2)).astype(np.float32)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
@@ -216,3 +219,92 @@ def test_packed_matmul_rejects_what_it_cannot_multiply():
         packed_matmul(x, pack_columns(jnp.ones((9, 16))), 16)
     with pytest.raises(ValueError, match="does not match"):
         packed_matmul(x, pack_columns(jnp.ones((8, 16))), 40)
+
+
+# --- bf16 weights ---------------------------------------------------------------------------------
+
+from jaxcb.kernels import cpu as cpu_kernels  # noqa: E402
+from jaxcb.kernels.packed_matmul import packed_matmul_argmax  # noqa: E402
+
+
+@pytest.fixture(params=list(cpu_kernels.BF16_MATMUL_PATHS.values()))
+def bf16_path(request):
+    """Each bf16 path in turn, where this CPU's build has it and it runs here (widening: everywhere);
+    the path start-up chose is restored after."""
+    chosen = cpu_kernels.bf16_matmul_path()
+    if request.param not in cpu_kernels.bf16_matmul_paths_built():
+        pytest.skip(f"this CPU's build of the kernels has no {request.param} path")
+    code = {v: k for k, v in cpu_kernels.BF16_MATMUL_PATHS.items()}[request.param]
+    if cpu_kernels._time_path(str(cpu_kernels.build_library()), code) is None:
+        pytest.skip(f"the {request.param} path does not run on this machine")
+    assert cpu_kernels.select_bf16_matmul(request.param) == request.param
+    yield request.param
+    cpu_kernels.select_bf16_matmul(chosen)
+
+
+def to_bf16(a: np.ndarray) -> np.ndarray:
+    """a rounded to bf16 (to nearest even), as float64."""
+    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def bf16_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """What float32 accumulation may lose on x @ w of bf16 values (exact products): a few float32
+    roundings of the sum of the products' magnitudes."""
+    return 2.0 ** -20 * (np.abs(x) @ np.abs(w)) * max(8, np.sqrt(x.shape[-1])) + 1e-30
+
+
+# Rows past one 12-row tile and one 96-row block, K off the 32 rows of a pair panel (odd too), N off the panels.
+@pytest.mark.parametrize("m,k,n", [(1, 8, 16), (5, 7, 5), (13, 70, 33), (29, 576, 130), (100, 129, 20)])
+def test_bf16_weights_multiply_as_a_float32_sum_of_bf16_products_on_every_path(bf16_path, m, k, n):
+    rng = np.random.default_rng(m + k + n)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    residual = rng.standard_normal((m, n), np.float32)
+    packed = pack_columns(jnp.asarray(w, jnp.bfloat16))
+    assert packed.dtype == jnp.uint32 and packed.shape == (-(-n // 16), -(-k // 32) * 16, 16)
+    got = np.asarray(matmul(jnp.asarray(x), packed, n))  # x is rounded to bf16 on its way in
+    xb, wb = to_bf16(x), to_bf16(w)
+    assert np.all(np.abs(got - xb @ wb) <= bf16_bound(xb, wb))
+    got = np.asarray(packed_matmul(jnp.asarray(x), packed, n, residual=jnp.asarray(residual)))
+    assert np.all(np.abs(got - (xb @ wb + residual)) <= bf16_bound(xb, wb) + 2.0 ** -22 * np.abs(residual))
+    y, argmax = packed_matmul_argmax(jnp.asarray(x), packed, n, True)  # the LM head in bf16
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(matmul(jnp.asarray(x), packed, n)))
+    np.testing.assert_array_equal(np.asarray(argmax), np.asarray(y).argmax(-1))
+
+
+@pytest.mark.parametrize("m,k,f,n", [(1, 8, 16, 16), (5, 7, 5, 3), (13, 64, 40, 33), (30, 100, 70, 40)])
+def test_bf16_mlp_is_silu_gate_times_up_rounded_to_bf16_then_down_on_every_path(bf16_path, m, k, f, n):
+    rng = np.random.default_rng(m + k + f + n)
+    x = rng.standard_normal((m, k), np.float32)
+    gate, up, down = (rng.standard_normal(shape, np.float32) for shape in ((k, f), (k, f), (f, n)))
+    got = np.asarray(mlp(jnp.asarray(x), pack_gate_up(jnp.asarray(gate, jnp.bfloat16), jnp.asarray(up, jnp.bfloat16)),
+                         pack_columns(jnp.asarray(down, jnp.bfloat16)), n))
+    xb, gb, ub, db = map(to_bf16, (x, gate, up, down))
+    g, u = xb @ gb, xb @ ub
+    h = g / (1.0 + np.exp(-g)) * u  # the kernel rounds h to bf16 for down: a bf16 step's worth of freedom
+    bound = bf16_bound(np.abs(h), np.abs(db)) + 2.0 ** -8 * (np.abs(h) @ np.abs(db))
+    assert np.all(np.abs(got - h @ db) <= bound)
+    assert np.abs(got - to_bf16(h) @ db).max() < np.abs(got - h @ db).max() + 1e-6  # it is h's bf16 that is used
+
+
+def test_a_bf16_path_that_does_not_run_here_falls_back_with_a_log_line(monkeypatch, caplog):
+    chosen = cpu_kernels.bf16_matmul_path()
+    times = {1: 5000.0, 2: None, 3: None}  # dot products and AMX built but killed or wrong in the child
+    monkeypatch.setattr(cpu_kernels, "_time_path", lambda library, code: times.get(code, 1000.0))
+    monkeypatch.setattr(cpu_kernels.load_cpu_kernels(), "JaxcbBf16MatmulPaths", lambda: 0b1110)
+    cpu_kernels.bf16_matmul_path.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="jaxcb.kernels.cpu"):
+            assert cpu_kernels.bf16_matmul_path() == "widen"
+        assert "the avx512-bf16 bf16 matmul is built for this CPU but does not run right here" in caplog.text
+        assert "the amx bf16 matmul is built" in caplog.text and "CPU bf16 matmul: bf16 weights widened" in caplog.text
+    finally:
+        cpu_kernels.bf16_matmul_path.cache_clear()
+        monkeypatch.undo()
+        cpu_kernels.select_bf16_matmul(chosen)
+
+
+def test_widening_runs_on_any_cpu_and_is_timed_in_a_child_process():
+    library = str(cpu_kernels.build_library())
+    assert "widen" in cpu_kernels.bf16_matmul_paths_built()
+    assert cpu_kernels._time_path(library, 1) > 0 and cpu_kernels._time_path(library, 0) > 0  # 0: float32's tile
+    assert cpu_kernels._time_path(library, 7) is None  # no such path: the child says so, the parent carries on
