@@ -275,7 +275,7 @@ def validate_model_config(m: ModelConfig) -> None:
     require(
         m.backend in BACKENDS,
         f"model.backend={m.backend!r} must be one of {', '.join(BACKENDS)} "
-        f"(auto: the packed C++ matmul on CPU for float32 weights, XLA's dot elsewhere)",
+        f"(auto: the packed C++ matmul on CPU for float32 and bfloat16 weights, XLA's dot elsewhere)",
     )
     if m.init == "checkpoint":
         require(

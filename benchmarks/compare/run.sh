@@ -26,6 +26,9 @@
 #   OUTPUTS [1]  1: dump every engine's greedy outputs and compare them token for token
 #                (compare_outputs.py; jaxcb's come from one more, untimed run: jaxcb_outputs.py)
 #   JAXCB_ARGS  more Hydra overrides for scripts/bench.py, e.g. "engine.async_scheduling=false"
+#   WORKLOAD [lognormal]  make_workload.py's --workload: lognormal | random (fixed lengths: IN_MEAN and
+#                OUT_MEAN after the scale) | exp-output
+#   VLLM_ARGS   more bench_vllm.py flags, e.g. "--compile" (vLLM-CPU's default torch.compile mode)
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 HERE="$REPO/benchmarks/compare"
@@ -38,7 +41,7 @@ SMOLLM2_N="${SMOLLM2_N:-64}"; SMOLLM2_SCALE="${SMOLLM2_SCALE:-0.25}"; SMOLLM2_GG
 REPEAT="${REPEAT:-1}"; OUTPUTS="${OUTPUTS:-1}"
 IN_MEAN="${IN_MEAN:-160}"; OUT_MEAN="${OUT_MEAN:-340}"
 MAX_LEN="${MAX_LEN:-1024}"; MAX_SEQS="${MAX_SEQS:-64}"; BUDGET="${BUDGET:-2048}"; HF_BATCH="${HF_BATCH:-16}"
-JAXCB_ARGS="${JAXCB_ARGS:-}"
+JAXCB_ARGS="${JAXCB_ARGS:-}"; WORKLOAD="${WORKLOAD:-lognormal}"; VLLM_ARGS="${VLLM_ARGS:-}"
 mkdir -p "$WORK/ckpt" "$WORK/runs"
 
 for engine in $ENGINES; do
@@ -66,8 +69,8 @@ for preset in $PRESETS; do
       "$PY" "$HERE/make_checkpoint.py" --preset "$preset" --dtype "$DTYPE" --out "$ckpt"
     fi
   fi
-  wl="$WORK/wl_$preset.jsonl"
-  [ -f "$wl" ] || "$PY" "$HERE/make_workload.py" --model "$ckpt" --num-requests "$n" --scale "$scale" \
+  wl="$WORK/wl_$preset-$WORKLOAD-$n.jsonl"
+  [ -f "$wl" ] || "$PY" "$HERE/make_workload.py" --model "$ckpt" --workload "$WORKLOAD" --num-requests "$n" --scale "$scale" \
                       --input-mean "$IN_MEAN" --output-mean "$OUT_MEAN" --max-model-len "$MAX_LEN" --out "$wl"
   jaxcb_overrides=(model=hf "model.checkpoint=$ckpt" "model.dtype=$DTYPE" "engine.max_model_len=$MAX_LEN"
                    "scheduler.max_num_seqs=$MAX_SEQS" "scheduler.max_num_batched_tokens=$BUDGET")
@@ -75,7 +78,7 @@ for preset in $PRESETS; do
   for round in $(seq 1 "$REPEAT"); do
     suffix=""; [ "$REPEAT" -gt 1 ] && suffix="-r$round"
     for engine in $ENGINES; do
-      out="$WORK/runs/$preset-$DTYPE-$engine$suffix"
+      out="$WORK/runs/$preset-$DTYPE-$WORKLOAD-$engine$suffix"
       dump=(); [ "$OUTPUTS" = 1 ] && dump=(--dump-outputs "$out.outputs.jsonl")
       echo "=== $preset $engine${suffix:+ round $round} $(date +%T)"
       case $engine in
@@ -85,7 +88,8 @@ for preset in $PRESETS; do
             "hydra.run.dir=$out" $JAXCB_ARGS 2>&1 | grep -v "compiling step"
           ;;
         vllm)
-          "$PEERS/bin/python" "$HERE/bench_vllm.py" --model "$ckpt" --workload "$wl" --dtype "$DTYPE" \
+          # shellcheck disable=SC2086
+          "$PEERS/bin/python" "$HERE/bench_vllm.py" --model "$ckpt" --workload "$wl" --dtype "$DTYPE" $VLLM_ARGS \
             --max-num-seqs "$MAX_SEQS" --max-num-batched-tokens "$BUDGET" --max-model-len "$MAX_LEN" "${dump[@]}" \
             > "$out.log" 2>&1 || { echo "vLLM failed; the end of $out.log:"; tail -20 "$out.log"; continue; }
           ;;
@@ -102,7 +106,7 @@ for preset in $PRESETS; do
   done
   if [ "$OUTPUTS" = 1 ] && [[ " $ENGINES " == *" jaxcb "* ]]; then
     # jaxcb's greedy outputs: one untimed run with the same overrides (scripts/bench.py keeps no tokens)
-    jaxcb_dump="$WORK/runs/$preset-$DTYPE-jaxcb.outputs.jsonl"
+    jaxcb_dump="$WORK/runs/$preset-$DTYPE-$WORKLOAD-jaxcb.outputs.jsonl"
     echo "=== $preset jaxcb outputs (untimed) $(date +%T)"
     # shellcheck disable=SC2086
     "$PY" "$HERE/jaxcb_outputs.py" --workload "$wl" --out "$jaxcb_dump" -- "${jaxcb_overrides[@]}" $JAXCB_ARGS \
