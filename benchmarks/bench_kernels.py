@@ -1,7 +1,7 @@
 """Micro-benchmark of the CPU kernels on this machine (CPU by default).
 
     python benchmarks/bench_kernels.py                    # both markdown tables; see docs/benchmarks.md
-    python benchmarks/bench_kernels.py --kernels matmul   # one of attention, cache-dtype, matmul, lm-head, qkv
+    python benchmarks/bench_kernels.py --kernels matmul   # attention, bf16-matmul, cache-dtype, matmul, lm-head, qkv
 
 attention: on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
@@ -17,6 +17,12 @@ chain by step size, and attention over small's heads. The A/B behind a kernel ch
 --steps ROUNDS, also the engine's own compiled steps: the full-batch run of docs/benchmarks.md
 (64 requests, 40 prompt + 100 output tokens each, on `small`) recorded once and replayed whole
 with each revision's kernels in turn (REV's kernels must take this checkout's arguments).
+
+bf16-matmul: the same chain with bf16 weights, on each bf16 path this CPU runs (AMX tiles,
+AVX512-BF16 dot products, widening to float32; `jaxcb.kernels.cpu.bf16_matmul_path`), against
+XLA's own bf16 dot (jaxlib's default library, YNNPACK, which takes AMX where the CPU has it; x in
+bf16, float32 accumulation) and the packed float32 chain. The rule the hand-written path keeps
+its place by: >= 1.2x the best library at the step sizes a decode runs.
 
 lm-head: small's LM head (768 -> 32,000) at 64 rows and the greedy tokens of a step: the packed
 matmul followed by the row argmax (the logits written, then read back), against the matmul with
@@ -119,11 +125,41 @@ def matmul_table(calls: int) -> None:
               f"{flops_per_token * m / cpu_ms / 1e6:.1f} | {gbs:.1f} |")
 
 
+def bf16_matmul_table(calls: int) -> None:
+    rng = np.random.default_rng(0)
+    weights = [jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02) for shape in SMALL_LINEARS]
+    weights16 = [w.astype(jnp.bfloat16) for w in weights]
+    packed32 = [jax.block_until_ready(pack_columns(w)) for w in weights]
+    packed16 = [jax.block_until_ready(pack_columns(w)) for w in weights16]
+    chosen = cpu_kernels.bf16_matmul_path()
+    library = str(cpu_kernels.build_library())
+    codes = {v: k for k, v in cpu_kernels.BF16_MATMUL_PATHS.items()}
+    paths = [p for p in cpu_kernels.bf16_matmul_paths_built() if cpu_kernels._time_path(library, codes[p]) is not None]
+    packed_chain = small_matmul_chain(packed_matmul)
+    xla16 = small_matmul_chain(lambda x, w, n: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32))
+    print(f"bf16 paths that run here: {', '.join(paths)} (start-up chooses {chosen})")
+    print("| tokens in the step | " + " | ".join(f"bf16 {p} (ms)" for p in paths)
+          + f" | XLA bf16 dot (ms) | packed float32 (ms) | XLA bf16 / {chosen} | float32 / {chosen} |")
+    print("|---|" + "---|" * (len(paths) + 4))
+    for m in MATMUL_TOKENS:
+        x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
+        n = max(3, calls // 5) if m >= 256 else calls
+        ms = {}
+        for p in paths:  # the path is read at each call: one compiled chain serves them all
+            cpu_kernels.select_bf16_matmul(p)
+            ms[p] = time_calls(packed_chain, x, packed16, calls=n).median_ms
+        cpu_kernels.select_bf16_matmul(chosen)
+        xla_ms = time_calls(xla16, x, weights16, calls=n).median_ms
+        f32_ms = time_calls(packed_chain, x, packed32, calls=n).median_ms
+        print(f"| {m} | " + " | ".join(f"{ms[p]:.1f}" for p in paths)
+              + f" | {xla_ms:.1f} | {f32_ms:.1f} | {xla_ms / ms[chosen]:.2f}x | {f32_ms / ms[chosen]:.2f}x |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--kernels", default="attention,matmul",
-                        help="comma-separated: attention, cache-dtype, matmul, lm-head, qkv")
+                        help="comma-separated: attention, bf16-matmul, cache-dtype, matmul, lm-head, qkv")
     parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
     parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
                         help="with --against: also replay the engine's whole full-batch run with each, ROUNDS times")
@@ -133,8 +169,8 @@ def main() -> None:
         against_table(args.against, args.calls, args.steps)
         return
     kernels = set(args.kernels.split(","))
-    if kernels - {"attention", "cache-dtype", "matmul", "lm-head", "qkv"}:
-        parser.error(f"--kernels {args.kernels}: each must be attention, cache-dtype, matmul, lm-head or qkv")
+    if kernels - {"attention", "bf16-matmul", "cache-dtype", "matmul", "lm-head", "qkv"}:
+        parser.error(f"--kernels {args.kernels}: each must be attention, bf16-matmul, cache-dtype, matmul, lm-head or qkv")
     if "attention" in kernels:
         attention_table(args.calls)
     if "cache-dtype" in kernels:
@@ -143,6 +179,9 @@ def main() -> None:
     if "matmul" in kernels:
         print()
         matmul_table(args.calls)
+    if "bf16-matmul" in kernels:
+        print()
+        bf16_matmul_table(args.calls)
     if "lm-head" in kernels:
         print()
         lm_head_table(args.calls)
