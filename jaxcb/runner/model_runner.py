@@ -8,7 +8,8 @@ a recompile, which is compiled, counted and logged as an error (tests fail on it
 The step (one `jax.jit`, KV cache donated): the model (`jaxcb.model.llama.forward`, with the
 backend's layer operations and weights) over all T tokens, logits of each sequence's last
 token, sampling with per-row parameters; it returns the sampled tokens with their logprobs,
-packed into two arrays for the host copy. Its inputs come from `step_inputs.py`.
+packed into two arrays for the host copy. Its inputs come from `step_inputs.py` (built) and
+`step_args.py` (their shapes, packed).
 
 Async scheduling: `dispatch` returns at once with a `StepHandle`; `collect` waits for it. The
 tokens a step samples stay on the device (`prev_tokens`) so that the next step, dispatched
@@ -42,15 +43,8 @@ from jaxcb.runner.buckets import BucketKey, Buckets
 from jaxcb.runner.compiler import StepCompiler
 from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.slots import SlotState, SlotTable, empty_slot_state, write_slots
-from jaxcb.runner.step_inputs import (
-    WRITE_CHUNK,
-    SlotWrites,
-    StepArgs,
-    StepInputBuilder,
-    abstract_step_inputs,
-    packed_sizes,
-    unpack_step_inputs,
-)
+from jaxcb.runner.step_args import StepArgs, abstract_step_inputs, packed_sizes, unpack_step_inputs
+from jaxcb.runner.step_inputs import WRITE_CHUNK, SlotWrites, StepInputBuilder
 from jaxcb.sampling import SAMPLING_LEVELS, PenaltyCounts, StepVariant, record_tokens, sample
 from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
