@@ -177,6 +177,7 @@ class OutputProcessor:
         """Apply one step's (sequence, token, its logprobs or None); return the outputs of the requests
         that changed, and the sequences that stop here with their status."""
         changed: dict[str, RequestGroup] = {}
+        stopped: set[str] = set()  # the requests a sequence of which stops here: only these can finish
         stops: list[tuple[Sequence, RequestStatus]] = []
         for seq, token, logprobs in new_tokens:
             group = self.groups.get(seq.group_id)  # None: aborted since
@@ -201,10 +202,11 @@ class OutputProcessor:
                 c.detokenizer.finish()
                 c.finish_reason = status.value
                 stops.append((seq, status))
+                stopped.add(group.request_id)
             changed[group.request_id] = group
         outputs = []
         for request_id, group in changed.items():
-            finished = group.finished
+            finished = request_id in stopped and group.finished  # a request finished before is gone
             if finished or group.kind is not OutputKind.FINAL_ONLY:
                 outputs.append(self._output(group, finished))
             if finished:

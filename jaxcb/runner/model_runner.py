@@ -286,16 +286,19 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a dispatched step and bring its sampled tokens to the host."""
         ids, lps = fetch(handle.token_ids), fetch(handle.logprobs)
+        seqs = handle.scheduled.scheduled
+        # Each row's token and logprob as Python numbers in one conversion each, not two per row.
+        tokens, token_lps = ids[: len(seqs), 0].tolist(), lps[: len(seqs), 0].tolist()
         sampled = {}
-        for i, s in enumerate(handle.scheduled.scheduled):
+        for i, s in enumerate(seqs):
             if not s.samples:
                 continue
             n = s.sampling_params.logprobs
             top = None
             if n:
                 n = min(n, self.max_logprobs)
-                top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
-            sampled[s.seq_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
+                top = dict(zip(ids[i, 1 : 1 + n].tolist(), lps[i, 1 : 1 + n].tolist()))
+            sampled[s.seq_id] = SampledToken(tokens[i], token_lps[i], top)
         prompt = {}
         if handle.bucket.variant == StepVariant.PROMPT_LOGPROBS:
             num_rows, begin = handle.bucket.num_seqs, 0
