@@ -194,7 +194,7 @@ class StepInputBuilder:
         its slot also leaves its sampling values there."""
         num_slots = self.slots.num_slots
         row_slots = []
-        new_slots, new_cols, new_blocks, resets, counted = [], [], [], [], []
+        new_slots, new_cols, new_blocks, resets, counted = [], [], [], [], []  # the first three: Python ints
         use, add_row = self.slots.use, row_slots.append
         for s in seqs:
             entry, fresh = use(s.seq_id, s.block_epoch)
@@ -203,17 +203,16 @@ class StepInputBuilder:
                 self._remember(entry.slot, s)
             if len(s.block_ids) > entry.num_blocks:
                 gained = s.block_ids[entry.num_blocks :]
-                new_slots.append(np.full(len(gained), entry.slot, np.int32))
-                new_cols.append(np.arange(entry.num_blocks, len(s.block_ids), dtype=np.int32))
-                new_blocks.append(np.asarray(gained, np.int32))
+                new_slots += [entry.slot] * len(gained)
+                new_cols += range(entry.num_blocks, len(s.block_ids))
+                new_blocks += gained
                 entry.num_blocks = len(s.block_ids)
             if fresh and s.prior_token_ids is not None:  # penalties: count what came before this step
                 resets.append(entry.slot)
                 prior = np.asarray(s.prior_token_ids(), np.int32)
                 counted.append(np.stack([np.full(len(prior), entry.slot, np.int32), prior,
                                          (np.arange(len(prior)) >= s.num_prompt_tokens).astype(np.int32)]))
-        table = np.stack([np.concatenate(new_slots), np.concatenate(new_cols), np.concatenate(new_blocks)]) \
-            if new_slots else np.zeros((3, 0), np.int32)
+        table = np.array([new_slots, new_cols, new_blocks], np.int32).reshape(3, -1)
         in_step = table
         if table.shape[1] <= table_update_capacity(t, r, self.block_size):
             table = np.zeros((3, 0), np.int32)
