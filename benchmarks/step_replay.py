@@ -69,12 +69,16 @@ def host_overhead(llm, items) -> dict:
     replayed = replay(runner, recorded, wait_each=True,  # each step waited for, so that it can be timed on its own
                       on_step=lambda key, took: per_bucket.setdefault(key, []).append(took))
     replayed = sum(sum(t) for t in per_bucket.values()) or replayed
+    host_s = result.seconds - replayed  # scheduling, input building, detokenizing: what the steps alone do not take
     return dict(
         engine_s=result.seconds,
         step_replay_s=replayed,
         num_steps=len(recorded),
-        host_overhead_fraction=1 - replayed / result.seconds,
+        num_output_tokens=result.output_tokens,
+        host_overhead_fraction=host_s / result.seconds,
         engine_over_replay=result.seconds / replayed,
+        host_us_per_step=1e6 * host_s / len(recorded),
+        host_us_per_output_token=1e6 * host_s / result.output_tokens,
         # "tokens x seqs x width" -> where the replayed time went, bucket by bucket
         per_bucket={
             "x".join(map(str, key)): dict(steps=len(t), median_ms=1e3 * float(np.median(t)), total_s=sum(t))

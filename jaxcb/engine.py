@@ -445,11 +445,12 @@ class Engine:
         step = dict(EMPTY_STEP)
         if handle is not None:
             out = handle.scheduled
+            num_tokens = out.num_scheduled_tokens
             num_prefill = sum(len(s.token_ids) for s in out.scheduled if s.start_position < s.num_prompt_tokens)
             self._num_processed += 1
-            step = dict(step_index=self._num_processed, num_tokens=out.num_scheduled_tokens,
+            step = dict(step_index=self._num_processed, num_tokens=num_tokens,
                         num_padded_tokens=handle.bucket.num_tokens, num_prefill_tokens=num_prefill,
-                        num_decode_tokens=out.num_scheduled_tokens - num_prefill)
+                        num_decode_tokens=num_tokens - num_prefill)
         sched = self.scheduler
         host_pool = sched.kv.host_pool  # None unless scheduler.preemption_mode=swap
         aborted, self._aborted = tuple(self._aborted), []

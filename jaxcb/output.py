@@ -177,6 +177,7 @@ class OutputProcessor:
         """Apply one step's (sequence, token, its logprobs or None); return the outputs of the requests
         that changed, and the sequences that stop here with their status."""
         changed: dict[str, RequestGroup] = {}
+        stopped: set[str] = set()  # the requests a sequence of which stops here: only these can finish
         stops: list[tuple[Sequence, RequestStatus]] = []
         for seq, token, logprobs in new_tokens:
             group = self.groups.get(seq.group_id)  # None: aborted since
@@ -185,37 +186,33 @@ class OutputProcessor:
             c = group.completions[seq.sample_index]
             if c.finish_reason is not None:
                 continue  # a token drawn after the stop (async scheduling), already trimmed
-            if stops_on_token(group.params, token, len(c.token_ids) + 1, self.eos_token_ids):
-                # Its id counts, its text never shows (as vLLM): a stop token id's text, or with
-                # skip_special_tokens=false, EOS's "</s>".
+            status = token_stop_status(group.params, token, len(c.token_ids) + 1, len(group.prompt_token_ids),
+                                       self.eos_token_ids, self.max_model_len)
+            if status is RequestStatus.FINISHED_STOPPED:
+                # An EOS or stop token id: it counts, its text never shows (as vLLM; with
+                # skip_special_tokens=false, EOS would show "</s>").
                 c.detokenizer.add_stop_token(token)
-                stop_string = None
-            else:
-                stop_string = c.detokenizer.add_token(token)
+            elif c.detokenizer.add_token(token) is not None:  # a stop string
+                status = RequestStatus.FINISHED_STOPPED
             if c.logprobs is not None and logprobs is not None:
                 c.logprobs.append(logprobs)
-            status = RequestStatus.FINISHED_STOPPED if stop_string is not None else self._token_stop(seq, token, group)
             if seq.constraint is not None:
                 status = _advance_constraint(seq, token) or status
             if status is not None:
                 c.detokenizer.finish()
                 c.finish_reason = status.value
                 stops.append((seq, status))
+                stopped.add(group.request_id)
             changed[group.request_id] = group
         outputs = []
         for request_id, group in changed.items():
-            finished = group.finished
+            finished = request_id in stopped and group.finished  # a request finished before is gone
             if finished or group.kind is not OutputKind.FINAL_ONLY:
                 outputs.append(self._output(group, finished))
             if finished:
                 del self.groups[request_id]
                 self.timed_groups.pop(request_id, None)
         return outputs, stops
-
-    def _token_stop(self, seq: Sequence, token: int, group: RequestGroup) -> Optional[RequestStatus]:
-        num_output = len(group.completions[seq.sample_index].token_ids)
-        return token_stop_status(group.params, token, num_output, len(group.prompt_token_ids), self.eos_token_ids,
-                                 self.max_model_len)
 
     def _output(self, group: RequestGroup, finished: bool) -> RequestOutput:
         delta = group.kind is OutputKind.DELTA

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 from datetime import datetime
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import jinja2
 
@@ -27,6 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 log = logging.getLogger(__name__)
 
+REPLACEMENT = "\ufffd"  # what decoding shows for bytes that are not (yet) a whole UTF-8 character
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where current transformers saves a checkpoint's template
 # The tiny model's template: one "<|role|>" line per turn; tools listed in a system turn; assistant
 # tool calls and tool results in the hermes form (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
@@ -60,6 +61,12 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Optional[Callable[[int], Optional[str]]]:
+        """A function fed a sequence's ids one by one that returns the text each adds, once it ends in
+        a whole character (None while it does not, or when the id adds no text): together what
+        `decode` gives for all of them, but for a held-back tail. None: the tokenizer has none."""
+        ...
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -140,11 +147,32 @@ class ByteTokenizer:
         data = bytes(i for i in ids if 0 <= i < 256)
         return data.decode("utf-8", errors="replace")
 
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], Optional[str]]:
+        return Utf8Stream().step
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
         tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
     ) -> str:
         return render_chat_template(self.chat_template, messages, add_generation_prompt, tools, **template_kwargs)
+
+
+class Utf8Stream:
+    """ByteTokenizer's decode stream: the bytes since the last whole character, decoded as `decode`
+    decodes them (ids past the bytes add nothing)."""
+
+    def __init__(self) -> None:
+        self._pending = bytearray()
+
+    def step(self, token_id: int) -> Optional[str]:
+        if not 0 <= token_id < 256:
+            return None
+        self._pending.append(token_id)
+        text = self._pending.decode("utf-8", errors="replace")
+        if text.endswith(REPLACEMENT):
+            return None
+        self._pending.clear()
+        return text
 
 
 def _token_text(value: Any) -> Optional[str]:
@@ -235,6 +263,14 @@ class HFTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Optional[Callable[[int], Optional[str]]]:
+        """`tokenizers`' DecodeStream (0.21 on): one call into Rust a token."""
+        from tokenizers import decoders
+
+        if not hasattr(decoders, "DecodeStream"):
+            return None
+        return functools.partial(decoders.DecodeStream(skip_special_tokens=skip_special_tokens).step, self._tok)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

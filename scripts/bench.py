@@ -117,7 +117,8 @@ def main(cfg: Config) -> None:
     elif b.task == "overhead":
         result["overhead"] = o = host_overhead()(next(iter(engines.values())), items)
         print(f"engine {o['engine_s']:.2f} s vs replayed steps {o['step_replay_s']:.2f} s over {o['num_steps']} steps: "
-              f"host overhead {100 * o['host_overhead_fraction']:.0f}% of engine time")
+              f"host overhead {100 * o['host_overhead_fraction']:.0f}% of engine time, {o['host_us_per_step']:.0f} us "
+              f"a step, {o['host_us_per_output_token']:.1f} us an output token")
         print("replayed time by bucket (tokens x seqs x width): " + "; ".join(
             f"{key}: {v['steps']} steps, median {v['median_ms']:.1f} ms, {v['total_s']:.1f} s"
             for key, v in o["per_bucket"].items()))

@@ -46,6 +46,9 @@ def test_bench_runs_and_writes_json(tmp_path, task, runs):
         assert 0 < o["step_replay_s"] and o["num_steps"] > 0
         assert sum(b["steps"] for b in o["per_bucket"].values()) == o["num_steps"]
         assert sum(b["total_s"] for b in o["per_bucket"].values()) == pytest.approx(o["step_replay_s"])
+        host_s = o["engine_s"] - o["step_replay_s"]
+        assert o["host_us_per_step"] == pytest.approx(1e6 * host_s / o["num_steps"])
+        assert o["host_us_per_output_token"] == pytest.approx(1e6 * host_s / o["num_output_tokens"])
         return
     if task == "flops":
         f = result["flops"]

@@ -231,7 +231,7 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
     from jaxcb.config import compose_config
     from jaxcb.runner import ModelRunner, make_buckets
     from jaxcb.runner.buckets import BucketKey
-    from jaxcb.runner.step_inputs import abstract_step_inputs, packed_sizes
+    from jaxcb.runner.step_args import abstract_step_inputs, packed_sizes
     from jaxcb.sampling import StepVariant
 
     cfg = compose_config(["model=llama8b", "model.init=random", "scheduler.max_num_seqs=256",

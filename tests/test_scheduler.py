@@ -493,3 +493,15 @@ def test_waiting_tokens_are_counted_exactly_through_admissions_preemptions_and_a
             break
     assert sched.num_unfinished == 0 and sched.num_waiting_tokens == 0
     assert policy == "static" or sched.num_preemptions > 0  # the small cache makes them happen
+
+
+def test_a_steps_block_tables_stay_as_they_were_scheduled():
+    """A ScheduledSequence holds its sequence's own table list, uncopied: the blocks the sequence gains
+    later go into a new list, so a step still in flight keeps the table it was built with."""
+    sched = make_scheduler(max_num_seqs=2)
+    sched.add_request(make_request(3, max_tokens=12))
+    first = run_step(sched).scheduled[0]
+    table = list(first.block_ids)
+    outs = [run_step(sched) for _ in range(10)]  # 13 tokens: the table grows past its first block
+    assert len(outs[-1].scheduled[0].block_ids) > len(table)
+    assert first.block_ids == table

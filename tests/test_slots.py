@@ -11,7 +11,7 @@ import pytest
 from engine_factory import shared_engine
 from jaxcb.runner.slots import SlotTable
 from jaxcb.runner.buckets import BucketKey
-from jaxcb.runner.step_inputs import abstract_step_inputs, packed_sizes
+from jaxcb.runner.step_args import abstract_step_inputs, packed_sizes
 from jaxcb.sampling import StepVariant
 from jaxcb.sampling_params import SamplingParams
 

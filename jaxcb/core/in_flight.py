@@ -7,14 +7,16 @@ it) but its value exists only on the device, in row `row` of step N's sampled to
 
     dispatched(out)      step N went to the device: each sampling sequence gets an in-flight
                          token at the end of its output ids, and its row in step N is kept
-    row_for(seq)         for step N+1's schedule: the row of step N that holds the sequence's
-                         last token, or -1 when the host knows it; the runner's step reads
-                         that row from the device (`ScheduledSequence.in_flight_row`)
+    token_ids_for_step(seq, start, stop)
+                         for step N+1's schedule: the sequence's tokens, its last as 0 if in
+                         flight, and the row of step N that holds it, or -1 when the host knows
+                         it; the runner's step reads that row from the device
+                         (`ScheduledSequence.in_flight_row`)
     resolve(seq, i, t)   step N's token t reached the host: output token i becomes it
     discard(seq)         the sequence stopped: a token drawn past its stop is dropped
     num_known_tokens(seq) its tokens the host knows (the prefix cache hashes no other)
 
-Without async scheduling a step is resolved before the next is scheduled, so `row_for` is
+Without async scheduling a step is resolved before the next is scheduled, so that row is
 always -1. Nothing outside this module knows how an in-flight token is marked.
 """
 
@@ -45,10 +47,6 @@ class InFlightTokens:
     def last_token_in_flight(self, seq: "Sequence") -> bool:
         return bool(seq.output_token_ids) and seq.output_token_ids[-1] == _IN_FLIGHT
 
-    def row_for(self, seq: "Sequence") -> int:
-        """The row of the last dispatched step that draws `seq`'s last token; -1: the host has it."""
-        return self._row_of[seq.seq_id] if self.last_token_in_flight(seq) else -1
-
     @staticmethod
     def any_in_flight(token_ids: Iterable[int]) -> bool:
         """Whether some of these tokens are not known yet (a block holding one is not full yet)."""
@@ -72,10 +70,11 @@ class InFlightTokens:
         while self.last_token_in_flight(seq):
             seq.output_token_ids.pop()
 
-    def token_ids_for_step(self, seq: "Sequence", start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) as a step's host arrays carry them: an in-flight one as 0, which the
-        step replaces with the device's token (`row_for`); any valid id would do, 0 keeps gathers in range."""
-        ids = seq.token_ids(start, stop)
-        if ids and stop == seq.num_tokens and self.last_token_in_flight(seq):
-            ids = ids[:-1] + [0]
-        return ids
+    def token_ids_for_step(self, seq: "Sequence", start: int, stop: int) -> tuple[list[int], int]:
+        """Tokens [start, stop) as a step's host arrays carry them -- an in-flight one as 0, which the
+        step replaces with the device's token; any valid id would do, 0 keeps gathers in range -- and
+        the row of the last dispatched step that draws it, or -1 when the host knows them all."""
+        out = seq.output_token_ids
+        if start < stop == seq.num_tokens and out[-1:] == [_IN_FLIGHT]:
+            return seq.token_ids(start, stop - 1) + [0], self._row_of[seq.seq_id]
+        return seq.token_ids(start, stop), -1

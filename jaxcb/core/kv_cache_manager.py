@@ -116,7 +116,8 @@ class KVCacheManager:
         if needed == 0:
             return True
         try:
-            request.block_ids += self.pool.allocate(needed + self._growth_extra(request, needed))
+            # A new list, never the old one extended: a step scheduled before holds that one as it was.
+            request.block_ids = request.block_ids + self.pool.allocate(needed + self._growth_extra(request, needed))
         except NoFreeBlocksError:
             return False
         return True

@@ -213,14 +213,15 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, sequence: Sequence, budget: int) -> int:
+        num_tokens = sequence.num_tokens
         if self.in_flight.last_token_in_flight(sequence):
             done = sequence.num_output_tokens >= sequence.sampling_params.max_tokens
-            if done or sequence.num_tokens >= self.max_model_len:
+            if done or num_tokens >= self.max_model_len:
                 return 0  # its token in flight is its last: computing past it would be wasted
             if sequence.constraint is not None and sequence.constraint.depends_on_last_token:
                 return 0  # its next bitmask needs that token: it sits this step out (it advances every other)
-        num_new = min(sequence.num_tokens - sequence.num_computed_tokens, budget)
-        if sequence.is_prefilling and self.cfg.long_prefill_token_threshold is not None:
+        num_new = min(num_tokens - sequence.num_computed_tokens, budget)
+        if self.cfg.long_prefill_token_threshold is not None and sequence.is_prefilling:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         return max(0, num_new)
 
@@ -265,8 +266,8 @@ class Scheduler:
         return [worst.seq_id]
 
     def _admit(self, budget: int, scheduled: dict[SequenceId, ScheduledSequence]) -> int:
-        if self.cfg.policy == "static" and self.running:
-            return budget  # a static batch runs until every member finishes
+        if not self.waiting or (self.cfg.policy == "static" and self.running):
+            return budget  # nothing waits; or a static batch runs until every member finishes
         # A static batch is formed whole -- every member that fits the cache joins now, whether or
         # not this step's budget reaches it; members the budget misses start in the next steps.
         static = self.cfg.policy == "static"
@@ -344,29 +345,30 @@ class Scheduler:
         return num_new
 
     def _scheduled(self, sequence: Sequence, num_new: int) -> ScheduledSequence:
-        start = sequence.num_computed_tokens
+        start, stop = sequence.num_computed_tokens, sequence.num_computed_tokens + num_new
         params = sequence.sampling_params
+        num_prompt, num_output = len(sequence.prompt_token_ids), len(sequence.output_token_ids)
         banned: tuple[int, ...] = ()
-        if sequence.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             banned = tuple(params.stop_token_ids) + (() if params.ignore_eos else sequence.eos_token_ids)
-        samples = start + num_new == sequence.num_tokens
         targets = None
-        if params.prompt_logprobs is not None and sequence.parent_id is None and start + 1 < sequence.num_prompt_tokens:
-            targets = sequence.prompt_token_ids[start + 1 : min(start + num_new + 1, sequence.num_prompt_tokens)]
+        if params.prompt_logprobs is not None and sequence.parent_id is None and start + 1 < num_prompt:
+            targets = sequence.prompt_token_ids[start + 1 : min(stop + 1, num_prompt)]
+        token_ids, in_flight_row = self.in_flight.token_ids_for_step(sequence, start, stop)
         return ScheduledSequence(
             seq_id=sequence.seq_id,
             start_position=start,
-            token_ids=self.in_flight.token_ids_for_step(sequence, start, start + num_new),
-            block_ids=list(sequence.block_ids),
+            token_ids=token_ids,
+            block_ids=sequence.block_ids,  # no copy: the KV-cache manager replaces the list, never extends it
             block_epoch=sequence.block_epoch,
-            samples=samples,
-            num_prompt_tokens=sequence.num_prompt_tokens,
-            num_output_tokens=sequence.num_output_tokens,
+            samples=stop == num_prompt + num_output,
+            num_prompt_tokens=num_prompt,
+            num_output_tokens=num_output,
             sampling_params=params,
             seed=sequence.seed,
             banned_token_ids=banned,
             prior_token_ids=functools.partial(sequence.token_ids, 0, start) if params.uses_penalties else None,
-            in_flight_row=self.in_flight.row_for(sequence) if samples else -1,
+            in_flight_row=in_flight_row,
             constraint=sequence.constraint,
             prompt_logprob_targets=targets,
         )

@@ -45,7 +45,7 @@ FINISHED_STATES = frozenset({
 })
 
 
-@dataclass
+@dataclass(eq=False)  # one object per sequence, compared by identity (value equality would compare its tokens)
 class Sequence:
     seq_id: SequenceId  # the sequence's own id; not the user's request id (that is `group_id`)
     prompt_token_ids: list[int]

@@ -8,7 +8,8 @@ a recompile, which is compiled, counted and logged as an error (tests fail on it
 The step (one `jax.jit`, KV cache donated): the model (`jaxcb.model.llama.forward`, with the
 backend's layer operations and weights) over all T tokens, logits of each sequence's last
 token, sampling with per-row parameters; it returns the sampled tokens with their logprobs,
-packed into two arrays for the host copy. Its inputs come from `step_inputs.py`.
+packed into two arrays for the host copy. Its inputs come from `step_inputs.py` (built) and
+`step_args.py` (their shapes, packed).
 
 Async scheduling: `dispatch` returns at once with a `StepHandle`; `collect` waits for it. The
 tokens a step samples stay on the device (`prev_tokens`) so that the next step, dispatched
@@ -42,15 +43,8 @@ from jaxcb.runner.buckets import BucketKey, Buckets
 from jaxcb.runner.compiler import StepCompiler
 from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.slots import SlotState, SlotTable, empty_slot_state, write_slots
-from jaxcb.runner.step_inputs import (
-    WRITE_CHUNK,
-    SlotWrites,
-    StepArgs,
-    StepInputBuilder,
-    abstract_step_inputs,
-    packed_sizes,
-    unpack_step_inputs,
-)
+from jaxcb.runner.step_args import StepArgs, abstract_step_inputs, packed_sizes, unpack_step_inputs
+from jaxcb.runner.step_inputs import WRITE_CHUNK, SlotWrites, StepInputBuilder
 from jaxcb.sampling import SAMPLING_LEVELS, PenaltyCounts, StepVariant, record_tokens, sample
 from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
@@ -292,16 +286,19 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a dispatched step and bring its sampled tokens to the host."""
         ids, lps = fetch(handle.token_ids), fetch(handle.logprobs)
+        seqs = handle.scheduled.scheduled
+        # Each row's token and logprob as Python numbers in one conversion each, not two per row.
+        tokens, token_lps = ids[: len(seqs), 0].tolist(), lps[: len(seqs), 0].tolist()
         sampled = {}
-        for i, s in enumerate(handle.scheduled.scheduled):
+        for i, s in enumerate(seqs):
             if not s.samples:
                 continue
             n = s.sampling_params.logprobs
             top = None
             if n:
                 n = min(n, self.max_logprobs)
-                top = {int(tok): float(lp) for tok, lp in zip(ids[i, 1 : 1 + n], lps[i, 1 : 1 + n])}
-            sampled[s.seq_id] = SampledToken(int(ids[i, 0]), float(lps[i, 0]), top)
+                top = dict(zip(ids[i, 1 : 1 + n].tolist(), lps[i, 1 : 1 + n].tolist()))
+            sampled[s.seq_id] = SampledToken(tokens[i], token_lps[i], top)
         prompt = {}
         if handle.bucket.variant == StepVariant.PROMPT_LOGPROBS:
             num_rows, begin = handle.bucket.num_seqs, 0
