@@ -369,15 +369,34 @@ struct alignas(64) AmxConfig {
 // of each call, in case other code (XLA's own AMX kernels on the same pool) changed it in between.
 std::atomic<int64_t> g_amx_call{0};
 
+thread_local int64_t t_amx_loaded = -1;  // the call whose configuration this thread holds; -1: none
+
 inline void EnsureAmxConfig() {
   static const AmxConfig config;
-  thread_local int64_t loaded = -1;
   const int64_t call = g_amx_call.load(std::memory_order_relaxed);
-  if (loaded != call) {
+  if (t_amx_loaded != call) {
     _tile_loadconfig(&config);
-    loaded = call;
+    t_amx_loaded = call;
   }
 }
+#endif
+
+// Hands a thread's AMX state back (tilerelease) at the end of each work item that used it: a pool
+// thread (or the caller's) then carries no live tile data between calls, into context switches,
+// signal frames or other code. Reloading the configuration costs ~0.07 us an item.
+struct AmxScope {
+  bool used;
+  explicit AmxScope(bool used_) : used(used_) {}
+  ~AmxScope() {
+#if defined(JAXCB_BF16_AMX)
+    if (used && t_amx_loaded != -1) {
+      _tile_release();
+      t_amx_loaded = -1;
+    }
+#endif
+  }
+};
+#if defined(JAXCB_BF16_AMX)
 
 template <int R, int NP>
 void TileBf16Amx(const float* a_, const float* b_, int64_t depth, float* c, int64_t ldc, int64_t nv,
@@ -938,6 +957,7 @@ void PackThenMultiply(ffi::ThreadPool& pool, const PackedRows& rows, int64_t mul
       return;
     }
     if (item < chunks + multiply_items) {
+      const AmxScope amx(rows.row_major);
       WaitFor(packed, chunks);
       // The multiply item this thread runs next, once claimed (-1: none).
       auto next_multiply = [&]() -> int64_t {
@@ -1183,6 +1203,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     return j < out.items ? out.FirstWeights(dw, h_depth, P, j) : Ahead{};
   };
   jaxcb::ParallelFor(pool, items, [&](int64_t item, jaxcb::NextItem& next_item) {
+    const AmxScope amx(rows.row_major && item >= rows.chunks.count);
     if (item < rows.chunks.count) {
       rows.Pack(item);
       packed.fetch_add(1, std::memory_order_release);
@@ -1396,6 +1417,7 @@ const TileTable* TablePath(int path) {
 extern "C" int JaxcbProbeBf16Matmul(int path) {
   const TileTable* table = TablePath(path);
   if (!table) return -1;
+  const AmxScope amx(path == kBf16Amx);
   constexpr int64_t K = 40, depth = 32, N = kTilePanels * kPanel;  // depth: PackedDepth(40, true)
   std::vector<uint32_t> a(depth * kTileRows, 0u), b(kTilePanels * depth * kPanel, 0u);
   auto value = [](int64_t i) { return static_cast<float>(static_cast<int>((i * 37) % 17) - 8) / 8.0f; };  // exact in bf16
@@ -1433,6 +1455,7 @@ extern "C" int JaxcbProbeBf16Matmul(int path) {
 extern "C" double JaxcbTimeBf16Matmul(int path) {
   const TileTable* table = path == 0 ? &kTiles : TablePath(path);
   if (!table) return -1.0;
+  const AmxScope amx(path == kBf16Amx);
   const int64_t depth = path == 0 ? 1024 : 512;
   std::vector<float> a_buffer, b_buffer, c(kTileRows * kTilePanels * kPanel);
   float* a = Aligned(a_buffer, depth * kTileRows);
