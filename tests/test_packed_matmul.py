@@ -242,9 +242,13 @@ def bf16_path(request):
     cpu_kernels.select_bf16_matmul(chosen)
 
 
+pack = jax.jit(pack_columns)  # one compiled program a shape, not an executable an op
+pack_pairs = jax.jit(pack_gate_up)
+
+
 def to_bf16(a: np.ndarray) -> np.ndarray:
-    """a rounded to bf16 (to nearest even), as float64."""
-    return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64)
+    """a rounded to bf16 (to nearest even, by ml_dtypes on the host), as float64."""
+    return np.asarray(a).astype(jnp.bfloat16).astype(np.float64)
 
 
 def bf16_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -259,7 +263,7 @@ def test_bf16_weights_multiply_as_a_float32_sum_of_bf16_products_on_every_path(b
     rng = np.random.default_rng(m + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
     residual = rng.standard_normal((m, n), np.float32)
-    packed = pack_columns(jnp.asarray(w, jnp.bfloat16))
+    packed = pack(w.astype(jnp.bfloat16))
     assert packed.dtype == jnp.uint32 and packed.shape == (-(-n // 16), -(-k // 32) * 16, 16)
     got = np.asarray(matmul(jnp.asarray(x), packed, n))  # x is rounded to bf16 on its way in
     xb, wb = to_bf16(x), to_bf16(w)
@@ -276,8 +280,8 @@ def test_bf16_mlp_is_silu_gate_times_up_rounded_to_bf16_then_down_on_every_path(
     rng = np.random.default_rng(m + k + f + n)
     x = rng.standard_normal((m, k), np.float32)
     gate, up, down = (rng.standard_normal(shape, np.float32) for shape in ((k, f), (k, f), (f, n)))
-    got = np.asarray(mlp(jnp.asarray(x), pack_gate_up(jnp.asarray(gate, jnp.bfloat16), jnp.asarray(up, jnp.bfloat16)),
-                         pack_columns(jnp.asarray(down, jnp.bfloat16)), n))
+    got = np.asarray(mlp(jnp.asarray(x), pack_pairs(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)),
+                         pack(down.astype(jnp.bfloat16)), n))
     xb, gb, ub, db = map(to_bf16, (x, gate, up, down))
     g, u = xb @ gb, xb @ ub
     h = g / (1.0 + np.exp(-g)) * u  # the kernel rounds h to bf16 for down: a bf16 step's worth of freedom
