@@ -62,7 +62,7 @@ def h200_plan() -> list[Estimate]:
     """Each stage's expected seconds on an H200 (16 cores, a cold compilation cache)."""
     from jaxcb.runner.buckets import default_token_buckets
 
-    num_buckets = len(default_token_buckets(H200_MAX_NUM_BATCHED_TOKENS, "gpu"))
+    num_buckets = len(default_token_buckets(H200_MAX_NUM_BATCHED_TOKENS, "gpu", max_num_seqs=256))
     num_compiles = num_buckets * len(quick_stages.VARIANTS)
     compile_s = num_compiles * COMPILE_S / COMPILE_SPEEDUP
     rows = quick_stages.decode_rows(dry_run=False)

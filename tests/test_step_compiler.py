@@ -63,6 +63,17 @@ def test_a_step_size_start_up_did_not_plan_is_a_recompile(lazy_engine):
     assert c.num_recompiles == 1
 
 
+def test_a_cpu_engine_starts_up_with_every_bucket_greedy_and_full_and_nothing_else():
+    """What a cold start on CPU pays for by default: two compiles a bucket; the random, masked and
+    prompt-logprobs variants (configured, as by default) wait for a request that needs one."""
+    engine = make_engine(*VARIANTS)
+    runner = engine.runner
+    eager = (StepVariant.GREEDY, StepVariant.FULL)
+    assert set(runner.compiled) == {BucketKey(*bucket, v) for bucket in runner.buckets.all() for v in eager}
+    assert runner.compiler.ready == eager and set(runner.compiler.num_compiles.values()) == {1}
+    assert len(runner.compiler.keys) == 5 * len(runner.buckets.all())  # planned, for first use
+
+
 def test_on_cpu_rare_variants_compile_on_first_use_and_never_in_the_background():
     from jaxcb.config import ConfigError
 

@@ -18,7 +18,8 @@ projects only the rows that sample.
 The layers run under `jax.lax.scan` when the prepared layer weights are one stacked tree (one
 layer traced and compiled, whatever the depth), and in a Python loop when they are a list,
 one entry per layer (a backend's choice: XLA:CPU copies each layer's slice of a stacked
-weight before every use, but reads a weight that is an input of its own in place).
+weight before every use, but reads a weight that is an input of its own in place); the loop
+calls the layer as a nested jit, traced once for all of them.
 
 Axis letters in einsums: t tokens, d hidden, h heads, k head_dim, f MLP width, v vocab.
 """
@@ -298,11 +299,7 @@ def forward(
 
     def layer_step(carry, xs):
         (h, cache), (layer, window, is_local, lw) = carry, xs
-        cs = cos_sin if is_local is None else cos_sin[is_local]
-        rope = (cs[0], cs[1])  # f32[T, head_dim // 2] each
-        attn, cache = ops.self_attention(lw, h, rope, cache, layer, md, window)
-        h = ops.add_attention_output(lw, h, attn.astype(h.dtype))
-        return (ops.add_mlp(lw, h), cache), None
+        return decoder_layer(ops, lw, h, cos_sin, is_local, cache, layer, md, window), None
 
     # What attention derives from the step's metadata (the kernel's tile table) is built once, here.
     md = ops.attention.prepare_step(md, token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads, cache.k.shape[3])
@@ -315,11 +312,36 @@ def forward(
     if isinstance(w.layers, list):
         for i, lw in enumerate(w.layers):
             window = None if windows is None else windows[i]
-            (h, cache), _ = layer_step((h, cache), (jnp.int32(i), window, None if local is None else local[i], lw))
+            h, cache = _decoder_layer_traced_once(ops, lw, h, cos_sin, None if local is None else local[i], cache,
+                                                  jnp.int32(i), md, window)
     else:
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (h, cache), _ = jax.lax.scan(layer_step, (h, cache), (layers, windows, local, w.layers))
     return rms_norm(h, w.final_norm, cfg.rms_norm_eps, cfg.norm_offset), cache
+
+
+def decoder_layer(
+    ops: LayerOps,
+    w: Any,  # one layer's weights
+    h: jax.Array,  # [T, D]: the residual stream
+    cos_sin: jax.Array,  # f32[2, T, K // 2] (or [2 (global, local), 2, T, K // 2] with a local table)
+    is_local: Optional[jax.Array],  # i32[]: 1 on a windowed layer (which has its own table); None: one table
+    cache: KVCache,
+    layer: jax.Array,  # i32[]
+    md: AttentionMetadata,
+    window: Optional[jax.Array],  # i32[]: the layer's sliding window; None: no layer has one
+) -> tuple[jax.Array, KVCache]:  # ([T, D], the cache with this layer's new K/V)
+    """One decoder layer: attention (its K/V written), output projection plus residual, MLP plus residual."""
+    cs = cos_sin if is_local is None else cos_sin[is_local]
+    attn, cache = ops.self_attention(w, h, (cs[0], cs[1]), cache, layer, md, window)
+    h = ops.add_attention_output(w, h, attn.astype(h.dtype))
+    return ops.add_mlp(w, h), cache
+
+
+# The unrolled loop's layer, a nested jit: every layer has the same shapes, so a step traces and
+# lowers one layer, not one per layer (SmolLM2's 34 start-up steps lower in 3.5 s instead of 4.5 s),
+# and XLA inlines the calls: the compiled step is the one the plain loop compiles.
+_decoder_layer_traced_once = jax.jit(decoder_layer, static_argnums=(0,))
 
 
 def layer_window_array(cfg: LlamaConfig) -> Optional[jax.Array]:

@@ -2,9 +2,9 @@
 
 A step has three static sizes: tokens T, sequences R and block-table width W (a `Bucket`). Each
 comes from a short list (config, or `default_token_buckets` -- denser on CPU, where padding
-costs compute -- up to the limits; the token budget is always a bucket, so a step never pads
-past it), and every (T, R, W) combination is compiled ahead of time, once per step variant
-(`BucketKey`: the bucket and its `jaxcb.sampling.StepVariant`).
+costs compute, densest for decode steps -- up to the limits; the token budget is always a
+bucket, so a step never pads past it), and every (T, R, W) combination is compiled ahead of
+time, once per step variant (`BucketKey`: the bucket and its `jaxcb.sampling.StepVariant`).
 """
 
 from __future__ import annotations
@@ -67,19 +67,23 @@ class Buckets:
         return Bucket(t, r, w)
 
 
-def default_token_buckets(budget: int, platform: str) -> list[int]:
+def default_token_buckets(budget: int, platform: str, max_num_seqs: int) -> list[int]:
     """On an accelerator a small step costs what reading the weights costs, padded or not, so
-    powers of two from 16 keep the compile count low. On CPU a step's time grows with its
-    padded tokens (its matmuls are compute-bound from a few rows on), so the buckets start at
-    1 and add the midpoints (x1.5) of every power of two: a padded token costs up to a third
-    of a step instead of a half, in decode steps and in the last chunk of a prefill alike.
-    Even where the weights' reads bound a step (a few rows), padding 1 token to 4 costs ~15%
-    on `small`."""
+    powers of two from 16 keep the compile count low.
+
+    On CPU a step's time grows with its padded tokens (its matmuls are compute-bound from a few
+    rows on), so the buckets start at 1. Up to `max_num_seqs` -- decode steps, one token a
+    sequence, the steps a busy engine runs most -- they add the midpoints (x1.5) of every power
+    of two, and `max_num_seqs` itself (a full decode batch pads nothing): a padded token costs
+    up to a third of a step instead of a half. Even where the weights' reads bound a step (a few
+    rows), padding 1 token to 4 costs ~15% on `small`. Above it, where steps prefill, powers of
+    two: a chunk at the budget pads nothing, and every bucket costs start-up a compile of each
+    eager step variant (~1.5 s a bucket for SmolLM2 on 2 cores; docs/perf-notes.md)."""
     if platform != "cpu":
         return powers_up_to(budget, 2, min(16, budget))
     powers = powers_up_to(budget, 2, 1)
-    mids = [p * 3 // 2 for p in powers if p * 3 // 2 < budget]
-    return sorted(set(powers) | set(mids))
+    decode = [b for b in sorted(set(powers) | {p * 3 // 2 for p in powers}) if b < max_num_seqs]
+    return sorted(set(decode) | {min(max_num_seqs, budget)} | {p for p in powers if p > max_num_seqs})
 
 
 def make_buckets(
@@ -87,7 +91,7 @@ def make_buckets(
 ) -> Buckets:
     """`attention`: the attention form's name (the xla form's cost follows the table width)."""
     budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
-    default = default_token_buckets(budget, platform or jax.default_backend())
+    default = default_token_buckets(budget, platform or jax.default_backend(), max_seqs)
     tokens = sorted(set(engine.token_buckets or default) | {budget})
     seqs = sorted(set(engine.seq_buckets) | {max_seqs}) if engine.seq_buckets else []
     if engine.context_buckets:
