@@ -105,14 +105,31 @@ inline __attribute__((always_inline)) void ForEachK(int64_t K, const char* prefe
 #endif
 
 #if defined(__AVX512F__)
+// An AVX-512 tile's accumulators: set to zero, and stored (nv valid columns of NP panels, row stride ldc).
 template <int R, int NP>
-void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char* prefetch,
-          int64_t lines) {
-  __m512 acc[R][NP];
+inline void ZeroTile(__m512 (&acc)[R][NP]) {
 #pragma GCC unroll 12
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+}
+
+template <int R, int NP>
+inline void StoreTile(const __m512 (&acc)[R][NP], float* c, int64_t ldc, int64_t nv) {
+#pragma GCC unroll 2
+  for (int j = 0; j < NP; ++j) {
+    const int64_t cols = std::clamp<int64_t>(nv - j * kPanel, 0, kPanel);
+    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+#pragma GCC unroll 12
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(c + r * ldc + j * kPanel, mask, acc[r][j]);
+  }
+}
+
+template <int R, int NP>
+void Tile(const float* a, const float* b, int64_t K, float* c, int64_t ldc, int64_t nv, const char* prefetch,
+          int64_t lines) {
+  __m512 acc[R][NP];
+  ZeroTile(acc);
   ForEachK(K, prefetch, lines, [&](int64_t k) {
     __m512 bk[NP];
 #pragma GCC unroll 2
@@ -233,10 +250,7 @@ void TileBf16Widen(const float* a_, const float* b_, int64_t K, float* c, int64_
   const auto* b = reinterpret_cast<const uint32_t*>(b_);
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   __m512 acc[R][NP];
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  ZeroTile(acc);
   ForEachK(K, prefetch, lines, [&](int64_t k) {
     __m512 even[NP], odd[NP];
 #pragma GCC unroll 2
@@ -253,13 +267,7 @@ void TileBf16Widen(const float* a_, const float* b_, int64_t K, float* c, int64_
       for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(ao, odd[j], _mm512_fmadd_ps(ae, even[j], acc[r][j]));
     }
   });
-#pragma GCC unroll 2
-  for (int j = 0; j < NP; ++j) {
-    const int64_t cols = std::clamp<int64_t>(nv - j * kPanel, 0, kPanel);
-    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(c + r * ldc + j * kPanel, mask, acc[r][j]);
-  }
+  StoreTile(acc, c, ldc, nv);
 }
 #if defined(__AVX512BF16__)
 #define JAXCB_BF16_DOT 1
@@ -269,10 +277,7 @@ void TileBf16Dot(const float* a_, const float* b_, int64_t K, float* c, int64_t 
   const auto* a = reinterpret_cast<const uint32_t*>(a_);
   const auto* b = reinterpret_cast<const uint32_t*>(b_);
   __m512 acc[R][NP];
-#pragma GCC unroll 12
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  ZeroTile(acc);
   ForEachK(K, prefetch, lines, [&](int64_t k) {
     __m512bh bk[NP];
 #pragma GCC unroll 2
@@ -284,13 +289,7 @@ void TileBf16Dot(const float* a_, const float* b_, int64_t K, float* c, int64_t 
       for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bk[j]);
     }
   });
-#pragma GCC unroll 2
-  for (int j = 0; j < NP; ++j) {
-    const int64_t cols = std::clamp<int64_t>(nv - j * kPanel, 0, kPanel);
-    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-#pragma GCC unroll 12
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(c + r * ldc + j * kPanel, mask, acc[r][j]);
-  }
+  StoreTile(acc, c, ldc, nv);
 }
 #endif
 #elif defined(__AVX2__) && defined(__FMA__)
