@@ -160,6 +160,26 @@ def test_random_blocks_dequantize_as_gguf_does_with_q_and_k_rows_in_hf_order(tmp
     np.testing.assert_array_equal(up, expected["blk.0.ffn_up.weight"])
 
 
+def assert_reads_as_llama_cpps_reader(path: str):
+    import gguf
+
+    from jaxcb.model.gguf import open_gguf
+
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert type(ours) is not gguf.GGUFReader and list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].contents() == field.contents() and ours.fields[name].types == field.types, name
+    assert ours.data_offset == theirs.data_offset
+    assert [(t.name, t.data_offset, t.n_bytes) for t in ours.tensors] == [
+        (t.name, t.data_offset, t.n_bytes) for t in theirs.tensors]
+
+
+def test_metadata_and_tensors_read_as_llama_cpps_reader_reads_them(tiny):
+    """jaxcb reads a GGUF's metadata arrays in one pass each (gguf.GGUFReader takes seconds for a
+    real vocabulary); every field and tensor must come out as the library's own reader gives them."""
+    assert_reads_as_llama_cpps_reader(tiny[1])
+
+
 def test_another_architecture_is_refused_by_name(tiny, tmp_path):
     hf_dir, _, torch_model = tiny
     path = write_gguf(str(tmp_path / "g.gguf"), hf_state_dict(torch_model), hf_config_of(hf_dir), arch="phi3")
@@ -321,6 +341,11 @@ SAMPLE_TEXTS = [
     "héllo ✓ 日本語 — naïve café\ttabs\n\nnew lines",
     "def f(x):\n    return x ** 2  # square",
 ]
+
+
+@needs_smollm2
+def test_smollm2_metadata_reads_as_llama_cpps_reader_reads_it():
+    assert_reads_as_llama_cpps_reader(SMOLLM2)
 
 
 @needs_smollm2

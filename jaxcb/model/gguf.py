@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -149,12 +150,44 @@ def gguf_name(hf_tensor_name: str, arch: str = "llama") -> str:
     return _rename(hf_tensor_name, _NAME_TABLES.get(arch, _NAME_TABLES["llama"])[1])
 
 
+@functools.lru_cache(maxsize=1)
+def _reader_class():
+    """gguf.GGUFReader, its metadata arrays read in one pass each. The library makes two numpy views
+    of every element of an array (each string's length and its bytes): 2 s of start-up for SmolLM2's
+    49,152 tokens and 48,900 merges, before anything else can start. Here a string array's elements
+    are memoryview slices of the file (what `ReaderField.contents` reads: `.tobytes()`), and a
+    number array is one view, its field's one data part (`contents()` gives the same list). Anything
+    else (another byte order, nested or empty arrays, scalars) goes to the library's own code."""
+    import gguf
+    from gguf.constants import GGUFValueType
+
+    class ArrayReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if raw_type != GGUFValueType.ARRAY or self.byte_order != "I" or sys.byteorder != "little":
+                return super()._get_field_parts(orig_offs, raw_type)
+            item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            values = self.gguf_scalar_to_np.get(GGUFValueType(int(item_type[0])))
+            if int(count[0]) == 0 or (values is None and item_type[0] != GGUFValueType.STRING):
+                return super()._get_field_parts(orig_offs, raw_type)
+            offs, parts = orig_offs + 12, [item_type, count]
+            types = [GGUFValueType.ARRAY, GGUFValueType(int(item_type[0]))]
+            if values is not None:
+                parts.append(self._get(offs, values, int(count[0])))
+                return 12 + int(parts[-1].nbytes), parts, [2], types
+            buf = memoryview(self.data)
+            for _ in range(int(count[0])):
+                size = int.from_bytes(buf[offs : offs + 8], "little")
+                parts += (buf[offs : offs + 8], buf[offs + 8 : offs + 8 + size])
+                offs += 8 + size
+            return offs - orig_offs, parts, list(range(3, len(parts), 2)), types
+
+    return ArrayReader
+
+
 @functools.lru_cache(maxsize=4)
 def _cached_reader(path: str, stamp: tuple[int, int]):
-    import gguf
-
     try:
-        return gguf.GGUFReader(path)
+        return _reader_class()(path)
     except (ValueError, KeyError, OSError) as e:
         raise CheckpointError(
             f"{path} cannot be read by the gguf library {_gguf_version()} ({e}); check that it is a complete "
