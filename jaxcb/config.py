@@ -145,6 +145,24 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (jaxcb/core/speculation.py): proposals verified in the ordinary step."""
+
+    method: str = "none"  # none | ngram (prompt lookup: what followed the last n tokens earlier on)
+    num_speculative_tokens: int = 4  # k: most proposed tokens a sequence verifies in one step
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix matched against the sequence's earlier tokens
+    prompt_lookup_max: int = 4  # ngram: the longest (tried first)
+    # A sequence speculates only while at most this many sequences decode (a larger batch is compute-bound:
+    # verifying k tokens costs about k decodes); auto: 8 on CPU, 64 on an accelerator.
+    disable_by_batch_size: Union[int, str] = "auto"
+    # Back-off: a sequence whose last `acceptance_window` verify steps accepted fewer than this many of its
+    # proposed tokens on average stops proposing for 16 tokens, then 32, 64, ... while it keeps failing.
+    min_mean_accepted: float = 0.5
+    acceptance_window: int = 4
+    draft_model: Optional[Any] = None  # method=draft (a smaller model proposing): not built yet; refused
+
+
+@dataclass
 class DistributedConfig:
     """Multi-host JAX: `jax.distributed.initialize` arguments; all null (one host) skips it."""
 
@@ -310,6 +328,7 @@ class Config:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     job: JobConfig = field(default_factory=JobConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     input: Optional[str] = None  # scripts/generate.py: a JSONL job to run instead of generate.prompts
     output: Optional[str] = None  # scripts/generate.py: where the job's results go (appended; resumable)
@@ -327,6 +346,7 @@ def register_configs() -> None:
         ("engine", EngineConfig),
         ("server", ServerConfig),
         ("job", JobConfig),
+        ("speculative", SpeculativeConfig),
         ("ray", RayConfig),
     ):
         cs.store(group=group, name=f"base_{group}", node=node)

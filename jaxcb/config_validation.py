@@ -133,6 +133,7 @@ def validate_config(cfg: Config) -> None:
         f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
     )
     validate_replica_config(cfg)
+    validate_speculative_config(cfg)
     require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
     require(
         (cfg.input is None) == (cfg.output is None),
@@ -165,6 +166,37 @@ def validate_config(cfg: Config) -> None:
     require(b.repeats == 1 or b.mode == "offline",
             f"bench.repeats={b.repeats} repeats offline runs only; drop it for bench.mode={b.mode}")
     require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
+
+
+def validate_speculative_config(cfg: Config) -> None:
+    """speculative.*: what jaxcb speculates with, and the combinations it refuses by name."""
+    sp = cfg.speculative
+    require(sp.method in ("none", "ngram", "draft"), f"speculative.method={sp.method!r} must be none, ngram or draft")
+    require(sp.method != "draft",
+            "speculative.method=draft (a draft model proposing) is not built yet; use speculative.method=ngram, "
+            "or none")
+    require(sp.draft_model is None,
+            f"speculative.draft_model={sp.draft_model!r} is only read by speculative.method=draft, which is not "
+            f"built yet; drop it")
+    if sp.method == "none":
+        return
+    require(sp.num_speculative_tokens >= 1,
+            f"speculative.num_speculative_tokens={sp.num_speculative_tokens} must be >= 1 (or speculative.method=none)")
+    require(1 <= sp.prompt_lookup_min <= sp.prompt_lookup_max,
+            f"speculative.prompt_lookup_min={sp.prompt_lookup_min} and prompt_lookup_max={sp.prompt_lookup_max} "
+            f"must satisfy 1 <= min <= max")
+    d = sp.disable_by_batch_size
+    require(d == "auto" or (isinstance(d, int) and d >= 1),
+            f"speculative.disable_by_batch_size={d!r} must be a positive number of sequences, or auto")
+    require(sp.min_mean_accepted >= 0, f"speculative.min_mean_accepted={sp.min_mean_accepted} must be >= 0")
+    require(sp.acceptance_window >= 1, f"speculative.acceptance_window={sp.acceptance_window} must be >= 1")
+    budget = cfg.scheduler.max_num_batched_tokens
+    require(budget == "auto" or budget > sp.num_speculative_tokens,
+            f"speculative.num_speculative_tokens={sp.num_speculative_tokens} must be below "
+            f"scheduler.max_num_batched_tokens={budget}: a verify row brings 1 + k tokens")
+    require(cfg.scheduler.policy != "static",
+            "speculative.method=ngram with scheduler.policy=static: the request-level baseline reserves every "
+            "sequence's blocks up front and is measured without speculation; use policy fcfs or priority")
 
 
 def validate_distributed_config(d: DistributedConfig) -> None:

@@ -55,6 +55,7 @@ from jaxcb.runner.compiler import compile_plan
 from jaxcb.sampling import StepVariant
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.core.scheduler import Scheduler
+from jaxcb.core.speculation import Speculation
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.startup_log import StartupLog, report_memory
 from jaxcb.startup_memory import check_weights_fit
@@ -81,6 +82,20 @@ def enable_compilation_cache(directory: Optional[str]) -> str:
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
+
+
+def make_speculation(cfg: Config, platform: str) -> Optional[Speculation]:
+    """The scheduler's proposer and back-off for `speculative.*`, or None when it is off (logged)."""
+    sp = cfg.speculative
+    if sp.method == "none":
+        return None
+    batch = sp.disable_by_batch_size
+    if batch == "auto":
+        batch = 8 if platform == "cpu" else 64
+    log.info("speculative decoding: %s, up to %d tokens a step (n-grams of %d..%d tokens), while at most %d "
+             "sequences decode", sp.method, sp.num_speculative_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max,
+             batch)
+    return Speculation(sp, batch)
 
 
 class Engine:
@@ -152,6 +167,9 @@ class Engine:
                 log.info("swap space: %d host blocks (cache.swap_space_gib=%g)", num_host - 1, cfg.cache.swap_space_gib)
             else:
                 log.warning("cache.swap_space_gib=%g holds no block: preemption will recompute", cfg.cache.swap_space_gib)
+        platform = jax.default_backend()
+        self.speculation = make_speculation(cfg, platform)
+        max_drafts = self.speculation.k if self.speculation is not None else 0
         self.scheduler = Scheduler(
             sched_cfg,
             self.block_pool,
@@ -161,10 +179,11 @@ class Engine:
             root=self.prefix_cache_root,
             host_pool=host_pool,
             block_growth=cache_block_growth(cfg.cache, backend.attention.name),
+            speculation=self.speculation,
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
-        buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name)
-        platform = jax.default_backend()
+        buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name,
+                               max_drafts=max_drafts)
         workers, when = compile_plan(cfg.engine, platform=platform)
         self.runner = ModelRunner(
             weights,
@@ -183,6 +202,7 @@ class Engine:
             compile_workers=workers,
             compile_rare_variants=when,
             compile_inline=platform == "cpu",  # XLA:CPU: never a compile beside a step (runner/compiler.py)
+            max_drafts=max_drafts,
         )
         del weights, kv_cache  # the runner holds them
         if compile_buckets:

@@ -16,6 +16,12 @@ it) but its value exists only on the device, in row `row` of step N's sampled to
     discard(seq)         the sequence stopped: a token drawn past its stop is dropped
     num_known_tokens(seq) its tokens the host knows (the prefix cache hashes no other)
 
+Speculative decoding: a sequence that verifies drafts in step N has one token in flight too,
+but how many tokens follow it (the drafts it accepts) is known only when step N is. Its tokens
+cannot be scheduled before then: it sits step N+1 out (`verifying`), and `resolve_verified`
+puts all its new tokens in place. A sequence's row in step N is counted in rows (a verifying
+sequence takes 1 + k, `ScheduledSequence.num_rows`).
+
 Without async scheduling a step is resolved before the next is scheduled, so that row is
 always -1. Nothing outside this module knows how an in-flight token is marked.
 """
@@ -34,15 +40,25 @@ _IN_FLIGHT = -1  # the place of an output token still on the device; never a voc
 class InFlightTokens:
     def __init__(self) -> None:
         self._row_of: dict["SequenceId", int] = {}  # each sequence's row in the last dispatched step
+        self._verifying: set["SequenceId"] = set()  # sequences whose drafts' verification is in flight
 
     def dispatched(self, out: "SchedulerOutput", sequences: Mapping["SequenceId", "Sequence"]) -> None:
         """Step `out` went to the device: its sampling sequences' next tokens are in flight."""
         self._row_of = {}
-        for row, scheduled in enumerate(out.scheduled):
+        row = 0
+        for scheduled in out.scheduled:
             seq = sequences.get(scheduled.seq_id)
             if seq is not None and scheduled.samples:
                 seq.output_token_ids.append(_IN_FLIGHT)
-                self._row_of[scheduled.seq_id] = row
+                if scheduled.draft_token_ids:
+                    self._verifying.add(scheduled.seq_id)
+                else:
+                    self._row_of[scheduled.seq_id] = row
+            row += scheduled.num_rows
+
+    def verifying(self, seq: "Sequence") -> bool:
+        """Whether the sequence's tokens wait for a verify step still in flight (it cannot be scheduled)."""
+        return seq.seq_id in self._verifying
 
     def last_token_in_flight(self, seq: "Sequence") -> bool:
         return bool(seq.output_token_ids) and seq.output_token_ids[-1] == _IN_FLIGHT
@@ -65,10 +81,18 @@ class InFlightTokens:
         assert seq.output_token_ids[index] == _IN_FLIGHT, (seq.seq_id, index)
         seq.output_token_ids[index] = token_id
 
+    def resolve_verified(self, seq: "Sequence", index: int, token_ids: list[int]) -> None:
+        """Output token `index` of `seq`, in flight since its verify step, is `token_ids[0]`; the
+        accepted tokens after it follow."""
+        assert index == len(seq.output_token_ids) - 1 and seq.output_token_ids[index] == _IN_FLIGHT, (seq.seq_id, index)
+        seq.output_token_ids[index:] = token_ids
+        self._verifying.discard(seq.seq_id)
+
     def discard(self, seq: "Sequence") -> None:
         """A stopped sequence drops the tokens drawn after its stop."""
         while self.last_token_in_flight(seq):
             seq.output_token_ids.pop()
+        self._verifying.discard(seq.seq_id)
 
     def token_ids_for_step(self, seq: "Sequence", start: int, stop: int) -> tuple[list[int], int]:
         """Tokens [start, stop) as a step's host arrays carry them -- an in-flight one as 0, which the

@@ -139,6 +139,15 @@ class KVCacheManager:
             return 0
         return extra
 
+    def release_blocks_past(self, request: Sequence, num_blocks: int) -> None:
+        """Free the running sequence's blocks after its first `num_blocks` (those only rejected
+        speculative drafts needed). None of them is registered: they hold no known token."""
+        if len(request.block_ids) <= num_blocks:
+            return
+        assert request.num_registered_blocks <= num_blocks, (request.seq_id, num_blocks)
+        self.pool.free(request.block_ids[num_blocks:])
+        request.block_ids = request.block_ids[:num_blocks]  # a new list: a built step keeps the one it had
+
     def free(self, request: Sequence) -> None:
         """Every block the sequence holds, on the device and on the host."""
         if request.block_ids:

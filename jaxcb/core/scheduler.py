@@ -36,6 +36,13 @@ known; a sequence whose token constraint needs that token sits the next step out
 applies the runner's sampled tokens and registers the blocks that waited for a token in flight.
 Whether a sequence stops is decided by the output processor (`jaxcb.output`), which sees tokens
 and text; `finish()` then frees its blocks at once.
+
+Speculative decoding (`speculation.py`): in step 1 a decoding sequence may bring drafts -- 1 + k
+tokens, counted against the budget; drafts never preempt (if their blocks are not free, it
+decodes plainly). `commit()` counts only its first token as computed; `update()` keeps the
+drafts the target sampled too, plus the target's next token, counts the accepted drafts as
+computed, frees the blocks only the rejected ones needed, and registers only accepted tokens'
+blocks in the prefix cache.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.block_hash import BlockHash
 from jaxcb.core.kv_cache_manager import NO_ROOT, CachedPrefix, KVCacheManager
 from jaxcb.core.sequence import RequestStatus, Sequence, SequenceId
+from jaxcb.core.speculation import Speculation
 from jaxcb.core.step import RunnerOutput, ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -71,6 +79,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         host_pool: Optional[BlockPool] = None,
         block_growth: int = 1,
+        speculation: Optional[Speculation] = None,
     ):
         self.cfg = cfg
         # root: the model's identity, in which every block hash is rooted (Engine.prefix_cache_root).
@@ -88,6 +97,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.sequences: dict[SequenceId, Sequence] = {}
         self.in_flight = InFlightTokens()
+        self.speculation = speculation  # None: speculative decoding off
         self.num_preemptions = 0
 
     # --- requests in and out -------------------------------------------------------------------
@@ -124,6 +134,7 @@ class Scheduler:
         self._finish(sequence, status)
 
     def _finish(self, sequence: Sequence, status: RequestStatus) -> None:
+        self.in_flight.discard(sequence)
         sequence.status = status
         sequence.finished_time = time.monotonic()
         self.kv.free(sequence)
@@ -191,6 +202,15 @@ class Scheduler:
             num_new = self._num_new_tokens(sequence, budget)
             if num_new == 0:
                 continue
+            drafts: list[int] = []
+            num_blocks = len(sequence.block_ids)
+            if self.speculation is not None and num_new == 1 and not sequence.is_prefilling:
+                drafts = self._drafts(sequence, budget)
+                if drafts is None:
+                    continue  # it sits this step out, to propose once its last token is known
+                if drafts and not self.kv.allocate(sequence, 1 + len(drafts)):
+                    drafts = []  # drafts never preempt: without room for them it decodes plainly
+                num_new += len(drafts)
             while not self.kv.allocate(sequence, num_new):
                 victim = self._choose_victim(now)
                 budget += self._preempt(victim, scheduled)
@@ -198,13 +218,14 @@ class Scheduler:
                 if victim is sequence:
                     break
             else:
-                scheduled[sequence.seq_id] = self._scheduled(sequence, num_new)
+                scheduled[sequence.seq_id] = self._scheduled(sequence, num_new, drafts, num_blocks)
                 budget -= num_new
 
         if not preempted and self.cfg.policy == "priority":
             preempted += self._preempt_for_priority(now, scheduled)
         for seq in scheduled.values():  # final now: what they fill is findable by the admissions below
-            self.kv.register_full_blocks(self.sequences[seq.seq_id], seq.start_position + len(seq.token_ids))
+            self.kv.register_full_blocks(self.sequences[seq.seq_id],
+                                         seq.start_position + len(seq.token_ids) - len(seq.draft_token_ids))
         if not preempted:
             budget = self._admit(budget, scheduled)
 
@@ -213,6 +234,8 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, sequence: Sequence, budget: int) -> int:
+        if self.in_flight.verifying(sequence):
+            return 0  # how many tokens its verify step accepts is not known yet
         num_tokens = sequence.num_tokens
         if self.in_flight.last_token_in_flight(sequence):
             done = sequence.num_output_tokens >= sequence.sampling_params.max_tokens
@@ -224,6 +247,13 @@ class Scheduler:
         if self.cfg.long_prefill_token_threshold is not None and sequence.is_prefilling:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         return max(0, num_new)
+
+    def _drafts(self, sequence: Sequence, budget: int) -> Optional[list[int]]:
+        """The drafts a decoding sequence verifies this step (speculation.py); None: it sits the step out."""
+        last_in_flight = self.in_flight.last_token_in_flight(sequence)
+        room = min(budget - 1, sequence.sampling_params.max_tokens - sequence.num_output_tokens - 1,
+                   self.max_model_len - sequence.num_tokens - 1)
+        return self.speculation.drafts(sequence, last_in_flight, len(self.running), room)
 
     def _preempt(self, victim: Sequence, scheduled: dict[SequenceId, ScheduledSequence]) -> int:
         """Free the victim's blocks and requeue it at the head; return the budget it gives back.
@@ -277,6 +307,8 @@ class Scheduler:
         num_partial = sum(1 for r in self.running if self._still_prefilling_after(r, scheduled))
         while self.waiting and (budget > 0 or static) and len(self.running) < self.cfg.max_num_seqs:
             sequence = self.waiting[0]
+            if self.in_flight.verifying(sequence):
+                break  # preempted while its verify step ran: its tokens are not known yet
             if sequence.host_block_ids:
                 admitted = self._admit_swapped(sequence, budget, scheduled)
                 if admitted == 0:
@@ -344,8 +376,9 @@ class Scheduler:
         self.kv.register_full_blocks(sequence, start + num_new)  # its swapped-in blocks, then this step's
         return num_new
 
-    def _scheduled(self, sequence: Sequence, num_new: int) -> ScheduledSequence:
-        start, stop = sequence.num_computed_tokens, sequence.num_computed_tokens + num_new
+    def _scheduled(self, sequence: Sequence, num_new: int, drafts: list[int] = (), num_blocks: int = 0
+                   ) -> ScheduledSequence:
+        start, stop = sequence.num_computed_tokens, sequence.num_computed_tokens + num_new - len(drafts)
         params = sequence.sampling_params
         num_prompt, num_output = len(sequence.prompt_token_ids), len(sequence.output_token_ids)
         banned: tuple[int, ...] = ()
@@ -355,6 +388,8 @@ class Scheduler:
         if params.prompt_logprobs is not None and sequence.parent_id is None and start + 1 < num_prompt:
             targets = sequence.prompt_token_ids[start + 1 : min(stop + 1, num_prompt)]
         token_ids, in_flight_row = self.in_flight.token_ids_for_step(sequence, start, stop)
+        if drafts:
+            token_ids = token_ids + list(drafts)
         return ScheduledSequence(
             seq_id=sequence.seq_id,
             start_position=start,
@@ -371,6 +406,9 @@ class Scheduler:
             in_flight_row=in_flight_row,
             constraint=sequence.constraint,
             prompt_logprob_targets=targets,
+            draft_token_ids=tuple(drafts),
+            num_blocks_without_drafts=num_blocks,
+            uncounted_token_ids=Speculation.take_uncounted(sequence) if params.uses_penalties else (),
         )
 
     # --- applying a step's results -------------------------------------------------------------
@@ -382,7 +420,7 @@ class Scheduler:
         for seq in out.scheduled:
             sequence = self.sequences.get(seq.seq_id)
             if sequence is not None:
-                sequence.num_computed_tokens = seq.start_position + len(seq.token_ids)
+                sequence.num_computed_tokens = seq.start_position + len(seq.token_ids) - len(seq.draft_token_ids)
         self.in_flight.dispatched(out, self.sequences)
 
     def update(
@@ -399,16 +437,40 @@ class Scheduler:
                 continue  # finished or aborted since
             sampled = runner_out.sampled.get(seq.seq_id) if seq.samples else None
             if sampled is not None:
-                self.in_flight.resolve(sequence, seq.num_output_tokens, sampled.token_id)
-                top = None
-                if sequence.sampling_params.logprobs is not None:
-                    top = dict(sampled.top_logprobs or {})
-                    top[sampled.token_id] = sampled.logprob
+                if seq.draft_token_ids:
+                    new = self._verified(sequence, seq, runner_out.verified[seq.seq_id])
+                else:
+                    self.in_flight.resolve(sequence, seq.num_output_tokens, sampled.token_id)
+                    new = (sampled,)
                 if sequence.first_token_time is None:
                     sequence.first_token_time = now
-                touched.append((sequence, sampled.token_id, top))
+                for token in new:
+                    top = None
+                    if sequence.sampling_params.logprobs is not None:
+                        top = dict(token.top_logprobs or {})
+                        top[token.token_id] = token.logprob
+                    touched.append((sequence, token.token_id, top))
                 if sequence.seq_id in self._waiting_counts:  # preempted while its token was in flight
                     self._count_waiting(sequence)
             if sequence.status is RequestStatus.RUNNING:
                 self.kv.register_full_blocks(sequence, sequence.num_computed_tokens)
         return touched
+
+    def _verified(self, sequence: Sequence, seq: ScheduledSequence, rows: list) -> list:
+        """Apply a verify step: the drafts up to the first the target disagrees with are accepted,
+        then the target's own token at that row; return those tokens (SampledTokens). A draft is
+        accepted exactly when it is the token the target sampled at its row: the rejection rule for a
+        deterministic proposer, so the output is the target's, token for token."""
+        drafts = seq.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and rows[accepted].token_id == drafts[accepted]:
+            accepted += 1
+        new = rows[: accepted + 1]
+        self.in_flight.resolve_verified(sequence, seq.num_output_tokens, [t.token_id for t in new])
+        if sequence.block_epoch == seq.block_epoch:  # it still holds the blocks its drafts' K/V went to
+            sequence.num_computed_tokens += accepted
+            if sequence.status is RequestStatus.RUNNING:  # the blocks only rejected drafts needed go back
+                keep = max(seq.num_blocks_without_drafts, self.kv.num_blocks_for(sequence.num_tokens))
+                self.kv.release_blocks_past(sequence, keep)
+        self.speculation.verified(sequence, drafts, accepted)
+        return new

@@ -76,6 +76,9 @@ class Sequence:
     # Its token constraint (jaxcb.structured.TokenConstraint), or None: the runner fills its step's bitmask
     # row from it, the output processor advances it past every generated token.
     constraint: Optional[Any] = None
+    # Speculative decoding's state (jaxcb.core.speculation.SequenceSpeculation), made on its first decode;
+    # False when it never speculates; None until then or with speculation off.
+    speculation: Any = None
 
     def __post_init__(self) -> None:
         # Ids given as plain (request id, index) pairs, as the engine builds them, become SequenceIds.

@@ -43,6 +43,19 @@ class ScheduledSequence:
     # prompt_logprobs: for rows start_position.. of this chunk, the prompt token each predicts (the
     # next one), while there is one; None when the sequence does not ask for its prompt's logprobs.
     prompt_logprob_targets: Optional[list[int]] = None
+    # Speculative decoding: the proposed tokens, the last len(draft_token_ids) of token_ids. The
+    # runner gives each of the 1 + k tokens a row of its own that samples the target's token after
+    # it (`num_rows`); the scheduler keeps the drafts the target agrees with (`RunnerOutput.verified`).
+    draft_token_ids: tuple[int, ...] = ()
+    # Blocks it held before the drafts asked for more: those past it and past its accepted tokens are freed.
+    num_blocks_without_drafts: int = 0
+    # Penalties: drafts accepted by an earlier verify step, which the slot's counts do not hold yet.
+    uncounted_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_rows(self) -> int:
+        """Rows it takes in the step: one, or 1 + k when it verifies k drafts (one per token)."""
+        return 1 + len(self.draft_token_ids)
 
 
 @dataclass
@@ -62,6 +75,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def num_rows(self) -> int:
+        """The step's rows: one per sequence, 1 + k per sequence verifying k drafts."""
+        return sum(s.num_rows for s in self.scheduled)
+
 
 @dataclass(slots=True)  # one a sampling sequence and step
 class SampledToken:
@@ -72,7 +90,9 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[SequenceId, SampledToken]  # each sequence with samples=True -> its token
+    sampled: dict[SequenceId, SampledToken]  # each sequence with samples=True -> its token (its first row's)
     # each sequence with prompt_logprob_targets -> [(prompt position, {its token: logprob, top tokens:
     # logprobs})] of the step's chunk
     prompt_logprobs: dict[SequenceId, list[tuple[int, dict[int, float]]]] = field(default_factory=dict)
+    # each sequence with drafts -> the target's token at each of its 1 + k rows
+    verified: dict[SequenceId, list[SampledToken]] = field(default_factory=dict)

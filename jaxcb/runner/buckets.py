@@ -5,6 +5,11 @@ comes from a short list (config, or `default_token_buckets` -- denser on CPU, wh
 costs compute, densest for decode steps -- up to the limits; the token budget is always a
 bucket, so a step never pads past it), and every (T, R, W) combination is compiled ahead of
 time, once per step variant (`BucketKey`: the bucket and its `jaxcb.sampling.StepVariant`).
+
+R counts rows, not sequences: with speculative decoding a sequence verifying k drafts takes
+1 + k rows, so each token bucket above `max_num_seqs` has a second row bucket,
+min(T, max_num_seqs x (1 + k)) (`max_rows`): steps without drafts keep the smaller one, and form
+no more logits than before.
 """
 
 from __future__ import annotations
@@ -50,11 +55,14 @@ class Buckets:
     seqs: tuple[int, ...]  # () -> one sequence bucket per token bucket: min(tokens, max_num_seqs)
     widths: tuple[int, ...]
     max_num_seqs: int
+    max_rows: int = 0  # most rows a step has: max_num_seqs x (1 + k) with speculative decoding; 0: max_num_seqs
 
     def seqs_for(self, num_tokens_bucket: int) -> list[int]:
+        t = num_tokens_bucket
+        rows = {min(t, self.max_rows)} if self.max_rows > self.max_num_seqs else set()
         if not self.seqs:
-            return [min(num_tokens_bucket, self.max_num_seqs)]
-        return sorted({min(r, num_tokens_bucket) for r in self.seqs})
+            return sorted({min(t, self.max_num_seqs)} | rows)
+        return sorted({min(r, t) for r in self.seqs} | rows)
 
     def all(self) -> list[Bucket]:
         return [Bucket(t, r, w) for t in self.tokens for r in self.seqs_for(t) for w in self.widths]
@@ -87,9 +95,11 @@ def default_token_buckets(budget: int, platform: str, max_num_seqs: int) -> list
 
 
 def make_buckets(
-    engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_seq: int, attention: str, platform: str | None = None
+    engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_seq: int, attention: str, platform: str | None = None,
+    max_drafts: int = 0,
 ) -> Buckets:
-    """`attention`: the attention form's name (the xla form's cost follows the table width)."""
+    """`attention`: the attention form's name (the xla form's cost follows the table width); `max_drafts`:
+    speculative decoding's k (0: off)."""
     budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
     default = default_token_buckets(budget, platform or jax.default_backend(), max_seqs)
     tokens = sorted(set(engine.token_buckets or default) | {budget})
@@ -102,4 +112,5 @@ def make_buckets(
         widths = sorted({min(GATHER_MAX_WIDTH, max_blocks_per_seq), max_blocks_per_seq})
     else:  # the kernel and the reference read only up to each kv_len: no need to bucket
         widths = [max_blocks_per_seq]
-    return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths), max_seqs)
+    return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths), max_seqs,
+                   max_seqs * (1 + max_drafts))

@@ -110,12 +110,14 @@ class ModelRunner:
         compile_workers: int = 1,
         compile_rare_variants: str = "startup",
         compile_inline: bool = False,
+        max_drafts: int = 0,
     ):
         """`weights`: the model's, as `backend.prepare` made them.
         `sampling_variants`: the sampling levels compiled for every bucket (full among them);
         `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias);
         `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk);
-        `compile_workers`, `compile_rare_variants`, `compile_inline`: how and when they compile (`compiler.StepCompiler`)."""
+        `compile_workers`, `compile_rare_variants`, `compile_inline`: how and when they compile (`compiler.StepCompiler`);
+        `max_drafts`: speculative decoding's k (0: off), for the rows' drafts that penalties count."""
         self.backend = backend
         self.weights = weights
         self.tp = tp
@@ -138,13 +140,13 @@ class ModelRunner:
         replicated = tp.replicated if tp is not None else None
         self.inputs = StepInputBuilder(
             buckets, kv_cache.block_size, backend.cfg.vocab_size, max_stop_token_ids, max_logit_bias,
-            self.compiler.serve, SlotTable(self.num_slots), replicated,
+            self.compiler.serve, SlotTable(self.num_slots), replicated, max_drafts,
         )
         self.slot_state: SlotState = empty_slot_state(self.num_slots, max(buckets.widths), backend.cfg.vocab_size,
                                                       replicated)
         self._abstract = dict(max_banned=max_stop_token_ids, block_size=kv_cache.block_size, max_rows=self.max_rows,
                               vocab_size=backend.cfg.vocab_size, max_logit_bias=max_logit_bias,
-                              sharding=replicated)
+                              max_drafts=max_drafts, sharding=replicated)
         step = self._make_step()
         if tp is None:
             self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(3,))
@@ -178,6 +180,10 @@ class ModelRunner:
                 is_output = x.positions >= jnp.concatenate([x.num_prompt, pad])[x.token_rows]
                 counts = record_tokens(counts, token_slots, token_ids, is_output)
                 row_counts = PenaltyCounts(counts.seen[x.row_slots], counts.output_counts[x.row_slots])
+                if x.row_drafts is not None:  # a verify row also counts the drafts before its token
+                    rows = jnp.arange(x.row_drafts.shape[0])[:, None]
+                    row_counts = PenaltyCounts(row_counts.seen.at[rows, x.row_drafts].set(True, mode="drop"),
+                                               row_counts.output_counts.at[rows, x.row_drafts].add(1, mode="drop"))
             greedy = level == StepVariant.GREEDY
             logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], not greedy)
             token, token_lp, top_ids, top_lp = sample(
@@ -287,18 +293,26 @@ class ModelRunner:
         """Wait for a dispatched step and bring its sampled tokens to the host."""
         ids, lps = fetch(handle.token_ids), fetch(handle.logprobs)
         seqs = handle.scheduled.scheduled
+        num_rows = handle.scheduled.num_rows
         # Each row's token and logprob as Python numbers in one conversion each, not two per row.
-        tokens, token_lps = ids[: len(seqs), 0].tolist(), lps[: len(seqs), 0].tolist()
-        sampled = {}
-        for i, s in enumerate(seqs):
-            if not s.samples:
-                continue
-            n = s.sampling_params.logprobs
+        tokens, token_lps = ids[:num_rows, 0].tolist(), lps[:num_rows, 0].tolist()
+
+        def row_token(row: int, n: Optional[int]) -> SampledToken:
             top = None
             if n:
                 n = min(n, self.max_logprobs)
-                top = dict(zip(ids[i, 1 : 1 + n].tolist(), lps[i, 1 : 1 + n].tolist()))
-            sampled[s.seq_id] = SampledToken(tokens[i], token_lps[i], top)
+                top = dict(zip(ids[row, 1 : 1 + n].tolist(), lps[row, 1 : 1 + n].tolist()))
+            return SampledToken(tokens[row], token_lps[row], top)
+
+        sampled, verified = {}, {}
+        row = 0
+        for s in seqs:
+            if s.samples:
+                n = s.sampling_params.logprobs
+                sampled[s.seq_id] = row_token(row, n)
+                if s.draft_token_ids:  # one row per token: the target's token after each
+                    verified[s.seq_id] = [sampled[s.seq_id]] + [row_token(row + j, n) for j in range(1, s.num_rows)]
+            row += s.num_rows if s.draft_token_ids else 1
         prompt = {}
         if handle.bucket.variant == StepVariant.PROMPT_LOGPROBS:
             num_rows, begin = handle.bucket.num_seqs, 0
@@ -313,7 +327,7 @@ class ModelRunner:
                         for k, row in enumerate(rows)
                     ]
                 begin += len(s.token_ids)
-        return RunnerOutput(sampled, prompt)
+        return RunnerOutput(sampled, prompt, verified)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         return self.collect(self.dispatch(out))

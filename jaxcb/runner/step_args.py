@@ -47,6 +47,9 @@ class StepInputs:
     prev_rows: jax.Array  # i32[T]: for an input token in flight, its row in the previous step; else -1
     masks: Optional[TokenMasks] = None  # variants from MASKED on: token bitmask and logit bias of each row
     prompt_targets: Optional[jax.Array] = None  # i32[T], PROMPT_LOGPROBS only: the prompt token each row predicts; -1: none
+    # Speculative decoding, from FULL on: each row's drafts before its token (a verify row j: drafts 1..j),
+    # which its penalties count on top of its slot's counts; V (out of range) pads.
+    row_drafts: Optional[jax.Array] = None  # i32[R, k]
 
 
 jax.tree_util.register_dataclass(
@@ -106,7 +109,8 @@ def unpack_step_inputs(like: StepInputs, ints: jax.Array, floats: jax.Array, pre
 
 
 def abstract_step_inputs(key: BucketKey, *, max_banned: int, block_size: int, max_rows: int, vocab_size: int,
-                         max_logit_bias: int, sharding: Optional[jax.sharding.Sharding] = None) -> StepInputs:
+                         max_logit_bias: int, max_drafts: int = 0,
+                         sharding: Optional[jax.sharding.Sharding] = None) -> StepInputs:
     """ShapeDtypeStructs of one bucket's inputs (what the step is compiled for)."""
     t, r, variant = key.num_tokens, key.num_seqs, key.variant
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
@@ -133,6 +137,7 @@ def abstract_step_inputs(key: BucketKey, *, max_banned: int, block_size: int, ma
         masks=TokenMasks(i32(r, (vocab_size + 31) // 32), i32(r, max_logit_bias), f32(r, max_logit_bias))
         if variant >= StepVariant.MASKED else None,
         prompt_targets=i32(t) if variant >= StepVariant.PROMPT_LOGPROBS else None,
+        row_drafts=i32(r, max_drafts) if max_drafts and variant >= StepVariant.FULL else None,
     )
     if sharding is None:
         return inputs
@@ -140,7 +145,7 @@ def abstract_step_inputs(key: BucketKey, *, max_banned: int, block_size: int, ma
 
 
 def padded_step_inputs(key: BucketKey, *, max_banned: int, block_size: int, vocab_size: int, max_logit_bias: int,
-                       num_slots: int) -> StepInputs:
+                       num_slots: int, max_drafts: int = 0) -> StepInputs:
     """One bucket's inputs with every token and row at its padding value: tokens write K/V to the
     null block and belong to row R; rows have no context and sample greedily with no filter (top_p 1,
     repetition 1), nothing banned or biased (ids V), every token allowed; table updates go to slot
@@ -162,6 +167,7 @@ def padded_step_inputs(key: BucketKey, *, max_banned: int, block_size: int, voca
         masks=TokenMasks(i32((r, (vocab_size + 31) // 32), -1), i32((r, max_logit_bias), vocab_size),
                          f32((r, max_logit_bias))) if variant >= StepVariant.MASKED else None,
         prompt_targets=i32(t, -1) if variant >= StepVariant.PROMPT_LOGPROBS else None,
+        row_drafts=i32((r, max_drafts), vocab_size) if max_drafts and variant >= StepVariant.FULL else None,
     )
 
 

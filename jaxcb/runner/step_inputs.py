@@ -57,6 +57,7 @@ class StepInputBuilder:
     serving: Callable[[StepVariant], Optional[StepVariant]]
     slots: SlotTable
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
+    max_drafts: int = 0  # speculative decoding's k (0: off): the width of the rows' drafts (`StepInputs.row_drafts`)
 
     def __post_init__(self) -> None:
         num_slots = self.slots.num_slots
@@ -92,7 +93,7 @@ class StepInputBuilder:
         if key not in self._templates:
             self._templates[key] = PackedTemplate(padded_step_inputs(
                 key, max_banned=self.max_banned, block_size=self.block_size, vocab_size=self.vocab_size,
-                max_logit_bias=self.max_logit_bias, num_slots=self.slots.num_slots))
+                max_logit_bias=self.max_logit_bias, num_slots=self.slots.num_slots, max_drafts=self.max_drafts))
         return self._templates[key]
 
     def build(self, out: SchedulerOutput, prev_tokens: jax.Array
@@ -113,15 +114,18 @@ class StepInputBuilder:
         lens = _column(seqs, "token_ids", of=len)
         starts = _column(seqs, "start_position")
         num_tokens = int(lens.sum())
+        num_drafts = _column(seqs, "draft_token_ids", of=len) if self.max_drafts else None
+        verifies = num_drafts is not None and bool(num_drafts.any())
+        num_rows = n + int(num_drafts.sum()) if verifies else n
         bs = self.block_size
         # The width follows the longest context, not the blocks held: a static batch reserves its
         # whole outputs' blocks at admission, and a decoding sequence may hold a run ahead.
-        bucket = self.buckets.pick(num_tokens, n, int(-(-(starts + lens).max() // bs)))
+        bucket = self.buckets.pick(num_tokens, num_rows, int(-(-(starts + lens).max() // bs)))
         t, r = bucket.num_tokens, bucket.num_seqs
-        row_slots, table, writes = self._slot_updates(seqs, t, r)
+        seq_slots, table, writes = self._slot_updates(seqs, t, r)
         samples = _column(seqs, "samples", bool)
         num_banned = _column(seqs, "banned_token_ids", of=len)
-        key = BucketKey(*bucket, self.variant(seqs, row_slots, samples, num_banned))
+        key = BucketKey(*bucket, self.variant(seqs, seq_slots, samples, num_banned))
         ints, floats, x = self.template(key).fresh()
 
         begins, pos, slot_mapping = self._token_places(seqs, lens, starts)
@@ -130,14 +134,30 @@ class StepInputBuilder:
             itertools.chain.from_iterable(map(operator.attrgetter("token_ids"), seqs)), np.int32, num_tokens)
         x.positions[:num_tokens] = pos
         x.slot_mapping[:num_tokens] = slot_mapping  # padding: the null block
-        x.token_rows[:num_tokens] = np.repeat(np.arange(n), lens)
-        x.query_start_loc[:n] = begins
-        x.query_start_loc[n:] = num_tokens
-        x.kv_lens[:n] = starts + lens
-        x.num_seqs[()] = n
-        x.row_slots[:n] = row_slots
+        num_output = _column(seqs, "num_output_tokens")
+        if verifies:
+            # Speculative decoding: a sequence verifying k drafts takes 1 + k rows, one per token, each
+            # attending to the context up to its own token and sampling the token after it.
+            row_seq, row_offset, row_begins, row_lens = self._verify_rows(num_drafts, begins, lens)
+            row_slots = seq_slots[row_seq]
+            x.token_rows[:num_tokens] = np.repeat(np.arange(num_rows), row_lens)
+            x.token_rows[row_begins[row_offset > 0]] = r  # drafts: not counted (penalties)
+            x.query_start_loc[:num_rows] = row_begins
+            x.kv_lens[:num_rows] = starts[row_seq] + (row_begins - begins[row_seq]) + row_lens
+            x.logits_indices[:num_rows] = row_begins + row_lens - 1
+            x.counters[:num_rows] = num_output[row_seq] + row_offset
+        else:
+            row_seq = row_offset = None
+            row_slots = seq_slots
+            x.token_rows[:num_tokens] = np.repeat(np.arange(n), lens)
+            x.query_start_loc[:n] = begins
+            x.kv_lens[:n] = starts + lens
+            x.logits_indices[:n] = ends - 1
+            x.counters[:n] = num_output
+        x.query_start_loc[num_rows:] = num_tokens
+        x.num_seqs[()] = num_rows
+        x.row_slots[:num_rows] = row_slots
         x.table_updates[:, : table.shape[1]] = table
-        x.logits_indices[:n] = ends - 1
         # A sequence's last token may still be in flight (async scheduling): the step reads it from
         # its row of the previous step's tokens on the device, never from these ids.
         in_flight_rows = _column(seqs, "in_flight_row")
@@ -145,16 +165,21 @@ class StepInputBuilder:
         x.prev_rows[(ends - 1)[in_flight]] = in_flight_rows[in_flight]
 
         for name, values in zip(SLOT_FLOATS, self._slot_floats[:, row_slots]):
-            getattr(x, name)[:n] = values
-        x.top_k[:n] = self._slot_top_k[row_slots]
-        x.seeds[:n] = self._slot_seeds[row_slots]
-        x.counters[:n] = _column(seqs, "num_output_tokens")
-        for i in np.flatnonzero(num_banned).tolist():
-            ids = seqs[i].banned_token_ids[: self.max_banned]
-            x.banned_token_ids[i, : len(ids)] = ids
-        x.num_prompt[:n] = self._slot_num_prompt[row_slots]
+            getattr(x, name)[:num_rows] = values
+        x.top_k[:num_rows] = self._slot_top_k[row_slots]
+        x.seeds[:num_rows] = self._slot_seeds[row_slots]
+        if verifies:
+            self._fill_verify_banned(seqs, row_seq, row_offset, x.banned_token_ids)
+            if key.variant >= StepVariant.FULL:
+                self._fill_row_drafts(seqs, row_seq, row_offset, x.row_drafts)
+        else:
+            for i in np.flatnonzero(num_banned).tolist():
+                ids = seqs[i].banned_token_ids[: self.max_banned]
+                x.banned_token_ids[i, : len(ids)] = ids
+        x.num_prompt[:num_rows] = self._slot_num_prompt[row_slots]
         if key.variant >= StepVariant.MASKED:
-            self._fill_token_masks(seqs, x.bitmask, x.bias_ids, x.bias_values)
+            self._fill_token_masks(seqs, x.bitmask, x.bias_ids, x.bias_values,
+                                   row_seq.tolist() if row_seq is not None else range(n))
         if key.variant >= StepVariant.PROMPT_LOGPROBS:
             self._fill_prompt_targets(seqs, begins, x.prompt_targets)
         # Host arrays go to the executable as they are (packed into two, `StepArgs`): its C++ call
@@ -165,6 +190,39 @@ class StepInputBuilder:
         if self.sharding is not None:  # arrays already there (prev_tokens) are not copied
             args = jax.device_put(args, self.sharding)
         return key, args, writes
+
+    @staticmethod
+    def _verify_rows(num_drafts: np.ndarray, begins: np.ndarray, lens: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(each row's sequence, its index among its sequence's rows, its first token's index in the
+        step, its tokens), all i64[rows]: a sequence with k drafts has 1 + k rows of one token, the
+        others one row of all their tokens."""
+        rows_per_seq = 1 + num_drafts
+        row_seq = np.repeat(np.arange(len(num_drafts)), rows_per_seq)
+        row_offset = np.arange(len(row_seq)) - np.repeat(np.cumsum(rows_per_seq) - rows_per_seq, rows_per_seq)
+        verify_row = num_drafts[row_seq] > 0
+        return row_seq, row_offset, begins[row_seq] + row_offset, np.where(verify_row, 1, lens[row_seq])
+
+    def _fill_verify_banned(self, seqs: list[ScheduledSequence], row_seq: np.ndarray, row_offset: np.ndarray,
+                            banned: np.ndarray) -> None:
+        """Each row's banned ids (min_tokens): a verify row j samples output token num_output + j, banned
+        while that is below min_tokens."""
+        for row, (i, j) in enumerate(zip(row_seq.tolist(), row_offset.tolist())):
+            s = seqs[i]
+            if not s.banned_token_ids:
+                continue
+            if j and s.num_output_tokens + j >= s.sampling_params.min_tokens:
+                continue
+            ids = s.banned_token_ids[: self.max_banned]
+            banned[row, : len(ids)] = ids
+
+    @staticmethod
+    def _fill_row_drafts(seqs: list[ScheduledSequence], row_seq: np.ndarray, row_offset: np.ndarray,
+                         row_drafts: np.ndarray) -> None:
+        """Verify row j's drafts 1..j, which its penalties count (the step records only known tokens)."""
+        for row in np.flatnonzero(row_offset).tolist():
+            j = int(row_offset[row])
+            row_drafts[row, :j] = seqs[int(row_seq[row])].draft_token_ids[:j]
 
     def _token_places(self, seqs: list[ScheduledSequence], lens: np.ndarray, starts: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -201,6 +259,8 @@ class StepInputBuilder:
             add_row(entry.slot)
             if fresh:
                 self._remember(entry.slot, s)
+            elif len(s.block_ids) < entry.num_blocks:  # blocks past its accepted drafts went back (speculation)
+                entry.num_blocks = len(s.block_ids)
             if len(s.block_ids) > entry.num_blocks:
                 gained = s.block_ids[entry.num_blocks :]
                 new_slots += [entry.slot] * len(gained)
@@ -212,6 +272,10 @@ class StepInputBuilder:
                 prior = np.asarray(s.prior_token_ids(), np.int32)
                 counted.append(np.stack([np.full(len(prior), entry.slot, np.int32), prior,
                                          (np.arange(len(prior)) >= s.num_prompt_tokens).astype(np.int32)]))
+            elif s.uncounted_token_ids:  # drafts an earlier verify step accepted: output tokens
+                uncounted = np.asarray(s.uncounted_token_ids, np.int32)
+                counted.append(np.stack([np.full(len(uncounted), entry.slot, np.int32), uncounted,
+                                         np.ones(len(uncounted), np.int32)]))
         table = np.array([new_slots, new_cols, new_blocks], np.int32).reshape(3, -1)
         in_step = table
         if table.shape[1] <= table_update_capacity(t, r, self.block_size):
@@ -219,7 +283,7 @@ class StepInputBuilder:
         else:
             in_step = np.zeros((3, 0), np.int32)
         row_slots = np.array(row_slots, np.int64)
-        if not resets and not table.shape[1]:
+        if not resets and not counted and not table.shape[1]:
             return row_slots, in_step, None
         reset_slots = np.full(self.buckets.max_num_seqs, num_slots, np.int32)
         reset_slots[: len(resets)] = resets
@@ -238,17 +302,19 @@ class StepInputBuilder:
 
     @staticmethod
     def _fill_token_masks(seqs: list[ScheduledSequence], bitmask: np.ndarray, bias_ids: np.ndarray,
-                          bias_values: np.ndarray) -> None:
-        """Each sampling row's allowed tokens (its constraint's bitmask; all, for rows without one) and bias."""
-        for i, s in enumerate(seqs):
+                          bias_values: np.ndarray, row_seq) -> None:
+        """Each sampling row's allowed tokens (its constraint's bitmask; all, for rows without one) and bias.
+        `row_seq`: each row's sequence (a sequence with a constraint never verifies drafts: one row)."""
+        for row, i in enumerate(row_seq):
+            s = seqs[i]
             if not s.samples:
                 continue
             if s.constraint is not None:
-                s.constraint.fill(bitmask[i])
+                s.constraint.fill(bitmask[row])
             bias = s.sampling_params.logit_bias
             if bias:
-                bias_ids[i, : len(bias)] = list(bias.keys())
-                bias_values[i, : len(bias)] = list(bias.values())
+                bias_ids[row, : len(bias)] = list(bias.keys())
+                bias_values[row, : len(bias)] = list(bias.values())
 
     @staticmethod
     def _fill_prompt_targets(seqs: list[ScheduledSequence], begins: np.ndarray, targets: np.ndarray) -> None:

@@ -1,0 +1,199 @@
+"""Speculative decoding's host side: who proposes what, and when a sequence stands aside (no jax).
+
+A decoding sequence may bring proposed tokens (drafts) to a step: its last token and k drafts
+are 1 + k query rows of the ordinary ragged step, each sampling the target's token for its
+position (the runner splits them into rows, `jaxcb.runner.step_inputs`). The scheduler keeps
+the longest run of drafts equal to the target's own samples, plus the target's next token, and
+rolls the rest back (`Scheduler.update`). A draft is accepted exactly when it equals the token
+the target samples there with that position's own noise (`jaxcb.sampling`): the rejection rule
+for a deterministic proposer, so greedy and seeded outputs are identical with and without
+speculation.
+
+This module decides, for each decoding sequence and step (`Speculation.drafts`):
+
+- whether it may speculate at all: not with a token constraint (structured outputs,
+  allowed_token_ids, bad_words: their masks do not advance speculatively yet) or
+  prompt_logprobs -- such a request decodes plainly in the same batches and is counted once
+  (`num_unspeculated_requests`); not while more than `disable_by_batch_size` sequences
+  decode (a large batch is compute-bound: k drafts cost about k decodes); not while it
+  backs off (below);
+- what it proposes: the n-gram proposer (`NgramProposer`) looks up the sequence's last n
+  tokens (longest first) in its prompt and output so far, and proposes what followed their
+  latest earlier occurrence;
+- async scheduling's rule: a proposal needs the sequence's last token, which under async
+  scheduling is still in flight when the next step is scheduled. A sequence whose previous
+  step verified drafts sits the next step out (how many drafts it accepts is not known yet);
+  a plainly decoding sequence sits one out to learn its last token only when a proposal is
+  possible then: the last n - 1 known tokens occurred before (every n-gram match extends such
+  a match). Sequences that never match -- random text -- keep decoding asynchronously.
+- back-off: a sequence whose last `acceptance_window` verify steps accepted fewer than
+  `min_mean_accepted` tokens on average (a step it sat out for a proposal that then found
+  nothing counts as 0) stops proposing for 16 tokens, then 32, 64, ... while it keeps failing.
+
+It also keeps the counters that `/metrics` publishes under vLLM's names (`SpeculationStats`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from jaxcb.config import SpeculativeConfig
+    from jaxcb.core.sequence import Sequence
+
+FIRST_BACKOFF_TOKENS = 16
+
+
+class NgramIndex:
+    """One sequence's n-grams (lengths `min_n`..`max_n`), each mapped to where its latest
+    occurrence ends (exclusive), indexed lazily up to the sequence's current length."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.last_end: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0  # every n-gram ending at or before this (exclusive end) is indexed
+
+    def index_upto(self, tokens: list[int], end: int) -> None:
+        """Index the n-grams that end (exclusive) at positions num_indexed + 1 .. `end`."""
+        last_end = self.last_end
+        for e in range(self.num_indexed + 1, end + 1):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                last_end[tuple(tokens[e - n : e])] = e
+        self.num_indexed = max(self.num_indexed, end)
+
+    def find(self, tokens: list[int], length: int, min_n: int) -> Optional[int]:
+        """Where the continuation of the longest n-gram (n >= `min_n`) ending `tokens[:length]` starts
+        in an earlier occurrence, or None. The occurrence ends before `length`, so at least one token follows it."""
+        self.index_upto(tokens, length - 1)
+        for n in range(min(self.max_n, length - 1), min_n - 1, -1):
+            end = self.last_end.get(tuple(tokens[length - n : length]))
+            if end is not None:
+                return end
+        return None
+
+
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the sequence's last n tokens."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        # The probe looks for the last n - 1 known tokens (every n-gram match extends one); at least one.
+        self.probe_n = max(1, min_n - 1)
+
+    def new_index(self) -> NgramIndex:
+        return NgramIndex(self.probe_n, self.max_n)
+
+    def propose(self, index: NgramIndex, tokens: list[int], k: int) -> list[int]:
+        """Up to k drafts for a sequence whose tokens are `tokens` (all known)."""
+        start = index.find(tokens, len(tokens), self.min_n)
+        return [] if start is None else tokens[start : start + k]
+
+    def may_propose(self, index: NgramIndex, tokens: list[int], num_known: int) -> bool:
+        """Whether a proposal is possible once the token after `tokens[:num_known]` is known."""
+        return index.find(tokens, num_known, self.probe_n) is not None
+
+
+@dataclass
+class SequenceSpeculation:
+    """One sequence's speculation state, kept on it (`Sequence.speculation`)."""
+
+    index: NgramIndex
+    accepted: deque = field(default_factory=deque)  # accepted tokens of its last verify steps
+    resume_at: int = 0  # it proposes again once it has this many tokens (back-off)
+    backoff: int = FIRST_BACKOFF_TOKENS  # the next back-off's length, in tokens
+    waited: bool = False  # it sat the last step out to learn its last token
+    uncounted: list[int] = field(default_factory=list)  # accepted drafts the penalties' counts still lack
+
+
+@dataclass
+class SpeculationStats:
+    """Totals since start-up (vLLM's spec_decode_* counters)."""
+
+    num_drafts: int = 0  # verify steps (sequences x steps that brought drafts)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts accepted at each position
+    num_unspeculated_requests: int = 0  # requests decoded without speculation (constraints, prompt_logprobs)
+
+
+class Speculation:
+    """The scheduler's proposer and back-off (module docstring)."""
+
+    def __init__(self, cfg: "SpeculativeConfig", disable_by_batch_size: int):
+        self.k = cfg.num_speculative_tokens
+        self.proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.disable_by_batch_size = disable_by_batch_size
+        self.min_mean_accepted = cfg.min_mean_accepted
+        self.window = cfg.acceptance_window
+        self.stats = SpeculationStats(accepted_per_position=[0] * self.k)
+
+    def _state(self, seq: "Sequence") -> Optional[SequenceSpeculation]:
+        """The sequence's state, made on its first decode; None if it never speculates."""
+        state = seq.speculation
+        if state is None:
+            p = seq.sampling_params
+            if seq.constraint is not None or p.prompt_logprobs is not None:
+                seq.speculation = False
+                if seq.sample_index == 0:
+                    self.stats.num_unspeculated_requests += 1
+                return None
+            state = seq.speculation = SequenceSpeculation(self.proposer.new_index())
+        return state or None
+
+    def drafts(self, seq: "Sequence", last_in_flight: bool, num_decoding: int, max_drafts: int) -> Optional[list[int]]:
+        """The drafts a decoding sequence brings to the step being scheduled: a list (empty: it decodes
+        plainly), or None: it sits the step out to learn its last token (only when `last_in_flight`)."""
+        state = self._state(seq)
+        if state is None or max_drafts <= 0 or num_decoding > self.disable_by_batch_size:
+            return []
+        if seq.num_tokens < state.resume_at:
+            return []
+        tokens = seq.prompt_token_ids + seq.output_token_ids
+        if last_in_flight:
+            if self.proposer.may_propose(state.index, tokens, len(tokens) - 1):
+                state.waited = True
+                return None
+            return []
+        drafts = self.proposer.propose(state.index, tokens, min(self.k, max_drafts))
+        if not drafts and state.waited:
+            self._record(seq, state, 0)  # it waited a step for nothing
+        state.waited = False
+        return drafts
+
+    def verified(self, seq: "Sequence", drafts: tuple[int, ...], num_accepted: int) -> None:
+        """A verify step's outcome: `num_accepted` of the sequence's `drafts` were the target's tokens."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += len(drafts)
+        s.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            s.accepted_per_position[i] += 1
+        state = seq.speculation
+        if state:
+            if seq.sampling_params.uses_penalties:
+                state.uncounted += drafts[:num_accepted]
+            self._record(seq, state, num_accepted)
+
+    def _record(self, seq: "Sequence", state: SequenceSpeculation, num_accepted: int) -> None:
+        state.accepted.append(num_accepted)
+        if len(state.accepted) > self.window:
+            state.accepted.popleft()
+        if len(state.accepted) < self.window:
+            return
+        if sum(state.accepted) < self.min_mean_accepted * self.window:
+            state.resume_at = seq.num_tokens + state.backoff
+            state.backoff *= 2
+            state.accepted.clear()
+        elif sum(state.accepted) >= self.window:  # paying again: the next back-off starts short
+            state.backoff = FIRST_BACKOFF_TOKENS
+
+    @staticmethod
+    def take_uncounted(seq: "Sequence") -> tuple[int, ...]:
+        """The accepted drafts the penalties' counts lack, handed to the step being built (once)."""
+        state = seq.speculation
+        if not state or not state.uncounted:
+            return ()
+        out, state.uncounted = tuple(state.uncounted), []
+        return out
