@@ -147,6 +147,8 @@ class KVCacheManager:
         assert request.num_registered_blocks <= num_blocks, (request.seq_id, num_blocks)
         self.pool.free(request.block_ids[num_blocks:])
         request.block_ids = request.block_ids[:num_blocks]  # a new list: a built step keeps the one it had
+        kept = request.num_blocks_kept
+        request.num_blocks_kept = num_blocks if kept is None else min(kept, num_blocks)
 
     def free(self, request: Sequence) -> None:
         """Every block the sequence holds, on the device and on the host."""

@@ -390,12 +390,14 @@ class Scheduler:
         token_ids, in_flight_row = self.in_flight.token_ids_for_step(sequence, start, stop)
         if drafts:
             token_ids = token_ids + list(drafts)
+        num_blocks_kept, sequence.num_blocks_kept = sequence.num_blocks_kept, None
         return ScheduledSequence(
             seq_id=sequence.seq_id,
             start_position=start,
             token_ids=token_ids,
             block_ids=sequence.block_ids,  # no copy: the KV-cache manager replaces the list, never extends it
             block_epoch=sequence.block_epoch,
+            num_blocks_kept=num_blocks_kept,
             samples=stop == num_prompt + num_output,
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_output,

@@ -65,6 +65,10 @@ class Sequence:
     # Bumped whenever block_ids is replaced rather than extended (admission, preemption, swap), so
     # the runner knows when the table it keeps on the device for this sequence is stale.
     block_epoch: int = 0
+    # Speculative decoding frees the blocks only rejected drafts needed, and the table may grow again
+    # with other blocks: its first num_blocks_kept blocks are unchanged since it was last scheduled
+    # (None: all of them), which the runner's copy of the table needs to know.
+    num_blocks_kept: Optional[int] = None
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # of its leading full blocks, in order (block_hash.py)
     num_registered_blocks: int = 0  # leading blocks findable in the prefix cache (found there, or registered)

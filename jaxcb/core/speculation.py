@@ -19,7 +19,8 @@ This module decides, for each decoding sequence and step (`Speculation.drafts`):
   backs off (below);
 - what it proposes: the n-gram proposer (`NgramProposer`) looks up the sequence's last n
   tokens (longest first) in its prompt and output so far, and proposes what followed their
-  latest earlier occurrence;
+  latest earlier occurrence (past the end, what the proposal itself continues: a repeating
+  pattern keeps repeating);
 - async scheduling's rule: a proposal needs the sequence's last token, which under async
   scheduling is still in flight when the next step is scheduled. A sequence whose previous
   step verified drafts sits the next step out (how many drafts it accepts is not known yet);
@@ -88,7 +89,13 @@ class NgramProposer:
     def propose(self, index: NgramIndex, tokens: list[int], k: int) -> list[int]:
         """Up to k drafts for a sequence whose tokens are `tokens` (all known)."""
         start = index.find(tokens, len(tokens), self.min_n)
-        return [] if start is None else tokens[start : start + k]
+        if start is None:
+            return []
+        drafts = tokens[start : start + k]
+        # Past the end, the match goes on into its own continuation: a repeating pattern keeps repeating.
+        while len(drafts) < k:
+            drafts.append(drafts[start + len(drafts) - len(tokens)])
+        return drafts
 
     def may_propose(self, index: NgramIndex, tokens: list[int], num_known: int) -> bool:
         """Whether a proposal is possible once the token after `tokens[:num_known]` is known."""

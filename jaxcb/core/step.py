@@ -51,6 +51,9 @@ class ScheduledSequence:
     num_blocks_without_drafts: int = 0
     # Penalties: drafts accepted by an earlier verify step, which the slot's counts do not hold yet.
     uncounted_token_ids: tuple[int, ...] = ()
+    # Its table's first blocks unchanged since it was last scheduled, when blocks were freed from its
+    # end since (speculative decoding: rejected drafts'); None: it only grew.
+    num_blocks_kept: Optional[int] = None
 
     @property
     def num_rows(self) -> int:

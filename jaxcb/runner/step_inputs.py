@@ -259,8 +259,8 @@ class StepInputBuilder:
             add_row(entry.slot)
             if fresh:
                 self._remember(entry.slot, s)
-            elif len(s.block_ids) < entry.num_blocks:  # blocks past its accepted drafts went back (speculation)
-                entry.num_blocks = len(s.block_ids)
+            elif s.num_blocks_kept is not None:  # blocks past its accepted drafts went back (speculation)
+                entry.num_blocks = min(entry.num_blocks, s.num_blocks_kept)
             if len(s.block_ids) > entry.num_blocks:
                 gained = s.block_ids[entry.num_blocks :]
                 new_slots += [entry.slot] * len(gained)

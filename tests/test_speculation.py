@@ -1,0 +1,177 @@
+"""Speculative decoding with n-gram proposals: outputs identical to decoding without it, blocks returned."""
+
+import random
+
+import pytest
+
+from engine_factory import assert_same_tokens_and_logprobs, make_engine, shared_engine
+from test_engine import run_with_arrivals
+from jaxcb.config import ConfigError, SpeculativeConfig, compose_config
+from jaxcb.core.sequence import Sequence
+from jaxcb.core.speculation import NgramIndex, NgramProposer, Speculation
+from jaxcb.sampling_params import SamplingParams
+
+# Blocks of 8 tokens and too few of them: preemption, and rejected drafts' blocks freed and taken again.
+SPEC_BASE = ("cache.block_size=8", "cache.num_blocks=40", "engine.context_buckets=[32]")
+NGRAM = "speculative.method=ngram"
+
+
+def spec_workload(seed: int, n: int = 200):
+    """Random prompts, prompts that repeat a pattern (proposals accepted), prompts sharing a prefix
+    (prefix cache hits), arriving over 60 steps."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(256) for _ in range(20)]
+    work = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            prompt = [rng.randrange(256) for _ in range(rng.randint(1, 60))]
+        elif kind == 1:
+            pattern = [rng.randrange(256) for _ in range(rng.randint(2, 6))]
+            prompt = (pattern * 12)[: rng.randint(8, 50)]
+        else:
+            prompt = shared + [rng.randrange(256) for _ in range(rng.randint(1, 20))]
+        work.append((f"req{i}", prompt, rng.randint(1, 40), rng.randint(0, 60)))
+    return work
+
+
+def completions(results):
+    return {rid: None if out is None else [c.token_ids for c in out.outputs] for rid, out in results.items()}
+
+
+def assert_all_blocks_free(engine):
+    assert not engine.has_unfinished_requests() and engine.scheduler.num_unfinished == 0
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+    engine.block_pool.check_invariants()
+
+
+# --- the proposer and the back-off, alone ---------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
+    proposer = NgramProposer(min_n=2, max_n=3)
+    tokens = [1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 1, 2, 3]
+    # [1, 2, 3] (3 tokens, the longest) last occurred at 0..2, followed by 9, 9, 7, ...
+    assert proposer.propose(proposer.new_index(), tokens, 3) == [9, 9, 7]
+    tokens = [5, 2, 3, 4, 4, 8, 2, 3, 6, 1, 2, 3]
+    # [1, 2, 3] never occurred before; [2, 3] did, latest at 6..7, followed by 6, 1, ...
+    assert proposer.propose(proposer.new_index(), tokens, 2) == [6, 1]
+    assert proposer.propose(proposer.new_index(), [1, 2, 3, 4, 5], 4) == []
+    # the continuation may run into the suffix itself (a period-2 pattern)
+    assert proposer.propose(proposer.new_index(), [4, 5, 4, 5, 4, 5], 4) == [4, 5, 4, 5]
+
+
+def test_ngram_index_grows_with_the_sequence_and_never_indexes_a_token_in_flight():
+    proposer = NgramProposer(min_n=2, max_n=4)
+    index = proposer.new_index()
+    tokens = [3, 4, 5, 6, 3, 4]
+    assert proposer.propose(index, tokens, 4) == [5, 6, 3, 4]
+    tokens += [5, -1]  # the next token in flight (-1)
+    # the probe looks for the last n - 1 known tokens: [5] occurred before, so a proposal is possible
+    assert proposer.may_propose(index, tokens, len(tokens) - 1)
+    assert all(-1 not in gram for gram in index.last_end)
+    tokens[-1] = 6
+    assert proposer.propose(index, tokens, 2) == [3, 4]
+    assert not proposer.may_propose(NgramIndex(1, 4), [1, 2, 3, -1], 3)
+
+
+def _sequence(prompt, **params):
+    return Sequence(("r", 0), list(prompt), SamplingParams(max_tokens=100, **params))
+
+
+def test_backoff_stops_proposals_after_low_acceptance_and_resumes_later():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_mean_accepted=1.0, acceptance_window=2)
+    spec = Speculation(cfg, disable_by_batch_size=8)
+    seq = _sequence([1, 2, 3, 1, 2, 3, 1, 2])
+    assert spec.drafts(seq, False, 1, 3) == [3, 1, 2]
+    spec.verified(seq, (3, 1, 2), 0)
+    assert spec.drafts(seq, False, 1, 3) == [3, 1, 2]
+    spec.verified(seq, (3, 1, 2), 1)  # 0.5 accepted a step over the window, below 1.0
+    assert spec.drafts(seq, False, 1, 3) == []
+    seq.output_token_ids += [3] * 16  # 16 tokens later it proposes again
+    assert spec.drafts(seq, False, 1, 3) != []
+    assert spec.stats.num_drafts == 2 and spec.stats.num_draft_tokens == 6 and spec.stats.num_accepted_tokens == 1
+    assert spec.stats.accepted_per_position == [1, 0, 0]
+    # too many sequences decoding: compute-bound, no proposals
+    assert spec.drafts(seq, False, 9, 3) == []
+
+
+def test_constrained_and_prompt_logprobs_requests_decode_without_speculation_and_are_counted():
+    spec = Speculation(SpeculativeConfig(method="ngram"), disable_by_batch_size=8)
+    constrained = _sequence([1, 2, 1, 2, 1])
+    constrained.constraint = object()  # a grammar, allowed_token_ids or bad_words
+    assert spec.drafts(constrained, False, 1, 4) == []
+    assert spec.drafts(_sequence([1, 2, 1, 2, 1], prompt_logprobs=1), False, 1, 4) == []
+    assert spec.drafts(_sequence([1, 2, 1, 2, 1]), False, 1, 4) == [2, 1, 2, 1]
+    assert spec.stats.num_unspeculated_requests == 2
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (("speculative.method=draft",), "speculative.method=draft"),
+    (("speculative.draft_model=small",), "speculative.draft_model"),
+    ((NGRAM, "scheduler.policy=static"), "scheduler.policy=static"),
+    ((NGRAM, "scheduler.max_num_batched_tokens=16", "speculative.num_speculative_tokens=16"),
+     "speculative.num_speculative_tokens=16"),
+    ((NGRAM, "speculative.prompt_lookup_min=3", "speculative.prompt_lookup_max=2"), "prompt_lookup_min=3"),
+])
+def test_unsupported_speculation_configs_are_refused_by_name(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        compose_config(overrides)
+
+
+# --- the engine: tiny model ------------------------------------------------------------------------
+
+
+def test_greedy_outputs_with_ngram_speculation_equal_those_without_it():
+    """200 requests with preemption, prefix-cache hits and n = 2: token for token the same."""
+    off, on = shared_engine(*SPEC_BASE), shared_engine(*SPEC_BASE, NGRAM)
+    work = spec_workload(seed=1)
+    params = lambda rid, m: SamplingParams(temperature=0, max_tokens=m, n=2 if rid.endswith("7") else 1)  # noqa: E731
+    before = on.scheduler.num_preemptions, on.scheduler.prefix_cache_hits
+    assert completions(run_with_arrivals(on, work, params)) == completions(run_with_arrivals(off, work, params))
+    stats = on.speculation.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts accepted, and some rejected
+    assert on.scheduler.num_preemptions > before[0] and on.scheduler.prefix_cache_hits > before[1]
+    assert on.num_recompiles == 0 and off.num_recompiles == 0
+    assert_all_blocks_free(on)
+
+
+def test_seeded_sampling_with_ngram_speculation_is_bit_for_bit_the_same():
+    """Temperature, top-p, penalties, min_tokens and logprobs: the same tokens and logprobs."""
+    off, on = shared_engine(*SPEC_BASE), shared_engine(*SPEC_BASE, NGRAM)
+    work = spec_workload(seed=2, n=60)
+
+    def params(rid, m):
+        i = int(rid[3:])
+        return SamplingParams(temperature=0.8, top_p=0.9 if i % 2 else 1.0, seed=i, max_tokens=m, logprobs=2,
+                              repetition_penalty=1.2 if i % 4 == 1 else 1.0, frequency_penalty=0.3 if i % 4 == 3 else 0.0,
+                              min_tokens=min(m, 5))
+
+    drafts = on.speculation.stats.num_draft_tokens
+    a, b = run_with_arrivals(off, work, params), run_with_arrivals(on, work, params)
+    assert on.speculation.stats.num_draft_tokens > drafts
+    # The same tokens; logprobs equal but for float rounding (a verify step's shapes are not a decode's).
+    assert_same_tokens_and_logprobs([a[rid].outputs[0] for rid in a], [b[rid].outputs[0] for rid in a], 1e-5)
+    assert on.num_recompiles == 0
+    assert_all_blocks_free(on)
+
+
+def test_speculation_without_async_scheduling_gives_the_same_outputs():
+    off = shared_engine(*SPEC_BASE)
+    on_sync = make_engine(*SPEC_BASE, NGRAM, "engine.async_scheduling=false")
+    work = spec_workload(seed=3, n=60)
+    params = lambda rid, m: SamplingParams(temperature=0, max_tokens=m)  # noqa: E731
+    assert completions(run_with_arrivals(on_sync, work, params)) == completions(run_with_arrivals(off, work, params))
+    assert on_sync.speculation.stats.num_accepted_tokens > 0
+    assert_all_blocks_free(on_sync)
+
+
+def test_aborts_in_the_middle_of_speculation_leak_no_block():
+    on = shared_engine(*SPEC_BASE, NGRAM)
+    work = spec_workload(seed=4, n=80)
+    rng = random.Random(6)
+    abort_at = {rid: arrival + rng.randint(0, 25) for rid, _, _, arrival in work if rng.random() < 0.5}
+    results = run_with_arrivals(on, work, lambda rid, m: SamplingParams(temperature=0, max_tokens=m), abort_at)
+    assert any(v is None for v in results.values())
+    assert_all_blocks_free(on)
+    assert on.num_recompiles == 0
