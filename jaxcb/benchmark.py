@@ -92,6 +92,10 @@ class OfflineResult:
     num_steps: int
     num_preemptions: int
     num_recompiles: int
+    # Speculative decoding during the run (0 with it off): verify steps, proposed and accepted tokens.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -115,8 +119,24 @@ def run_offline(llm: LLM, items: list[WorkItem], policy: str) -> OfflineResult:
     return OfflineResult(
         policy, len(items), seconds, sum(len(p) for p in prompts), out_tokens,
         engine.last_stats.num_steps - before.num_steps, engine.last_stats.num_preemptions - before.num_preemptions,
-        engine.last_stats.num_recompiles,
+        engine.last_stats.num_recompiles, **speculation_delta(before, engine.last_stats),
     )
+
+
+def speculation_delta(before, after) -> dict:
+    """Speculative decoding between two EngineStats: verify steps, proposed and accepted tokens."""
+    return dict(spec_drafts=after.spec_num_drafts - before.spec_num_drafts,
+                spec_draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
+                spec_accepted_tokens=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
+
+
+def describe_speculation(r: dict) -> str:
+    """", acceptance ..." for a run that speculated, else ""."""
+    if not r.get("spec_drafts"):
+        return ""
+    return (f", speculation accepted {r['spec_accepted_tokens']}/{r['spec_draft_tokens']} proposed tokens "
+            f"({r['spec_accepted_tokens'] / r['spec_draft_tokens']:.0%}; "
+            f"{1 + r['spec_accepted_tokens'] / r['spec_drafts']:.2f} tokens a verify step)")
 
 
 @dataclass
@@ -173,6 +193,7 @@ def run_serving(llm: LLM, items: list[WorkItem], b: BenchConfig) -> dict:
     gaps = rng.exponential(1.0 / b.request_rate, len(items)) if b.request_rate else np.zeros(len(items))
     arrivals = np.cumsum(gaps)
     engine = llm.engine
+    stats_before = engine.last_stats
     pending = list(range(len(items)))
     live: dict[str, _Live] = {}
     ttft, tpot, itl, e2e = [], [], [], []
@@ -216,6 +237,7 @@ def run_serving(llm: LLM, items: list[WorkItem], b: BenchConfig) -> dict:
         "output_tokens_per_s": out_tokens / seconds, "total_tokens_per_s": (out_tokens + prompt_tokens) / seconds,
         "goodput_requests_per_s": good / seconds, "slo": {"ttft_ms": b.slo.ttft_ms, "tpot_ms": b.slo.tpot_ms},
         "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e),
+        **speculation_delta(stats_before, engine.last_stats),
     }
 
 

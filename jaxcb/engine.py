@@ -481,8 +481,17 @@ class Engine:
             host_kv_usage=host_pool.usage().usage if host_pool is not None else 0.0,
             num_steps=self._num_dispatched, num_preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
-            num_recompiles=self.runner.num_recompiles, aborted_request_ids=aborted,
+            num_recompiles=self.runner.num_recompiles, aborted_request_ids=aborted, **self._speculation_stats(),
         )
+
+    def _speculation_stats(self) -> dict:
+        if self.speculation is None:
+            return {}
+        s = self.speculation.stats
+        return dict(spec_num_drafts=s.num_drafts, spec_num_draft_tokens=s.num_draft_tokens,
+                    spec_num_accepted_tokens=s.num_accepted_tokens,
+                    spec_accepted_per_position=tuple(s.accepted_per_position),
+                    spec_num_unspeculated_requests=s.num_unspeculated_requests)
 
     def _process(self, handle: StepHandle) -> list[RequestOutput]:
         """Collect a dispatched step's tokens: the scheduler takes them, the output processor turns

@@ -34,6 +34,17 @@ class EngineStats:
     num_recompiles: int
     # Requests aborted since the previous snapshot (they send no final output).
     aborted_request_ids: tuple[str, ...] = field(default=())
+    # Speculative decoding, totals since start-up (all 0 with it off; jaxcb.core.speculation).
+    spec_num_drafts: int = 0  # verify steps: a sequence bringing drafts to a step
+    spec_num_draft_tokens: int = 0  # tokens proposed
+    spec_num_accepted_tokens: int = 0  # of those, accepted
+    spec_accepted_per_position: tuple[int, ...] = field(default=())  # [k]: accepted at each draft position
+    spec_num_unspeculated_requests: int = 0  # requests that decoded without it (constraints, prompt_logprobs)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verify step yields on average: 1 + its accepted drafts (1.0 when none ran)."""
+        return 1.0 + self.spec_num_accepted_tokens / max(1, self.spec_num_drafts)
 
 
 EMPTY_STEP = dict(step_index=0, num_tokens=0, num_padded_tokens=0, num_prefill_tokens=0, num_decode_tokens=0)

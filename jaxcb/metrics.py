@@ -163,9 +163,22 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.recompilations = counter("recompilations", "Step compilations after warm-up (should stay 0).")
+        # Speculative decoding, under vLLM's names (acceptance rate: accepted / draft tokens; mean accepted
+        # length: 1 + accepted tokens / drafts).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verify steps: a sequence bringing drafts to a step.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed (draft) tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = labelled_counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their position among the drafts.",
+            "position")
+        self.spec_unspeculated = counter(
+            "spec_decode_num_unspeculated_requests",
+            "Requests decoded without speculation (token constraints, prompt_logprobs) while it is on.")
         # No counter of failed KV block allocations: the scheduler answers one by preempting
         # (num_preemptions), and requests that could never fit are refused up front (request_rejected).
-        self._last = {"preemptions": 0, "queries": 0, "hits": 0, "recompiles": 0}
+        self._last = {"preemptions": 0, "queries": 0, "hits": 0, "recompiles": 0, "drafts": 0, "draft_tokens": 0,
+                      "accepted": 0, "unspeculated": 0}
+        self._last_per_pos: list[int] = []
         self._streams: dict[str, _Stream] = {}  # request id -> its stream, from its first token to its end
         self._window: deque[tuple[float, float, int, int]] = deque()  # (end time, step seconds, prefill, decode)
 
@@ -209,6 +222,17 @@ class EngineMetrics:
         self._advance(self.prefix_queries, "queries", stats.prefix_cache_queries)
         self._advance(self.prefix_hits, "hits", stats.prefix_cache_hits)
         self._advance(self.recompilations, "recompiles", stats.num_recompiles)
+        self._advance(self.spec_drafts, "drafts", stats.spec_num_drafts)
+        self._advance(self.spec_draft_tokens, "draft_tokens", stats.spec_num_draft_tokens)
+        self._advance(self.spec_accepted, "accepted", stats.spec_num_accepted_tokens)
+        self._advance(self.spec_unspeculated, "unspeculated", stats.spec_num_unspeculated_requests)
+        per_pos = stats.spec_accepted_per_position
+        if per_pos != tuple(self._last_per_pos):
+            self._last_per_pos += [0] * (len(per_pos) - len(self._last_per_pos))
+            for i, n in enumerate(per_pos):
+                if n > self._last_per_pos[i]:
+                    self.spec_accepted_per_pos.labels(**self.labels, position=str(i)).inc(n - self._last_per_pos[i])
+                    self._last_per_pos[i] = n
 
     def _observe_request(self, out: RequestOutput, now: float) -> None:
         rid = out.request_id

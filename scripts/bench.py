@@ -22,6 +22,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from jaxcb.benchmark import (
+    describe_speculation,
     ideal_static_ratio,
     make_workload,
     median_pair,
@@ -58,7 +59,7 @@ def describe_serving(name: str, r: dict) -> str:
         f"{name}: {r['output_tokens_per_s']:,.0f} out tok/s, {r['requests_per_s']:.2f} req/s, goodput "
         f"{r['goodput_requests_per_s']:.2f} req/s; TTFT p50/p99 {1e3 * r['ttft_s']['p50']:.0f}/"
         f"{1e3 * r['ttft_s']['p99']:.0f} ms, TPOT mean {1e3 * r['tpot_s']['mean']:.1f} ms"
-    )
+    ) + describe_speculation(r)
 
 
 def as_json(r) -> dict:
@@ -70,7 +71,7 @@ def describe(r) -> str:
         f"{r.policy}: {r.output_tokens} output tokens in {r.seconds:.2f} s = {r.output_tokens_per_s:,.0f} out tok/s "
         f"({r.total_tokens_per_s:,.0f} total tok/s), {r.num_steps} steps, {r.num_preemptions} preemptions, "
         f"{r.num_recompiles} recompiles"
-    )
+    ) + describe_speculation(vars(r))
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -175,3 +175,39 @@ def test_aborts_in_the_middle_of_speculation_leak_no_block():
     assert any(v is None for v in results.values())
     assert_all_blocks_free(on)
     assert on.num_recompiles == 0
+
+
+def test_metrics_publish_speculation_under_vllms_names():
+    from jaxcb.engine_stats import EMPTY_STEP, EngineStats
+    from jaxcb.metrics import EngineMetrics
+
+    metrics = EngineMetrics("tiny", prefix="vllm")
+    base = dict(EMPTY_STEP, num_running=0, num_waiting=0, num_swapped=0, num_waiting_tokens=0, kv_usage=0.0,
+                host_kv_usage=0.0, num_steps=1, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0,
+                num_recompiles=0)
+    for drafts, proposed, accepted, per_pos in ((2, 8, 5, (2, 2, 1, 0)), (3, 12, 6, (3, 2, 1, 0))):
+        metrics.on_step(EngineStats(**base, spec_num_drafts=drafts, spec_num_draft_tokens=proposed,
+                                    spec_num_accepted_tokens=accepted, spec_accepted_per_position=per_pos), [], 0.01)
+    text = metrics.render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="tiny"} 3.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="tiny"} 12.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="tiny"} 6.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"} 3.0' in text
+    assert EngineStats(**base, spec_num_drafts=3, spec_num_accepted_tokens=6).spec_mean_accepted_length == 3.0
+
+
+def test_offline_benchmark_reports_acceptance_beside_throughput():
+    from jaxcb.benchmark import WorkItem, describe_speculation, run_offline
+
+    class Offline:  # what run_offline needs of an LLM
+        engine = shared_engine(*SPEC_BASE, NGRAM)
+
+        def generate(self, prompts, params, use_tqdm=False):
+            from jaxcb.engine import LLM
+
+            return LLM.generate(self, prompts, params, use_tqdm=use_tqdm)
+
+    items = [WorkItem([7, 8, 9] * 5, 24), WorkItem([3, 1, 4, 1, 5] * 3, 24)]
+    result = run_offline(Offline(), items, "fcfs")
+    assert 0 < result.spec_accepted_tokens <= result.spec_draft_tokens and result.spec_drafts > 0
+    assert "speculation accepted" in describe_speculation(vars(result))

@@ -1,7 +1,8 @@
 """GET /dashboard: one self-contained page (no build step, no CDN) plotting the engine's own figures.
 
 `DashboardHistory` keeps one sample a second for the last ten minutes -- running and waiting
-requests, KV cache usage, tokens/s, TTFT and TPOT percentiles over the last minute -- fed
+requests, KV cache usage, tokens/s, TTFT and TPOT percentiles over the last minute, speculative
+decoding's acceptance and mean accepted length -- fed
 by the engine thread; the page polls /dashboard/data and draws the series on canvases.
 """
 
@@ -72,6 +73,9 @@ class DashboardHistory:
             "tokens_per_s": sum(recent) / 5.0,
             "ttft_p50": _pct(ttft, 50), "ttft_p95": _pct(ttft, 95),
             "tpot_p50": _pct(tpot, 50), "tpot_p95": _pct(tpot, 95),
+            # speculative decoding (0 / 1 with it off): accepted / proposed tokens, tokens per verify step
+            "spec_acceptance": stats.spec_num_accepted_tokens / max(1, stats.spec_num_draft_tokens),
+            "spec_mean_accepted_length": stats.spec_mean_accepted_length,
         })
 
     def snapshot(self) -> list[dict]:
@@ -96,6 +100,7 @@ DASHBOARD_HTML = """<!doctype html>
  <div class="panel"><h2>KV cache usage (%)</h2><canvas id="c_kv"></canvas><div class="legend" id="l_kv"></div></div>
  <div class="panel"><h2>Tokens / s</h2><canvas id="c_tps"></canvas><div class="legend" id="l_tps"></div></div>
  <div class="panel"><h2>Latency (ms, last minute)</h2><canvas id="c_lat"></canvas><div class="legend" id="l_lat"></div></div>
+ <div class="panel"><h2>Speculative decoding (since start-up)</h2><canvas id="c_spec"></canvas><div class="legend" id="l_spec"></div></div>
 </div>
 <script>
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e"];
@@ -139,6 +144,8 @@ async function refresh() {
     draw("tps", s, [{name: "tokens/s", f: p => p.tokens_per_s}]);
     draw("lat", s, [{name: "TTFT p50", f: p => ms(p.ttft_p50)}, {name: "TTFT p95", f: p => ms(p.ttft_p95)},
                     {name: "TPOT p50", f: p => ms(p.tpot_p50)}, {name: "TPOT p95", f: p => ms(p.tpot_p95)}]);
+    draw("spec", s, [{name: "acceptance", f: p => p.spec_acceptance},
+                     {name: "mean accepted length", f: p => p.spec_mean_accepted_length}]);
     document.body.dataset.ready = "1";
   } catch (e) { document.getElementById("status").textContent = "error: " + e; }
 }
