@@ -47,7 +47,8 @@ def run_workload() -> tuple[int, int, collections.Counter]:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=BUDGET),
                           BlockPool(NUM_BLOCKS), BLOCK_SIZE, MAX_MODEL_LEN, block_growth=BLOCK_GROWTH)
     output = OutputProcessor(tokenizer, tuple(tokenizer.eos_token_ids), MAX_MODEL_LEN)
-    buckets = Buckets(tuple(default_token_buckets(BUDGET, "cpu")), (), (MAX_MODEL_LEN // BLOCK_SIZE,), MAX_NUM_SEQS)
+    buckets = Buckets(tuple(default_token_buckets(BUDGET, "cpu", MAX_NUM_SEQS)), (), (MAX_MODEL_LEN // BLOCK_SIZE,),
+                      MAX_NUM_SEQS)
     builder = StepInputBuilder(buckets, BLOCK_SIZE, tokenizer.vocab_size, 8, 4, lambda variant: variant,
                                SlotTable(2 * MAX_NUM_SEQS))
     for i, item in enumerate(items):  # as Engine.add_request and bench's run_offline make them

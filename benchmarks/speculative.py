@@ -10,7 +10,10 @@ Workloads:
   paragraphs of README.md and docs/architecture.md ("repeat this paragraph, with X in place of Y") and
   functions of jaxcb/ ("repeat this code with the function renamed"), through the chat template,
   greedy, each request's max_tokens its source's length in tokens;
-- `lognormal`: `bench.workload=lognormal` (random tokens: nothing to look up), greedy.
+- `lognormal`: `bench.workload=lognormal` (random token ids as prompts), greedy: a small model often
+  answers those by repeating itself, which proposals find;
+- `sampled`: the same prompts sampled at temperature 1 (seeded, so both engines draw the same
+  tokens): outputs that rarely repeat, where proposals mostly fail and speculation must stand aside.
 
 Each runs at batch 1 (one request at a time) and batch 8 (eight at once). Prints output tokens/s of
 both engines, their ratio (median over rounds), the acceptance (accepted / proposed tokens and mean
@@ -77,13 +80,15 @@ def edit_requests(tokenizer, num: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def run(llm: LLM, requests: list[tuple[list[int], int]], batch: int) -> tuple[float, list[list[int]]]:
+def run(llm: LLM, requests: list[tuple[list[int], int]], batch: int, temperature: float = 0.0
+        ) -> tuple[float, list[list[int]]]:
     """(output tokens/s, each request's tokens), `batch` requests at a time."""
     outputs = []
     start = time.perf_counter()
     for at in range(0, len(requests), batch):
         chunk = requests[at : at + batch]
-        params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=False) for _, m in chunk]
+        params = [SamplingParams(max_tokens=m, temperature=temperature, seed=at + i)
+                  for i, (_, m) in enumerate(chunk)]
         outputs += [o.outputs[0].token_ids for o in llm.generate([p for p, _ in chunk], params, use_tqdm=False)]
     elapsed = time.perf_counter() - start
     return sum(map(len, outputs)) / elapsed, outputs
@@ -93,7 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=16, help="requests per workload and round")
-    parser.add_argument("--workloads", default="edit,lognormal")
+    parser.add_argument("--workloads", default="edit,lognormal,sampled")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both engines (and bench.* for lognormal)")
     args = parser.parse_args()
@@ -102,10 +107,11 @@ def main() -> None:
     workloads = {}
     if "edit" in args.workloads:
         workloads["edit"] = edit_requests(engine.tokenizer, args.requests)
-    if "lognormal" in args.workloads:
-        items = make_workload(compose_config([*args.overrides, f"bench.num_requests={args.requests}"]).bench,
-                              engine.model_config.vocab_size, engine.max_model_len)
-        workloads["lognormal"] = [(list(i.prompt_token_ids), i.output_len) for i in items]
+    items = make_workload(compose_config([*args.overrides, f"bench.num_requests={args.requests}"]).bench,
+                          engine.model_config.vocab_size, engine.max_model_len)
+    for name in ("lognormal", "sampled"):
+        if name in args.workloads:
+            workloads[name] = [(list(i.prompt_token_ids), i.output_len) for i in items]
     print(f"speculative decoding: {engine.cfg.speculative}")
     for name, requests in workloads.items():
         for batch in map(int, args.batches.split(",")):
@@ -115,7 +121,7 @@ def main() -> None:
             drafts0, proposed0, accepted0 = before.num_drafts, before.num_draft_tokens, before.num_accepted_tokens
             for i in range(args.rounds):
                 for m in ("none", "ngram") if i % 2 == 0 else ("ngram", "none"):
-                    rate, outputs[m] = run(llms[m], requests, batch)
+                    rate, outputs[m] = run(llms[m], requests, batch, 1.0 if name == "sampled" else 0.0)
                     rates[m].append(rate)
             s = engine.speculation.stats
             drafts, proposed, accepted = (s.num_drafts - drafts0, s.num_draft_tokens - proposed0,

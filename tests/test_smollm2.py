@@ -317,3 +317,22 @@ def test_a_tool_call_cut_by_max_tokens_leaves_no_markup_in_content(llm):
     assert "<tool" not in (choice.message.content or "") and "get_weather" not in (choice.message.content or "")
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert "<tool" not in streamed and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm):
+    """200 requests -- text that repeats, so proposals are accepted, and text that does not -- with
+    preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without speculation."""
+    overrides = BASE + VARIANTS + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=512",
+                                   "speculative.method=ngram", "cache.num_blocks=12")
+    spec = LLM(compose_config(overrides), progress=False)
+    lines = ["red green blue red green blue red green", "one, two, three; one, two, three; one, two,",
+             "The cat sat on the mat. The dog sat on the log. The cat sat on"] + PROMPTS
+    prompts = [f"{lines[i % len(lines)]}" + " and" * (i % 4) for i in range(200)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, n=2 if i % 9 == 0 else 1) for i in range(200)]
+    theirs = llm.generate(prompts, params, use_tqdm=False)
+    ours = spec.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in theirs]
+    engine = spec.engine
+    assert engine.speculation.stats.num_accepted_tokens > 0 and engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.prefix_cache_hits > 0 and engine.num_recompiles == 0
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1

@@ -211,3 +211,41 @@ def test_offline_benchmark_reports_acceptance_beside_throughput():
     result = run_offline(Offline(), items, "fcfs")
     assert 0 < result.spec_accepted_tokens <= result.spec_draft_tokens and result.spec_drafts > 0
     assert "speculation accepted" in describe_speculation(vars(result))
+
+
+def test_rejected_drafts_give_their_blocks_back_and_only_accepted_tokens_are_registered():
+    from jaxcb.config import SchedulerConfig
+    from jaxcb.core.block_pool import BlockPool
+    from jaxcb.core.scheduler import Scheduler
+    from jaxcb.core.step import RunnerOutput, SampledToken
+
+    pool = BlockPool(32)
+    spec = Speculation(SpeculativeConfig(method="ngram", num_speculative_tokens=4), disable_by_batch_size=8)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), pool, 4, 256,
+                      enable_prefix_caching=True, speculation=spec)
+    seq = _sequence([1, 2, 3, 1, 2, 3], temperature=0.0)
+    sched.add_request(seq)
+
+    def step(rows):
+        out = sched.schedule()
+        sched.commit(out)
+        s = out.scheduled[0]
+        sampled = [SampledToken(t) for t in rows(s)]
+        verified = {s.seq_id: sampled} if s.draft_token_ids else {}
+        sched.update(out, RunnerOutput({s.seq_id: sampled[0]}, {}, verified))
+        return s
+
+    step(lambda s: [1])  # the prompt; the first token: 7 tokens, 6 computed
+    s = step(lambda s: [99] * s.num_rows)  # drafts proposed, the first already rejected
+    assert len(s.draft_token_ids) == 4 and len(s.block_ids) == 3  # positions 6..10: a third block
+    assert seq.output_token_ids == [1, 99] and seq.num_computed_tokens == 7
+    assert len(seq.block_ids) == 2 and pool.num_free_blocks == 31 - 2  # the third went back
+    assert seq.num_registered_blocks == 1  # only full blocks of known, computed tokens
+    seq.output_token_ids[-1] = 2  # (as if the target had sampled 2: the pattern goes on)
+    s = step(lambda s: list(s.draft_token_ids) + [5])  # every draft accepted, then the target's token
+    assert s.num_blocks_kept == 2  # the runner's copy of the table learns the third block changed
+    assert seq.output_token_ids == [1, 2, *s.draft_token_ids, 5]
+    assert seq.num_computed_tokens == 8 + len(s.draft_token_ids)
+    assert spec.stats.num_drafts == 2 and spec.stats.num_accepted_tokens == 4
+    sched.abort(seq.seq_id)
+    assert pool.num_free_blocks == 31
