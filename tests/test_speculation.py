@@ -8,7 +8,7 @@ from engine_factory import assert_same_tokens_and_logprobs, make_engine, shared_
 from test_engine import run_with_arrivals
 from jaxcb.config import ConfigError, SpeculativeConfig, compose_config
 from jaxcb.core.sequence import Sequence
-from jaxcb.core.speculation import NgramIndex, NgramProposer, Speculation
+from jaxcb.core.speculation import NgramProposer, Speculation
 from jaxcb.sampling_params import SamplingParams
 
 # Blocks of 8 tokens and too few of them: preemption, and rejected drafts' blocks freed and taken again.
@@ -50,29 +50,29 @@ def assert_all_blocks_free(engine):
 
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
     proposer = NgramProposer(min_n=2, max_n=3)
-    tokens = [1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 1, 2, 3]
+    propose = lambda tokens, k: proposer.propose(proposer.new_index(), tokens, len(tokens), k)  # noqa: E731
     # [1, 2, 3] (3 tokens, the longest) last occurred at 0..2, followed by 9, 9, 7, ...
-    assert proposer.propose(proposer.new_index(), tokens, 3) == [9, 9, 7]
-    tokens = [5, 2, 3, 4, 4, 8, 2, 3, 6, 1, 2, 3]
+    assert propose([1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 1, 2, 3], 3) == [9, 9, 7]
     # [1, 2, 3] never occurred before; [2, 3] did, latest at 6..7, followed by 6, 1, ...
-    assert proposer.propose(proposer.new_index(), tokens, 2) == [6, 1]
-    assert proposer.propose(proposer.new_index(), [1, 2, 3, 4, 5], 4) == []
-    # the continuation may run into the suffix itself (a period-2 pattern)
-    assert proposer.propose(proposer.new_index(), [4, 5, 4, 5, 4, 5], 4) == [4, 5, 4, 5]
+    assert propose([5, 2, 3, 4, 4, 8, 2, 3, 6, 1, 2, 3], 2) == [6, 1]
+    assert propose([1, 2, 3, 4, 5], 4) == []
+    # past the known tokens the match runs into its own continuation: a period-2 pattern goes on
+    assert propose([4, 5, 4, 5, 4, 5], 4) == [4, 5, 4, 5]
 
 
-def test_ngram_index_grows_with_the_sequence_and_never_indexes_a_token_in_flight():
+def test_a_token_in_flight_is_guessed_from_the_match_and_never_indexed():
     proposer = NgramProposer(min_n=2, max_n=4)
     index = proposer.new_index()
     tokens = [3, 4, 5, 6, 3, 4]
-    assert proposer.propose(index, tokens, 4) == [5, 6, 3, 4]
-    tokens += [5, -1]  # the next token in flight (-1)
-    # the probe looks for the last n - 1 known tokens: [5] occurred before, so a proposal is possible
-    assert proposer.may_propose(index, tokens, len(tokens) - 1)
+    assert proposer.propose(index, tokens, 6, 4) == [5, 6, 3, 4]
+    # the next token in flight (-1): the match of the known suffix [3, 4] continues 5, 6, 3, ...; 5 stands
+    # for the token in flight, and the drafts follow it
+    tokens.append(-1)
+    assert proposer.propose(index, tokens, 6, 3) == [6, 3, 4]
     assert all(-1 not in gram for gram in index.last_end)
-    tokens[-1] = 6
-    assert proposer.propose(index, tokens, 2) == [3, 4]
-    assert not proposer.may_propose(NgramIndex(1, 4), [1, 2, 3, -1], 3)
+    tokens[-1] = 5
+    assert proposer.propose(index, tokens, 7, 2) == [6, 3]
+    assert all(-1 not in gram for gram in index.last_end)
 
 
 def _sequence(prompt, **params):

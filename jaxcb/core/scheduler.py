@@ -206,8 +206,6 @@ class Scheduler:
             num_blocks = len(sequence.block_ids)
             if self.speculation is not None and num_new == 1 and not sequence.is_prefilling:
                 drafts = self._drafts(sequence, budget)
-                if drafts is None:
-                    continue  # it sits this step out, to propose once its last token is known
                 if drafts and not self.kv.allocate(sequence, 1 + len(drafts)):
                     drafts = []  # drafts never preempt: without room for them it decodes plainly
                 num_new += len(drafts)
@@ -248,8 +246,8 @@ class Scheduler:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         return max(0, num_new)
 
-    def _drafts(self, sequence: Sequence, budget: int) -> Optional[list[int]]:
-        """The drafts a decoding sequence verifies this step (speculation.py); None: it sits the step out."""
+    def _drafts(self, sequence: Sequence, budget: int) -> list[int]:
+        """The drafts a decoding sequence verifies this step (speculation.py)."""
         last_in_flight = self.in_flight.last_token_in_flight(sequence)
         room = min(budget - 1, sequence.sampling_params.max_tokens - sequence.num_output_tokens - 1,
                    self.max_model_len - sequence.num_tokens - 1)

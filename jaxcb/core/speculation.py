@@ -21,15 +21,15 @@ This module decides, for each decoding sequence and step (`Speculation.drafts`):
   tokens (longest first) in its prompt and output so far, and proposes what followed their
   latest earlier occurrence (past the end, what the proposal itself continues: a repeating
   pattern keeps repeating);
-- async scheduling's rule: a proposal needs the sequence's last token, which under async
-  scheduling is still in flight when the next step is scheduled. A sequence whose previous
-  step verified drafts sits the next step out (how many drafts it accepts is not known yet);
-  a plainly decoding sequence sits one out to learn its last token only when a proposal is
-  possible then: the last n - 1 known tokens occurred before (every n-gram match extends such
-  a match). Sequences that never match -- random text -- keep decoding asynchronously.
+- async scheduling's rule: proposals come from the tokens known when the step is scheduled.
+  Under async scheduling a decoding sequence's last token is still in flight then: the match
+  is looked up for its known tokens, and its continuation's first token stands for the one in
+  flight (the step reads the real one from the device, so a wrong guess only costs rejected
+  drafts: what is accepted is always the target's own samples). A sequence whose previous step
+  verified drafts sits the next step out: how many it accepts is not known yet.
 - back-off: a sequence whose last `acceptance_window` verify steps accepted fewer than
-  `min_mean_accepted` tokens on average (a step it sat out for a proposal that then found
-  nothing counts as 0) stops proposing for 16 tokens, then 32, 64, ... while it keeps failing.
+  `min_mean_accepted` tokens on average stops proposing for 16 tokens, then 32, 64, ... while
+  it keeps failing.
 
 It also keeps the counters that `/metrics` publishes under vLLM's names (`SpeculationStats`).
 """
@@ -80,26 +80,23 @@ class NgramProposer:
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
-        # The probe looks for the last n - 1 known tokens (every n-gram match extends one); at least one.
-        self.probe_n = max(1, min_n - 1)
 
     def new_index(self) -> NgramIndex:
-        return NgramIndex(self.probe_n, self.max_n)
+        return NgramIndex(self.min_n, self.max_n)
 
-    def propose(self, index: NgramIndex, tokens: list[int], k: int) -> list[int]:
-        """Up to k drafts for a sequence whose tokens are `tokens` (all known)."""
-        start = index.find(tokens, len(tokens), self.min_n)
+    def propose(self, index: NgramIndex, tokens: list[int], num_known: int, k: int) -> list[int]:
+        """Up to k drafts to follow `tokens`, of which the first `num_known` are known and the rest (at
+        most one) in flight: the continuation of the longest match of the known tokens' suffix, its
+        first tokens standing for those in flight."""
+        start = index.find(tokens, num_known, self.min_n)
         if start is None:
             return []
-        drafts = tokens[start : start + k]
-        # Past the end, the match goes on into its own continuation: a repeating pattern keeps repeating.
-        while len(drafts) < k:
-            drafts.append(drafts[start + len(drafts) - len(tokens)])
-        return drafts
-
-    def may_propose(self, index: NgramIndex, tokens: list[int], num_known: int) -> bool:
-        """Whether a proposal is possible once the token after `tokens[:num_known]` is known."""
-        return index.find(tokens, num_known, self.probe_n) is not None
+        skip = len(tokens) - num_known
+        continuation = tokens[start : min(num_known, start + skip + k)]
+        # Past the known tokens the match goes on into its own continuation: a repeating pattern repeats.
+        while len(continuation) < skip + k:
+            continuation.append(continuation[start + len(continuation) - num_known])
+        return continuation[skip:]
 
 
 @dataclass
@@ -110,7 +107,6 @@ class SequenceSpeculation:
     accepted: deque = field(default_factory=deque)  # accepted tokens of its last verify steps
     resume_at: int = 0  # it proposes again once it has this many tokens (back-off)
     backoff: int = FIRST_BACKOFF_TOKENS  # the next back-off's length, in tokens
-    waited: bool = False  # it sat the last step out to learn its last token
     uncounted: list[int] = field(default_factory=list)  # accepted drafts the penalties' counts still lack
 
 
@@ -149,25 +145,16 @@ class Speculation:
             state = seq.speculation = SequenceSpeculation(self.proposer.new_index())
         return state or None
 
-    def drafts(self, seq: "Sequence", last_in_flight: bool, num_decoding: int, max_drafts: int) -> Optional[list[int]]:
-        """The drafts a decoding sequence brings to the step being scheduled: a list (empty: it decodes
-        plainly), or None: it sits the step out to learn its last token (only when `last_in_flight`)."""
+    def drafts(self, seq: "Sequence", last_in_flight: bool, num_decoding: int, max_drafts: int) -> list[int]:
+        """The drafts a decoding sequence brings to the step being scheduled (empty: it decodes plainly);
+        `last_in_flight`: its last token is not known yet."""
         state = self._state(seq)
         if state is None or max_drafts <= 0 or num_decoding > self.disable_by_batch_size:
             return []
         if seq.num_tokens < state.resume_at:
             return []
         tokens = seq.prompt_token_ids + seq.output_token_ids
-        if last_in_flight:
-            if self.proposer.may_propose(state.index, tokens, len(tokens) - 1):
-                state.waited = True
-                return None
-            return []
-        drafts = self.proposer.propose(state.index, tokens, min(self.k, max_drafts))
-        if not drafts and state.waited:
-            self._record(seq, state, 0)  # it waited a step for nothing
-        state.waited = False
-        return drafts
+        return self.proposer.propose(state.index, tokens, len(tokens) - last_in_flight, min(self.k, max_drafts))
 
     def verified(self, seq: "Sequence", drafts: tuple[int, ...], num_accepted: int) -> None:
         """A verify step's outcome: `num_accepted` of the sequence's `drafts` were the target's tokens."""

@@ -34,7 +34,7 @@ class ScheduledSequence:
     # when the sequence is new to its slot (a callable: most steps never need them).
     prior_token_ids: Optional[Callable[[], list[int]]] = None
     # Async scheduling: the row of the previous step that draws this sequence's last token (it is
-    # the last of token_ids, carried there as 0); the step reads it from the
+    # the last of token_ids before any drafts, carried there as 0); the step reads it from the
     # device. -1: every token is known on the host.
     in_flight_row: int = -1
     # Its token constraint (jaxcb.structured.TokenConstraint: grammar, allowed ids, bad words), or None;

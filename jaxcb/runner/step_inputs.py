@@ -162,7 +162,8 @@ class StepInputBuilder:
         # its row of the previous step's tokens on the device, never from these ids.
         in_flight_rows = _column(seqs, "in_flight_row")
         in_flight = in_flight_rows >= 0
-        x.prev_rows[(ends - 1)[in_flight]] = in_flight_rows[in_flight]
+        last_known = ends - 1 - num_drafts if verifies else ends - 1  # drafts follow a token in flight
+        x.prev_rows[last_known[in_flight]] = in_flight_rows[in_flight]
 
         for name, values in zip(SLOT_FLOATS, self._slot_floats[:, row_slots]):
             getattr(x, name)[:num_rows] = values
