@@ -1,4 +1,5 @@
-"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models,
+/tokenize, /detokenize, /health, /metrics.
 
 Every request is parsed and checked here (protocol.py) before it reaches the engine; the
 engine's refusals come back as 400 (can never fit) or 429 with Retry-After (queue full).
@@ -40,6 +41,7 @@ from jaxcb.server.streaming import (
     usage_of,
 )
 from jaxcb.request_fields import reject_non_finite
+from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.structured.spec import StructuredOutputs
 
@@ -125,6 +127,21 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxcb",
             "max_model_len": state.client.max_model_len,
         }]}
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request):
+        req = parse_tokenize_request(await _json_body(request, cfg))
+        if req.model is not None:
+            _check_model(state, req.model)
+        return tokenize(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
+                        cfg.server.tool_prompt_fallback)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request):
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, await _json_body(request, cfg))
+        if req.model is not None:
+            _check_model(state, req.model)
+        return detokenize(req, state.client.tokenizer)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
