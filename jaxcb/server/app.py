@@ -41,6 +41,7 @@ from jaxcb.server.streaming import (
     usage_of,
 )
 from jaxcb.request_fields import reject_non_finite
+from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.structured.spec import StructuredOutputs
@@ -58,6 +59,7 @@ class ServerState:
         self.num_in_flight = 0
         self._tool_parser = None
         self.client: EngineClient = make_engine_client(cfg, self.model_name, engine)
+        self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
 
     def tool_parser(self):
         """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
@@ -173,7 +175,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
         planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
-                                       cfg.server.tool_prompt_fallback)
+                                       cfg.server.tool_prompt_fallback, state.reasoning_parser,
+                                       cfg.server.structured_outputs_in_reasoning)
         plan = planned.chat
         await _compile_grammar(state, plan.structured)
         top_n = req.top_logprobs or 0
