@@ -237,6 +237,14 @@ class ServerConfig:
     # Tools for chat templates that do not render them: written into the conversation in the parser's
     # syntax (server/tool_prompt.py); false: a request whose tools the template would drop is refused.
     tool_prompt_fallback: bool = True
+    # How reasoning is read out of replies (server/reasoning.py): auto (from the chat template: qwen3 or
+    # deepseek_r1 when it writes <think>, else none) | deepseek_r1 | qwen3 | None (replies are all content).
+    reasoning_parser: Optional[str] = "auto"
+    # Structured outputs and forced tool calls hold the whole reply, reasoning included (vLLM's
+    # enable_in_reasoning); false: only the answer after </think>.
+    structured_outputs_in_reasoning: bool = False
+    # /v1/responses kept in memory for previous_response_id (least recently stored dropped first).
+    responses_store_size: int = 256
     stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted

@@ -125,6 +125,12 @@ def validate_config(cfg: Config) -> None:
     parsers = ("auto", "hermes", "llama3_json", "pythonic")
     require(srv.tool_call_parser in parsers,
             f"server.tool_call_parser={srv.tool_call_parser!r} must be one of {', '.join(parsers)}")
+    reasoning_parsers = ("auto", "deepseek_r1", "qwen3")
+    require(srv.reasoning_parser is None or srv.reasoning_parser in reasoning_parsers,
+            f"server.reasoning_parser={srv.reasoning_parser!r} must be one of {', '.join(reasoning_parsers)}, "
+            "or null for none")
+    require(srv.responses_store_size >= 0,
+            f"server.responses_store_size={srv.responses_store_size} must be >= 0 (0: store no responses)")
     require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
     require(srv.stream_stall_timeout_s > 0, f"server.stream_stall_timeout_s={srv.stream_stall_timeout_s} must be > 0")
     require(srv.shutdown_timeout_s >= 0, f"server.shutdown_timeout_s={srv.shutdown_timeout_s} must be >= 0")

@@ -25,6 +25,9 @@ BASE = (
     "engine.masked_sampling=false",
     "engine.prompt_logprobs=false",
 )
+# The real SmolLM2 behind the servers of the serving tests (masked sampling: tool_choice and JSON schemas);
+# the same overrides give the same shared_engine, built once per test process.
+SMOLLM2_SERVING = ("engine.masked_sampling=true", "model=smollm2", "model.dtype=float32", "engine.max_model_len=512")
 VARIANTS = ("engine.sampling_variants=[greedy,random,full]", "engine.masked_sampling=true",
             "engine.prompt_logprobs=true")  # every step variant, as by default
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
+/tokenize, /detokenize, /health, /metrics.
 
 Every request is parsed and checked here (protocol.py) before it reaches the engine; the
 engine's refusals come back as 400 (can never fit) or 429 with Retry-After (queue full).
@@ -40,6 +41,11 @@ from jaxcb.server.streaming import (
     usage_of,
 )
 from jaxcb.request_fields import reject_non_finite
+from jaxcb.server.reasoning import get_reasoning_parser
+from jaxcb.server.response_store import ResponseStore
+from jaxcb.server.responses import parse_responses_request, plan_response
+from jaxcb.server.responses_output import ResponseWriter, reply_messages
+from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.structured.spec import StructuredOutputs
 
@@ -56,6 +62,8 @@ class ServerState:
         self.num_in_flight = 0
         self._tool_parser = None
         self.client: EngineClient = make_engine_client(cfg, self.model_name, engine)
+        self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
+        self.responses = ResponseStore(cfg.server.responses_store_size)
 
     def tool_parser(self):
         """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
@@ -126,6 +134,21 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
             "max_model_len": state.client.max_model_len,
         }]}
 
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request):
+        req = parse_tokenize_request(await _json_body(request, cfg))
+        if req.model is not None:
+            _check_model(state, req.model)
+        return tokenize(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
+                        cfg.server.tool_prompt_fallback)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(request: Request):
+        req: DetokenizeRequest = parse_request(DetokenizeRequest, await _json_body(request, cfg))
+        if req.model is not None:
+            _check_model(state, req.model)
+        return detokenize(req, state.client.tokenizer)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request, cfg))
@@ -156,7 +179,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request, cfg))
         _check_model(state, req.model)
         planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
-                                       cfg.server.tool_prompt_fallback)
+                                       cfg.server.tool_prompt_fallback, state.reasoning_parser,
+                                       cfg.server.structured_outputs_in_reasoning)
         plan = planned.chat
         await _compile_grammar(state, plan.structured)
         top_n = req.top_logprobs or 0
@@ -178,6 +202,37 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(state.client.tokenizer, out)
             choices.append(choice)
         return fmt.chat_response(rid, state.model_name, choices, *usage_of([out]))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = parse_responses_request(await _json_body(request, cfg))
+        _check_model(state, req.model)
+        plan = plan_response(req, state.responses, state.client.tokenizer, state.tool_parser(),
+                             state.client.max_model_len, cfg.server.tool_prompt_fallback, state.reasoning_parser,
+                             cfg.server.structured_outputs_in_reasoning)
+        await _compile_grammar(state, plan.planned.chat.structured)
+        streams = await _start(state, plan.planned)
+        writer = ResponseWriter(req, plan.planned.chat, state.model_name, state.client.tokenizer)
+
+        def store(response: dict) -> None:  # `store` says whether it was kept (not with responses_store_size=0)
+            response["store"] = req.store and state.responses.put(
+                response, plan.history + reply_messages(response["output"]))
+
+        if req.stream:
+            return sse_response(state, streams, writer.events(streams, store), writer.error_event, done="")
+        [out] = await collect_final_outputs(state, request, streams)
+        response = writer.whole(out)
+        store(response)
+        return response
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return state.responses.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        state.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     return app
 

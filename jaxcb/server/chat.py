@@ -16,8 +16,9 @@ from typing import Any, Optional
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.server.protocol import ChatCompletionRequest, message_text
+from jaxcb.server.reasoning import ReasoningParser, ReplyStart, after_reasoning
 from jaxcb.server.tool_grammar import tool_call_grammar
-from jaxcb.server.tool_parsers import ParsedToolOutput, ToolParser
+from jaxcb.server.tool_parsers import ParsedToolOutput, ToolCallDelta, ToolParser
 from jaxcb.server.tool_prompt import template_ignores_tools, with_tools_in_messages
 from jaxcb.structured.spec import (
     StructuredOutputs,
@@ -34,6 +35,40 @@ class ChatPlan:
     structured: Optional[StructuredOutputs]  # what the reply must match, or None
     tool_parser: Optional[ToolParser]  # reads tool calls out of the reply; None: the reply is text
     max_tool_calls: Optional[int]  # 1 when parallel_tool_calls is false
+    reasoning: Optional[ReasoningParser] = None  # reads the reasoning out of the reply; None: all content
+    reply_start: Optional[ReplyStart] = None  # with `reasoning`: where the reply starts
+
+    def streamer(self) -> "ReplyStreamer":
+        return ReplyStreamer(self)
+
+
+class ReplyStreamer:
+    """One reply's text deltas read as `assistant_message` reads the whole reply: the reasoning apart, then
+    tool calls out of the rest (text that may start a call is held back until it is known)."""
+
+    def __init__(self, plan: ChatPlan):
+        self._max_tool_calls = plan.max_tool_calls
+        self._reasoning = plan.reasoning.streamer(plan.reply_start) if plan.reasoning is not None else None
+        self._calls = plan.tool_parser.streamer() if plan.tool_parser is not None else None
+
+    def feed(self, text: str, done: Optional[str]) -> tuple[str, str, list[ToolCallDelta]]:
+        """(reasoning, content, tool call deltas) that `text` lets out; `done`: the reply's finish reason once
+        it has one (a reply cut short lets out no unfinished call)."""
+        reasoning = ""
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.feed(text)
+            if done:
+                more_reasoning, more_text = self._reasoning.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        calls: list[ToolCallDelta] = []
+        if self._calls is not None:
+            text, calls = self._calls.feed(text)
+            if done:
+                more_text, more_calls = self._calls.finish(cut=done != "stop")
+                text, calls = text + more_text, calls + more_calls
+            if self._max_tool_calls is not None:
+                calls = [d for d in calls if d.index < self._max_tool_calls]
+        return reasoning, text, calls
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -80,10 +115,13 @@ def _structured(req: ChatCompletionRequest) -> Optional[StructuredOutputs]:
 
 
 def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser,
-              tool_prompt_fallback: bool = True) -> ChatPlan:
+              tool_prompt_fallback: bool = True, reasoning: Optional[ReasoningParser] = None,
+              structured_in_reasoning: bool = False) -> ChatPlan:
     """The prompt and constraints of a chat request, or InvalidRequestError naming the field at fault.
     `tool_prompt_fallback` (server.tool_prompt_fallback): tools, calls and results that the chat
-    template does not render are written into the conversation (`tool_prompt`); off, they are refused."""
+    template does not render are written into the conversation (`tool_prompt`); off, they are refused.
+    `reasoning` (server.reasoning_parser): the reply's reasoning is read apart, and what constrains the
+    reply holds only the answer after it unless `structured_in_reasoning`."""
     if not req.messages:
         raise InvalidRequestError("messages is empty; give at least one message", "messages")
     structured = _structured(req)
@@ -123,7 +161,13 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
         raise _naming_messages(e) from None
     except TypeError as e:  # a chat_template_kwargs key that clashes with the template's own arguments
         raise InvalidRequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
-    return ChatPlan(prompt_ids, structured, parser if choice != "none" else None, None if parallel else 1)
+    reply_start = None
+    if reasoning is not None:
+        reply_start = reasoning.reply_start(tokenizer.decode(prompt_ids, skip_special_tokens=False))
+        if structured is not None and reply_start.may_reason and not structured_in_reasoning:
+            structured = after_reasoning(structured)
+    return ChatPlan(prompt_ids, structured, parser if choice != "none" else None, None if parallel else 1,
+                    reasoning, reply_start)
 
 
 def _naming_messages(e: InvalidRequestError) -> InvalidRequestError:
@@ -171,10 +215,23 @@ def _choice_name(choice) -> str:
 
 
 def assistant_message(plan: ChatPlan, text: str, finish_reason: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
-    """(OpenAI's assistant message, finish reason) of a finished reply: with tool calls read out of it
-    (finish_reason "tool_calls") when the plan has a parser and the reply makes calls. A reply cut
-    short (by max_tokens, a timeout) keeps its finished calls, and a call it was still writing is
-    dropped rather than left as markup in the content; finish_reason then says why it was cut."""
+    """(OpenAI's assistant message, finish reason) of a finished reply: its reasoning apart
+    (`reasoning_content`) when the plan reads reasoning, and tool calls read out of the rest
+    (finish_reason "tool_calls") when the plan has a parser and the reply makes calls."""
+    if plan.reasoning is None:
+        return _answer_message(plan, text, finish_reason)
+    split = plan.reasoning.split(text, plan.reply_start)
+    if split.content is None:
+        message, finish = {"role": "assistant", "content": None}, finish_reason
+    else:
+        message, finish = _answer_message(plan, split.content, finish_reason)
+    return {**message, "reasoning_content": split.reasoning}, finish
+
+
+def _answer_message(plan: ChatPlan, text: str, finish_reason: Optional[str]) -> tuple[dict[str, Any], Optional[str]]:
+    """The message of a reply's answer: with its tool calls when it makes some. A reply cut short (by
+    max_tokens, a timeout) keeps its finished calls, and a call it was still writing is dropped rather
+    than left as markup in the content; finish_reason then says why it was cut."""
     if plan.tool_parser is None:
         return {"role": "assistant", "content": text}, finish_reason
     parsed: ParsedToolOutput = plan.tool_parser.parse(text, cut=finish_reason != "stop")

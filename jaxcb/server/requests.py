@@ -19,6 +19,7 @@ from jaxcb.errors import InvalidRequestError
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.chat import ChatPlan, plan_chat
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from jaxcb.server.reasoning import ReasoningParser
 from jaxcb.server.tool_parsers import ToolParser
 from jaxcb.structured.spec import StructuredOutputs, from_structured_outputs
 from jaxcb.tokenizer import Tokenizer
@@ -79,9 +80,11 @@ def plan_completion(req: CompletionRequest) -> PlannedRequest:
 
 
 def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,
-                         tool_prompt_fallback: bool = True) -> PlannedRequest:
-    """A /v1/chat/completions body (or a job record with `messages`) as one engine request."""
-    plan = plan_chat(req, tokenizer, parser, tool_prompt_fallback)
+                         tool_prompt_fallback: bool = True, reasoning: Optional[ReasoningParser] = None,
+                         structured_in_reasoning: bool = False) -> PlannedRequest:
+    """A /v1/chat/completions body (or a job record with `messages`) as one engine request; `reasoning`
+    and `structured_in_reasoning` as `chat.plan_chat` takes them."""
+    plan = plan_chat(req, tokenizer, parser, tool_prompt_fallback, reasoning, structured_in_reasoning)
     renamed = {}
     if req.max_completion_tokens is not None:
         max_tokens, renamed["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"

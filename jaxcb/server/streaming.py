@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -42,7 +42,8 @@ class _QueueTimedOut(Exception):
     """A streamed request ended past its queue deadline: the stream ends with a 503 error event."""
 
 
-async def _served(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def served_outputs(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """`merged` outputs; a request past its queue deadline ends the stream (sse_response's 503 event)."""
     async for i, out in merged(streams):
         if _timed_out_in_queue(out):
             raise _QueueTimedOut()
@@ -87,17 +88,21 @@ async def collect_final_outputs(state: "ServerState", request: Request, streams:
         close_streams(streams)
 
 
-def sse_response(state: "ServerState", streams: list[RequestStream], events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(state: "ServerState", streams: list[RequestStream], events: AsyncIterator[str],
+                 error_event: Callable[[APIError], str] = lambda e: fmt.sse(e.body()),
+                 done: str = fmt.SSE_DONE) -> StreamingResponse:
+    """`events` as a stream; an error on the way ends it with `error_event` (then `done` after a queue
+    timeout): the chat and completions chunk streams by default, the Responses API's its own."""
     async def body():
         state.num_in_flight += 1
         try:
             async for event in events:
                 yield event
         except StreamAbortedError as e:
-            yield fmt.sse(APIError(503, str(e), type="server_error").body())
+            yield error_event(APIError(503, str(e), type="server_error"))
         except _QueueTimedOut:
-            yield fmt.sse(queue_timeout_error(state).body())  # the stream's final event, then [DONE]
-            yield fmt.SSE_DONE
+            yield error_event(queue_timeout_error(state))  # the stream's final event, then `done`
+            yield done
         finally:  # also on disconnect: Starlette cancels this generator
             state.num_in_flight -= 1
             close_streams(streams)
@@ -142,7 +147,7 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
     sent_text: dict[tuple[int, int], int] = {}  # characters sent so far: the legacy logprobs' text offsets
     sent_done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
-    async for p_idx, out in _served(streams):  # deltas: each output holds only what is new
+    async for p_idx, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             key = (p_idx, c.index)
             if key in sent_done:
@@ -180,19 +185,14 @@ def _tool_call_delta(d) -> dict:
 
 
 def _chat_delta(plan, streamers: dict, index: int, text: str, done: Optional[str]) -> tuple[dict, bool]:
-    """(the delta of one choice, whether it carries tool calls): plain content, or what the choice's
-    tool-call streamer lets out (text that may start a call is held back until it is known).
-    `done`: the choice's finish reason once it has one; a choice cut short lets out no unfinished call."""
-    if plan is None or plan.tool_parser is None:
+    """(the delta of one choice, whether it carries tool calls): what the choice's reply streamer lets out
+    (reasoning as `reasoning_content`, content, tool calls). `done`: the choice's finish reason once it has one."""
+    if plan is None:
         return ({"content": text} if text else {}), False
-    streamer = streamers.setdefault(index, plan.tool_parser.streamer())
-    content, calls = streamer.feed(text)
-    if done:
-        more_content, more_calls = streamer.finish(cut=done != "stop")
-        content, calls = content + more_content, calls + more_calls
-    if plan.max_tool_calls is not None:
-        calls = [d for d in calls if d.index < plan.max_tool_calls]
-    delta: dict = {"content": content} if content else {}
+    reasoning, content, calls = streamers.setdefault(index, plan.streamer()).feed(text, done)
+    delta: dict = {"reasoning_content": reasoning} if reasoning else {}
+    if content:
+        delta["content"] = content
     if calls:
         delta["tool_calls"] = [_tool_call_delta(d) for d in calls]
     return delta, bool(calls)
@@ -203,14 +203,14 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     created, tok = int(time.time()), state.client.tokenizer
     sent_done: set[int] = set()
     held: dict[int, CompletionOutput] = {}  # tokens whose text is not out yet: their logprobs go with it
-    streamers: dict = {}  # choice -> its tool-call streamer (jaxcb.server.tool_parsers)
+    streamers: dict = {}  # choice -> its reply streamer (chat.ReplyStreamer)
     called: set[int] = set()  # choices that made tool calls: they finish with "tool_calls"
     sent_prompt: set[int] = set()  # choices whose prompt_logprobs went out (with their first chunk)
     final = None
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
-    async for _, out in _served(streams):  # deltas: each output holds only what is new
+    async for _, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
                 continue

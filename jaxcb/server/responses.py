@@ -1,0 +1,272 @@
+"""`POST /v1/responses` bodies (OpenAI's Responses API, stateless but for `previous_response_id`) in the
+chat endpoint's terms: the input items, instructions, tools and `text.format` become a chat request
+that `requests.plan_chat_completion` plans, so that a response is read, constrained, templated and
+validated exactly as a chat completion is. Refusals name the Responses field (`max_output_tokens`,
+`text.format.schema`, `input.2.content.0`), never the chat field it became.
+
+What the Responses API has and jaxcb does not (built-in tools, file and image inputs, reasoning
+effort, item references) is refused by name. The conversation so far comes from
+`ResponseStore` (response_store.py) for `previous_response_id`. No jax.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
+
+from pydantic import ValidationError
+
+from jaxcb.errors import InvalidRequestError
+from jaxcb.request_fields import RefusedFieldError, check_fields
+from jaxcb.server.protocol import ChatCompletionRequest, _Strict, parse_request
+from jaxcb.server.reasoning import ReasoningParser
+from jaxcb.server.requests import PlannedRequest, plan_chat_completion
+from jaxcb.server.response_store import ResponseStore
+from jaxcb.server.tool_parsers import ToolParser
+from jaxcb.tokenizer import Tokenizer
+
+BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
+                  "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(_Strict):
+    model: str
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    tools: Optional[list[dict[str, Any]]] = None  # function tools only: read item by item
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = None  # {"format": ...}: text, json_object or json_schema
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: bool = False
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    reasoning: Optional[dict[str, Any]] = None  # only without effort or summary: neither can be honoured
+    include: Optional[list[str]] = None  # only empty: no extra output is available
+    truncation: Optional[Literal["disabled"]] = None  # a prompt too long is refused, never cut
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[dict[str, Any]]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[dict[str, Any]]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+class ReasoningItem(_Strict):
+    type: Literal["reasoning"]
+    id: Optional[str] = None
+    summary: list[dict[str, Any]] = []
+    content: Optional[list[dict[str, Any]]] = None
+    encrypted_content: Optional[str] = None
+    status: Optional[str] = None
+
+
+_ITEMS: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": FunctionCallItem,
+                                    "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
+# Chat's field (as a path prefix) -> the Responses field it came from, for refusals.
+_RENAMED = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
+            ("response_format", "text.format"), ("messages", "input"))
+
+
+def parse_responses_request(body: Any) -> ResponsesRequest:
+    """A /v1/responses body, every field read or refused by name."""
+    req: ResponsesRequest = parse_request(ResponsesRequest, body)
+    reasoning = req.reasoning or {}
+    for key, value in reasoning.items():
+        if key in ("effort", "summary", "generate_summary") and value is not None:
+            raise RefusedFieldError(f"reasoning.{key}: jaxcb cannot set how much a model reasons nor summarize "
+                                    "it; the reasoning comes whole as a reasoning item", f"reasoning.{key}")
+        if key not in ("effort", "summary", "generate_summary"):
+            raise RefusedFieldError(f"reasoning.{key} is not a field jaxcb knows; remove it", f"reasoning.{key}")
+    if req.include:
+        raise RefusedFieldError(f"include: {req.include[0]!r} is not available from jaxcb; send include=[] or "
+                                "leave it out", "include.0")
+    return req
+
+
+def _parse_item(cls: type[_Strict], data: dict[str, Any], where: str) -> Any:
+    """`data` as a `cls`, refusals naming the field under `where` (e.g. "input.2.")."""
+    try:
+        return cls.model_validate(check_fields(data, frozenset(cls.model_fields), where))
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = where + ".".join(str(p) for p in err["loc"])
+        raise InvalidRequestError(f"{param}: {err['msg']}", param) from None
+
+
+def _item_text(content: Union[str, list[dict[str, Any]]], where: str) -> str:
+    """A message's or a tool output's text; parts other than text are refused by name."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}content.{j}: a content part of type {kind!r} is not supported: "
+                                      f"jaxcb serves text models; give parts of type {', '.join(_TEXT_PARTS)}",
+                                      f"{where}content.{j}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(value: Union[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """`input` as chat messages: items in order, function calls folded into the assistant turn before them,
+    function outputs as tool messages. Reasoning items are left out, as chat templates leave out past
+    reasoning."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    messages: list[dict[str, Any]] = []
+    for i, data in enumerate(value):
+        where = f"input.{i}."
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"input.{i} must be an object (a message or an item)", f"input.{i}")
+        kind = data.get("type", "message")
+        if kind not in _ITEMS:
+            raise RefusedFieldError(f"input.{i}.type: {kind!r} items are not supported; give messages, function_call, "
+                                    "function_call_output and reasoning items", f"input.{i}.type")
+        item = _parse_item(_ITEMS[kind], data, where)
+        if isinstance(item, MessageItem):
+            messages.append({"role": item.role, "content": _item_text(item.content, where)})
+        elif isinstance(item, FunctionCallItem):
+            if not _is_json_object(item.arguments):
+                raise InvalidRequestError(f"input.{i}.arguments must be a JSON object as a string",
+                                          f"input.{i}.arguments")
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _item_text(item.output, f"input.{i}.output.")})
+    if not messages:
+        raise InvalidRequestError("input has no message; give at least one", "input")
+    return messages
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _chat_tools(tools: Optional[list[dict[str, Any]]]) -> Optional[list[dict[str, Any]]]:
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in BUILT_IN_TOOLS or (isinstance(kind, str) and kind.startswith(BUILT_IN_TOOLS)):
+            raise RefusedFieldError(f"tools.{i}: the built-in tool {kind!r} is not implemented by jaxcb; only function "
+                                    "tools ({\"type\": \"function\", \"name\": ...}) are", f"tools.{i}.type")
+        if kind != "function":
+            raise RefusedFieldError(f"tools.{i}.type={kind!r}: only function tools are supported", f"tools.{i}.type")
+        function = _parse_item(FunctionTool, tool, f"tools.{i}.").model_dump(exclude_none=True)
+        out.append({"type": "function", "function": {k: v for k, v in function.items() if k != "type"}})
+    return out
+
+
+def _chat_tool_choice(choice: Union[str, dict[str, Any], None]) -> Union[str, dict[str, Any], None]:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.get("type") != "function" or set(choice) != {"type", "name"} or not isinstance(choice["name"], str):
+        raise RefusedFieldError(f"tool_choice={choice!r} is not supported: give none, auto, required or "
+                                "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """`text.format` as chat's response_format (`verbosity` is refused by name, as in chat)."""
+    if text is None:
+        return None
+    fields = check_fields(text, frozenset({"format"}), "text.")
+    fmt = fields.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return fmt  # text, json_object, or what from_response_format refuses
+    spec = {k: v for k, v in fmt.items() if k != "type"}
+    return {"type": "json_schema", "json_schema": spec}
+
+
+def _renamed(error: InvalidRequestError) -> InvalidRequestError:
+    """A chat refusal naming the Responses field it came from."""
+    field = error.field
+    for chat, responses in _RENAMED:
+        if field is not None and (field == chat or field.startswith(chat + ".")):
+            name = responses + field[len(chat):]
+            return InvalidRequestError(str(error).replace(field, name, 1), name)
+    return error
+
+
+@dataclass
+class ResponsePlan:
+    planned: PlannedRequest
+    history: list[dict[str, Any]]  # the conversation before the reply, as chat messages (without instructions)
+
+
+def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokenizer, parser: ToolParser,
+                  max_model_len: int, tool_prompt_fallback: bool, reasoning: Optional[ReasoningParser],
+                  structured_in_reasoning: bool) -> ResponsePlan:
+    """The engine request of a Responses body; InvalidRequestError or APIError (404: an unknown
+    previous_response_id) naming the field at fault."""
+    history = list(store.history(req.previous_response_id)) if req.previous_response_id is not None else []
+    history += input_messages(req.input)
+    system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    try:
+        chat = parse_request(ChatCompletionRequest, {
+            "model": req.model, "messages": system + history, "tools": _chat_tools(req.tools),
+            "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
+            "response_format": _response_format(req.text), "max_completion_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p,
+        })
+        planned = plan_chat_completion(chat, tokenizer, parser, max_model_len, tool_prompt_fallback, reasoning,
+                                       structured_in_reasoning)
+    except InvalidRequestError as e:
+        raise _renamed(_after_instructions(e, len(system))) from None
+    planned.renamed_fields = {k: dict(_RENAMED).get(v, v) for k, v in planned.renamed_fields.items()}
+    return ResponsePlan(planned, history)
+
+
+def _after_instructions(error: InvalidRequestError, num_system: int) -> InvalidRequestError:
+    """`messages.i` counts the instructions' system message; the body's input does not."""
+    field = error.field or ""
+    head, _, rest = field.partition(".")
+    index, _, tail = rest.partition(".")
+    if head != "messages" or not index.isdigit() or not num_system:
+        return error
+    name = "instructions" if int(index) < num_system else ".".join(filter(None, ["messages", str(int(index) - num_system), tail]))
+    return InvalidRequestError(str(error).replace(field, name, 1), name)
