@@ -122,7 +122,7 @@ def validate_config(cfg: Config) -> None:
         value = getattr(srv, name)
         require(value is None or value > 0, f"server.{name}={value} must be > 0 seconds, or null for none")
     require(srv.max_n >= 1, f"server.max_n={srv.max_n} must be >= 1")
-    parsers = ("auto", "hermes", "llama3_json", "pythonic")
+    parsers = ("auto", "hermes", "llama3_json", "pythonic", "mistral")  # server/tool_parsers.TOOL_CALL_PARSERS
     require(srv.tool_call_parser in parsers,
             f"server.tool_call_parser={srv.tool_call_parser!r} must be one of {', '.join(parsers)}")
     reasoning_parsers = ("auto", "deepseek_r1", "qwen3")

@@ -196,3 +196,10 @@ def test_the_ray_backend_without_ray_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     with pytest.raises(UserError, match=r"pip install 'jaxcb\[dist\]'"):
         import_ray()
+
+
+def test_every_tool_call_parser_the_server_has_is_accepted_by_the_config():
+    from jaxcb.server.tool_parsers import TOOL_CALL_PARSERS
+
+    for name in TOOL_CALL_PARSERS:
+        assert compose_config(f"server.tool_call_parser={name}").server.tool_call_parser == name
