@@ -16,9 +16,9 @@ Workloads:
   tokens): outputs that rarely repeat, where proposals mostly fail and speculation must stand aside.
 
 Each runs at batch 1 (one request at a time) and batch 8 (eight at once). Prints output tokens/s of
-both engines, their ratio (median over rounds), the acceptance (accepted / proposed tokens and mean
-accepted tokens per verify step), that the outputs are equal token for token, and that neither
-engine recompiled.
+both engines, their ratio (median over rounds), the acceptance (accepted / proposed tokens, and the
+tokens a verify step yields: 1 + its accepted drafts), that the outputs are equal token for token,
+and that neither engine recompiled.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main() -> None:
             print(f"{name}, batch {batch}: off {statistics.median(rates['none']):,.1f} out tok/s, "
                   f"ngram {statistics.median(rates['ngram']):,.1f} -> {ratio:.2f}x (median of {args.rounds}); "
                   f"accepted {accepted}/{proposed} proposed tokens ({accepted / max(proposed, 1):.0%}), "
-                  f"{accepted / max(drafts, 1):.2f} a verify step; outputs equal: "
+                  f"{1 + accepted / max(drafts, 1):.2f} tokens a verify step; outputs equal: "
                   f"{outputs['none'] == outputs['ngram']}", flush=True)
     print(f"recompiles: off {llms['none'].engine.num_recompiles}, ngram {engine.num_recompiles}")
 
