@@ -78,10 +78,11 @@ class EngineReplica:
         }
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                       deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None):
+                       deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None,
+                       background: bool = False):
         """Streams None once the request is queued (or raises the engine's refusal), then its outputs."""
         stream = await self.client.add(prompt, params, request_id=request_id, priority=priority,
-                                       deadlines=deadlines, cache_salt=cache_salt)
+                                       deadlines=deadlines, cache_salt=cache_salt, background=background)
         try:
             yield None
             async for out in stream:
@@ -251,7 +252,7 @@ class ReplicaRouter:
 
     async def add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
-        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None,
+        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None, background: bool = False,
     ) -> RemoteRequestStream:
         """Queue a request on the replica server.routing picks; raises its refusal (InvalidRequestError, ...) here.
         `cache_salt`: the tenant's, passed on to the engine and folded into the router's block hashes."""
@@ -267,7 +268,7 @@ class ReplicaRouter:
             replica = choice.replica
             tried.add(replica.index)
             generator = replica.actor.generate.options(num_returns="streaming").remote(
-                request_id, prompt, params, priority, deadlines, cache_salt
+                request_id, prompt, params, priority, deadlines, cache_salt, background
             )
             replica.waiting_tokens[request_id] = cost.initial
             try:

@@ -50,9 +50,10 @@ class EngineClient(Protocol):
 
     async def add(self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None,
                   priority: int = 0, deadlines: Optional[dict[str, float]] = None,
-                  cache_salt: Optional[str] = None) -> OutputStream:
+                  cache_salt: Optional[str] = None, background: bool = False) -> OutputStream:
         """Queue a request; the engine's refusal (InvalidRequestError, EngineOverloadedError) is raised here.
-        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s."""
+        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s; `background`: batch work, which
+        yields to every other request (Engine.add_request)."""
 
     def abort_all(self, reason: str) -> None: ...
 
@@ -102,9 +103,9 @@ class LocalEngineClient:
 
     async def add(self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None,
                   priority: int = 0, deadlines: Optional[dict[str, float]] = None,
-                  cache_salt: Optional[str] = None) -> OutputStream:
+                  cache_salt: Optional[str] = None, background: bool = False) -> OutputStream:
         return await self.async_engine.add(prompt, params, request_id=request_id, priority=priority,
-                                           deadlines=deadlines, cache_salt=cache_salt)
+                                           deadlines=deadlines, cache_salt=cache_salt, background=background)
 
     def abort_all(self, reason: str) -> None:
         self.async_engine.abort_all(reason)
