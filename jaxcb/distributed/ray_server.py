@@ -71,7 +71,7 @@ class EngineReplica:
         engine = self.engine
         return {
             "tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "pid": os.getpid(),
-            "instance_id": self.instance_id,
+            "instance_id": self.instance_id, "max_num_seqs": engine.scheduler_config.max_num_seqs,
             # What the router's prefix index hashes prompts with (routing=prefix_aware).
             "block_size": engine.cache_plan.block_size, "num_blocks": engine.cache_plan.num_blocks,
             "prefix_cache_root": getattr(engine, "prefix_cache_root", None),  # None: an engine without stable hashes
@@ -222,6 +222,7 @@ class ReplicaRouter:
         log.info("engine replicas up, process ids %s", [info["pid"] for info in infos])
         self.tokenizer: Tokenizer = infos[0]["tokenizer"]
         self.max_model_len: int = infos[0]["max_model_len"]
+        self.max_num_seqs: int = sum(info["max_num_seqs"] for info in infos)
         self.grammars = None  # each replica's engine compiles its own
         for replica, info in zip(self.replicas, infos, strict=True):
             replica.instance_id = info["instance_id"]

@@ -36,6 +36,7 @@ class OutputStream(Protocol):
 class EngineClient(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
+    max_num_seqs: int  # sequences the engines run at once, all replicas together (how much batch work keeps them busy)
     # Compiles a request's grammar off the engine thread before it is queued (cached for the engine);
     # None where the engines compile their own (Ray replicas).
     grammars: Optional["GrammarCompiler"]
@@ -77,6 +78,7 @@ class LocalEngineClient:
                 engine.enable_admission_control()
         self.engine = engine
         self.tokenizer, self.max_model_len, self.grammars = engine.tokenizer, engine.max_model_len, engine.grammars
+        self.max_num_seqs: int = engine.scheduler_config.max_num_seqs
         self.metrics = EngineMetrics(model_name, extra_labels=extra_labels, prefix=cfg.server.metrics_prefix)
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(
