@@ -47,6 +47,7 @@ from jaxcb.server.responses import parse_responses_request, plan_response
 from jaxcb.server.responses_output import ResponseWriter, reply_messages
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
+from jaxcb.server.tracing import SCOPE_KEY as TRACE_SCOPE_KEY, RequestTracer, TracingMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +73,15 @@ class ServerState:
         return self._tool_parser
 
 
-def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
+def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any = None) -> FastAPI:
     """The app over `engine` (built from cfg when not given, or Ray replicas when server.backend=ray);
     the engine loop runs for the app's lifespan. An engine built here gets server.admission_control;
-    one passed in keeps the limits it has (call `engine.enable_admission_control()` for the default)."""
+    one passed in keeps the limits it has (call `engine.enable_admission_control()` for the default).
+    `span_exporter`: where spans go instead of server.otlp_endpoint's OTLP exporter (tests)."""
+    if span_exporter is not None and cfg.server.otlp_endpoint is None:
+        raise ValueError("a span_exporter is used only with tracing on: set server.otlp_endpoint")
     state = ServerState(cfg, engine)
+    tracer = RequestTracer(cfg.server.otlp_endpoint, span_exporter) if cfg.server.otlp_endpoint else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -93,8 +98,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         state.client.abort_all("shutdown")
         await asyncio.sleep(0.1)
         state.client.stop()
+        if tracer is not None:
+            tracer.shutdown()
 
-    app = FastAPI(title="jaxcb", lifespan=lifespan)
+    app = FastAPI(title="jaxcb", lifespan=lifespan, **_without_framework_telemetry())
     app.state.jaxcb = state
 
     @app.exception_handler(APIError)
@@ -113,6 +120,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     app.add_middleware(GuardMiddleware, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes,
                        max_file_bytes=cfg.server.max_file_bytes)
     add_batch_routes(app, state, lambda request: _json_body(request, cfg))
+    if tracer is not None:
+        app.add_middleware(TracingMiddleware, tracer=tracer, model=state.model_name)
 
     @app.get("/health")
     async def health():
@@ -159,6 +168,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         await compile_grammar(state, body.planned)
         streams = await _start(state, body.planned)
         req, rid = body.req, body.new_response_id()
+        streams = _traced(request, streams, body.planned, rid)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             if body.is_chat:
@@ -187,6 +197,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         await compile_grammar(state, plan.planned)
         streams = await _start(state, plan.planned)
         writer = ResponseWriter(req, plan.planned.chat, state.model_name, state.client.tokenizer)
+        streams = _traced(request, streams, plan.planned, writer.id)
 
         def store(response: dict) -> None:  # `store` says whether it was kept (not with responses_store_size=0)
             response["store"] = req.store and state.responses.put(
@@ -254,6 +265,24 @@ async def _json_body(request: Request, cfg: Config) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:
         raise APIError(400, "the request body nests JSON too deeply to be a request") from None
+
+
+def _without_framework_telemetry() -> dict[str, Any]:
+    """FastAPI(...)'s arguments that turn off its own OpenTelemetry (its releases that have it): the
+    server's spans are jaxcb's, one per request, and server.otlp_endpoint alone turns them on."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+                          "auto_configure": False}}
+
+
+def _traced(request: Request, streams: list, planned: PlannedRequest, request_id: str) -> list:
+    """The request's streams as its trace sees them (server.otlp_endpoint set), else as they are."""
+    trace = request.scope.get(TRACE_SCOPE_KEY)
+    if trace is None:
+        return streams
+    trace.request_id = request_id
+    return trace.watch(streams, planned.params)
 
 
 async def _start(state: ServerState, planned: PlannedRequest) -> list[RequestStream]:
