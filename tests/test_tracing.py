@@ -89,6 +89,27 @@ def test_several_prompts_of_one_request_are_one_span(traced):
     assert spans[0].attributes["gen_ai.usage.num_sequences"] == 4
 
 
+def test_each_line_of_a_batch_is_one_span(traced):
+    url, exporter = traced
+    client = OpenAI(base_url=url + "/v1", api_key="unused")
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 2 + i}} for i in range(3)]
+
+    def send():
+        upload = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                     purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        while batch.status != "completed":
+            time.sleep(0.05)
+            batch = client.batches.retrieve(batch.id)
+        return [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+
+    output, spans = spans_after(exporter, send, count=3)
+    assert sorted(s.attributes["gen_ai.request.id"] for s in spans) == sorted(r["response"]["body"]["id"]
+                                                                             for r in output)
+    assert sorted(s.attributes["gen_ai.usage.completion_tokens"] for s in spans) == [2, 3, 4]
+
+
 WITHOUT_TRACING = """
 import json, sys
 import fastapi  # the web framework may import OpenTelemetry's API itself (FastAPI's own telemetry)

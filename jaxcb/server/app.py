@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 class ServerState:
     """What the handlers share: the engine client (one engine here, or replicas behind a Ray router)."""
 
-    def __init__(self, cfg: Config, engine: Optional[Engine] = None):
+    def __init__(self, cfg: Config, engine: Optional[Engine] = None, span_exporter: Any = None):
         self.cfg = cfg
         self.model_name = served_model_name(cfg)
         self.shutting_down = False
@@ -65,6 +65,8 @@ class ServerState:
         self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
         self.responses = ResponseStore(cfg.server.responses_store_size)
         self.batches = BatchRunner(self, cfg.server.batch_dir)
+        # server.otlp_endpoint: one span per request (tracing.py); None: off, nothing of OpenTelemetry imported
+        self.tracer = RequestTracer(cfg.server.otlp_endpoint, span_exporter) if cfg.server.otlp_endpoint else None
 
     def tool_parser(self):
         """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
@@ -80,8 +82,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
     `span_exporter`: where spans go instead of server.otlp_endpoint's OTLP exporter (tests)."""
     if span_exporter is not None and cfg.server.otlp_endpoint is None:
         raise ValueError("a span_exporter is used only with tracing on: set server.otlp_endpoint")
-    state = ServerState(cfg, engine)
-    tracer = RequestTracer(cfg.server.otlp_endpoint, span_exporter) if cfg.server.otlp_endpoint else None
+    state = ServerState(cfg, engine, span_exporter)
+    tracer = state.tracer
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

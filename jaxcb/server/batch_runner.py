@@ -38,6 +38,7 @@ from jaxcb.server.batches import Batch, BatchCreate, BatchLine, BatchStore, read
 from jaxcb.server.completions import PlannedBody, compile_grammar, plan_body, request_deadlines, response_body
 from jaxcb.server.files import FileStore
 from jaxcb.server.protocol import APIError
+from jaxcb.server.tracing import RequestTrace
 
 if TYPE_CHECKING:
     from jaxcb.server.app import ServerState
@@ -179,15 +180,18 @@ class BatchRunner:
         if time.time() > batch.expires_at:
             return _unanswered(line.custom_id, "batch_expired", "the batch's completion_window (24h) ended "
                                                                 "before this request started")
-        line_id, body = uuid.uuid4().hex, None
+        line_id, body, start_ns = uuid.uuid4().hex, None, time.time_ns()
         try:
             body = plan_body(self.state, line.url, line.body)
             _refuse_stream(body)
             await compile_grammar(self.state, body.planned)
             deadlines = request_deadlines(self.state, body.planned.timeout, queued=False)
             finals = await serve_planned(self.state.client, body.planned, deadlines=deadlines, background=True)
-            return _answered(line_id, line.custom_id, 200, response_body(self.state, body.new_response_id(), body,
-                                                                         finals))
+            rid = body.new_response_id()
+            if self.state.tracer is not None:  # a line is a request too: one span, in a trace of its own
+                trace = RequestTrace({}, start_ns, rid, body.planned.params, dict(enumerate(finals)))
+                self.state.tracer.record(trace, self.state.model_name, time.time_ns())
+            return _answered(line_id, line.custom_id, 200, response_body(self.state, rid, body, finals))
         except InvalidRequestError as e:
             e = body.planned.refusal(e) if body is not None else e
             return _answered(line_id, line.custom_id, 400, APIError(400, str(e), param=e.field).body())
