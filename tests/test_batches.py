@@ -14,16 +14,19 @@ import pytest
 from openai import BadRequestError, ConflictError, NotFoundError, OpenAI
 
 from engine_factory import BASE, shared_engine
+from jaxcb.config import ConfigError, compose_config
 from server_harness import free_port, running_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FINISHED = ("completed", "failed", "expired", "cancelled")
+MAX_FILE_BYTES = 2 << 20
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     batch_dir = tmp_path_factory.mktemp("batches")
-    with running_server(f"server.batch_dir={batch_dir}", engine=shared_engine()) as (url, state):
+    with running_server(f"server.batch_dir={batch_dir}", f"server.max_file_bytes={MAX_FILE_BYTES}",
+                        engine=shared_engine()) as (url, state):
         yield url, state
 
 
@@ -117,6 +120,21 @@ def test_an_upload_with_a_line_that_could_never_run_is_refused_naming_the_line(c
     with pytest.raises(BadRequestError) as e:
         client.files.create(file=("in.jsonl", batch_file([completion_line("a", "x"), line])), purpose="batch")
     assert named in e.value.message and e.value.body["param"] == "file"
+
+
+def test_an_upload_past_server_max_file_bytes_is_a_413_and_keeps_nothing(client):
+    before = len(client.files.list().data)
+    line = completion_line("a", "x" * 100_000)
+    with pytest.raises(Exception) as e:
+        client.files.create(file=("in.jsonl", batch_file([{**line, "custom_id": f"c{i}"} for i in range(25)])),
+                            purpose="batch")
+    assert getattr(e.value, "status_code", None) == 413 and "server.max_file_bytes" in str(e.value)
+    assert len(client.files.list().data) == before
+
+
+def test_config_values_batches_cannot_work_with_are_refused_naming_them():
+    with pytest.raises(ConfigError, match="server.max_file_bytes=1024 must be >= server.max_request_bytes"):
+        compose_config(BASE + ("server.max_file_bytes=1024",))
 
 
 def test_an_upload_for_another_purpose_is_refused_naming_purpose(client):

@@ -32,6 +32,13 @@ def traced(tmp_path_factory):
         yield url, exporter
 
 
+def test_an_otlp_endpoint_that_is_no_url_is_refused_at_start_up():
+    from jaxcb.config import ConfigError
+
+    with pytest.raises(ConfigError, match="server.otlp_endpoint='collector:4318' must be an http:// or https:// URL"):
+        compose_config(BASE + ("server.otlp_endpoint=collector:4318",))
+
+
 def spans_after(exporter, send, count=1):
     """`send()`'s result and the spans it made: a span is recorded just after its response is sent."""
     exporter.clear()
