@@ -245,6 +245,13 @@ class ServerConfig:
     structured_outputs_in_reasoning: bool = False
     # /v1/responses kept in memory for previous_response_id (least recently stored dropped first).
     responses_store_size: int = 256
+    # /v1/files and /v1/batches: uploaded files, batches and their results live here (relative: to the
+    # directory the server starts in); a server restarted on the same folder resumes its unfinished batches.
+    batch_dir: str = "outputs/batches"
+    max_file_bytes: int = 200 << 20  # largest file POST /v1/files takes (OpenAI's batch input limit: 200 MB)
+    # OpenTelemetry: one span per request, exported over OTLP/HTTP to this URL (e.g.
+    # http://collector:4318/v1/traces); None: no tracing (nothing of OpenTelemetry is imported).
+    otlp_endpoint: Optional[str] = None
     stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted

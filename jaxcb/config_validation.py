@@ -17,12 +17,26 @@ from jaxcb.config import (
     ConfigError,
     DistributedConfig,
     ModelConfig,
+    ServerConfig,
 )
 
 
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def validate_batch_and_tracing_config(srv: ServerConfig) -> None:
+    """server.batch_dir, server.max_file_bytes (/v1/files, /v1/batches) and server.otlp_endpoint (tracing)."""
+    require(bool(srv.batch_dir), "server.batch_dir must name a folder for /v1/files and /v1/batches")
+    require(srv.max_file_bytes >= srv.max_request_bytes,
+            f"server.max_file_bytes={srv.max_file_bytes} must be >= server.max_request_bytes={srv.max_request_bytes} "
+            "(a batch file holds request bodies)")
+    endpoint = srv.otlp_endpoint
+    require(endpoint is None or (isinstance(endpoint, str) and endpoint.startswith(("http://", "https://"))
+                                 and len(endpoint.split("://", 1)[1]) > 0),
+            f"server.otlp_endpoint={endpoint!r} must be an http:// or https:// URL of an OTLP/HTTP collector "
+            "(e.g. http://127.0.0.1:4318/v1/traces), or null for no tracing")
 
 
 def validate_config(cfg: Config) -> None:
@@ -138,6 +152,7 @@ def validate_config(cfg: Config) -> None:
         srv.max_request_bytes >= 1024,
         f"server.max_request_bytes={srv.max_request_bytes} must be >= 1024",
     )
+    validate_batch_and_tracing_config(srv)
     validate_replica_config(cfg)
     validate_speculative_config(cfg)
     require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")

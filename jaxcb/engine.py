@@ -265,6 +265,7 @@ class Engine:
         timeout_s: Optional[float] = None,
         queue_timeout_s: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        background: bool = False,
     ) -> str:
         """Queue a request; raise InvalidRequestError (nothing queued) if it can never be served.
 
@@ -275,7 +276,8 @@ class Engine:
         "queue_timeout" (the server answers 503); `timeout_s`: that long after now it ends with what
         it has, finish_reason "timeout". Either frees its blocks at once. `cache_salt` (a tenant's
         non-empty string): it shares cached prefix blocks only with requests that give the same salt
-        (and no salt only with no salt)."""
+        (and no salt only with no salt). `background` (batch work): it yields to every other request,
+        admitted after them and preempted first, whatever the scheduler's policy."""
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string, or left out", "cache_salt")
@@ -310,6 +312,7 @@ class Engine:
                     sampling_params=params,
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
+                    background=background,
                     seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
                     sample_index=i,
                     parent_id=group.seqs[0].seq_id if i else None,

@@ -95,8 +95,9 @@ def read_input(path: str) -> list[JobRecord]:
     return records
 
 
-def repair_and_read_output(path: str) -> set[str]:
-    """Ids already written; a torn last line (no newline: the write was cut short) is removed first."""
+def repair_and_read_output(path: str, key: str = "id") -> set[str]:
+    """The `key` of every record already written; a torn last line (no newline: the write was cut
+    short) is removed first."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb+") as f:
@@ -109,7 +110,7 @@ def repair_and_read_output(path: str) -> set[str]:
     done = set()
     for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
         try:
-            done.add(str(json.loads(line)["id"]))
+            done.add(str(json.loads(line)[key]))
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise UserError(f"output={path} line {n} is not a result record ({e}); move the file away or fix it") from None
     return done
@@ -227,28 +228,49 @@ class _Writer:
         self.f.close()
 
 
-class JobOutput:
-    """The one writer of a job's output file: counts results and writes each id at most once.
+class ExactlyOnceWriter:
+    """Appends records to a JSONL file, each `key` at most once, those already in the file included.
 
-    Every backend hands its results here as they finish. A result for an id already written
-    (on an earlier run, or by a replica whose batch was also retried elsewhere) is dropped,
-    which is what keeps the output exactly once per id whatever the backend retries."""
+    A record whose key is already written (on an earlier run, or by a replica whose batch was
+    also retried elsewhere) is dropped: that is what keeps an output exactly once per id whatever
+    the backend retries. Used by jobs (`JobOutput`, key `id`) and by /v1/batches (`custom_id`)."""
 
-    def __init__(self, path: str, report: JobReport, done_ids: set[str], total: int):
-        self.report = report
+    def __init__(self, path: str, done_ids: set[str], key: str = "id"):
+        self.key = key
         self.written_ids = set(done_ids)
         self._writer = _Writer(path)
-        self._bar = tqdm(total=total, desc="job", unit="rec")
-        self._start = time.perf_counter()
 
-    def write(self, result: dict) -> bool:
-        """Append one result record; False (nothing written) if its id is already in the output."""
-        record_id = result.get("id")
+    def write(self, record: dict) -> bool:
+        """Append one record; False (nothing written) if its key is already in the output."""
+        record_id = record.get(self.key)
         if record_id is not None:
             if record_id in self.written_ids:
                 return False
             self.written_ids.add(record_id)
-        self._writer.write(result)
+        self._writer.write(record)
+        return True
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class JobOutput:
+    """The one writer of a job's output file: counts results and writes each id at most once."""
+
+    def __init__(self, path: str, report: JobReport, done_ids: set[str], total: int):
+        self.report = report
+        self._out = ExactlyOnceWriter(path, done_ids)
+        self._bar = tqdm(total=total, desc="job", unit="rec")
+        self._start = time.perf_counter()
+
+    @property
+    def written_ids(self) -> set[str]:
+        return self._out.written_ids
+
+    def write(self, result: dict) -> bool:
+        """Append one result record; False (nothing written) if its id is already in the output."""
+        if not self._out.write(result):
+            return False
         if "error" in result:
             self.report.num_errors += 1
         else:
@@ -262,7 +284,7 @@ class JobOutput:
     def close(self) -> None:
         self.report.seconds = time.perf_counter() - self._start
         self._bar.close()
-        self._writer.close()
+        self._out.close()
 
 
 def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> Iterator[dict]:
@@ -306,6 +328,30 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 yield result_record(ctx.tokenizer, pending)
 
 
+async def serve_planned(client: "EngineClient", planned: PlannedRequest, *, deadlines: Optional[dict[str, float]] = None,
+                        background: bool = False) -> list[RequestOutput]:
+    """The final output of each of `planned`'s prompts, served over `client`. A refusal that says "retry
+    later" (the server's admission control) is waited out, not returned: offline work waits for room.
+    The prompts are queued whole or not at all. `background`: work that yields to interactive requests
+    (Engine.add_request)."""
+    while True:
+        streams = []
+        try:
+            for prompt in planned.prompts:
+                streams.append(await client.add(prompt, planned.params, priority=planned.priority, deadlines=deadlines,
+                                                cache_salt=planned.cache_salt, background=background))
+            break
+        except EngineOverloadedError as e:
+            for stream in streams:
+                stream.close()
+            await asyncio.sleep(min(e.retry_after_s, 1.0))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+    return list(await asyncio.gather(*(_final_output(s) for s in streams)))
+
+
 async def generate_results_over(client: "EngineClient", cfg: Config, records: list[JobRecord],
                                 max_in_flight: int) -> AsyncIterator[dict]:
     """`generate_results` over an EngineClient (a serving engine, in this process or on Ray replicas):
@@ -313,19 +359,6 @@ async def generate_results_over(client: "EngineClient", cfg: Config, records: li
     admission control) is retried, not written: a job waits for room."""
     ctx = JobContext(cfg, client.tokenizer, client.max_model_len)
     room = asyncio.Semaphore(max_in_flight)
-
-    async def queue(planned: PlannedRequest) -> list:
-        deadlines = {"timeout_s": float(planned.timeout)} if planned.timeout is not None else None
-        streams = []
-        try:
-            for prompt in planned.prompts:
-                streams.append(await client.add(prompt, planned.params, priority=planned.priority,
-                                                deadlines=deadlines, cache_salt=planned.cache_salt))
-        except BaseException:
-            for stream in streams:  # a record is served whole or not at all
-                stream.close()
-            raise
-        return streams
 
     async def run(rec: JobRecord) -> dict:
         if rec.id is None or rec.error:
@@ -335,17 +368,12 @@ async def generate_results_over(client: "EngineClient", cfg: Config, records: li
             req, planned = plan_record(ctx, rec.data)
             if client.grammars is not None and planned.params.structured_outputs is not None:
                 await asyncio.to_thread(client.grammars.compile, planned.params.structured_outputs)
+            deadlines = {"timeout_s": float(planned.timeout)} if planned.timeout is not None else None
             async with room:
-                while True:
-                    try:
-                        streams = await queue(planned)
-                        break
-                    except EngineOverloadedError as e:
-                        await asyncio.sleep(min(e.retry_after_s, 1.0))
-                outputs = await asyncio.gather(*(_final_output(s) for s in streams))
+                outputs = await serve_planned(client, planned, deadlines=deadlines)
         except InvalidRequestError as e:
             return _error_record(rec.id, planned.refusal(e) if planned is not None else e)
-        return result_record(ctx.tokenizer, _PendingRecord(rec.id, req, planned, list(outputs)))
+        return result_record(ctx.tokenizer, _PendingRecord(rec.id, req, planned, outputs))
 
     for done in asyncio.as_completed([asyncio.ensure_future(run(r)) for r in records]):
         yield await done

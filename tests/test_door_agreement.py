@@ -1,10 +1,11 @@
 """One front door: the same request field with the same value gets the same answer over HTTP, in a
-JSONL job record and through `LLM.generate` -- served everywhere, or refused everywhere naming the
-same field. A job file mixing bad records with good ones finishes with one line per record."""
+/v1/batches line, in a JSONL job record and through `LLM.generate` -- served everywhere, or refused
+everywhere naming the same field. A job file mixing bad records with good ones finishes with one line per record."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -117,21 +118,41 @@ def outcomes(engine, tmp_path_factory):
                      for i in range(len(CASES))]
     result["job_records"] = by_id
     assert not engine.has_unfinished_requests()
-    with running_server(engine=engine) as (url, _):
+    with running_server(f"server.batch_dir={tmp_path_factory.mktemp('batches')}", engine=engine) as (url, _):
         http = []
         for fields, _ in CASES:
             r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", **body(fields)}, timeout=120)
             assert r.status_code in (200, 400), r.text
             http.append(None if r.status_code == 200 else r.json()["error"]["param"])
         result["http"] = http
+        result["batch"] = batch_door(url)
     return result
+
+
+def batch_door(url: str) -> list:
+    """Every case as a line of one /v1/batches batch: the param of each line's error response, or None."""
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "tiny", **body(fields)}}) for i, (fields, _) in enumerate(CASES)]
+    upload = httpx.post(f"{url}/v1/files", data={"purpose": "batch"},
+                        files={"file": ("in.jsonl", "\n".join(lines).encode())}, timeout=60).json()
+    batch = httpx.post(f"{url}/v1/batches", json={"input_file_id": upload["id"], "endpoint": "/v1/completions",
+                                                  "completion_window": "24h"}, timeout=60).json()
+    while batch["status"] != "completed":
+        time.sleep(0.05)
+        batch = httpx.get(f"{url}/v1/batches/{batch['id']}", timeout=60).json()
+    answers = {}
+    for file_id in (batch["output_file_id"], batch["error_file_id"]):
+        for line in httpx.get(f"{url}/v1/files/{file_id}/content", timeout=60).text.splitlines():
+            r = json.loads(line)["response"]
+            answers[json.loads(line)["custom_id"]] = None if r["status_code"] == 200 else r["body"]["error"]["param"]
+    return [answers[f"r{i}"] for i in range(len(CASES))]
 
 
 @pytest.mark.parametrize("i", range(len(CASES)), ids=[json.dumps(c[0])[:40] for c in CASES])
 def test_every_door_gives_the_same_answer(outcomes, i):
     fields, expected = CASES[i]
-    got = {door: outcomes[door][i] for door in ("http", "job", "generate")}
-    assert got == {"http": expected, "job": expected, "generate": expected}, fields
+    got = {door: outcomes[door][i] for door in ("http", "batch", "job", "generate")}
+    assert got == {"http": expected, "batch": expected, "job": expected, "generate": expected}, fields
 
 
 def test_served_job_records_carry_what_was_asked(outcomes):

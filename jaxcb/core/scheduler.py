@@ -8,12 +8,15 @@ decode token or the next prefill chunk. `schedule()`:
        (a prefill chunk is capped by long_prefill_token_threshold); each gets the blocks its
        new tokens need -- if none are free, the running sequence that has computed the least
        is preempted (blocks freed, back to the head of the queue, recompute later) until it fits
-    2. policy=priority: a waiting sequence that outranks a running one and cannot start
-       (max_num_seqs, or blocks) takes its place: the worst running one is preempted
+    2. a waiting sequence that outranks a running one and cannot start (max_num_seqs, or
+       blocks) takes its place: the worst running one is preempted. Interactive sequences
+       outrank background ones (batch work, `Sequence.background`) under every policy but
+       static; policy=priority then ranks by aged priority
     3. the running sequences' shares of the step are final now -- nothing below preempts --
        so the full blocks they fill become findable in the prefix cache
     4. unless step 1 or 2 preempted, waiting sequences are admitted in FCFS order while the
-       budget, max_num_seqs, max_num_partial_prefills and free blocks allow
+       budget, max_num_seqs, max_num_partial_prefills and free blocks allow, background
+       sequences after every interactive one
        (policy=static: only when nothing runs, and with each member's worst-case blocks
        reserved up front, so a static batch never preempts). An admitted sequence first
        takes the longest prefix of its full blocks found in the prefix cache -- blocks filled
@@ -99,6 +102,7 @@ class Scheduler:
         self.in_flight = InFlightTokens()
         self.speculation = speculation  # None: speculative decoding off
         self.num_preemptions = 0
+        self._num_background = 0  # unfinished background sequences: while none, ranking costs nothing
 
     # --- requests in and out -------------------------------------------------------------------
 
@@ -106,6 +110,7 @@ class Scheduler:
         if sequence.seq_id in self.sequences:
             raise ValueError(f"sequence id {sequence.seq_id!r} is already in use")
         self.sequences[sequence.seq_id] = sequence
+        self._num_background += sequence.background
         self.waiting.append(sequence)
         self._count_waiting(sequence)
 
@@ -138,6 +143,7 @@ class Scheduler:
         sequence.status = status
         sequence.finished_time = time.monotonic()
         self.kv.free(sequence)
+        self._num_background -= sequence.background
         del self.sequences[sequence.seq_id]
 
     @property
@@ -181,11 +187,19 @@ class Scheduler:
         """Smaller is served first: priority, minus one level per priority_aging_s of waiting."""
         return (sequence.priority - (now - sequence.arrival_time) / self.cfg.priority_aging_s, sequence.arrival_time)
 
+    def _rank(self, sequence: Sequence, now: float) -> tuple:
+        """Smaller is admitted first and preempted last: interactive before background work (which
+        yields to it under every policy), then under policy=priority the aged priority."""
+        if self.cfg.policy == "priority":
+            return (sequence.background, *self._priority_key(sequence, now))
+        return (sequence.background,)
+
     def _choose_victim(self, now: float) -> Sequence:
-        if self.cfg.policy == "priority":  # the worst priority, newest first
-            return max(self.running, key=lambda r: self._priority_key(r, now))
-        # recompute costs what the victim has computed: take the one that computed least (newest on ties)
-        return min(self.running, key=lambda r: (r.num_computed_tokens, -r.arrival_time))
+        if self.cfg.policy == "priority":  # background first, then the worst priority, newest first
+            return max(self.running, key=lambda r: self._rank(r, now))
+        # Background first; recompute costs what the victim has computed: then the one that computed
+        # least (newest on ties).
+        return max(self.running, key=lambda r: (r.background, -r.num_computed_tokens, r.arrival_time))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.cfg.max_num_batched_tokens
@@ -193,8 +207,11 @@ class Scheduler:
         preempted: list[str] = []
         now = self.clock()
         if self.cfg.policy == "priority":
-            self.running.sort(key=lambda r: self._priority_key(r, now))
-            self.waiting = deque(sorted(self.waiting, key=lambda r: self._priority_key(r, now)))
+            self.running.sort(key=lambda r: self._rank(r, now))
+            self.waiting = deque(sorted(self.waiting, key=lambda r: self._rank(r, now)))
+        elif self._num_background:  # stable: each kind keeps its order, background behind interactive
+            self.running.sort(key=lambda r: r.background)
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.background))
 
         for sequence in list(self.running):
             if sequence.status is not RequestStatus.RUNNING:
@@ -219,8 +236,9 @@ class Scheduler:
                 scheduled[sequence.seq_id] = self._scheduled(sequence, num_new, drafts, num_blocks)
                 budget -= num_new
 
-        if not preempted and self.cfg.policy == "priority":
-            preempted += self._preempt_for_priority(now, scheduled)
+        ranked = self.cfg.policy == "priority" or (self._num_background > 0 and self.cfg.policy != "static")
+        if not preempted and ranked:
+            preempted += self._preempt_for_rank(now, scheduled)
         for seq in scheduled.values():  # final now: what they fill is findable by the admissions below
             self.kv.register_full_blocks(self.sequences[seq.seq_id],
                                          seq.start_position + len(seq.token_ids) - len(seq.draft_token_ids))
@@ -272,16 +290,16 @@ class Scheduler:
         log.debug("preempted %s (%s)", victim.seq_id, "swap" if swap else "recompute")
         return len(returned.token_ids) if returned else 0
 
-    def _preempt_for_priority(self, now: float, scheduled: dict[SequenceId, ScheduledSequence]) -> list[str]:
-        """A waiting sequence that cannot be admitted but outranks a running one takes its place:
+    def _preempt_for_rank(self, now: float, scheduled: dict[SequenceId, ScheduledSequence]) -> list[str]:
+        """A waiting sequence that cannot be admitted but outranks a running one (`_rank`) takes its place:
         the worst running sequence is preempted now, and the waiting one is admitted next step.
         Called before any block of this step is registered, so a victim leaves no block findable
         that the step will not fill."""
         if not self.waiting or not self.running:
             return []
         head = self.waiting[0]
-        worst = max(self.running, key=lambda r: self._priority_key(r, now))
-        if self._priority_key(head, now) >= self._priority_key(worst, now):
+        worst = self._choose_victim(now)
+        if self._rank(head, now) >= self._rank(worst, now):
             return []
         first_chunk = min(head.num_tokens, self.cfg.max_num_batched_tokens)
         blocked = len(self.running) >= self.cfg.max_num_seqs or not self.kv.can_admit(CachedPrefix(), first_chunk)

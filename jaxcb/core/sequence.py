@@ -53,6 +53,9 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
+    # Batch work (/v1/batches): admitted only after every waiting interactive sequence, and preempted
+    # first, under every scheduler.policy (scheduler.py).
+    background: bool = False
     seed: int = 0  # resolved sampling seed (the params' seed, or one the engine drew)
     sample_index: int = 0  # which of the n completions this sequence is
     parent_id: Optional[SequenceId] = None  # the leader whose prompt blocks this sequence shares (n > 1)

@@ -71,17 +71,18 @@ class EngineReplica:
         engine = self.engine
         return {
             "tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "pid": os.getpid(),
-            "instance_id": self.instance_id,
+            "instance_id": self.instance_id, "max_num_seqs": engine.scheduler_config.max_num_seqs,
             # What the router's prefix index hashes prompts with (routing=prefix_aware).
             "block_size": engine.cache_plan.block_size, "num_blocks": engine.cache_plan.num_blocks,
             "prefix_cache_root": getattr(engine, "prefix_cache_root", None),  # None: an engine without stable hashes
         }
 
     async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int,
-                       deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None):
+                       deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None,
+                       background: bool = False):
         """Streams None once the request is queued (or raises the engine's refusal), then its outputs."""
         stream = await self.client.add(prompt, params, request_id=request_id, priority=priority,
-                                       deadlines=deadlines, cache_salt=cache_salt)
+                                       deadlines=deadlines, cache_salt=cache_salt, background=background)
         try:
             yield None
             async for out in stream:
@@ -221,6 +222,7 @@ class ReplicaRouter:
         log.info("engine replicas up, process ids %s", [info["pid"] for info in infos])
         self.tokenizer: Tokenizer = infos[0]["tokenizer"]
         self.max_model_len: int = infos[0]["max_model_len"]
+        self.max_num_seqs: int = sum(info["max_num_seqs"] for info in infos)
         self.grammars = None  # each replica's engine compiles its own
         for replica, info in zip(self.replicas, infos, strict=True):
             replica.instance_id = info["instance_id"]
@@ -251,7 +253,7 @@ class ReplicaRouter:
 
     async def add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
-        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None,
+        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None, background: bool = False,
     ) -> RemoteRequestStream:
         """Queue a request on the replica server.routing picks; raises its refusal (InvalidRequestError, ...) here.
         `cache_salt`: the tenant's, passed on to the engine and folded into the router's block hashes."""
@@ -267,7 +269,7 @@ class ReplicaRouter:
             replica = choice.replica
             tried.add(replica.index)
             generator = replica.actor.generate.options(num_returns="streaming").remote(
-                request_id, prompt, params, priority, deadlines, cache_salt
+                request_id, prompt, params, priority, deadlines, cache_salt, background
             )
             replica.waiting_tokens[request_id] = cost.initial
             try:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models,
-/tokenize, /detokenize, /health, /metrics.
+/v1/files and /v1/batches (batch_routes.py), /tokenize, /detokenize, /health, /metrics.
 
 Every request is parsed and checked here (protocol.py) before it reaches the engine; the
 engine's refusals come back as 400 (can never fit) or 429 with Retry-After (queue full).
@@ -12,9 +12,7 @@ import asyncio
 import inspect
 import json
 import logging
-import os
 import time
-import uuid
 from contextlib import asynccontextmanager
 from typing import Any, Optional
 
@@ -25,21 +23,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxcb.config import Config
 from jaxcb.engine import Engine
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
-from jaxcb.server import openai_format as fmt
 from jaxcb.server.dashboard import dashboard_html
 from jaxcb.server.async_engine import EngineDeadError, RequestStream
+from jaxcb.server.batch_routes import add_batch_routes
+from jaxcb.server.batch_runner import BatchRunner
 from jaxcb.server.engine_client import EngineClient, make_engine_client
-from jaxcb.server.chat import assistant_message
-from jaxcb.server.protocol import APIError, served_model_name, ChatCompletionRequest, CompletionRequest, parse_request
-from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
-from jaxcb.server.streaming import (
-    chat_events,
-    close_streams,
-    collect_final_outputs,
-    completion_events,
-    sse_response,
-    usage_of,
+from jaxcb.server.completions import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    check_model,
+    compile_grammar,
+    plan_body,
+    request_deadlines,
+    response_body,
 )
+from jaxcb.server.protocol import APIError, served_model_name, parse_request
+from jaxcb.server.requests import PlannedRequest
+from jaxcb.server.streaming import chat_events, close_streams, collect_final_outputs, completion_events, sse_response
 from jaxcb.request_fields import reject_non_finite
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.response_store import ResponseStore
@@ -47,7 +47,7 @@ from jaxcb.server.responses import parse_responses_request, plan_response
 from jaxcb.server.responses_output import ResponseWriter, reply_messages
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
-from jaxcb.structured.spec import StructuredOutputs
+from jaxcb.server.tracing import SCOPE_KEY as TRACE_SCOPE_KEY, RequestTracer, TracingMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 class ServerState:
     """What the handlers share: the engine client (one engine here, or replicas behind a Ray router)."""
 
-    def __init__(self, cfg: Config, engine: Optional[Engine] = None):
+    def __init__(self, cfg: Config, engine: Optional[Engine] = None, span_exporter: Any = None):
         self.cfg = cfg
         self.model_name = served_model_name(cfg)
         self.shutting_down = False
@@ -64,6 +64,9 @@ class ServerState:
         self.client: EngineClient = make_engine_client(cfg, self.model_name, engine)
         self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
         self.responses = ResponseStore(cfg.server.responses_store_size)
+        self.batches = BatchRunner(self, cfg.server.batch_dir)
+        # server.otlp_endpoint: one span per request (tracing.py); None: off, nothing of OpenTelemetry imported
+        self.tracer = RequestTracer(cfg.server.otlp_endpoint, span_exporter) if cfg.server.otlp_endpoint else None
 
     def tool_parser(self):
         """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
@@ -72,26 +75,35 @@ class ServerState:
         return self._tool_parser
 
 
-def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
+def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any = None) -> FastAPI:
     """The app over `engine` (built from cfg when not given, or Ray replicas when server.backend=ray);
     the engine loop runs for the app's lifespan. An engine built here gets server.admission_control;
-    one passed in keeps the limits it has (call `engine.enable_admission_control()` for the default)."""
-    state = ServerState(cfg, engine)
+    one passed in keeps the limits it has (call `engine.enable_admission_control()` for the default).
+    `span_exporter`: where spans go instead of server.otlp_endpoint's OTLP exporter (tests)."""
+    if span_exporter is not None and cfg.server.otlp_endpoint is None:
+        raise ValueError("a span_exporter is used only with tracing on: set server.otlp_endpoint")
+    state = ServerState(cfg, engine, span_exporter)
+    tracer = state.tracer
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.client.start()
+        state.batches.start()
         yield
-        # Graceful shutdown: admit nothing, give in-flight requests their time, abort the rest.
+        # Graceful shutdown: admit nothing, give in-flight requests their time, abort the rest. Batch
+        # lines in flight are aborted at once: their batches resume when the server starts again.
         state.shutting_down = True
+        await state.batches.stop()
         deadline = time.monotonic() + cfg.server.shutdown_timeout_s
         while state.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         state.client.abort_all("shutdown")
         await asyncio.sleep(0.1)
         state.client.stop()
+        if tracer is not None:
+            tracer.shutdown()
 
-    app = FastAPI(title="jaxcb", lifespan=lifespan)
+    app = FastAPI(title="jaxcb", lifespan=lifespan, **_without_framework_telemetry())
     app.state.jaxcb = state
 
     @app.exception_handler(APIError)
@@ -107,7 +119,11 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(e.status_code, str(e.detail), type=kind).body(), status_code=e.status_code)
 
-    app.add_middleware(GuardMiddleware, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes)
+    app.add_middleware(GuardMiddleware, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes,
+                       max_file_bytes=cfg.server.max_file_bytes)
+    add_batch_routes(app, state, lambda request: _json_body(request, cfg))
+    if tracer is not None:
+        app.add_middleware(TracingMiddleware, tracer=tracer, model=state.model_name)
 
     @app.get("/health")
     async def health():
@@ -138,7 +154,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def tokenize_prompt(request: Request):
         req = parse_tokenize_request(await _json_body(request, cfg))
         if req.model is not None:
-            _check_model(state, req.model)
+            check_model(state, req.model)
         return tokenize(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
                         cfg.server.tool_prompt_fallback)
 
@@ -146,73 +162,44 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
     async def detokenize_tokens(request: Request):
         req: DetokenizeRequest = parse_request(DetokenizeRequest, await _json_body(request, cfg))
         if req.model is not None:
-            _check_model(state, req.model)
+            check_model(state, req.model)
         return detokenize(req, state.client.tokenizer)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request, cfg))
-        _check_model(state, req.model)
-        planned = plan_completion(req)
-        await _compile_grammar(state, planned.params.structured_outputs)
-        streams = await _start(state, planned)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+    async def serve(request: Request, endpoint: str):
+        body = plan_body(state, endpoint, await _json_body(request, cfg))
+        await compile_grammar(state, body.planned)
+        streams = await _start(state, body.planned)
+        req, rid = body.req, body.new_response_id()
+        streams = _traced(request, streams, body.planned, rid)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(state, streams, completion_events(state, rid, req, streams, include_usage))
+            if body.is_chat:
+                events = chat_events(state, rid, req, streams, include_usage, req.top_logprobs or 0, body.planned.chat)
+            else:
+                events = completion_events(state, rid, req, streams, include_usage)
+            return sse_response(state, streams, events)
         finals = await collect_final_outputs(state, request, streams)
-        tok, choices = state.client.tokenizer, []
-        for p_idx, out in enumerate(finals):
-            for c in out.outputs:
-                if req.echo:  # the prompt, then the completion, as one text (and one logprobs list)
-                    c = fmt.echo_output(tok, out, c).followed_by(c)
-                logprobs = fmt.completion_logprobs(tok, c, 0, 0) if req.logprobs is not None else None
-                choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
-                          "finish_reason": fmt.finish_reason(c)}
-                if req.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
-                choices.append(choice)
-        return fmt.completion_response(rid, state.model_name, choices, *usage_of(finals))
+        return response_body(state, rid, body, finals)
 
-    @app.post("/v1/chat/completions")
+    @app.post(COMPLETIONS)
+    async def completions(request: Request):
+        return await serve(request, COMPLETIONS)
+
+    @app.post(CHAT_COMPLETIONS)
     async def chat_completions(request: Request):
-        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request, cfg))
-        _check_model(state, req.model)
-        planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
-                                       cfg.server.tool_prompt_fallback, state.reasoning_parser,
-                                       cfg.server.structured_outputs_in_reasoning)
-        plan = planned.chat
-        await _compile_grammar(state, plan.structured)
-        top_n = req.top_logprobs or 0
-        streams = await _start(state, planned)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return sse_response(state, streams, chat_events(state, rid, req, streams, include_usage, top_n, plan))
-        [out] = await collect_final_outputs(state, request, streams)
-        choices = []
-        for c in out.outputs:
-            message, finish = assistant_message(plan, c.text, fmt.finish_reason(c))
-            choice = {
-                "index": c.index, "message": message,
-                "logprobs": fmt.chat_logprobs(state.client.tokenizer, c, 0, top_n) if req.logprobs else None,
-                "finish_reason": finish,
-            }
-            if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(state.client.tokenizer, out)
-            choices.append(choice)
-        return fmt.chat_response(rid, state.model_name, choices, *usage_of([out]))
+        return await serve(request, CHAT_COMPLETIONS)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
         req = parse_responses_request(await _json_body(request, cfg))
-        _check_model(state, req.model)
+        check_model(state, req.model)
         plan = plan_response(req, state.responses, state.client.tokenizer, state.tool_parser(),
                              state.client.max_model_len, cfg.server.tool_prompt_fallback, state.reasoning_parser,
                              cfg.server.structured_outputs_in_reasoning)
-        await _compile_grammar(state, plan.planned.chat.structured)
+        await compile_grammar(state, plan.planned)
         streams = await _start(state, plan.planned)
         writer = ResponseWriter(req, plan.planned.chat, state.model_name, state.client.tokenizer)
+        streams = _traced(request, streams, plan.planned, writer.id)
 
         def store(response: dict) -> None:  # `store` says whether it was kept (not with responses_store_size=0)
             response["store"] = req.store and state.responses.put(
@@ -241,10 +228,12 @@ def build_app(cfg: Config, engine: Optional[Engine] = None) -> FastAPI:
 
 
 class GuardMiddleware:
-    """API key and body-size checks for /v1/*, as plain ASGI (so that disconnects still reach handlers)."""
+    """API key and body-size checks for /v1/*, as plain ASGI (so that disconnects still reach handlers).
+    An upload (POST /v1/files) may be up to max_file_bytes, any other body up to max_request_bytes."""
 
-    def __init__(self, app, api_key: Optional[str], max_request_bytes: int):
+    def __init__(self, app, api_key: Optional[str], max_request_bytes: int, max_file_bytes: int):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+        self.max_file_bytes = max_file_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
@@ -254,8 +243,11 @@ class GuardMiddleware:
                 error = APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                  type="authentication_error")
             length = headers.get("content-length", "")
-            if error is None and length.isdigit() and int(length) > self.max_request_bytes:
-                error = APIError(413, f"request body of {length} bytes exceeds server.max_request_bytes={self.max_request_bytes}")
+            upload = scope["path"] == "/v1/files"
+            limit, knob = (self.max_file_bytes, "max_file_bytes") if upload else (self.max_request_bytes,
+                                                                                  "max_request_bytes")
+            if error is None and length.isdigit() and int(length) > limit:
+                error = APIError(413, f"request body of {length} bytes exceeds server.{knob}={limit}")
             if error is not None:
                 await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
                 return
@@ -277,43 +269,29 @@ async def _json_body(request: Request, cfg: Config) -> Any:
         raise APIError(400, "the request body nests JSON too deeply to be a request") from None
 
 
-def _check_model(state: ServerState, model: str) -> None:
-    if model != state.model_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}",
-                       param="model", type="not_found_error", code="model_not_found")
+def _without_framework_telemetry() -> dict[str, Any]:
+    """FastAPI(...)'s arguments that turn off its own OpenTelemetry (its releases that have it): the
+    server's spans are jaxcb's, one per request, and server.otlp_endpoint alone turns them on."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False, "operation_spans": False,
+                          "auto_configure": False}}
 
 
-async def _compile_grammar(state: ServerState, spec: Optional[StructuredOutputs]) -> None:
-    """Compile the request's grammar off the engine's thread (cached: the engine then finds it compiled);
-    a grammar that does not compile, or not in time, is a 400 naming its field and nothing is queued."""
-    grammars = state.client.grammars  # None: Ray replicas compile their own
-    if spec is None or grammars is None:
-        return
-    await asyncio.to_thread(grammars.compile, spec)  # StructuredOutputsError: a 400 naming its field
-
-
-def _deadlines(state: ServerState, timeout: Optional[float]) -> dict[str, float]:
-    """Engine.add_request's timeouts: server.max_queue_time_s, and the smaller of
-    server.request_timeout_s and the request's own `timeout` (which may ask for less, never more)."""
-    srv = state.cfg.server
-    if timeout is not None:
-        if srv.request_timeout_s is not None and timeout > srv.request_timeout_s:
-            raise APIError(400, f"timeout={timeout} is longer than this server allows "
-                                f"(server.request_timeout_s={srv.request_timeout_s:g})", param="timeout")
-    deadlines = {}
-    total = timeout if timeout is not None else srv.request_timeout_s
-    if total is not None:
-        deadlines["timeout_s"] = float(total)
-    if srv.max_queue_time_s is not None:
-        deadlines["queue_timeout_s"] = float(srv.max_queue_time_s)
-    return deadlines
+def _traced(request: Request, streams: list, planned: PlannedRequest, request_id: str) -> list:
+    """The request's streams as its trace sees them (server.otlp_endpoint set), else as they are."""
+    trace = request.scope.get(TRACE_SCOPE_KEY)
+    if trace is None:
+        return streams
+    trace.request_id = request_id
+    return trace.watch(streams, planned.params)
 
 
 async def _start(state: ServerState, planned: PlannedRequest) -> list[RequestStream]:
     """Queue every prompt; if one is refused, abort those already queued and answer with the refusal."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down", type="server_error")
-    deadlines = _deadlines(state, planned.timeout)
+    deadlines = request_deadlines(state, planned.timeout)
     streams: list[RequestStream] = []
     try:
         for prompt in planned.prompts:

@@ -122,15 +122,16 @@ class AsyncEngine:
 
     async def add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
-        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None,
+        deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None, background: bool = False,
     ) -> "RequestStream":
         """Queue a request; raises the engine's refusal (InvalidRequestError, EngineOverloadedError) here.
-        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s; `cache_salt`: its tenant's."""
+        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s; `cache_salt`: its tenant's;
+        `background`: batch work, which yields to every other request."""
         request_id = request_id or uuid.uuid4().hex
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await self._call(self._add, prompt, params, request_id, priority, deadlines or {}, cache_salt)
+            await self._call(self._add, prompt, params, request_id, priority, deadlines or {}, cache_salt, background)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -151,10 +152,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(self.engine.abort, request_id)
 
-    def _add(self, prompt, params, request_id, priority, deadlines, cache_salt):
+    def _add(self, prompt, params, request_id, priority, deadlines, cache_salt, background):
         # Deltas: what a stream sends is what is new, and a step's cost does not grow with the stream.
         return self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
-                                       output_kind=OutputKind.DELTA, cache_salt=cache_salt, **deadlines)
+                                       output_kind=OutputKind.DELTA, cache_salt=cache_salt, background=background,
+                                       **deadlines)
 
     def _abort_from_any_thread(self, request_id: str, reason: str) -> None:
         self._commands.put((self._abort, (request_id, reason), None, None))

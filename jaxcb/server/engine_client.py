@@ -36,6 +36,7 @@ class OutputStream(Protocol):
 class EngineClient(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
+    max_num_seqs: int  # sequences the engines run at once, all replicas together (how much batch work keeps them busy)
     # Compiles a request's grammar off the engine thread before it is queued (cached for the engine);
     # None where the engines compile their own (Ray replicas).
     grammars: Optional["GrammarCompiler"]
@@ -50,9 +51,10 @@ class EngineClient(Protocol):
 
     async def add(self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None,
                   priority: int = 0, deadlines: Optional[dict[str, float]] = None,
-                  cache_salt: Optional[str] = None) -> OutputStream:
+                  cache_salt: Optional[str] = None, background: bool = False) -> OutputStream:
         """Queue a request; the engine's refusal (InvalidRequestError, EngineOverloadedError) is raised here.
-        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s."""
+        `deadlines`: Engine.add_request's timeout_s / queue_timeout_s; `background`: batch work, which
+        yields to every other request (Engine.add_request)."""
 
     def abort_all(self, reason: str) -> None: ...
 
@@ -76,6 +78,7 @@ class LocalEngineClient:
                 engine.enable_admission_control()
         self.engine = engine
         self.tokenizer, self.max_model_len, self.grammars = engine.tokenizer, engine.max_model_len, engine.grammars
+        self.max_num_seqs: int = engine.scheduler_config.max_num_seqs
         self.metrics = EngineMetrics(model_name, extra_labels=extra_labels, prefix=cfg.server.metrics_prefix)
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(
@@ -102,9 +105,9 @@ class LocalEngineClient:
 
     async def add(self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None,
                   priority: int = 0, deadlines: Optional[dict[str, float]] = None,
-                  cache_salt: Optional[str] = None) -> OutputStream:
+                  cache_salt: Optional[str] = None, background: bool = False) -> OutputStream:
         return await self.async_engine.add(prompt, params, request_id=request_id, priority=priority,
-                                           deadlines=deadlines, cache_salt=cache_salt)
+                                           deadlines=deadlines, cache_salt=cache_salt, background=background)
 
     def abort_all(self, reason: str) -> None:
         self.async_engine.abort_all(reason)

@@ -1,0 +1,114 @@
+"""/v1/completions and /v1/chat/completions as the steps that the HTTP handlers and the batch runner
+share: a body checked and planned into engine requests (`plan_body`), its grammar compiled off the
+engine's thread (`compile_grammar`), and the whole response written from the final outputs
+(`response_body`). One path, so that a batch line is served, or refused, exactly as the same body
+POSTed to its endpoint would be. No jax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from jaxcb.outputs import RequestOutput
+from jaxcb.server import openai_format as fmt
+from jaxcb.server.chat import assistant_message
+from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
+from jaxcb.server.streaming import usage_of
+
+if TYPE_CHECKING:
+    from jaxcb.server.app import ServerState
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+
+
+@dataclass
+class PlannedBody:
+    """A body as the engine will serve it: `req` (the parsed body) and `planned` (its engine requests)."""
+
+    endpoint: str  # COMPLETIONS or CHAT_COMPLETIONS
+    req: Union[CompletionRequest, ChatCompletionRequest]
+    planned: PlannedRequest
+
+    @property
+    def is_chat(self) -> bool:
+        return self.endpoint == CHAT_COMPLETIONS
+
+    def new_response_id(self) -> str:
+        return f"{'chatcmpl' if self.is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def check_model(state: "ServerState", model: str) -> None:
+    if model != state.model_name:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}",
+                       param="model", type="not_found_error", code="model_not_found")
+
+
+def plan_body(state: "ServerState", endpoint: str, body: Any) -> PlannedBody:
+    """`body` (decoded JSON) for `endpoint`, checked and planned; InvalidRequestError / APIError naming the field."""
+    srv = state.cfg.server
+    if endpoint == COMPLETIONS:
+        req = parse_request(CompletionRequest, body)
+        check_model(state, req.model)
+        return PlannedBody(endpoint, req, plan_completion(req))
+    assert endpoint == CHAT_COMPLETIONS, endpoint
+    req = parse_request(ChatCompletionRequest, body)
+    check_model(state, req.model)
+    planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
+                                   srv.tool_prompt_fallback, state.reasoning_parser,
+                                   srv.structured_outputs_in_reasoning)
+    return PlannedBody(endpoint, req, planned)
+
+
+async def compile_grammar(state: "ServerState", planned: PlannedRequest) -> None:
+    """Compile the request's grammar off the engine's thread (cached: the engine then finds it compiled);
+    a grammar that does not compile, or not in time, is a 400 naming its field and nothing is queued."""
+    spec = planned.params.structured_outputs
+    grammars = state.client.grammars  # None: Ray replicas compile their own
+    if spec is None or grammars is None:
+        return
+    await asyncio.to_thread(grammars.compile, spec)  # StructuredOutputsError: a 400 naming its field
+
+
+def request_deadlines(state: "ServerState", timeout: Optional[float], queued: bool = True) -> dict[str, float]:
+    """Engine.add_request's timeouts: the smaller of server.request_timeout_s and the request's own
+    `timeout` (which may ask for less, never more), and server.max_queue_time_s unless `queued` is
+    false (batch work waits for room by design: only its running time is bounded)."""
+    srv = state.cfg.server
+    if timeout is not None:
+        if srv.request_timeout_s is not None and timeout > srv.request_timeout_s:
+            raise APIError(400, f"timeout={timeout} is longer than this server allows "
+                                f"(server.request_timeout_s={srv.request_timeout_s:g})", param="timeout")
+    deadlines = {}
+    total = timeout if timeout is not None else srv.request_timeout_s
+    if total is not None:
+        deadlines["timeout_s"] = float(total)
+    if queued and srv.max_queue_time_s is not None:
+        deadlines["queue_timeout_s"] = float(srv.max_queue_time_s)
+    return deadlines
+
+
+def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: list[RequestOutput]) -> dict:
+    """The whole (non-streamed) response of `body` from its prompts' final outputs."""
+    tok, req, choices = state.client.tokenizer, body.req, []
+    for p_idx, out in enumerate(finals):
+        for c in out.outputs:
+            if body.is_chat:
+                message, finish = assistant_message(body.planned.chat, c.text, fmt.finish_reason(c))
+                logprobs = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0) if req.logprobs else None
+                choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+            else:
+                if req.echo:  # the prompt, then the completion, as one text (and one logprobs list)
+                    c = fmt.echo_output(tok, out, c).followed_by(c)
+                logprobs = fmt.completion_logprobs(tok, c, 0, 0) if req.logprobs is not None else None
+                choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
+                          "finish_reason": fmt.finish_reason(c)}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+            choices.append(choice)
+    make = fmt.chat_response if body.is_chat else fmt.completion_response
+    return make(rid, state.model_name, choices, *usage_of(finals))
