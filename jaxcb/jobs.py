@@ -39,6 +39,7 @@ from jaxcb.server import openai_format as fmt
 from jaxcb.server.chat import assistant_message
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, served_model_name
 from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
+from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.tokenizer import Tokenizer
 
@@ -149,8 +150,12 @@ def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, Ch
         raise InvalidRequestError("the record has neither 'prompt' nor 'messages'", "prompt")
     cfg = ctx.cfg
     if isinstance(req, ChatRecord):
-        parser = get_tool_parser(cfg.server.tool_call_parser, ctx.tokenizer.chat_template)
-        planned = plan_chat_completion(req, ctx.tokenizer, parser, ctx.max_model_len, cfg.server.tool_prompt_fallback)
+        template = ctx.tokenizer.chat_template
+        parser = get_tool_parser(cfg.server.tool_call_parser, template)
+        # Reasoning as the chat endpoint reads it: reasoning_content apart, grammars after </think>.
+        planned = plan_chat_completion(req, ctx.tokenizer, parser, ctx.max_model_len, cfg.server.tool_prompt_fallback,
+                                       get_reasoning_parser(cfg.server.reasoning_parser, template),
+                                       cfg.server.structured_outputs_in_reasoning)
     else:
         planned = plan_completion(req)
     if req.model is not None and req.model != served_model_name(cfg):
@@ -186,8 +191,9 @@ def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
             if chat is not None:
                 message, choice["finish_reason"] = assistant_message(chat, c.text, fmt.finish_reason(c))
                 choice["text"] = message["content"]
-                if "tool_calls" in message:
-                    choice["tool_calls"] = message["tool_calls"]
+                for key in ("tool_calls", "reasoning_content"):
+                    if key in message:
+                        choice[key] = message[key]
                 if req.logprobs:
                     choice["logprobs"] = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0)
             elif req.logprobs is not None:

@@ -207,3 +207,23 @@ def test_responses_carry_reasoning_as_a_reasoning_item_whole_and_streamed():
     final = streamed[-1]["response"]
     assert final["output"][0]["content"] == whole["output"][0]["content"] and final["status"] == "completed"
     assert final["usage"] == whole["usage"]
+
+
+def test_a_jsonl_job_chat_record_splits_reasoning_as_the_chat_endpoint_does(engine):
+    import dataclasses
+    import types
+
+    from jaxcb.jobs import JobRecord, generate_results
+
+    # The module's engine, read with reasoning's grammar over the whole reply (as the server test above).
+    server = dataclasses.replace(engine.cfg.server, structured_outputs_in_reasoning=True)
+    saved, engine.cfg = engine.cfg, dataclasses.replace(engine.cfg, server=server)
+    try:
+        body = {"id": "r1", "messages": ASK, "structured_outputs": {"regex": THOUGHT_THEN_ANSWER},
+                "temperature": 1.0, "seed": 3, "max_tokens": 40}
+        llm = types.SimpleNamespace(engine=engine, tokenizer=engine.tokenizer)
+        [result] = generate_results(llm, [JobRecord(1, "r1", body)], max_in_flight=1)
+    finally:
+        engine.cfg = saved
+    assert re.fullmatch(r"[a-z ]{1,12}", result["reasoning_content"]), result
+    assert re.fullmatch(r"[a-z]{1,8}", result["text"]), result
