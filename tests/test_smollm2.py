@@ -322,7 +322,8 @@ def test_a_tool_call_cut_by_max_tokens_leaves_no_markup_in_content(llm):
 def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm):
     """200 requests -- text that repeats, so proposals are accepted, and text that does not -- with
     preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without speculation."""
-    overrides = BASE + VARIANTS + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=512",
+    # 11 blocks of 16 tokens for 8 sequences of ~36 tokens: preemption.
+    overrides = BASE + VARIANTS + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
                                    "speculative.method=ngram", "cache.num_blocks=12")
     spec = LLM(compose_config(overrides), progress=False)
     lines = ["red green blue red green blue red green", "one, two, three; one, two, three; one, two,",
