@@ -2,8 +2,8 @@
 
 Every bucket (`buckets.py`) is compiled ahead of time (`compiler.py`: the common variants at
 start-up, in parallel; the rare ones after, in the background or on first use); serving then
-only looks compiled steps up. A step size start-up did not plan, or a bucket compiled twice, is
-a recompile, which is compiled, counted and logged as an error (tests fail on it).
+only looks compiled steps up. A step size start-up did not plan, or an executable compiled twice,
+is a recompile, which is compiled, counted and logged as an error (tests fail on it).
 
 A step is two executables, dispatched back to back with no wait between them (`run`):
 
@@ -188,7 +188,8 @@ class ModelRunner:
             block_tables = tables[x.row_slots, : key.table_width]  # i32[R, W]
             md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, block_tables, x.num_seqs)
             hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md)
-            # The penalties' counts: this step's tokens recorded (padding tokens dropped).
+            # The penalties' counts: this step's tokens recorded (padding tokens dropped), whatever the
+            # variant, so that one model executable serves them all (`BucketKey.model`).
             pad = jnp.array([num_slots], jnp.int32)
             token_slots = jnp.concatenate([x.row_slots, pad])[x.token_rows]
             is_output = x.positions >= jnp.concatenate([x.num_prompt, pad])[x.token_rows]
