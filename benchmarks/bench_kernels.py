@@ -444,12 +444,13 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
         run_offline(llm, make_workload(cfg.bench, llm.engine.model_config.vocab_size, cfg.engine.max_model_len),
                     cfg.scheduler.policy)
     keys = sorted({key for key, _, _ in recorded})
-    ours = {key: runner.compiled[key] for key in keys}
-    # Traced again, through a new function (no trace cached from ours), with the targets renamed.
-    traced, names = runner._step, {const: getattr(cpu_kernels, const) for const in KERNEL_SYMBOLS}
-    inner = traced.__wrapped__
-    runner._step = jax.jit(lambda weights, cache, state, key, *rest: inner(weights, cache, state, key, *rest),
-                           donate_argnums=(1, 2), static_argnums=(3,))
+    ours = {key: runner.executable(key) for key in keys}
+    # Traced again, through new functions (no trace cached from ours), with the targets renamed.
+    traced, names = (runner._model_step, runner._sampler_step), {const: getattr(cpu_kernels, const)
+                                                                  for const in KERNEL_SYMBOLS}
+    model, sampler = (jitted.__wrapped__ for jitted in traced)
+    runner._model_step = jax.jit(lambda *args: model(*args), donate_argnums=(1, 2), static_argnums=(3,))
+    runner._sampler_step = jax.jit(lambda *args: sampler(*args), static_argnums=(3,))
     import jaxcb.kernels.attention.cpu as attention_cpu
     import jaxcb.kernels.row_argmax as argmax_module
 
@@ -459,15 +460,15 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
             for m in users:
                 if hasattr(m, const):
                     setattr(m, const, targets[const])
-        theirs = {key: runner._lower(key).compile() for key in keys}
+        theirs = {key: tuple(runner._lower(part).compile() for part in key.parts) for key in keys}
     finally:
-        runner._step = traced
+        runner._model_step, runner._sampler_step = traced
         for const, name in names.items():
             for m in users:
                 if hasattr(m, const):
                     setattr(m, const, name)
-    for key, exe in theirs.items():  # a trace reused from ours would compare this checkout with itself
-        if not any(target in exe.as_text() for target in targets.values()):
+    for key, exes in theirs.items():  # a trace reused from ours would compare this checkout with itself
+        if not any(target in exe.as_text() for exe in exes for target in targets.values()):
             raise RuntimeError(f"the step {key} compiled for {rev} calls none of {rev}'s kernels")
     times = {"this checkout": [], rev: []}
     for i in range(rounds):  # the order flipped every round

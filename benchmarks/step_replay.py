@@ -36,25 +36,22 @@ def record_steps(runner) -> Iterator[list]:
 def replay(runner, recorded: list, executables: Optional[dict] = None,
            on_step: Optional[Callable[[tuple, float], None]] = None, wait_each: bool = False) -> float:
     """Run the recorded steps again on the runner's cache and slot state (donated and carried), with
-    the slot writes the engine made before them; seconds it took. `executables`: bucket -> compiled
-    step (default: the runner's own); `wait_each`: time each step on its own, reporting it to
-    `on_step(bucket, seconds)`."""
-    cache = runner.kv_cache
+    the slot writes the engine made before them; seconds it took. `executables`: bucket -> the step's
+    compiled (model, sampler) (default: the runner's own); `wait_each`: time each step on its own,
+    reporting it to `on_step(bucket, seconds)`."""
     start = time.perf_counter()
     ids = None
     for key, args, writes in recorded:
         t0 = time.perf_counter()
         if writes is not None:
             runner.write_slots(writes)
-        exe = (executables or {}).get(key) or runner.executable(key)
-        ids, _, _, cache, runner.slot_state = exe(runner.weights, cache, runner.slot_state, *args)
+        ids = runner.run(key, args, (executables or {}).get(key))[0]
         if wait_each:
             jax.block_until_ready(ids)
             if on_step is not None:
                 on_step(key, time.perf_counter() - t0)
     if ids is not None:
         jax.block_until_ready(ids)
-    runner.kv_cache = cache
     return time.perf_counter() - start
 
 

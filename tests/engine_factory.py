@@ -42,6 +42,13 @@ def shared_engine(*overrides: str) -> Engine:
     return make_engine(*overrides)
 
 
+def model_executables(e: Engine) -> list:
+    """The engine's compiled model executables (the layers; the samplers hold the LM head only)."""
+    from jaxcb.runner.buckets import ModelKey
+
+    return [exe for part, exe in e.runner.compiled.items() if isinstance(part, ModelKey)]
+
+
 def generate_first_completions(e: Engine, prompts: list, params) -> list:
     """Each prompt's first completion, in prompt order, running the engine until all finish."""
     ids = [e.add_request(p, params) for p in prompts]

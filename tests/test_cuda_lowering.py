@@ -225,13 +225,13 @@ def test_whole_step_lowers_with_one_kernel_per_layer_scan_on_each_device(
 
 
 def test_the_engines_step_lowers_for_every_llama8b_bucket():
-    """The runner's step as the engine compiles it (the model, then sampling), at each token bucket
-    of a 2,048-token budget and 256 sequences, on an abstract 8B model: one kernel, no CPU kernel."""
+    """The runner's step as the engine compiles it (two executables: the model, then sampling), at each
+    token bucket of a 2,048-token budget and 256 sequences, on an abstract 8B model: one kernel, no CPU
+    kernel."""
     from jaxcb.backends import select_backend
     from jaxcb.config import compose_config
     from jaxcb.runner import ModelRunner, make_buckets
     from jaxcb.runner.buckets import BucketKey
-    from jaxcb.runner.step_args import abstract_step_inputs, packed_sizes
     from jaxcb.sampling import StepVariant
 
     cfg = compose_config(["model=llama8b", "model.init=random", "scheduler.max_num_seqs=256",
@@ -249,17 +249,17 @@ def test_the_engines_step_lowers_for_every_llama8b_bucket():
     first = buckets.all()[0]
     keys = [BucketKey(*b, StepVariant.GREEDY) for b in buckets.all()]
     keys += [BucketKey(*first, v) for v in StepVariant if v != StepVariant.GREEDY]
+    def lowered(part):
+        fn, args = runner.traceable(part)
+        return lower_for_gpu(fn, *args)
+
     for key in keys:
-        x = abstract_step_inputs(key, **runner._abstract)
-        num_ints, num_floats = packed_sizes(x)
-        ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32)
-        floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32)
-        weights = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), runner.weights)
-        lowered = lower_for_gpu(runner._step, weights, runner.kv_cache, runner.slot_state, key, ints, floats,
-                                x.prev_tokens)
-        assert [call.grid for call in triton_calls(lowered)] == ENGINE_LLAMA8B.expected_grids(
+        model = lowered(key.model)
+        assert [call.grid for call in triton_calls(model)] == ENGINE_LLAMA8B.expected_grids(
             key.num_tokens, key.num_seqs, key.table_width), key
-        assert "@jaxcb_" not in lowered.as_text()
+        sampler = lowered(key.sampler)
+        assert not triton_calls(sampler), key  # the attention kernel runs in the model's executable only
+        assert "@jaxcb_" not in model.as_text() and "@jaxcb_" not in sampler.as_text()
 
 
 def _primitives(jaxpr, inside_scan: bool = False, found=None) -> dict[bool, set[str]]:

@@ -7,7 +7,7 @@ import weakref
 import jax
 import numpy as np
 
-from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, shared_engine
+from engine_factory import assert_same_tokens_and_logprobs, generate_first_completions, model_executables, shared_engine
 from jaxcb.config import compose_config
 from jaxcb.model.config import resolve_llama_config
 from benchmarks.hlo_weights import layer_weight_copies
@@ -85,7 +85,8 @@ def test_scanned_step_slices_each_layer_out_of_stacked_weights():
     e, cfg = engine("scan"), engine("scan").model_config
     shapes = {leaf.shape for leaf in jax.tree.leaves(e.runner.weights.layers)}
     assert shapes == {(cfg.num_layers, *s) for s in layer_weight_shapes(e)}
-    for executable in e.runner.compiled.values():
+    assert model_executables(e)
+    for executable in model_executables(e):
         copies = layer_weight_copies(executable.as_text(), layer_weight_shapes(e))
         assert {shape for op, shape in copies.top_level if op == "dynamic-slice"} >= (
             layer_weight_shapes(e) - {(cfg.hidden_size,)})

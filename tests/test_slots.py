@@ -11,7 +11,7 @@ import pytest
 from engine_factory import shared_engine
 from jaxcb.runner.slots import SlotTable
 from jaxcb.runner.buckets import BucketKey
-from jaxcb.runner.step_args import abstract_step_inputs, packed_sizes
+from jaxcb.runner.step_args import model_inputs, packed_sizes
 from jaxcb.sampling import StepVariant
 from jaxcb.sampling_params import SamplingParams
 
@@ -42,8 +42,7 @@ def test_the_least_recently_scheduled_sequence_gives_up_its_slot():
 
 
 def test_a_steps_packed_inputs_do_not_grow_with_the_block_table_width():
-    sizes = {w: packed_sizes(abstract_step_inputs(BucketKey(64, 8, w, StepVariant.GREEDY), max_banned=8, block_size=16,
-                                                  max_rows=8, vocab_size=259, max_logit_bias=4))
+    sizes = {w: packed_sizes(model_inputs(BucketKey(64, 8, w, StepVariant.GREEDY).model, block_size=16, abstract=True))
              for w in (16, 8192)}  # 256 and 131,072 positions
     assert sizes[16] == sizes[8192]
 

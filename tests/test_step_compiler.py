@@ -1,5 +1,7 @@
-"""The step compiler: parallel compiles build the same executables as serial ones; the rare variants
-compile later, and only the requests that need one wait for it; a first-use compile is not a
+"""The step compiler: parallel compiles build the same executables as serial ones; a step is two
+executables, the model's per bucket and the sampler's per sequence bucket and variant, shared by
+every token bucket; the rare variants compile later (only their samplers, where the model is
+compiled already), and only the requests that need one wait for it; a first-use compile is not a
 recompile, a step size start-up did not plan is."""
 
 import threading
@@ -9,7 +11,7 @@ import pytest
 from engine_factory import BASE, VARIANTS, make_engine
 from jaxcb.config import compose_config
 from jaxcb.engine import Engine
-from jaxcb.runner.buckets import BucketKey
+from jaxcb.runner.buckets import BucketKey, ModelKey, SamplerKey
 from jaxcb.runner.compiler import StepCompiler, compile_plan
 from jaxcb.config import EngineConfig
 from jaxcb.sampling import StepVariant
@@ -43,35 +45,52 @@ def test_rare_variants_wait_for_first_use_and_full_serves_random_rows_meanwhile(
     c.compile_startup(progress=False)
     assert c.ready == (StepVariant.GREEDY, StepVariant.FULL)
     assert c.deferred == (StepVariant.RANDOM, StepVariant.MASKED, StepVariant.PROMPT_LOGPROBS)
-    assert not any(key.variant in c.deferred for key in c.compiled)
+    assert set(c.compiled) == set(c.parts_of([StepVariant.GREEDY, StepVariant.FULL]))
     assert c.serving(StepVariant.RANDOM) == StepVariant.FULL
     assert c.serving(StepVariant.MASKED) is None
+    startup = set(c.compiled)
     assert c.serve(StepVariant.RANDOM) == StepVariant.FULL  # ... and random starts compiling
     c.wait([StepVariant.RANDOM], timeout=300)
     assert c.serving(StepVariant.RANDOM) == StepVariant.RANDOM
+    # The random variant's first use compiled its samplers, one per sequence bucket, and no model.
+    assert set(c.compiled) - startup == {SamplerKey(r, StepVariant.RANDOM) for r in lazy_engine.runner.buckets.seqs_for(
+        max(lazy_engine.runner.buckets.tokens))}
     assert c.num_recompiles == 0 and set(c.num_compiles.values()) == {1}  # first compiles, not recompiles
-    assert not any(key.variant == StepVariant.MASKED for key in c.compiled)  # nobody asked for it
+    assert SamplerKey(8, StepVariant.MASKED) not in c.compiled  # nobody asked for it
 
 
 def test_a_step_size_start_up_did_not_plan_is_a_recompile(lazy_engine):
     c = fresh_compiler(lazy_engine, 1)
     c.compile_startup(progress=False)
     planned = c.keys[0]
-    assert c.executable(planned) is c.compiled[planned] and c.num_recompiles == 0
+    assert c.executable(planned) == tuple(c.compiled[part] for part in planned.parts) and c.num_recompiles == 0
     unplanned = BucketKey(planned.num_tokens, planned.num_seqs, planned.table_width + 1, planned.variant)
     c.executable(unplanned)
-    assert c.num_recompiles == 1
+    assert c.num_recompiles == 1  # its model; its sampler (the sequence bucket's) was compiled already
 
 
-def test_a_cpu_engine_starts_up_with_every_bucket_greedy_and_full_and_nothing_else():
-    """What a cold start on CPU pays for by default: two compiles a bucket; the random, masked and
+def test_a_cpu_engine_starts_up_with_one_model_a_bucket_and_greedy_and_full_samplers_a_sequence_bucket():
+    """What a cold start on CPU pays for by default: one model executable a bucket (whatever the
+    variant), and a greedy and a full sampler a sequence bucket; the random, masked and
     prompt-logprobs variants (configured, as by default) wait for a request that needs one."""
-    engine = make_engine(*VARIANTS)
+    engine = make_engine(*VARIANTS, "engine.token_buckets=[4,16,64]", "engine.seq_buckets=[4,8]")
     runner = engine.runner
     eager = (StepVariant.GREEDY, StepVariant.FULL)
-    assert set(runner.compiled) == {BucketKey(*bucket, v) for bucket in runner.buckets.all() for v in eager}
+    buckets = runner.buckets.all()
+    seq_buckets = {b.num_seqs for b in buckets}
+    assert len(buckets) > len(seq_buckets) == 2
+    assert set(runner.compiled) == ({ModelKey(*bucket, False) for bucket in buckets}
+                                    | {SamplerKey(r, v) for r in seq_buckets for v in eager})
     assert runner.compiler.ready == eager and set(runner.compiler.num_compiles.values()) == {1}
-    assert len(runner.compiler.keys) == 5 * len(runner.buckets.all())  # planned, for first use
+    assert len(runner.compiler.keys) == 5 * len(buckets)  # planned, for first use
+
+
+def test_every_token_bucket_of_a_sequence_bucket_runs_the_same_sampler_executable():
+    runner = make_engine().runner
+    steps = [BucketKey(*bucket, StepVariant.FULL) for bucket in runner.buckets.all()]
+    assert len({key.num_tokens for key in steps}) == 2 and len({key.num_seqs for key in steps}) == 1
+    models, samplers = zip(*(runner.executable(key) for key in steps))
+    assert len(set(map(id, models))) == 2 and len(set(map(id, samplers))) == 1
 
 
 def test_on_cpu_rare_variants_compile_on_first_use_and_never_in_the_background():
@@ -97,8 +116,9 @@ def test_a_request_whose_variant_is_compiling_waits_while_the_others_run():
     compiler.inline = False  # as on a GPU host
     assert StepVariant.MASKED not in compiler.ready
     gate = threading.Event()
-    masked = [key for key in compiler.keys if key.variant == StepVariant.MASKED]
-    ready_made = {key: compiler.lower(key).compile() for key in masked}  # here, before any step runs
+    masked = [part for part in compiler.parts_of([StepVariant.MASKED]) if part not in compiler.compiled]
+    assert masked and all(isinstance(part, SamplerKey) for part in masked)  # the models are there already
+    ready_made = {part: compiler.lower(part).compile() for part in masked}  # here, before any step runs
 
     def held_then_ready(variant):  # what a background compile ends with, after the gate opens
         gate.wait(300)
@@ -134,7 +154,7 @@ def test_a_request_whose_variant_is_compiling_waits_while_the_others_run():
 
 EXIT_DURING_A_BACKGROUND_COMPILE = """
 import pathlib, sys, time
-from jaxcb.runner.buckets import BucketKey
+from jaxcb.runner.buckets import BucketKey, ModelKey, SamplerKey
 from jaxcb.runner.compiler import StepCompiler
 from jaxcb.sampling import StepVariant
 
@@ -144,7 +164,7 @@ class SlowLowered:
     def __init__(self, key):
         self.key = key
     def compile(self):
-        if self.key.variant == StepVariant.RANDOM:
+        if getattr(self.key, "variant", None) == StepVariant.RANDOM:  # the random variant's sampler
             time.sleep(1.0)  # still compiling when the main thread returns
             done.write_text("finished")
         return object()

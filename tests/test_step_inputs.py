@@ -28,10 +28,10 @@ def scheduled(rid: str, start: int, num_tokens: int, blocks: list[int], params: 
 
 
 def fields(b: StepInputBuilder, key, args) -> dict:
-    """Each packed field by name, cut out of the step's two vectors."""
+    """Each packed field by name, cut out of the step's three vectors (StepArgs' first three)."""
     out = {}
-    for name, is_float, start, stop, shape, dtype in b.template(key).fields:
-        v = (args.floats if is_float else args.ints)[start:stop]
+    for name, vector, start, stop, shape, dtype in b.template(key).fields:
+        v = args[vector][start:stop]
         v = v.reshape(shape) if shape is not None else v
         out[name] = v.view(np.uint32) if dtype == np.uint32 else v
     return out

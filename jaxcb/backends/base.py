@@ -274,6 +274,11 @@ class Backend:
         out = jnp.einsum("tf,fd->td", act * up, w.down_proj)
         return h + (out if w.post_mlp_norm is None else self.norm(out, w.post_mlp_norm))
 
+    def head_weights(self, w: StepWeights) -> StepWeights:
+        """What `logits` reads of the weights (the head, or the tied embedding), the rest None: the
+        sampling step takes only these (every array an executable takes costs its call host time)."""
+        return StepWeights(w.embed if w.head is None else None, None, None, w.head, None, None)
+
     def logits(self, w: StepWeights, hidden: jax.Array) -> jax.Array:  # [N, D] -> f32[N, V]
         if w.head is None:
             logits = jnp.einsum("td,vd->tv", hidden, w.embed).astype(jnp.float32)

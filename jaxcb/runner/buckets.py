@@ -6,6 +6,10 @@ costs compute, densest for decode steps -- up to the limits; the token budget is
 bucket, so a step never pads past it), and every (T, R, W) combination is compiled ahead of
 time, once per step variant (`BucketKey`: the bucket and its `jaxcb.sampling.StepVariant`).
 
+A step runs as two executables (`BucketKey.parts`): the model's, per bucket (`ModelKey`), and
+the sampler's, per sequence bucket and sampling variant (`SamplerKey`), so that sampling, which
+reads only the R rows that sample, compiles once per R and not once per token bucket.
+
 R counts rows, not sequences: with speculative decoding a sequence verifying k drafts takes
 1 + k rows, so each token bucket above `max_num_seqs` has a second row bucket,
 min(T, max_num_seqs x (1 + k)) (`max_rows`): steps without drafts keep the smaller one, and form
@@ -32,13 +36,53 @@ class Bucket(NamedTuple):
     table_width: int  # W: block-table columns, in blocks (block_tables[R, W])
 
 
+class ModelKey(NamedTuple):
+    """One compiled model step: a bucket's sizes, and whether it forms every token row's prompt logprobs."""
+
+    num_tokens: int  # T
+    num_seqs: int  # R
+    table_width: int  # W, in blocks
+    prompt_logprobs: bool
+
+    @property
+    def label(self) -> str:
+        return "model, prompt-logprobs" if self.prompt_logprobs else "model"
+
+
+class SamplerKey(NamedTuple):
+    """One compiled sampling step: the rows that sample and what it computes of them."""
+
+    num_seqs: int  # R
+    variant: StepVariant  # GREEDY, RANDOM, FULL or MASKED (the prompt-logprobs variant samples masked)
+
+    @property
+    def label(self) -> str:
+        return f"sampling {self.variant.label}"
+
+
 class BucketKey(NamedTuple):
-    """One compiled step: a bucket's sizes and the variant compiled for them (a jit's static argument)."""
+    """One step: a bucket's sizes and the variant it runs (a jit's static argument)."""
 
     num_tokens: int  # T
     num_seqs: int  # R
     table_width: int  # W, in blocks
     variant: StepVariant
+
+    @property
+    def model(self) -> ModelKey:
+        # Every model step records the tokens' penalty counts, whatever the variant: a few scatters that
+        # cost nothing next to the layers, and one model executable a bucket instead of one per variant.
+        return ModelKey(self.num_tokens, self.num_seqs, self.table_width,
+                        self.variant == StepVariant.PROMPT_LOGPROBS)
+
+    @property
+    def sampler(self) -> SamplerKey:
+        return SamplerKey(self.num_seqs, min(self.variant, StepVariant.MASKED))
+
+    @property
+    def parts(self) -> tuple[ModelKey, SamplerKey]:
+        """The executables the step runs, one after the other: the model's, then the sampler's."""
+        return self.model, self.sampler
 
 
 def powers_up_to(limit: int, base: int, start: int) -> list[int]:

@@ -1,7 +1,11 @@
 """Compiling the step buckets: in parallel at start-up, the rarely used variants later.
 
-What start-up compiles before serving (`compile_startup`): every bucket's greedy and full
-variants, traced and lowered one after another on the calling thread and compiled on
+A step (`BucketKey`) runs several executables, its parts (`BucketKey.parts`: the model's and
+the sampler's), and steps share parts: every token bucket's steps of one sequence bucket and
+variant run the same sampler. Each part compiles once, whichever step first needs it.
+
+What start-up compiles before serving (`compile_startup`): the parts of every bucket's greedy
+and full variants, traced and lowered one after another on the calling thread and compiled on
 `workers` threads at once (XLA's compile releases the GIL). The other variants a config asks
 for (random, masked, prompt-logprobs) are deferred unless `when` is `startup`:
 
@@ -17,10 +21,12 @@ suite when a variant compiled in the background while steps ran.
 Until a variant is ready, `serving` says which variant serves a step that needs it: full serves
 random rows (slower sampling, nobody waits); a masked or prompt-logprobs row has nothing to
 stand in for it, so the engine holds such requests back (`Engine`) and the other rows run. A
-variant is ready when every bucket of it is compiled. A bucket compiled a second time, or one
-start-up did not plan, is a recompile (`num_recompiles`); a deferred bucket's first compile is not.
+variant is ready when every part of every bucket of it is compiled. A part compiled a second
+time, or one that no planned step runs, is a recompile (`num_recompiles`); a deferred part's
+first compile is not.
 
-Nothing here knows what a step computes: `lower(key)` traces and lowers one bucket's step.
+Nothing here knows what a step computes: `lower(part)` traces and lowers one executable, and a
+part's `label` names its kind in the log.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import threading
 import time
 import weakref
 from collections import Counter
-from typing import Callable, Iterable, Optional
+from typing import Callable, Hashable, Iterable, Optional
 
 from tqdm import tqdm
 
@@ -86,9 +92,10 @@ def compile_plan(engine_cfg, num_cores: Optional[int] = None, platform: Optional
 
 
 class StepCompiler:
-    def __init__(self, lower: Callable[[BucketKey], object], keys: Iterable[BucketKey], *, workers: int = 1,
+    def __init__(self, lower: Callable[[Hashable], object], keys: Iterable[BucketKey], *, workers: int = 1,
                  when: str = "startup", inline: bool = False):
-        """`keys`: every bucket and variant the engine may run; `workers`: threads compiling at start-up;
+        """`lower(part)`: one of a step's executables, lowered; `keys`: every bucket and variant the
+        engine may run; `workers`: threads compiling at start-up;
         `when`: when the deferred variants compile; `inline`: on the engine's thread, never beside a
         step, and start-up's compiles one at a time (module docstring)."""
         if inline and when == "background":
@@ -97,7 +104,7 @@ class StepCompiler:
             raise ValueError(f"when={when!r} must be one of {', '.join(WHEN)}")
         self.lower = lower
         self.keys = list(keys)
-        self._planned = frozenset(self.keys)
+        self._planned = frozenset(part for key in self.keys for part in key.parts)
         self.variants: tuple[StepVariant, ...] = tuple(sorted({key.variant for key in self.keys}))
         self.workers = 1 if inline else max(1, workers)
         self.inline = inline
@@ -105,8 +112,8 @@ class StepCompiler:
         self.when = when
         deferred = set(self.variants) - (EAGER_VARIANTS if when != "startup" else set(self.variants))
         self.deferred: tuple[StepVariant, ...] = tuple(sorted(deferred))
-        self.compiled: dict[BucketKey, object] = {}
-        self.num_compiles: Counter[BucketKey] = Counter()
+        self.compiled: dict[Hashable, object] = {}  # by part
+        self.num_compiles: Counter[Hashable] = Counter()
         self.num_recompiles = 0
         self._ready: tuple[StepVariant, ...] = ()
         self._started = False  # compile_startup ran
@@ -114,7 +121,7 @@ class StepCompiler:
         self._queue: "queue.Queue[Optional[tuple[StepVariant, concurrent.futures.Future]]]" = queue.Queue()
         self._worker: Optional[threading.Thread] = None
         self._pending: dict[StepVariant, concurrent.futures.Future] = {}
-        self.seconds: Counter[StepVariant] = Counter()  # compile seconds per variant, for the log
+        self.seconds: Counter[str] = Counter()  # compile seconds per kind of part (its label), for the log
         self._stopping = threading.Event()
         _LIVE.add(self)
 
@@ -145,39 +152,44 @@ class StepCompiler:
 
     # --- compiling ----------------------------------------------------------------------------
 
-    def _compile_one(self, key: BucketKey) -> object:
+    def _compile_one(self, part: Hashable) -> object:
         t0 = time.perf_counter()
-        exe = self.lower(key).compile()
-        self._record(key, exe, time.perf_counter() - t0)
+        exe = self.lower(part).compile()
+        self._record(part, exe, time.perf_counter() - t0)
         return exe
 
-    def _record(self, key: BucketKey, exe: object, seconds: float) -> None:
+    def _record(self, part: Hashable, exe: object, seconds: float) -> None:
         with self._lock:
-            self.num_compiles[key] += 1
-            if self.num_compiles[key] > 1:
+            self.num_compiles[part] += 1
+            if self.num_compiles[part] > 1:
                 self.num_recompiles += 1
-            self.compiled[key] = exe
-            self.seconds[key.variant] += seconds
+            self.compiled[part] = exe
+            self.seconds[part.label] += seconds
+
+    def parts_of(self, variants: Iterable[StepVariant]) -> list[Hashable]:
+        """The parts the steps of these variants run, each once, in the order of the keys."""
+        variants = set(variants)
+        return list(dict.fromkeys(part for key in self.keys if key.variant in variants for part in key.parts))
 
     def compile_startup(self, progress: bool = True) -> float:
-        """Compile every bucket of the variants not deferred, `workers` at a time; then start the
+        """Compile every part of the variants not deferred, `workers` at a time; then start the
         background compiles (when="background"). Returns the seconds it took."""
         start = time.perf_counter()
         self._started = True
-        keys = [key for key in self.keys if key.variant not in self.deferred]
-        bar = tqdm(total=len(keys), desc="compiling step buckets", disable=not progress, unit="bucket")
+        parts = self.parts_of(v for v in self.variants if v not in self.deferred)
+        bar = tqdm(total=len(parts), desc="compiling step executables", disable=not progress, unit="executable")
         if self.workers == 1:
-            for key in keys:
-                self._compile_one(key)
+            for part in parts:
+                self._compile_one(part)
                 bar.update(1)
         else:
             with concurrent.futures.ThreadPoolExecutor(self.workers, thread_name_prefix="jaxcb-compile") as pool:
                 futures = []
-                for key in keys:  # tracing and lowering hold the GIL: one at a time, here
+                for part in parts:  # tracing and lowering hold the GIL: one at a time, here
                     t0 = time.perf_counter()
-                    lowered = self.lower(key)
+                    lowered = self.lower(part)
                     lower_s = time.perf_counter() - t0
-                    futures.append(pool.submit(self._compile_lowered, key, lowered, lower_s))
+                    futures.append(pool.submit(self._compile_lowered, part, lowered, lower_s))
                 for future in concurrent.futures.as_completed(futures):
                     future.result()
                     bar.update(1)
@@ -190,10 +202,10 @@ class StepCompiler:
                 self.request(variant)
         return time.perf_counter() - start
 
-    def _compile_lowered(self, key: BucketKey, lowered, lower_s: float) -> None:
+    def _compile_lowered(self, part: Hashable, lowered, lower_s: float) -> None:
         t0 = time.perf_counter()
         exe = lowered.compile()
-        self._record(key, exe, lower_s + time.perf_counter() - t0)
+        self._record(part, exe, lower_s + time.perf_counter() - t0)
 
     def request(self, variant: StepVariant) -> None:
         """Start compiling a deferred variant's buckets in the background, once; a no-op if it is ready
@@ -249,14 +261,16 @@ class StepCompiler:
 
     def _compile_variant(self, variant: StepVariant) -> None:
         t0 = time.perf_counter()
-        for key in self.keys:
+        compiled = 0
+        for part in self.parts_of([variant]):
             if self._stopping.is_set():
                 return
-            if key.variant == variant and key not in self.compiled:
-                self._compile_one(key)
+            if part not in self.compiled:
+                self._compile_one(part)
+                compiled += 1
         self._mark_ready(variant)
-        log.info("the %s step variant is ready: %d buckets in %.1f s", variant.label,
-                 sum(1 for key in self.keys if key.variant == variant), time.perf_counter() - t0)
+        log.info("the %s step variant is ready: %d executables compiled in %.1f s", variant.label, compiled,
+                 time.perf_counter() - t0)
 
     def compile_wanted(self) -> None:
         """Inline: compile, here and now, the variants a request or a step asked for (the engine calls
@@ -277,18 +291,21 @@ class StepCompiler:
         for future in done:
             future.result()
 
-    def executable(self, key: BucketKey) -> object:
-        """The compiled step of a bucket; compiled now (and logged) if it is not yet."""
-        exe = self.compiled.get(key)
+    def executable(self, key: BucketKey) -> tuple:
+        """The compiled parts of a bucket's step; each compiled now (and logged) if it is not yet."""
+        return tuple(self._part(part) for part in key.parts)
+
+    def _part(self, part: Hashable) -> object:
+        exe = self.compiled.get(part)
         if exe is None:
-            if key in self._planned and not self._started:
-                log.debug("compiling step bucket %s on first use", key)
-            elif key in self._planned:
-                log.warning("step bucket %s is not compiled yet: compiling it now, the step waits", key)
+            if part in self._planned and not self._started:
+                log.debug("compiling %s on first use", part)
+            elif part in self._planned:
+                log.warning("%s is not compiled yet: compiling it now, the step waits", part)
             else:  # a step size start-up did not plan: the buckets are wrong
                 with self._lock:
                     self.num_recompiles += 1
-                log.error("step bucket %s is not one of the planned buckets: compiling it now (recompile #%d)",
-                          key, self.num_recompiles)
-            exe = self._compile_one(key)
+                log.error("%s is not part of any planned step: compiling it now (recompile #%d)",
+                          part, self.num_recompiles)
+            exe = self._compile_one(part)
         return exe

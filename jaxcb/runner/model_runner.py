@@ -2,22 +2,32 @@
 
 Every bucket (`buckets.py`) is compiled ahead of time (`compiler.py`: the common variants at
 start-up, in parallel; the rare ones after, in the background or on first use); serving then
-only looks compiled steps up. A step size start-up did not plan, or a bucket compiled twice, is
-a recompile, which is compiled, counted and logged as an error (tests fail on it).
+only looks compiled steps up. A step size start-up did not plan, or an executable compiled twice,
+is a recompile, which is compiled, counted and logged as an error (tests fail on it).
 
-The step (one `jax.jit`, KV cache donated): the model (`jaxcb.model.llama.forward`, with the
-backend's layer operations and weights) over all T tokens, logits of each sequence's last
-token, sampling with per-row parameters; it returns the sampled tokens with their logprobs,
-packed into two arrays for the host copy. Its inputs come from `step_inputs.py` (built) and
-`step_args.py` (their shapes, packed).
+A step is two executables, dispatched back to back with no wait between them (`run`):
+
+    model    per bucket (T, R, W), KV cache and slot state donated: the model
+             (`jaxcb.model.llama.forward`, with the backend's layer operations and weights) over
+             all T tokens, the K/V writes, the block-table updates, the tokens' penalty counts;
+             it hands on the final hidden state of each row's last token [R, D] (and, in the
+             prompt-logprobs variant, every token row's prompt logprobs, which need all T rows)
+    sampler  per (R, sampling variant): the LM head over those rows, penalties, masks, filters,
+             the draw, logprobs; it returns the sampled tokens with their logprobs, packed into
+             two arrays for the host copy, and the tokens the next step reads for its in flight
+
+Sampling compiles once per sequence bucket, not once per token bucket: most of a cold start's
+compile time was the full variant's sampling, compiled into every token bucket's step. The
+inputs come from `step_inputs.py` (built) and `step_args.py` (their shapes, packed: the
+sampler's take no T-shaped input).
 
 Async scheduling: `dispatch` returns at once with a `StepHandle`; `collect` waits for it. The
 tokens a step samples stay on the device (`prev_tokens`) so that the next step, dispatched
 before they reach the host, reads them for the tokens the scheduler marks in flight
 (`ScheduledSequence.in_flight_row`, `jaxcb.core.in_flight`).
 
-Under tensor parallelism every bucket is compiled for the mesh: the weights and the cache
-with their own shardings, the step's inputs and outputs replicated, and the updated cache
+Under tensor parallelism both executables are compiled for the mesh: the weights and the cache
+with their own shardings, the steps' inputs and outputs replicated, and the updated cache
 pinned to the cache's sharding, so a donated step hands the next one a cache it was compiled
 for (no resharding, no recompile).
 """
@@ -27,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +49,11 @@ from jaxcb.kernels.attention import SWAP_CHUNK, KVCache
 from jaxcb.kernels.attention.cache import gather_blocks
 from jaxcb.kv_cache import HostSwapSpace
 from jaxcb.model.llama import StepWeights, forward
-from jaxcb.runner.buckets import BucketKey, Buckets
+from jaxcb.runner.buckets import BucketKey, Buckets, ModelKey, SamplerKey
 from jaxcb.runner.compiler import StepCompiler
 from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.slots import SlotState, SlotTable, empty_slot_state, write_slots
-from jaxcb.runner.step_args import StepArgs, abstract_step_inputs, packed_sizes, unpack_step_inputs
+from jaxcb.runner.step_args import StepArgs, model_inputs, packed_sizes, sampler_inputs, unpack
 from jaxcb.runner.step_inputs import WRITE_CHUNK, SlotWrites, StepInputBuilder
 from jaxcb.sampling import SAMPLING_LEVELS, PenaltyCounts, StepVariant, record_tokens, sample
 from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
@@ -63,6 +73,8 @@ class StepHandle:
     bucket: BucketKey
     token_ids: jax.Array  # i32[R, 1 + max_logprobs]: the sampled token, then the top ids
     logprobs: jax.Array  # f32[R, 1 + max_logprobs]: their logprobs
+    # The prompt-logprobs variant: each token row's prompt token then the top ids, and their logprobs.
+    prompt_logprobs: Optional[tuple[jax.Array, jax.Array]] = None  # (i32[T, 1 + n], f32[T, 1 + n])
 
 
 def prompt_logprobs(backend: Backend, weights: StepWeights, hidden: jax.Array, targets: jax.Array, n: int
@@ -144,61 +156,79 @@ class ModelRunner:
         )
         self.slot_state: SlotState = empty_slot_state(self.num_slots, max(buckets.widths), backend.cfg.vocab_size,
                                                       replicated)
-        self._abstract = dict(max_banned=max_stop_token_ids, block_size=kv_cache.block_size, max_rows=self.max_rows,
-                              vocab_size=backend.cfg.vocab_size, max_logit_bias=max_logit_bias,
-                              max_drafts=max_drafts, sharding=replicated)
-        step = self._make_step()
+        self._sampler_sizes = dict(max_banned=max_stop_token_ids, vocab_size=backend.cfg.vocab_size,
+                                   max_logit_bias=max_logit_bias, max_drafts=max_drafts)
+        self._hidden_rows_dtype: Optional[jnp.dtype] = None  # `_hidden_dtype`
+        self._head_weights = backend.head_weights(weights)  # what the sampler reads of the weights
+        model_step, sampler_step = self._make_model_step(), self._make_sampler_step()
         if tp is None:
-            self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(3,))
+            self._model_step = jax.jit(model_step, donate_argnums=(1, 2), static_argnums=(3,))
+            self._sampler_step = jax.jit(sampler_step, static_argnums=(3,))
             self._write_slots = jax.jit(write_slots, donate_argnums=(0,))
         else:
-            self._step = jax.jit(step, donate_argnums=(1, 2), static_argnums=(3,),
-                                 out_shardings=(replicated, replicated, replicated, tp.kv_cache, replicated))
+            self._model_step = jax.jit(model_step, donate_argnums=(1, 2), static_argnums=(3,),
+                                       out_shardings=(replicated, replicated, tp.kv_cache, replicated))
+            self._sampler_step = jax.jit(sampler_step, static_argnums=(3,), out_shardings=replicated)
             self._write_slots = jax.jit(write_slots, donate_argnums=(0,), out_shardings=replicated)
         # The last dispatched step's sampled tokens, left on the device for the next step's tokens in flight.
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self.inputs.sharding)
 
-    def _make_step(self):
-        backend, num_logprobs, max_rows, abstract = self.backend, self.max_logprobs, self.max_rows, self._abstract
-        num_slots = self.num_slots
+    def _make_model_step(self):
+        backend, num_logprobs, max_rows, num_slots = self.backend, self.max_logprobs, self.max_rows, self.num_slots
+        block_size = self.kv_cache.block_size
 
-        def step(weights: StepWeights, kv_cache: KVCache, state: SlotState, key: BucketKey, ints, floats,
-                 prev_tokens):
-            x = unpack_step_inputs(abstract_step_inputs(key, **abstract), ints, floats, prev_tokens)
-            level = key.variant.sampling_level
-            from_prev = x.prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
+        def model_step(weights: StepWeights, kv_cache: KVCache, state: SlotState, key: ModelKey, ints, prev_tokens):
+            """-> (the hidden state of each row's last token [R, D], each token row's prompt logprobs
+            (i32[T, 1 + n], f32[T, 1 + n]) or None, the cache, the slot state)."""
+            x = unpack(model_inputs(key, block_size=block_size, abstract=True), ints)
+            from_prev = prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
             token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
             slot, col, block = x.table_updates
             tables = state.block_tables.at[slot, col].set(block, mode="drop")
             block_tables = tables[x.row_slots, : key.table_width]  # i32[R, W]
             md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, block_tables, x.num_seqs)
             hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md)
-            counts, row_counts = state.counts, None
-            if level >= StepVariant.FULL:  # the penalties' counts: this step's tokens recorded, then each row's read
-                pad = jnp.array([num_slots], jnp.int32)
-                token_slots = jnp.concatenate([x.row_slots, pad])[x.token_rows]  # padding tokens: dropped
-                is_output = x.positions >= jnp.concatenate([x.num_prompt, pad])[x.token_rows]
-                counts = record_tokens(counts, token_slots, token_ids, is_output)
-                row_counts = PenaltyCounts(counts.seen[x.row_slots], counts.output_counts[x.row_slots])
-                if x.row_drafts is not None:  # a verify row also counts the drafts before its token
+            # The penalties' counts: this step's tokens recorded (padding tokens dropped), whatever the
+            # variant, so that one model executable serves them all (`BucketKey.model`).
+            pad = jnp.array([num_slots], jnp.int32)
+            token_slots = jnp.concatenate([x.row_slots, pad])[x.token_rows]
+            is_output = x.positions >= jnp.concatenate([x.num_prompt, pad])[x.token_rows]
+            counts = record_tokens(state.counts, token_slots, token_ids, is_output)
+            prompt = None
+            if x.prompt_targets is not None:
+                prompt = prompt_logprobs(backend, weights, hidden, x.prompt_targets, num_logprobs)
+            return hidden[x.logits_indices], prompt, kv_cache, SlotState(tables, counts)
+
+        return model_step
+
+    def _make_sampler_step(self):
+        backend, num_logprobs, max_rows, sizes = self.backend, self.max_logprobs, self.max_rows, self._sampler_sizes
+
+        def sampler_step(head: StepWeights, counts: Optional[PenaltyCounts], hidden: jax.Array, key: SamplerKey,
+                         ints, floats):
+            """-> (i32[R, 1 + n] the sampled token then the top ids, f32[R, 1 + n] their logprobs, the
+            sampled tokens as the next step reads them, i32[max_rows])."""
+            x = unpack(sampler_inputs(key, **sizes, abstract=True), ints, floats)
+            level = key.variant.sampling_level
+            row_counts = None
+            if level >= StepVariant.FULL:  # each row's counts, and a verify row's drafts before its token
+                row_counts = PenaltyCounts(counts.seen[x.penalty_slots], counts.output_counts[x.penalty_slots])
+                if x.row_drafts is not None:
                     rows = jnp.arange(x.row_drafts.shape[0])[:, None]
                     row_counts = PenaltyCounts(row_counts.seen.at[rows, x.row_drafts].set(True, mode="drop"),
                                                row_counts.output_counts.at[rows, x.row_drafts].add(1, mode="drop"))
             greedy = level == StepVariant.GREEDY
-            logits, logits_argmax = backend.logits_and_argmax(weights, hidden[x.logits_indices], not greedy)
+            logits, logits_argmax = backend.logits_and_argmax(head, hidden, not greedy)
             token, token_lp, top_ids, top_lp = sample(
                 logits, x.sampling, level, num_logprobs, backend.argmax,
                 logits_argmax if greedy else None, counts=row_counts, masks=x.masks,
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
-            if x.prompt_targets is not None:  # rows R.. of the results: each token row's prompt logprobs
-                p_ids, p_lps = prompt_logprobs(backend, weights, hidden, x.prompt_targets, num_logprobs)
-                ids, lps = jnp.concatenate([ids, p_ids]), jnp.concatenate([lps, p_lps])
             next_prev = jnp.zeros((max_rows,), jnp.int32).at[: token.shape[0]].set(token)
-            return ids, lps, next_prev, kv_cache, SlotState(tables, counts)
+            return ids, lps, next_prev
 
-        return step
+        return sampler_step
 
     # --- compilation ---------------------------------------------------------------------------
 
@@ -210,17 +240,35 @@ class ModelRunner:
     def num_recompiles(self) -> int:
         return self.compiler.num_recompiles
 
-    def _lower(self, key: BucketKey):
-        """One bucket's step, traced and lowered for abstract arguments shaped (and, under TP, sharded)
-        like the real ones."""
+    def traceable(self, part: Union[ModelKey, SamplerKey]) -> tuple:
+        """(the jitted function, its abstract arguments) of one executable of a step: shaped (and, under
+        TP, sharded) like the real ones, for `.trace(*args)` or `.lower(*args)`."""
         sharding = (lambda a: a.sharding) if self.tp is not None else (lambda a: None)
-        abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a))  # noqa: E731
-        x = abstract_step_inputs(key, **self._abstract)
-        num_ints, num_floats = packed_sizes(x)
-        ints = jax.ShapeDtypeStruct((num_ints,), jnp.int32, sharding=self.inputs.sharding)
-        floats = jax.ShapeDtypeStruct((num_floats,), jnp.float32, sharding=self.inputs.sharding)
-        return self._step.lower(jax.tree.map(abstract, self.weights), jax.tree.map(abstract, self.kv_cache),
-                                jax.tree.map(abstract, self.slot_state), key, ints, floats, x.prev_tokens)
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a)), tree)
+        vector = lambda n, dtype: jax.ShapeDtypeStruct((n,), dtype, sharding=self.inputs.sharding)  # noqa: E731
+        if isinstance(part, ModelKey):
+            num_ints, _ = packed_sizes(model_inputs(part, block_size=self.kv_cache.block_size, abstract=True))
+            return self._model_step, (abstract(self.weights), abstract(self.kv_cache), abstract(self.slot_state), part,
+                                      vector(num_ints, jnp.int32), vector(self.max_rows, jnp.int32))
+        num_ints, num_floats = packed_sizes(sampler_inputs(part, **self._sampler_sizes, abstract=True))
+        counts = abstract(self.slot_state.counts) if part.variant >= StepVariant.FULL else None
+        hidden = jax.ShapeDtypeStruct((part.num_seqs, self.backend.cfg.hidden_size), self._hidden_dtype(),
+                                      sharding=self.inputs.sharding)
+        return self._sampler_step, (abstract(self._head_weights), counts, hidden, part, vector(num_ints, jnp.int32),
+                                    vector(num_floats, jnp.float32))
+
+    def _lower(self, part: Union[ModelKey, SamplerKey]):
+        fn, args = self.traceable(part)
+        return fn.lower(*args)
+
+    def _hidden_dtype(self) -> jnp.dtype:
+        """The dtype of the hidden rows the model step hands the sampler (the activations': float32 on
+        the cpu backend, the weights' dtype or float32 under XLA), from the smallest model step's trace."""
+        if self._hidden_rows_dtype is None:
+            fn, args = self.traceable(BucketKey(*self.buckets.all()[0], StepVariant.GREEDY).model)
+            self._hidden_rows_dtype = fn.trace(*args).out_info[0].dtype
+        return self._hidden_rows_dtype
 
     def compile_all(self, progress: bool = True) -> float:
         """Compile what start-up compiles (`StepCompiler.compile_startup`); return the seconds it took."""
@@ -234,10 +282,11 @@ class ModelRunner:
         elapsed = time.perf_counter() - start
         c = self.compiler
         startup = [v for v in self.variants if v not in c.deferred]
-        log.info("compiled %d step variants on %d threads (tokens x seqs: %s; widths in blocks: %s; %d buckets x %s "
-                 "(compile seconds over all threads); %s; %s) in %.1f s", sum(1 for k in c.keys if k.variant not in c.deferred), c.workers,
+        log.info("compiled %d step executables on %d threads for %d buckets x %s (tokens x seqs: %s; widths in "
+                 "blocks: %s; compile seconds over all threads: %s; %s; %s) in %.1f s", len(c.compiled), c.workers,
+                 len(self.buckets.all()), "/".join(v.label for v in startup),
                  sorted({(b.num_tokens, b.num_seqs) for b in self.buckets.all()}), list(self.buckets.widths),
-                 len(self.buckets.all()), ", ".join(f"{v.label} {c.seconds[v]:.1f} s" for v in startup),
+                 ", ".join(f"{label} {seconds:.1f} s" for label, seconds in c.seconds.items()),
                  f"{', '.join(v.label for v in c.deferred)} later ({c.when})" if c.deferred else "nothing deferred",
                  self.backend.describe(), elapsed)
         return elapsed
@@ -263,10 +312,23 @@ class ModelRunner:
                 args = jax.device_put(args, self.inputs.sharding)
             self.slot_state = writer(self.slot_state, *args)
 
-    def executable(self, key: BucketKey):
-        """The compiled step of a bucket: (weights, cache, slot state, *StepArgs) -> (ids, logprobs,
-        prev_tokens, cache, slot state)."""
+    def executable(self, key: BucketKey) -> tuple:
+        """The compiled executables of a bucket's step: (the model's, the sampler's); `run` calls them."""
         return self.compiler.executable(key)
+
+    def run(self, key: BucketKey, args: StepArgs, executables: Optional[tuple] = None
+            ) -> tuple[jax.Array, jax.Array, Optional[tuple[jax.Array, jax.Array]]]:
+        """Dispatch one step's two executables back to back, with no wait between them (the sampler
+        reads the model's hidden rows and the slot state's counts on the device): (ids i32[R, 1 + n],
+        logprobs f32[R, 1 + n], each token row's prompt logprobs or None), still on the device.
+        `executables`: (model, sampler) to run instead of the compiled ones (benchmarks)."""
+        model, sampler = executables or self.executable(key)
+        hidden, prompt, self.kv_cache, self.slot_state = model(self.weights, self.kv_cache, self.slot_state,
+                                                               args.model_ints, args.prev_tokens)
+        counts = self.slot_state.counts if key.sampler.variant >= StepVariant.FULL else None
+        ids, lps, self._prev_tokens = sampler(self._head_weights, counts, hidden, args.sampler_ints,
+                                              args.sampler_floats)
+        return ids, lps, prompt
 
     # --- one step ------------------------------------------------------------------------------
 
@@ -284,10 +346,9 @@ class ModelRunner:
         key, args, writes = self.build_inputs(out)
         if writes is not None:
             self.write_slots(writes)
-        ids, lps, self._prev_tokens, self.kv_cache, self.slot_state = self.executable(key)(
-            self.weights, self.kv_cache, self.slot_state, *args)
+        ids, lps, prompt = self.run(key, args)
         self.num_steps += 1
-        return StepHandle(out, key, ids, lps)
+        return StepHandle(out, key, ids, lps, prompt)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a dispatched step and bring its sampled tokens to the host."""
@@ -314,12 +375,13 @@ class ModelRunner:
                     verified[s.seq_id] = [sampled[s.seq_id]] + [row_token(row + j, n) for j in range(1, s.num_rows)]
             row += s.num_rows if s.draft_token_ids else 1
         prompt = {}
-        if handle.bucket.variant == StepVariant.PROMPT_LOGPROBS:
-            num_rows, begin = handle.bucket.num_seqs, 0
+        if handle.prompt_logprobs is not None:
+            ids, lps = fetch(handle.prompt_logprobs[0]), fetch(handle.prompt_logprobs[1])
+            begin = 0
             for s in handle.scheduled.scheduled:
                 if s.prompt_logprob_targets:
                     n = min(s.sampling_params.prompt_logprobs or 0, self.max_logprobs)
-                    rows = range(num_rows + begin, num_rows + begin + len(s.prompt_logprob_targets))
+                    rows = range(begin, begin + len(s.prompt_logprob_targets))
                     prompt[s.seq_id] = [
                         (s.start_position + 1 + k, {int(ids[row, 0]): float(lps[row, 0]),
                                                     **{int(t): float(lp) for t, lp in zip(ids[row, 1 : 1 + n],

@@ -2,7 +2,7 @@
 
 Only the runner turns host lists into device arrays, and this is where: whole-array numpy
 operations over per-sequence columns, written into a copy of the bucket's packed vectors
-(`step_args.py`: `StepInputs`, and `StepArgs` as they travel).
+(`step_args.py`: `StepInputs`, the model's and the sampler's parts, and `StepArgs` as they travel).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ import numpy as np
 
 from jaxcb.runner.buckets import BucketKey, Buckets
 from jaxcb.runner.slots import SlotTable
-from jaxcb.runner.step_args import PackedTemplate, StepArgs, padded_step_inputs, table_update_capacity
+from jaxcb.runner.step_args import (
+    PackedTemplate, StepArgs, StepInputs, model_inputs, sampler_inputs, table_update_capacity,
+)
 from jaxcb.sampling import StepVariant, sampling_level
 from jaxcb.core.step import ScheduledSequence, SchedulerOutput
 
@@ -91,9 +93,10 @@ class StepInputBuilder:
 
     def template(self, key: BucketKey) -> PackedTemplate:
         if key not in self._templates:
-            self._templates[key] = PackedTemplate(padded_step_inputs(
-                key, max_banned=self.max_banned, block_size=self.block_size, vocab_size=self.vocab_size,
-                max_logit_bias=self.max_logit_bias, num_slots=self.slots.num_slots, max_drafts=self.max_drafts))
+            self._templates[key] = PackedTemplate(StepInputs(
+                model_inputs(key.model, block_size=self.block_size, num_slots=self.slots.num_slots),
+                sampler_inputs(key.sampler, max_banned=self.max_banned, vocab_size=self.vocab_size,
+                               max_logit_bias=self.max_logit_bias, max_drafts=self.max_drafts)))
         return self._templates[key]
 
     def build(self, out: SchedulerOutput, prev_tokens: jax.Array
@@ -126,7 +129,7 @@ class StepInputBuilder:
         samples = _column(seqs, "samples", bool)
         num_banned = _column(seqs, "banned_token_ids", of=len)
         key = BucketKey(*bucket, self.variant(seqs, seq_slots, samples, num_banned))
-        ints, floats, x = self.template(key).fresh()
+        vectors, x = self.template(key).fresh()
 
         begins, pos, slot_mapping = self._token_places(seqs, lens, starts)
         ends = begins + lens
@@ -178,16 +181,18 @@ class StepInputBuilder:
                 ids = seqs[i].banned_token_ids[: self.max_banned]
                 x.banned_token_ids[i, : len(ids)] = ids
         x.num_prompt[:num_rows] = self._slot_num_prompt[row_slots]
+        if key.variant >= StepVariant.FULL:
+            x.penalty_slots[:num_rows] = row_slots
         if key.variant >= StepVariant.MASKED:
             self._fill_token_masks(seqs, x.bitmask, x.bias_ids, x.bias_values,
                                    row_seq.tolist() if row_seq is not None else range(n))
         if key.variant >= StepVariant.PROMPT_LOGPROBS:
             self._fill_prompt_targets(seqs, begins, x.prompt_targets)
-        # Host arrays go to the executable as they are (packed into two, `StepArgs`): its C++ call
-        # path copies them in, where a jnp.asarray or device_put per array (tens a step) cost ~4 ms
-        # of Python a step on CPU. Under TP one device_put replicates them on every device (on
+        # Host arrays go to the executables as they are (packed into three, `StepArgs`): their C++
+        # call path copies them in, where a jnp.asarray or device_put per array (tens a step) cost
+        # ~4 ms of Python a step on CPU. Under TP one device_put replicates them on every device (on
         # several hosts, each process supplies its own identical copy).
-        args = StepArgs(ints, floats, prev_tokens)
+        args = StepArgs(*vectors, prev_tokens)
         if self.sharding is not None:  # arrays already there (prev_tokens) are not copied
             args = jax.device_put(args, self.sharding)
         return key, args, writes

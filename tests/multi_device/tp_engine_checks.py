@@ -21,6 +21,7 @@ from jaxcb.config import compose_config
 from jaxcb.engine import LLM, Engine
 from jaxcb.kv_cache import allocate_kv_cache
 from benchmarks.reference_generate import forward_step
+from jaxcb.runner.buckets import ModelKey, SamplerKey
 from jaxcb.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 4, reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
@@ -189,10 +190,12 @@ COLLECTIVE = re.compile(r"= (\w+)\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-s
 
 def test_step_communicates_two_activation_all_reduces_per_layer_and_never_gathers_cache_or_weights():
     e = engine(2)
-    [((tokens, rows, _, _), executable)] = [(k, v) for k, v in e.runner.compiled.items() if k[3] == 0]  # plain
+    [((tokens, rows, _, _), model)] = [(k, v) for k, v in e.runner.compiled.items() if isinstance(k, ModelKey)]
+    samplers = [v for k, v in e.runner.compiled.items() if isinstance(k, SamplerKey)]
+    assert samplers
     collectives = [
         (kind, tuple(int(d) for d in dims.split(",") if d))
-        for _, dims, kind in COLLECTIVE.findall(executable.as_text())
+        for executable in (model, *samplers) for _, dims, kind in COLLECTIVE.findall(executable.as_text())
     ]
     hidden, vocab = e.model_config.hidden_size, e.model_config.vocab_size
     # In each of the (unrolled) layers: after attention's o_proj and after the MLP's down_proj.
