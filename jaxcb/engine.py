@@ -351,8 +351,10 @@ class Engine:
         grammar = self.grammars.compile(params.structured_outputs) if params.structured_outputs is not None else None
         bad_words_ids = self._bad_words_ids(params.bad_words)
         vocab = self.model_config.vocab_size
+        gate = params.structured_outputs.after_reasoning if params.structured_outputs is not None else None
         return lambda: TokenConstraint(vocab, grammar=grammar.matcher() if grammar is not None else None,
-                                       allowed_token_ids=params.allowed_token_ids, bad_words_ids=bad_words_ids)
+                                       allowed_token_ids=params.allowed_token_ids, bad_words_ids=bad_words_ids,
+                                       after_reasoning=gate)
 
     def _bad_words_ids(self, words: list[str]) -> list[tuple[int, ...]]:
         """Each bad word's tokens, as written and after a space (as vLLM forms them)."""

@@ -73,6 +73,39 @@ def write_word_tokenizer(out_dir: str, vocab_size: int, chat_template: str | Non
         json.dump(config, f)
 
 
+def write_byte_tokenizer(out_dir: str, added: tuple[str, ...] = (), chat_template: str | None = None) -> int:
+    """A byte-level BPE tokenizer.json without merges: the 256 bytes, <s>=256 (BOS), </s>=257, then `added`
+    as ordinary (not special) added tokens -- as Qwen3 adds <think> and </think>. Returns the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {c: i for i, c in enumerate(byte_chars)}
+    tok = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return 258 + len(added)
+
+
+def _byte_of(char: str) -> int:
+    """The byte GPT-2's byte-level alphabet writes as `char`."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    if ord(char) in printable:
+        return ord(char)
+    others = [b for b in range(256) if b not in printable]
+    return others[ord(char) - 256]
+
+
 # Each family's random-init checkpoint: TINY_HF's odd sizes, and the window shorter than the test
 # prompts (PROMPTS in test_model_families.py reach 37 tokens), not a multiple of the block size.
 FAMILY_HF = {

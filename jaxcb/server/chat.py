@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.server.protocol import ChatCompletionRequest, message_text
-from jaxcb.server.reasoning import ReasoningParser, ReplyStart, after_reasoning
+from jaxcb.server.reasoning import ReasoningParser, ReplyStart, hold_answer
 from jaxcb.server.tool_grammar import tool_call_grammar
 from jaxcb.server.tool_parsers import ParsedToolOutput, ToolCallDelta, ToolParser
 from jaxcb.server.tool_prompt import template_ignores_tools, with_tools_in_messages
@@ -165,7 +165,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
     if reasoning is not None:
         reply_start = reasoning.reply_start(tokenizer.decode(prompt_ids, skip_special_tokens=False))
         if structured is not None and reply_start.may_reason and not structured_in_reasoning:
-            structured = after_reasoning(structured)
+            structured = hold_answer(structured, reply_start, tokenizer)
     return ChatPlan(prompt_ids, structured, parser if choice != "none" else None, None if parallel else 1,
                     reasoning, reply_start)
 

@@ -9,21 +9,25 @@ ends with `</think>` (Qwen3 with `enable_thinking: false`) leaves it outside. Ot
 decides: `deepseek_r1` reads the reply as reasoning until `</think>` (a leading `<think>`
 dropped), `qwen3` only when the reply opens with `<think>` (else all of it is content).
 
-Structured outputs and forced tool calls apply after the reasoning (vLLM's default): the
-request's grammar is wrapped as `(any text)</think>` then the grammar, so the reasoning is free
-and the answer held. `server.structured_outputs_in_reasoning=true` leaves the grammar over the
-whole reply instead. A difference from an unconstrained reply: the model cannot end before it
-closes its reasoning. No jax, no llguidance: a grammar is text.
+Structured outputs and forced tool calls apply after the reasoning (vLLM's default),
+`hold_answer` decides how. Where `</think>` is one token of the vocabulary (as in every reasoning
+model's tokenizer), the grammar is gated (`ReasoningGate`): the engine's token constraint leaves
+every token allowed and the grammar untouched until that token, so the reasoning is free, may end
+the reply, and any grammar (GBNF included) holds the answer. Otherwise the request's grammar is
+wrapped as `(any text)</think>` then the grammar: the model then cannot end before it closes its
+reasoning, and a GBNF/Lark grammar cannot be wrapped, so it is refused by name.
+`server.structured_outputs_in_reasoning=true` leaves the grammar over the whole reply instead.
+No jax, no llguidance: a grammar is text.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
-from jaxcb.structured.spec import StructuredOutputs, StructuredOutputsError
+from jaxcb.structured.spec import ReasoningGate, StructuredOutputs, StructuredOutputsError
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 REASONING_PARSERS: tuple[str, ...] = ("auto", "deepseek_r1", "qwen3")
@@ -135,6 +139,25 @@ def get_reasoning_parser(name: Optional[str], chat_template: Optional[str]) -> O
             return None
         name = "qwen3" if "enable_thinking" in template else "deepseek_r1"
     return ReasoningParser(name)
+
+
+def single_token_id(tokenizer, text: str) -> Optional[int]:
+    """The id of `text` when the tokenizer writes it as one token (and reads that token back as `text`)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1 or tokenizer.decode(ids, skip_special_tokens=False) != text:
+        return None
+    return ids[0]
+
+
+def hold_answer(spec: StructuredOutputs, start: ReplyStart, tokenizer) -> StructuredOutputs:
+    """`spec` holding only the answer after the reasoning of a reply that starts at `start`: gated on the
+    `</think>` token where the vocabulary has one (and `<think>` too, where the reply may open it), else
+    composed as one grammar (`after_reasoning`)."""
+    end = single_token_id(tokenizer, THINK_CLOSE)
+    opener = single_token_id(tokenizer, THINK_OPEN) if start.may_open and not start.inside else None
+    if end is not None and (start.inside or opener is not None):
+        return replace(spec, after_reasoning=ReasoningGate(end, start.inside, opener))
+    return after_reasoning(spec)
 
 
 def after_reasoning(spec: StructuredOutputs) -> StructuredOutputs:

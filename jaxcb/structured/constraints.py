@@ -6,6 +6,12 @@ outputs"): a grammar matcher (structured outputs, enforced tool calls), `allowed
 with the word's other tokens, as vLLM does). `fill` ANDs them into the row the runner sends;
 `accept` advances them past each generated token (the output processor calls it).
 
+A grammar may hold only the answer after the model's reasoning (`ReasoningGate`, set by the
+server's reasoning parser when `</think>` is one token): until that token is generated the grammar
+neither masks nor advances, so the reasoning runs free and may end the sequence (EOS) as an
+unconstrained reply could. A reply that may open its reasoning (Qwen3 without `<think>` in the
+prompt) gets the grammar's first tokens plus `<think>` at its first step.
+
 A constraint that depends on the tokens so far (a grammar, bad words) needs the previous
 token before its next mask exists: under async scheduling such a sequence sits out the step
 dispatched while its token is in flight (`depends_on_last_token`). No jax here.
@@ -18,6 +24,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 from jaxcb.structured.grammar import GrammarMatcher, bitmask_words
+from jaxcb.structured.spec import ReasoningGate
+
+# Where a gated grammar stands: in the reasoning (free), at the first token (the answer, or <think>), in the answer.
+_REASONING, _FIRST, _ANSWER = "reasoning", "first", "answer"
 
 
 def ids_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
@@ -30,9 +40,13 @@ def ids_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
 class TokenConstraint:
     def __init__(self, vocab_size: int, *, grammar: Optional[GrammarMatcher] = None,
                  allowed_token_ids: Optional[Sequence[int]] = None,
-                 bad_words_ids: Sequence[tuple[int, ...]] = ()):
+                 bad_words_ids: Sequence[tuple[int, ...]] = (), after_reasoning: Optional[ReasoningGate] = None):
         self.vocab_size = vocab_size
         self.grammar = grammar
+        self._gate = after_reasoning if grammar is not None else None
+        self._phase = _ANSWER
+        if self._gate is not None:
+            self._phase = _REASONING if self._gate.inside else _FIRST if self._gate.open_token_id is not None else _ANSWER
         self._allowed = ids_bitmask(allowed_token_ids, vocab_size) if allowed_token_ids else None
         self._banned_always = [w[0] for w in bad_words_ids if len(w) == 1]
         self._banned_after = [w for w in bad_words_ids if len(w) > 1]
@@ -47,12 +61,20 @@ class TokenConstraint:
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete: nothing but EOS may follow, so the sequence stops here."""
-        return self.grammar is not None and self.grammar.is_terminated
+        return self.grammar is not None and self._phase != _REASONING and self.grammar.is_terminated
+
+    @property
+    def in_reasoning(self) -> bool:
+        """The reply is still in its reasoning, which the grammar does not hold."""
+        return self._phase == _REASONING
 
     def fill(self, row: np.ndarray) -> None:
         """Write the allowed next tokens into `row` (i32[bitmask_words(V)])."""
-        if self.grammar is not None:
+        if self.grammar is not None and self._phase != _REASONING:
             self.grammar.fill_bitmask(row)
+            if self._phase == _FIRST:
+                t = self._gate.open_token_id
+                row.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
             if self._allowed is not None:
                 row &= self._allowed
         elif self._allowed is not None:
@@ -72,6 +94,15 @@ class TokenConstraint:
         """Advance past a generated token; an error message if the grammar did not allow it."""
         if self._keep:
             self._recent = (self._recent + [token_id])[-self._keep:]
+        if self._phase == _REASONING:
+            if token_id == self._gate.end_token_id:
+                self._phase = _ANSWER
+            return None
+        if self._phase == _FIRST:
+            if token_id == self._gate.open_token_id:
+                self._phase = _REASONING
+                return None
+            self._phase = _ANSWER
         if self.grammar is not None and not self.grammar.consume(token_id):
             return self.grammar.error or f"token {token_id} is not allowed by the grammar"
         return None

@@ -34,10 +34,23 @@ _NOT_SUPPORTED_OPTIONS = {
 
 
 @dataclass(frozen=True)
+class ReasoningGate:
+    """Where a reply's reasoning ends, for a grammar that holds only the answer after it: the grammar starts
+    after the token `end_token_id` (`</think>` as one token of the vocabulary). `inside`: the reply starts
+    inside its reasoning; else, when `open_token_id` is given, a reply whose first token it is reasons first."""
+    end_token_id: int
+    inside: bool
+    open_token_id: Optional[int] = None
+
+
+@dataclass(frozen=True)
 class StructuredOutputs:
     kind: Kind  # json: a JSON schema; regex; choice: a JSON list of strings; grammar: EBNF/GBNF or Lark; lark: llguidance Lark
     text: str  # the schema / regex / grammar as text (the cache key with `kind`)
     field: str  # the request field it came from, named in errors (e.g. "response_format.json_schema.schema")
+    # Set by the server's reasoning parser: the grammar holds only what follows the reasoning (not part of the
+    # compile key: the same grammar serves both).
+    after_reasoning: Optional[ReasoningGate] = None
 
 
 class StructuredOutputsError(RefusedFieldError):
