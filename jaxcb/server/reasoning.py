@@ -187,6 +187,7 @@ def _lark_body(spec: StructuredOutputs) -> str:
         lines = [line for line in spec.text.splitlines() if not line.startswith("%llguidance")]
         return _START_RULE.sub(r"answer\1:", "\n".join(lines))
     raise StructuredOutputsError(
-        f"{spec.field}: a grammar cannot be held to the answer after the model's reasoning; use json, regex or "
+        f"{spec.field}: a grammar cannot be held to the answer after the model's reasoning when the vocabulary "
+        "writes </think> as several tokens; use json, regex or "
         "choice, or start the server with server.structured_outputs_in_reasoning=true (the grammar then covers "
         "the reasoning too)", spec.field)
