@@ -85,6 +85,14 @@ def test_the_openai_client_runs_a_50_line_batch_to_completion_with_one_result_pe
     direct = httpx.post(server[0] + "/v1/chat/completions", json=lines[7]["body"], timeout=60).json()
     assert by_id["req-7"]["response"]["body"]["choices"] == direct["choices"]
     assert by_id["req-7"]["response"]["body"]["usage"]["completion_tokens"] == 4 + 7 % 5
+    # The batch's usage is its lines' usage, summed.
+    lines_usage = [r["response"]["body"]["usage"] for r in output]
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in lines_usage)
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in lines_usage) == sum(4 + i % 5 for i in range(50))
+    assert batch.usage.input_tokens_details.cached_tokens == sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                                 for u in lines_usage)
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+    assert batch.usage.output_tokens_details.reasoning_tokens == 0  # the tiny model's template has no reasoning
 
 
 def test_a_line_its_endpoint_would_refuse_is_answered_with_that_refusal_in_the_error_file(server, client):

@@ -4,6 +4,7 @@ byte-level vocabulary has `<think>` and `</think>` as tokens of their own, as Qw
 
 from __future__ import annotations
 
+import json
 import re
 
 import httpx
@@ -109,14 +110,23 @@ def test_the_constraint_leaves_the_reasoning_free_then_holds_the_answer(tokenize
     assert allowed(bounded, vocab) == {5, END_THINK}
 
 
-def chat(url: str, model: str, **body) -> dict:
+def chat(url: str, model: str, whole: bool = False, **body) -> dict:
     reply = httpx.post(url + "/v1/chat/completions", timeout=120,
                        json={"model": model, "messages": ASK, "temperature": 1.0, "max_tokens": 48, **body})
     assert reply.status_code == 200, reply.text
-    return reply.json()["choices"][0]
+    return reply.json() if whole else reply.json()["choices"][0]
 
 
-def test_the_answer_is_held_to_the_grammar_after_free_reasoning(engine, overrides):
+def streamed_usage(url: str, model: str, **body) -> dict:
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120,
+                      json={"model": model, "messages": ASK, "temperature": 1.0, "max_tokens": 48, "stream": True,
+                            "stream_options": {"include_usage": True}, **body}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    return chunks[-1]["usage"]
+
+
+def test_the_answer_is_held_to_the_grammar_after_free_reasoning(engine, overrides, tokenizer):
     # The bias makes the random model close its reasoning within a few tokens; the grammar masks </think> after.
     bias = {str(END_THINK): 6.0}
     with running_server(*overrides, engine=engine) as (url, state):
@@ -128,6 +138,14 @@ def test_the_answer_is_held_to_the_grammar_after_free_reasoning(engine, override
             assert choice["finish_reason"] == "stop", choice
             assert re.fullmatch(r"[a-z]{1,8}", message["content"]), message
             reasonings.append(message["reasoning_content"] or "")
+        # Usage counts the reasoning's tokens, through </think>, whole and streamed alike.
+        reply = chat(url, state.model_name, whole=True, structured_outputs={"regex": "[a-z]{1,8}"},
+                     logit_bias=bias, seed=0)
+        text = reply["choices"][0]["message"]
+        thought = reply["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        assert thought == len(tokenizer.encode(text["reasoning_content"] or "", add_special_tokens=False)) + 1
+        assert streamed_usage(url, state.model_name, structured_outputs={"regex": "[a-z]{1,8}"}, logit_bias=bias,
+                              seed=0) == reply["usage"]
         # The reasoning ran free: a random model's bytes, not the answer's letters.
         assert any(not re.fullmatch(r"[a-z]*", r) for r in reasonings), reasonings
 

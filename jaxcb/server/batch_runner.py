@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.jobs import ExactlyOnceWriter, repair_and_read_output, serve_planned
-from jaxcb.server.batches import Batch, BatchCreate, BatchLine, BatchStore, read_batch_lines
+from jaxcb.server.batches import Batch, BatchCreate, BatchLine, BatchStore, batch_usage, read_batch_lines
 from jaxcb.server.completions import PlannedBody, compile_grammar, plan_body, request_deadlines, response_body
 from jaxcb.server.files import FileStore
 from jaxcb.server.protocol import APIError
@@ -167,6 +167,7 @@ class BatchRunner:
                     result = await self._serve_line(batch, line)
                 if out.write(result):
                     batch.request_counts["completed" if succeeded(result) else "failed"] += 1
+                    batch.usage = _add_usage(batch.usage, batch_usage([result]))
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -208,6 +209,7 @@ class BatchRunner:
                 results = [json.loads(line) for line in f]
         num_ok = sum(1 for r in results if succeeded(r))
         batch.request_counts.update(completed=num_ok, failed=len(results) - num_ok)
+        batch.usage = batch_usage(results)
         return results
 
     def _finalize(self, batch: Batch) -> None:
@@ -243,6 +245,13 @@ class BatchRunner:
             return None
         content = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results).encode("utf-8")
         return self.files.create(content, f"{batch.id}_{kind}.jsonl", "batch_output", batch.planned_file_id(kind))["id"]
+
+
+def _add_usage(a: Optional[dict], b: dict) -> dict:
+    """Two BatchUsage objects summed field by field (their details too)."""
+    if a is None:
+        return b
+    return {k: _add_usage(a[k], v) if isinstance(v, dict) else a[k] + v for k, v in b.items()}
 
 
 def _refuse_stream(body: PlannedBody) -> None:

@@ -144,7 +144,9 @@ class Batch:
     completion_window: str
     created_at: int
     expires_at: int
-    status: str = "in_progress"  # jaxcb checks a batch while creating it: it is never seen "validating"
+    # jaxcb checks a batch's file when it is uploaded and the batch when it is created (a bad line or field is a 400
+    # naming it), so a batch is never seen "validating" and never "failed" by validation: `errors` stays null.
+    status: str = "in_progress"
     in_progress_at: Optional[int] = None
     finalizing_at: Optional[int] = None
     completed_at: Optional[int] = None
@@ -157,6 +159,7 @@ class Batch:
     errors: Optional[dict] = None
     request_counts: dict[str, int] = field(default_factory=lambda: {"total": 0, "completed": 0, "failed": 0})
     metadata: Optional[dict[str, str]] = None
+    usage: Optional[dict[str, Any]] = None  # OpenAI's BatchUsage: the tokens of the lines answered so far
 
     @classmethod
     def new(cls, req: BatchCreate, num_lines: int) -> "Batch":
@@ -176,6 +179,24 @@ class Batch:
 
     def object(self) -> dict[str, Any]:
         return {"object": "batch", **asdict(self)}
+
+
+def batch_usage(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI's BatchUsage over result lines: the usage of every response body, summed (lines that got an error
+    response or never ran used no tokens)."""
+    prompt = cached = completion = reasoning = 0
+    for r in results:
+        body = (r.get("response") or {}).get("body") or {}
+        u = body.get("usage") if isinstance(body, dict) else None
+        if not u:
+            continue
+        prompt += u["prompt_tokens"]
+        completion += u["completion_tokens"]
+        cached += (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        reasoning += (u.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
+    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + completion}
 
 
 class BatchStore:

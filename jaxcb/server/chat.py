@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.server.protocol import ChatCompletionRequest, message_text
-from jaxcb.server.reasoning import ReasoningParser, ReplyStart, hold_answer
+from jaxcb.server.reasoning import ReasoningParser, ReplyStart, hold_answer, reasoning_token_count
 from jaxcb.server.tool_grammar import tool_call_grammar
 from jaxcb.server.tool_parsers import ParsedToolOutput, ToolCallDelta, ToolParser
 from jaxcb.server.tool_prompt import template_ignores_tools, with_tools_in_messages
@@ -242,3 +242,12 @@ def _answer_message(plan: ChatPlan, text: str, finish_reason: Optional[str]) -> 
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
     ]}
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+def reasoning_tokens(plan: ChatPlan, tokenizer: Tokenizer, token_ids: list[int], text: str) -> Optional[int]:
+    """A reply's reasoning tokens (usage's `completion_tokens_details.reasoning_tokens`); None when the plan
+    reads no reasoning."""
+    if plan.reasoning is None:
+        return None
+    split = plan.reasoning.split(text, plan.reply_start)
+    return reasoning_token_count(tokenizer, token_ids, split.reasoning is not None)

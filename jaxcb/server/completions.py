@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from jaxcb.outputs import RequestOutput
 from jaxcb.server import openai_format as fmt
-from jaxcb.server.chat import assistant_message
+from jaxcb.server.chat import assistant_message, reasoning_tokens
 from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
 from jaxcb.server.streaming import usage_of
@@ -95,9 +95,12 @@ def request_deadlines(state: "ServerState", timeout: Optional[float], queued: bo
 def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: list[RequestOutput]) -> dict:
     """The whole (non-streamed) response of `body` from its prompts' final outputs."""
     tok, req, choices = state.client.tokenizer, body.req, []
+    thought = None  # chat replies read by a reasoning parser: their reasoning tokens, summed
     for p_idx, out in enumerate(finals):
         for c in out.outputs:
             if body.is_chat:
+                n = reasoning_tokens(body.planned.chat, tok, c.token_ids, c.text)
+                thought = None if n is None else (thought or 0) + n
                 message, finish = assistant_message(body.planned.chat, c.text, fmt.finish_reason(c))
                 logprobs = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0) if req.logprobs else None
                 choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
@@ -110,5 +113,6 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             choices.append(choice)
-    make = fmt.chat_response if body.is_chat else fmt.completion_response
-    return make(rid, state.model_name, choices, *usage_of(finals))
+    if body.is_chat:
+        return fmt.chat_response(rid, state.model_name, choices, *usage_of(finals), reasoning_tokens=thought)
+    return fmt.completion_response(rid, state.model_name, choices, *usage_of(finals))

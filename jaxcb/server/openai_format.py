@@ -21,11 +21,16 @@ def finish_reason(c: CompletionOutput) -> Optional[str]:
     return c.finish_reason if c.finish_reason in ("stop", "length", "timeout") else (c.finish_reason and "abort")
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage; cached_tokens: prompt tokens whose K/V came from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: Optional[int] = None) -> dict[str, Any]:
+    """OpenAI's usage; cached_tokens: prompt tokens whose K/V came from the prefix cache; reasoning_tokens
+    (chat replies read by a reasoning parser): completion tokens up to the one that closes the reasoning."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
@@ -77,9 +82,9 @@ def completion_response(rid: str, model: str, choices: list[dict], prompt_tokens
 
 
 def chat_response(rid: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int,
-                  cached_tokens: int = 0) -> dict:
+                  cached_tokens: int = 0, reasoning_tokens: Optional[int] = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
+            "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens)}
 
 
 def completion_chunk(rid: str, model: str, created: int, choices: list[dict], usage_: Optional[dict] = None) -> dict:

@@ -128,6 +128,22 @@ class ReasoningStreamer:
         return reasoning[sent_reasoning:], content[sent_content:]
 
 
+def reasoning_token_count(tokenizer, token_ids: list[int], has_reasoning: bool) -> int:
+    """Generated tokens up to and including the one that closes the reasoning (all of them if it never closes)."""
+    if not has_reasoning:
+        return 0
+    lo, hi = 1, len(token_ids)
+    if THINK_CLOSE not in tokenizer.decode(token_ids, skip_special_tokens=False):
+        return len(token_ids)
+    while lo < hi:  # the shortest prefix whose text holds </think>
+        mid = (lo + hi) // 2
+        if THINK_CLOSE in tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def get_reasoning_parser(name: Optional[str], chat_template: Optional[str]) -> Optional[ReasoningParser]:
     """The parser for server.reasoning_parser; "auto" picks one when the chat template writes `<think>`
     (qwen3 when it takes enable_thinking), else none; None: none."""

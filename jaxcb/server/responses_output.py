@@ -23,7 +23,7 @@ from jaxcb.outputs import CompletionOutput, RequestOutput
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.chat import ChatPlan, assistant_message
 from jaxcb.server.protocol import APIError
-from jaxcb.server.reasoning import THINK_CLOSE
+from jaxcb.server.reasoning import reasoning_token_count
 from jaxcb.server.responses import ResponsesRequest
 from jaxcb.server.streaming import served_outputs, usage_of
 from jaxcb.tokenizer import Tokenizer
@@ -68,22 +68,6 @@ def _status(finish: Optional[str]) -> tuple[str, Optional[dict[str, str]]]:
     if finish in ("stop", "tool_calls"):
         return "completed", None
     return "incomplete", {"reason": "max_output_tokens" if finish == "length" else str(finish)}
-
-
-def reasoning_token_count(tokenizer: Tokenizer, token_ids: list[int], has_reasoning: bool) -> int:
-    """Generated tokens up to and including the one that closes the reasoning (all of them if it never closes)."""
-    if not has_reasoning:
-        return 0
-    lo, hi = 1, len(token_ids)
-    if THINK_CLOSE not in tokenizer.decode(token_ids, skip_special_tokens=False):
-        return len(token_ids)
-    while lo < hi:  # the shortest prefix whose text holds </think>
-        mid = (lo + hi) // 2
-        if THINK_CLOSE in tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 class ResponseWriter:

@@ -16,6 +16,7 @@ from fastapi.responses import StreamingResponse
 from jaxcb.outputs import CompletionOutput, RequestOutput, join_deltas
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.async_engine import RequestStream, StreamAbortedError
+from jaxcb.server.chat import reasoning_tokens
 from jaxcb.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -207,6 +208,7 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     called: set[int] = set()  # choices that made tool calls: they finish with "tool_calls"
     sent_prompt: set[int] = set()  # choices whose prompt_logprobs went out (with their first chunk)
     final = None
+    replies: dict[int, tuple[list[int], list[str]]] = {}  # choice -> its token ids and text so far (usage's reasoning)
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
@@ -214,6 +216,9 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
         for c in out.outputs:
             if c.index in sent_done:
                 continue
+            ids, texts = replies.setdefault(c.index, ([], []))
+            ids.extend(c.token_ids)
+            texts.append(c.text)
             if c.index in held:
                 c = held.pop(c.index).followed_by(c)
             done = fmt.finish_reason(c)
@@ -237,5 +242,9 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
         if out.finished:
             final = out
     if include_usage and final is not None:
-        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [], fmt.usage(*usage_of([final]))))
+        thought = None
+        if plan is not None and plan.reasoning is not None:
+            thought = sum(reasoning_tokens(plan, tok, ids, "".join(texts)) for ids, texts in replies.values())
+        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [],
+                                     fmt.usage(*usage_of([final]), reasoning_tokens=thought)))
     yield fmt.SSE_DONE
