@@ -20,10 +20,10 @@ RAY = ("server.backend=ray", "server.num_replicas=2", "ray.cpus_per_replica=0.5"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     ray = start_local_cluster()
     try:
-        with running_server(*RAY) as (url, state):
+        with running_server(*RAY, f"server.batch_dir={tmp_path_factory.mktemp('batches')}") as (url, state):
             yield url, state
     finally:
         ray.shutdown()
@@ -107,6 +107,32 @@ def test_a_client_that_disconnects_aborts_its_request_on_the_replica(client, ser
     state = server[1]
     assert not state.client.streams
     assert all(not r.waiting_tokens for r in state.client.replicas)
+
+
+def test_a_batch_runs_over_the_replicas_with_one_engines_greedy_output_per_custom_id(client, server):
+    import json
+
+    prompts = {f"line-{i}": f"Batch line {i} reads" for i in range(10)}
+    lines = [{"custom_id": cid, "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}}
+             for cid, prompt in prompts.items()]
+    before = [metric(httpx.get(server[0] + "/metrics").text, "jaxcb:request_success_total", r) for r in (0, 1)]
+    upload = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    deadline = time.monotonic() + 300
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch.request_counts
+        time.sleep(0.2)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == len(lines)
+    results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(r["custom_id"] for r in results) == sorted(prompts)
+    for r in results:
+        assert r["response"]["body"]["choices"][0]["text"] == engine_greedy(prompts[r["custom_id"]], 6)
+    after = [metric(httpx.get(server[0] + "/metrics").text, "jaxcb:request_success_total", r) for r in (0, 1)]
+    assert sum(after) - sum(before) == len(lines) and all(a > b for a, b in zip(after, before)), (before, after)
+    assert batch.usage.output_tokens == 6 * len(lines)
 
 
 def test_a_killed_replica_is_routed_around_and_health_stays_ok(client, server):
