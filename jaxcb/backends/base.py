@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig
+from jaxcb.model.lora import LoraRows, lora_delta
 from jaxcb.sampling import Argmax, xla_argmax
 from jaxcb.sharding import TP_AXIS
 from jaxcb.model.llama import (LayerWeights, Llama, StepWeights, apply_rope, build_local_rope_table,
@@ -132,6 +133,15 @@ def fuse_stacked_weights(parts: dict[str, jax.Array]) -> FusedLayerWeights:
                              parts.pop("post_attn_norm", None), parts.pop("post_mlp_norm", None))
 
 
+def add_lora_qkv(x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, lora: LoraRows
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q/k/v ([T, H, K] each) plus each row's LoRA update from the normed input x [T, D]."""
+    out = []
+    for p, module in ((q, lora.weights.q_proj), (k, lora.weights.k_proj), (v, lora.weights.v_proj)):
+        out.append(p + lora_delta(x, module, lora.onehot).reshape(p.shape).astype(p.dtype))
+    return out[0], out[1], out[2]
+
+
 def cap_logits(logits: jax.Array, cap: float) -> jax.Array:
     """c tanh(logits / c) (Gemma 2's final soft-cap; 0: none). Monotonic, so the argmax is the uncapped one's."""
     return logits if not cap else cap * jnp.tanh(logits / cap)
@@ -224,6 +234,7 @@ class Backend:
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
         window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window; None: no layer has one
+        lora: Optional[LoraRows] = None,  # each row's adapter; None: no LoRA
     ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
         x = self.norm(h, w.attn_norm)
         if isinstance(w, FusedLayerWeights):  # one matmul; each device group's q, k, v sliced out
@@ -237,6 +248,8 @@ class Backend:
             q, k, v = (jnp.einsum("td,dhk->thk", x, p) for p in (w.q_proj, w.k_proj, w.v_proj))
             if w.q_bias is not None:
                 q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
+        if lora is not None:
+            q, k, v = add_lora_qkv(x, q, k, v, lora)
         return self.rope_write_and_attend(w, q, k, v, rope, cache, layer, md, window)
 
     def rope_write_and_attend(self, w, q, k, v, rope, cache: KVCache, layer, md: AttentionMetadata, window):
@@ -258,11 +271,14 @@ class Backend:
     def sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.cfg.query_pre_attn_scalar or self.cfg.head_dim)
 
-    def add_attention_output(self, w: LayerWeights, h: jax.Array, attn: jax.Array) -> jax.Array:
+    def add_attention_output(self, w: LayerWeights, h: jax.Array, attn: jax.Array,
+                             lora: Optional[LoraRows] = None) -> jax.Array:
         out = jnp.einsum("thk,hkd->td", attn, w.o_proj)
+        if lora is not None:
+            out = out + lora_delta(attn.reshape(attn.shape[0], -1), lora.weights.o_proj, lora.onehot).astype(out.dtype)
         return h + (out if w.post_attn_norm is None else self.norm(out, w.post_attn_norm))
 
-    def add_mlp(self, w: LayerWeights, h: jax.Array) -> jax.Array:
+    def add_mlp(self, w: LayerWeights, h: jax.Array, lora: Optional[LoraRows] = None) -> jax.Array:
         x = self.norm(h, w.mlp_norm)
         if isinstance(w, FusedLayerWeights):
             gate_up = jnp.einsum("td,dgcf->tgcf", x, w.gate_up_proj)
@@ -270,8 +286,13 @@ class Backend:
         else:
             gate = jnp.einsum("td,df->tf", x, w.gate_proj)
             up = jnp.einsum("td,df->tf", x, w.up_proj)
+        if lora is not None:
+            gate = gate + lora_delta(x, lora.weights.gate_proj, lora.onehot).astype(gate.dtype)
+            up = up + lora_delta(x, lora.weights.up_proj, lora.onehot).astype(up.dtype)
         act = jax.nn.silu(gate) if self.cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
         out = jnp.einsum("tf,fd->td", act * up, w.down_proj)
+        if lora is not None:
+            out = out + lora_delta(act * up, lora.weights.down_proj, lora.onehot).astype(out.dtype)
         return h + (out if w.post_mlp_norm is None else self.norm(out, w.post_mlp_norm))
 
     def head_weights(self, w: StepWeights) -> StepWeights:
