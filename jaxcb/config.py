@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -167,7 +167,9 @@ class LoraConfig:
     """Multi-LoRA serving (jaxcb/lora/): PEFT adapters over the one base model, any mix per step."""
 
     # Start-up adapters, {name: PEFT directory}; a request's `model` names one of them or the base.
-    adapters: Dict[str, str] = field(default_factory=dict)
+    # (Optional so that `lora.adapters={a: /path}` on the command line replaces it rather than merging
+    # into a struct node, which Hydra refuses.)
+    adapters: Any = None  # {name: path}
     enable: bool = False  # compile LoRA in even with no start-up adapter (for run-time loading); on when adapters is not empty
     max_loras: int = 4  # device slots: adapters a single step can mix (more wait for a slot, least recently used swapped out)
     max_rank: int = 16  # largest rank an adapter may have (slots are this wide; a smaller rank is zero-padded)
@@ -176,6 +178,10 @@ class LoraConfig:
     @property
     def enabled(self) -> bool:
         return self.enable or bool(self.adapters)
+
+    @property
+    def start_up_adapters(self) -> dict[str, str]:
+        return dict(self.adapters or {})
 
 
 @dataclass

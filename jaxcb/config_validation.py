@@ -388,12 +388,14 @@ def validate_model_config(m: ModelConfig) -> None:
 def validate_lora_config(cfg: Config) -> None:
     """lora.*: ranges, and what LoRA cannot be served with (the adapters' own files are checked at start-up)."""
     lo = cfg.lora
+    require(lo.adapters is None or isinstance(lo.adapters, dict),
+            f"lora.adapters={lo.adapters!r} must be a mapping {{name: PEFT directory}}, e.g. lora.adapters={{sql: /ckpt/sql}}")
     require(lo.max_loras >= 1, f"lora.max_loras={lo.max_loras} must be >= 1")
     require(lo.max_rank >= 1, f"lora.max_rank={lo.max_rank} must be >= 1")
-    require(lo.max_cpu_loras is None or lo.max_cpu_loras >= max(lo.max_loras, len(lo.adapters)),
+    require(lo.max_cpu_loras is None or lo.max_cpu_loras >= max(lo.max_loras, len(lo.start_up_adapters)),
             f"lora.max_cpu_loras={lo.max_cpu_loras} must be >= lora.max_loras={lo.max_loras} and >= the "
-            f"{len(lo.adapters)} adapters of lora.adapters, or null")
-    for name, path in lo.adapters.items():
+            f"{len(lo.start_up_adapters)} adapters of lora.adapters, or null")
+    for name, path in lo.start_up_adapters.items():
         require(isinstance(name, str) and name.strip() == name and name != "" and "/" not in name,
                 f"lora.adapters: the name {name!r} must be a non-empty word without '/' or surrounding spaces")
         require(isinstance(path, str) and path != "", f"lora.adapters.{name}={path!r} must be a PEFT directory")

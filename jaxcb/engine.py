@@ -94,7 +94,7 @@ def make_lora_manager(cfg: Config, arch) -> Optional[LoraManager]:
 
     manager = LoraManager(cfg.lora, arch, served_model_name(cfg))
     problems = []
-    for name, path in cfg.lora.adapters.items():
+    for name, path in cfg.lora.start_up_adapters.items():
         try:
             manager.load(name, path)
         except InvalidRequestError as e:
@@ -614,17 +614,23 @@ class LLM:
         sampling_params: Union[SamplingParams, abc.Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = True,
+        lora: Union[str, None, abc.Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
+        """`lora`: the LoRA adapter (a loaded one's name, as a request's `model` names it) every prompt runs
+        with, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} LoRA adapters (lora=)")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params, final_only=True))
+            for prompt, params, adapter in zip(prompts, sampling_params, adapters):
+                ids.append(self.engine.add_request(prompt, params, final_only=True, lora=adapter))
         except Exception:
             for rid in ids:  # nothing half-queued stays behind
                 self.engine.abort(rid)

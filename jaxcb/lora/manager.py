@@ -30,7 +30,7 @@ class LoraManager:
         self.cfg = cfg
         self.model_cfg = model_cfg
         self.base_name = base_name
-        self.max_cpu_loras = cfg.max_cpu_loras or max(cfg.max_loras, len(cfg.adapters))
+        self.max_cpu_loras = cfg.max_cpu_loras or max(cfg.max_loras, len(cfg.start_up_adapters))
         self.adapters: dict[str, LoraAdapter] = {}
         self.unloading: set[str] = set()
         self.slots = LoraSlotTable(cfg.max_loras)
