@@ -43,8 +43,13 @@ class PlannedBody:
 
 
 def check_model(state: "ServerState", model: str) -> None:
-    if model != state.model_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}",
+    """The base model's name or a loaded LoRA adapter's; else a 404 naming `model`."""
+    if model == state.model_name:
+        return
+    adapters = state.client.served_adapters()
+    if model not in adapters:
+        served = ", ".join(repr(n) for n in [state.model_name, *adapters])
+        raise APIError(404, f"model {model!r} is not served here; this server serves {served}",
                        param="model", type="not_found_error", code="model_not_found")
 
 
