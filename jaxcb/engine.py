@@ -567,7 +567,19 @@ class Engine:
             num_steps=self._num_dispatched, num_preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
             num_recompiles=self.runner.num_recompiles, aborted_request_ids=aborted, **self._speculation_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        sched, lo = self.scheduler, self.lora
+        running = tuple(sorted({s.lora_name for s in sched.running if s.lora_name is not None}))
+        waiting = tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name is not None}))
+        totals = tuple((name, lo.requests_per_adapter[name], lo.tokens_per_adapter[name])
+                       for name in sorted(lo.requests_per_adapter))
+        return dict(lora_running_adapters=running, lora_waiting_adapters=waiting, max_lora=lo.cfg.max_loras,
+                    lora_totals=totals)
 
     def _speculation_stats(self) -> dict:
         if self.speculation is None:
@@ -588,6 +600,11 @@ class Engine:
             seq = self.scheduler.sequences.get(seq_id)
             if seq is not None:
                 self.output.record_prompt_logprobs(seq.group_id, entries)
+        if self.lora is not None:  # tokens per adapter, for the metrics
+            for seq_id, token in runner_out.sampled.items():
+                seq = self.scheduler.sequences.get(seq_id)
+                if seq is not None and seq.lora_name is not None:
+                    self.lora.tokens_per_adapter[seq.lora_name] += len(runner_out.verified.get(seq_id, (token,)))
         outputs, stops = self.output.process(self.scheduler.update(sched_out, runner_out))
         for seq, status in stops:
             self.scheduler.finish(seq.seq_id, status)

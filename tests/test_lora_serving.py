@@ -101,6 +101,10 @@ def test_load_and_unload_at_run_time_under_load_fail_nothing_and_leak_nothing(se
                           headers=headers)
         assert r.status_code == 404
         assert {m.id for m in client.models.list().data} == {"base", "a2"}
+        metrics = requests.get(f"{url}/metrics").text
+        assert 'jaxcb:lora_requests_total{lora_name="a1",model_name="base"}' in metrics
+        assert 'jaxcb:lora_generation_tokens_total{lora_name="a2",model_name="base"} 6.0' in metrics
+        assert "jaxcb:lora_requests_info{" in metrics and 'max_lora="2"' in metrics
     assert engine.num_recompiles == 0
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
     assert engine.lora.slots.num_held == 0

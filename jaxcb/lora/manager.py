@@ -36,7 +36,8 @@ class LoraManager:
         self.slots = LoraSlotTable(cfg.max_loras)
         # Whether an adapter still has unfinished requests (the engine's answer; unload waits for them).
         self.unloading_in_use: Callable[[str], bool] = lambda name: False
-        self.requests_per_adapter: Counter[str] = Counter()  # requests admitted to the engine, ever
+        self.requests_per_adapter: Counter[str] = Counter()  # requests added to the engine, ever
+        self.tokens_per_adapter: Counter[str] = Counter()  # tokens they generated
         self.load_seconds = 0.0
 
     def load(self, name: str, path: str) -> LoraAdapter:
