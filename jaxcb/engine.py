@@ -149,9 +149,11 @@ class Engine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or ())
         with self.startup.phase("prepare"):  # before the cache is planned: the prepare copy needs room
             weights = backend.prepare(model, self.max_model_len, self.tp.replicated if self.tp is not None else None)
+            lora_buffers = None
             if self.lora is not None:  # the adapters' slots, planned with the weights, before the cache
-                weights = weights._replace(lora=empty_lora_weights(
-                    backend.cfg, cfg.lora.max_loras, cfg.lora.max_rank, stacked=not backend.unroll_layers))
+                lora_buffers = empty_lora_weights(backend.cfg, cfg.lora.max_loras, cfg.lora.max_rank,
+                                                  stacked=not backend.unroll_layers, dtype=backend.lora_dtype)
+                weights = weights._replace(lora=backend.prepare_lora(lora_buffers))
             del model
             gc.collect()  # the checkpoint layout's arrays go now, so that the device's statistics show them gone
         with self.startup.phase("plan"):
@@ -230,9 +232,9 @@ class Engine:
             compile_rare_variants=when,
             compile_inline=platform == "cpu",  # XLA:CPU: never a compile beside a step (runner/compiler.py)
             max_drafts=max_drafts,
-            lora=self.lora is not None,
+            lora_buffers=lora_buffers,
         )
-        del weights, kv_cache  # the runner holds them
+        del weights, kv_cache, lora_buffers  # the runner holds them
         if compile_buckets:
             with self.startup.phase("compile"):
                 self.runner.compile_all(progress=progress)
@@ -406,8 +408,9 @@ class Engine:
             seq.lora_name == name for _, seqs in self._held for seq in seqs)
 
     def _write_lora_slot(self, slot: int, adapter_weights: Optional[dict]) -> None:
+        backend = self.runner.backend
         self.runner.write_lora_slot(slot, slot_values(adapter_weights, self.model_config, self.cfg.lora.max_rank,
-                                                      stacked=not self.runner.backend.unroll_layers))
+                                                      stacked=not backend.unroll_layers, dtype=backend.lora_dtype))
 
     def _release_held(self) -> None:
         """Queue the held requests whose step variant has become ready; forget aborted and expired ones."""

@@ -44,11 +44,16 @@ def lora_overrides(base_dir: str, adapters: dict, *extra: str) -> tuple:
                    "lora.max_rank=8", "lora.max_cpu_loras=4", "engine.max_logprobs=20", f"lora.adapters={{{listed}}}") + extra
 
 
-@pytest.fixture(scope="module", params=["cpu", "xla"])
+# The cpu backend (packed matmul, unrolled layers), XLA with unrolled layers (a list of slot buffers per
+# layer), and XLA scanning the layers (slot buffers stacked on [L], as on GPU).
+BACKENDS = {"cpu": ("model.backend=cpu",), "xla": ("model.backend=xla", "model.layer_loop=unrolled"),
+            "xla-scan": ("model.backend=xla", "model.layer_loop=scan")}
+
+
+@pytest.fixture(scope="module", params=list(BACKENDS))
 def llm(request, checkpoints):
     base_dir, adapters, _ = checkpoints
-    overrides = lora_overrides(base_dir, adapters, f"model.backend={request.param}",
-                               "cache.enable_prefix_caching=true")
+    overrides = lora_overrides(base_dir, adapters, *BACKENDS[request.param], "cache.enable_prefix_caching=true")
     return LLM(compose_config(overrides), progress=False)
 
 

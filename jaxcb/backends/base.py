@@ -133,15 +133,6 @@ def fuse_stacked_weights(parts: dict[str, jax.Array]) -> FusedLayerWeights:
                              parts.pop("post_attn_norm", None), parts.pop("post_mlp_norm", None))
 
 
-def add_lora_qkv(x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, lora: LoraRows
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q/k/v ([T, H, K] each) plus each row's LoRA update from the normed input x [T, D]."""
-    out = []
-    for p, module in ((q, lora.weights.q_proj), (k, lora.weights.k_proj), (v, lora.weights.v_proj)):
-        out.append(p + lora_delta(x, module, lora.onehot).reshape(p.shape).astype(p.dtype))
-    return out[0], out[1], out[2]
-
-
 def cap_logits(logits: jax.Array, cap: float) -> jax.Array:
     """c tanh(logits / c) (Gemma 2's final soft-cap; 0: none). Monotonic, so the argmax is the uncapped one's."""
     return logits if not cap else cap * jnp.tanh(logits / cap)
@@ -165,6 +156,11 @@ class Backend:
     unroll_layers: bool = False  # prepare one array per layer and weight, run the layers in a loop
     argmax: Argmax = xla_argmax  # the row argmax that sampling uses (same indices whatever it is)
     name = "xla"
+
+    @property
+    def lora_dtype(self) -> jnp.dtype:
+        """The LoRA slot buffers' dtype: the model's (the adapters are cast to it either way)."""
+        return jnp.dtype(self.cfg.dtype)
 
     def describe(self) -> str:
         return f"backend {self.name} (XLA's dot; layers {'unrolled' if self.unroll_layers else 'scanned'})"
@@ -249,8 +245,29 @@ class Backend:
             if w.q_bias is not None:
                 q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
         if lora is not None:
-            q, k, v = add_lora_qkv(x, q, k, v, lora)
+            q, k, v = self.add_lora_qkv(x, q, k, v, lora)
         return self.rope_write_and_attend(w, q, k, v, rope, cache, layer, md, window)
+
+    # --- LoRA: each row's low-rank update (`jaxcb.model.lora`) ----------------------------------
+
+    def prepare_lora(self, buffers):
+        """The LoRA slot buffers as `lora_update` reads them (here: as they are). Called after every slot
+        write: it must compile once (a jitted function) and hold no more than one prepared copy."""
+        return buffers
+
+    def lora_update(self, x: jax.Array, lora: LoraRows, name: str, residual: Optional[jax.Array] = None
+                    ) -> jax.Array:
+        """[T, in] -> [T, out]: each row's x @ A @ B for projection `name` (zero on base rows), plus
+        `residual` if given."""
+        delta = lora_delta(x, getattr(lora.weights, name), lora.mask)
+        return delta if residual is None else residual + delta.astype(residual.dtype)
+
+    def add_lora_qkv(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, lora: LoraRows
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q/k/v ([T, H, K] each) plus each row's LoRA update from the normed input x [T, D]."""
+        q, k, v = (self.lora_update(x, lora, name, p.reshape(p.shape[0], -1)).reshape(p.shape)
+                   for p, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
+        return q, k, v
 
     def rope_write_and_attend(self, w, q, k, v, rope, cache: KVCache, layer, md: AttentionMetadata, window):
         """q/k norms (where the family has them), rope, then the form's write and attend: the part of
@@ -275,7 +292,7 @@ class Backend:
                              lora: Optional[LoraRows] = None) -> jax.Array:
         out = jnp.einsum("thk,hkd->td", attn, w.o_proj)
         if lora is not None:
-            out = out + lora_delta(attn.reshape(attn.shape[0], -1), lora.weights.o_proj, lora.onehot).astype(out.dtype)
+            out = self.lora_update(attn.reshape(attn.shape[0], -1), lora, "o_proj", out)
         return h + (out if w.post_attn_norm is None else self.norm(out, w.post_attn_norm))
 
     def add_mlp(self, w: LayerWeights, h: jax.Array, lora: Optional[LoraRows] = None) -> jax.Array:
@@ -287,12 +304,11 @@ class Backend:
             gate = jnp.einsum("td,df->tf", x, w.gate_proj)
             up = jnp.einsum("td,df->tf", x, w.up_proj)
         if lora is not None:
-            gate = gate + lora_delta(x, lora.weights.gate_proj, lora.onehot).astype(gate.dtype)
-            up = up + lora_delta(x, lora.weights.up_proj, lora.onehot).astype(up.dtype)
+            gate, up = self.lora_update(x, lora, "gate_proj", gate), self.lora_update(x, lora, "up_proj", up)
         act = jax.nn.silu(gate) if self.cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
         out = jnp.einsum("tf,fd->td", act * up, w.down_proj)
         if lora is not None:
-            out = out + lora_delta(act * up, lora.weights.down_proj, lora.onehot).astype(out.dtype)
+            out = self.lora_update(act * up, lora, "down_proj", out)
         return h + (out if w.post_mlp_norm is None else self.norm(out, w.post_mlp_norm))
 
     def head_weights(self, w: StepWeights) -> StepWeights:

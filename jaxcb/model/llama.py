@@ -36,7 +36,7 @@ from flax import nnx
 
 from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig, RopeScaling
-from jaxcb.model.lora import LoraRows, lora_onehot
+from jaxcb.model.lora import LoraRows
 
 INIT_STD = 0.02
 
@@ -294,7 +294,7 @@ def forward(
     positions: jax.Array,  # i32[T]
     cache: KVCache,
     md: AttentionMetadata,
-    lora_ids: Optional[jax.Array] = None,  # i32[T]: each token row's LoRA slot, -1 for the base (w.lora set)
+    lora_mask: Optional[jax.Array] = None,  # f32[T, S R]: each token row's LoRA slot columns (w.lora set; lora_row_mask)
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden] final-normed, updated cache)
     cfg = ops.cfg
     # Clipped: padding tokens may carry any position.
@@ -305,14 +305,9 @@ def forward(
     else:
         local = None
 
-    onehot = None
-    if w.lora is not None:  # each token row's slot, one-hot (the LoRA updates' grouping, `jaxcb.model.lora`)
-        num_slots = (w.lora[0] if isinstance(w.lora, list) else w.lora).q_proj.a.shape[-2]
-        onehot = lora_onehot(lora_ids, num_slots, jnp.float32)
-
     def layer_step(carry, xs):
         (h, cache), (layer, window, is_local, lw, ll) = carry, xs
-        lora = None if ll is None else LoraRows(ll, onehot)
+        lora = None if ll is None else LoraRows(ll, lora_mask)
         return decoder_layer(ops, lw, h, cos_sin, is_local, cache, layer, md, window, lora), None
 
     # What attention derives from the step's metadata (the kernel's tile table) is built once, here.
@@ -326,7 +321,7 @@ def forward(
     if isinstance(w.layers, list):
         for i, lw in enumerate(w.layers):
             window = None if windows is None else windows[i]
-            lora = None if w.lora is None else LoraRows(w.lora[i], onehot)
+            lora = None if w.lora is None else LoraRows(w.lora[i], lora_mask)
             h, cache = _decoder_layer_traced_once(ops, lw, h, cos_sin, None if local is None else local[i], cache,
                                                   jnp.int32(i), md, window, lora)
     else:

@@ -49,10 +49,11 @@ class LoraLayerWeights(NamedTuple):
 
 
 class LoraRows(NamedTuple):
-    """What a layer's operations need to add each row's adapter: its slot buffers and the rows' slots."""
+    """What a layer's operations need to add each row's adapter: its slots (as the backend prepared
+    them, `Backend.prepare_lora`) and each row's mask over the slots' rank columns."""
 
     weights: LoraLayerWeights
-    onehot: jax.Array  # [T, S] in the activations' dtype: 1 at each token row's slot, all 0 for the base
+    mask: jax.Array  # f32[T, S R]: 1 on the R columns of each token row's slot, all 0 for the base
 
 
 LoraWeights = Union[LoraLayerWeights, list]  # stacked (scanned layers) or one per layer (unrolled)
@@ -64,9 +65,10 @@ def module_dims(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
 
 
-def empty_lora_weights(cfg: LlamaConfig, max_loras: int, max_rank: int, stacked: bool) -> LoraWeights:
-    """Zeroed slot buffers in the model's dtype: one tree stacked on [L], or a list of L trees."""
-    dt = jnp.dtype(cfg.dtype)
+def empty_lora_weights(cfg: LlamaConfig, max_loras: int, max_rank: int, stacked: bool, dtype=None) -> LoraWeights:
+    """Zeroed slot buffers: one tree stacked on [L], or a list of L trees. `dtype`: the backend's
+    (`Backend.lora_dtype`: the model's, or float32 where the backend computes in float32)."""
+    dt = jnp.dtype(dtype or cfg.dtype)
     dims = module_dims(cfg)
     lead = (cfg.num_layers,) if stacked else ()
 
@@ -78,18 +80,14 @@ def empty_lora_weights(cfg: LlamaConfig, max_loras: int, max_rank: int, stacked:
     return layer() if stacked else [layer() for _ in range(cfg.num_layers)]
 
 
-def lora_weight_bytes(cfg: LlamaConfig, max_loras: int, max_rank: int) -> int:
-    """The slot buffers' bytes: start-up's memory plan counts them with the weights."""
-    per_layer = sum(i + o for i, o in module_dims(cfg).values()) * max_loras * max_rank
-    return per_layer * cfg.num_layers * jnp.dtype(cfg.dtype).itemsize
-
-
-def slot_values(adapter_weights: Optional[dict], cfg: LlamaConfig, max_rank: int, stacked: bool) -> LoraWeights:
+def slot_values(adapter_weights: Optional[dict], cfg: LlamaConfig, max_rank: int, stacked: bool,
+                dtype=None) -> LoraWeights:
     """One slot's contents as host arrays shaped like the buffers without their slot axis: each module's
-    A [in, R] and B [R, out] (zero where the adapter has no such module or a smaller rank). `adapter_weights`:
-    `LoraAdapter.weights`, or None for an empty slot."""
+    A [in, R] and B [R, out] (zero where the adapter has no such module or a smaller rank), cast to the
+    model's dtype, then held in `dtype` (the buffers'). `adapter_weights`: `LoraAdapter.weights`, or None
+    for an empty slot."""
     dims = module_dims(cfg)
-    dt = np.dtype(jnp.dtype(cfg.dtype).name) if cfg.dtype != "bfloat16" else jnp.bfloat16
+    model_dt, buffer_dt = jnp.dtype(cfg.dtype), jnp.dtype(dtype or cfg.dtype)
 
     def layer(i: int) -> LoraLayerWeights:
         mods = {}
@@ -98,7 +96,7 @@ def slot_values(adapter_weights: Optional[dict], cfg: LlamaConfig, max_rank: int
             if adapter_weights is not None and (i, m) in adapter_weights:
                 wa, wb = adapter_weights[(i, m)]
                 a[:, : wa.shape[1]], b[: wb.shape[0]] = wa, wb
-            mods[m] = LoraModule(a.astype(dt), b.astype(dt))
+            mods[m] = LoraModule(a.astype(model_dt).astype(buffer_dt), b.astype(model_dt).astype(buffer_dt))
         return LoraLayerWeights(**mods)
 
     layers = [layer(i) for i in range(cfg.num_layers)]
@@ -119,14 +117,20 @@ def _write(buffers: LoraWeights, slot: jax.Array, values: LoraWeights) -> LoraWe
 write_slot = jax.jit(_write)  # (buffers, i32[] slot, one slot's values) -> new buffers; compiled once
 
 
-def lora_onehot(lora_ids: jax.Array, num_slots: int, dtype) -> jax.Array:
-    """[T, S]: 1 at each token row's slot; a base row (-1) or a padding row is all zeros."""
-    return (lora_ids[:, None] == jnp.arange(num_slots, dtype=lora_ids.dtype)[None, :]).astype(dtype)
+def lora_row_mask(lora_ids: jax.Array, num_slots: int, rank: int) -> jax.Array:
+    """f32[T, S R]: 1 on the rank columns of each token row's slot; a base row (-1) or padding row all 0."""
+    onehot = lora_ids[:, None] == jnp.arange(num_slots, dtype=lora_ids.dtype)[None, :]  # [T, S]
+    return jnp.repeat(onehot, rank, axis=1).astype(jnp.float32)
 
 
-def lora_delta(x: jax.Array, module: LoraModule, onehot: jax.Array) -> jax.Array:
+def slots_and_rank(buffers: LoraWeights) -> tuple[int, int]:
+    """(S, R) of slot buffers (unprepared: A [..., in, S, R])."""
+    first = buffers[0] if isinstance(buffers, list) else buffers
+    return first.q_proj.a.shape[-2], first.q_proj.a.shape[-1]
+
+
+def lora_delta(x: jax.Array, module: LoraModule, mask: jax.Array) -> jax.Array:
     """[T, in] -> [T, out]: each row's x @ A_slot @ B_slot (zero on base rows), in x's dtype."""
     d_in, num_slots, rank = module.a.shape
-    shrunk = jnp.dot(x, module.a.reshape(d_in, num_slots * rank).astype(x.dtype))  # [T, S R]
-    shrunk = (shrunk.reshape(-1, num_slots, rank) * onehot[:, :, None].astype(x.dtype)).reshape(-1, num_slots * rank)
+    shrunk = jnp.dot(x, module.a.reshape(d_in, num_slots * rank).astype(x.dtype)) * mask.astype(x.dtype)  # [T, S R]
     return jnp.dot(shrunk, module.b.reshape(num_slots * rank, -1).astype(x.dtype))

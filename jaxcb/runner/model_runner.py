@@ -49,7 +49,7 @@ from jaxcb.kernels.attention import SWAP_CHUNK, KVCache
 from jaxcb.kernels.attention.cache import gather_blocks
 from jaxcb.kv_cache import HostSwapSpace
 from jaxcb.model.llama import StepWeights, forward
-from jaxcb.model.lora import write_slot
+from jaxcb.model.lora import lora_row_mask, slots_and_rank, write_slot
 from jaxcb.runner.buckets import BucketKey, Buckets, ModelKey, SamplerKey
 from jaxcb.runner.compiler import StepCompiler
 from jaxcb.kernels.attention import AttentionMetadata
@@ -124,7 +124,7 @@ class ModelRunner:
         compile_rare_variants: str = "startup",
         compile_inline: bool = False,
         max_drafts: int = 0,
-        lora: bool = False,
+        lora_buffers=None,
     ):
         """`weights`: the model's, as `backend.prepare` made them.
         `sampling_variants`: the sampling levels compiled for every bucket (full among them);
@@ -132,11 +132,14 @@ class ModelRunner:
         `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk);
         `compile_workers`, `compile_rare_variants`, `compile_inline`: how and when they compile (`compiler.StepCompiler`);
         `max_drafts`: speculative decoding's k (0: off), for the rows' drafts that penalties count;
-        `lora`: LoRA compiled in (`weights.lora` holds the slots; each token row carries its slot)."""
+        `lora_buffers`: LoRA's slot buffers (`jaxcb.model.lora.empty_lora_weights`; None: no LoRA compiled in):
+        the step reads them as the backend prepares them (`weights.lora`), and each token row carries its slot."""
         self.backend = backend
         self.weights = weights
         self.tp = tp
-        self.lora = lora
+        self.lora = lora_buffers is not None
+        self.lora_buffers = lora_buffers
+        self.lora_shape = slots_and_rank(lora_buffers) if self.lora else None  # (slots, rank)
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
@@ -156,7 +159,7 @@ class ModelRunner:
         replicated = tp.replicated if tp is not None else None
         self.inputs = StepInputBuilder(
             buckets, kv_cache.block_size, backend.cfg.vocab_size, max_stop_token_ids, max_logit_bias,
-            self.compiler.serve, SlotTable(self.num_slots), replicated, max_drafts, lora,
+            self.compiler.serve, SlotTable(self.num_slots), replicated, max_drafts, self.lora,
         )
         self.slot_state: SlotState = empty_slot_state(self.num_slots, max(buckets.widths), backend.cfg.vocab_size,
                                                       replicated)
@@ -179,7 +182,7 @@ class ModelRunner:
 
     def _make_model_step(self):
         backend, num_logprobs, max_rows, num_slots = self.backend, self.max_logprobs, self.max_rows, self.num_slots
-        block_size, lora = self.kv_cache.block_size, self.lora
+        block_size, lora, lora_shape = self.kv_cache.block_size, self.lora, self.lora_shape
 
         def model_step(weights: StepWeights, kv_cache: KVCache, state: SlotState, key: ModelKey, ints, prev_tokens):
             """-> (the hidden state of each row's last token [R, D], each token row's prompt logprobs
@@ -191,7 +194,8 @@ class ModelRunner:
             tables = state.block_tables.at[slot, col].set(block, mode="drop")
             block_tables = tables[x.row_slots, : key.table_width]  # i32[R, W]
             md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, block_tables, x.num_seqs)
-            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md, x.lora_ids)
+            lora_mask = lora_row_mask(x.lora_ids, *lora_shape) if lora else None  # f32[T, S R]
+            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md, lora_mask)
             # The penalties' counts: this step's tokens recorded (padding tokens dropped), whatever the
             # variant, so that one model executable serves them all (`BucketKey.model`).
             pad = jnp.array([num_slots], jnp.int32)
@@ -320,7 +324,8 @@ class ModelRunner:
     def write_lora_slot(self, slot: int, values) -> None:
         """Put one LoRA slot's contents (`jaxcb.model.lora.slot_values`) into the slot buffers: new arrays
         (the step in flight keeps the ones it was dispatched with), the same compiled writer every time."""
-        self.weights = self.weights._replace(lora=write_slot(self.weights.lora, jnp.int32(slot), values))
+        self.lora_buffers = write_slot(self.lora_buffers, jnp.int32(slot), values)
+        self.weights = self.weights._replace(lora=self.backend.prepare_lora(self.lora_buffers))
 
     def executable(self, key: BucketKey) -> tuple:
         """The compiled executables of a bucket's step: (the model's, the sampler's); `run` calls them."""
