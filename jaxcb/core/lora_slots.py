@@ -4,7 +4,8 @@ A sequence with an adapter holds its adapter's slot from admission until it leav
 set (finished, aborted or preempted): the scheduler calls `acquire` before admitting it and
 `release` when it leaves. An adapter not in a slot takes a free one, or the least recently used
 slot that no running sequence holds (the adapter there goes back to host memory only: its host
-copy never left); with every slot held the sequence waits in the queue -- it is never refused.
+copy never left); with every slot held the sequence waits in the queue -- it is never refused --
+and the scheduler admits the sequences behind it that need no new slot meanwhile (as vLLM does).
 The slot writes this decides are `take_loads()`, which the engine makes on the device before it
 dispatches the step that needs them. A running step keeps the buffers it was dispatched with (a
 write makes new arrays), so replacing a slot never changes a step in flight.
@@ -28,6 +29,12 @@ class LoraSlotTable:
         self._held_by: dict[SequenceId, int] = {}
         self._loads: list[tuple[int, str]] = []
         self.num_loads = 0  # slot writes so far (an adapter brought to the device)
+
+    def can_acquire(self, sequence: Sequence) -> bool:
+        """Whether `acquire` would succeed now (it changes nothing)."""
+        name = sequence.lora_name
+        return (name is None or sequence.seq_id in self._held_by or name in self.slot_of or bool(self._free)
+                or bool(self._idle))
 
     def acquire(self, sequence: Sequence) -> bool:
         """Give `sequence` its adapter's slot (`sequence.lora_slot`); False when every slot is held by

@@ -329,10 +329,16 @@ class Scheduler:
         # place to the next one in the same step. Counting it would leave every other step a lone
         # prompt tail beside the decodes (at 32-token outputs, 199 of 430 steps).
         num_partial = sum(1 for r in self.running if self._still_prefilling_after(r, scheduled))
+        # Sequences whose LoRA adapter finds no free device slot: set aside (in order) while the ones
+        # behind them are admitted, then put back at the head of the queue.
+        no_slot: list[Sequence] = []
         while self.waiting and (budget > 0 or static) and len(self.running) < self.cfg.max_num_seqs:
             sequence = self.waiting[0]
             if self.in_flight.verifying(sequence):
                 break  # preempted while its verify step ran: its tokens are not known yet
+            if self.lora_slots is not None and not self.lora_slots.can_acquire(sequence):
+                no_slot.append(self.waiting.popleft())  # still counted as waiting: it stays in the queue
+                continue
             if sequence.host_block_ids:
                 admitted = self._admit_swapped(sequence, budget, scheduled)
                 if admitted == 0:
@@ -359,8 +365,8 @@ class Scheduler:
             total = reserve if self.cfg.policy == "static" else start + num_new
             if not self.kv.can_admit(share, total):
                 break
-            if self.lora_slots is not None and not self.lora_slots.acquire(sequence):
-                break  # every adapter slot is held by running sequences: it waits for one
+            if self.lora_slots is not None:
+                self.lora_slots.acquire(sequence)  # can_acquire said yes above
             self._leave_waiting(sequence, head=True)
             self.kv.admit(sequence, share, total)
             sequence.num_computed_tokens = start
@@ -376,6 +382,7 @@ class Scheduler:
                 budget -= num_new
             if partial:
                 num_partial += 1
+        self.waiting.extendleft(reversed(no_slot))
         return budget
 
     @staticmethod
