@@ -5,7 +5,9 @@
     lora-mixed    LoRA compiled in, the requests spread round-robin over `--adapters` random adapters
 
 Each runs the same requests (random token prompts, greedy, ignore_eos) through `LLM.generate`, after
-a warm-up batch; the figure is the mean engine step time (wall time over steps) and output tokens/s.
+a warm-up batch, in `--rounds` rounds that take the three in turn (the order rotated each round): the
+figures are each run's median over the rounds of its mean engine step time (wall time over steps)
+and output tokens/s, so that other work on a shared machine weighs on all three alike.
 The adapters are random PEFT directories (rank `--rank`, every q/k/v/o/gate/up/down projection).
 
     python benchmarks/lora.py --model small --adapters 8
@@ -52,9 +54,8 @@ def write_random_adapter(path: str, arch, rank: int, seed: int) -> None:
 
 
 def run(llm: LLM, prompts: list[list[int]], lora: list, num_tokens: int) -> tuple[float, float]:
-    """(mean step seconds, output tokens per second) of one batch, after a warm-up batch."""
+    """(mean step seconds, output tokens per second) of one batch."""
     params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    llm.generate(prompts, params, use_tqdm=False, lora=lora)  # warm-up: slots loaded, caches touched
     steps = llm.engine.last_stats.num_steps
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False, lora=lora)
@@ -70,10 +71,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.dtype=float32")
     args = ap.parse_args()
     common = [f"model={args.model}", f"scheduler.max_num_seqs={args.requests}", "engine.max_model_len=512",
-              "cache.enable_prefix_caching=false", *args.overrides]
+              "cache.enable_prefix_caching=false", "cache.cpu_kv_cache_gib=1", *args.overrides]
     arch = resolve_llama_config(compose_config(common).model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, arch.vocab_size - 10, args.prompt_len).tolist() for _ in range(args.requests)]
@@ -83,17 +85,24 @@ def main() -> None:
             write_random_adapter(path, arch, args.rank, i)
         listed = ", ".join(f"{n}: '{p}'" for n, p in adapters.items())
         lora_cfg = [f"lora.adapters={{{listed}}}", f"lora.max_loras={args.adapters}", f"lora.max_rank={args.rank}"]
-        results = {}
         base = LLM(compose_config(common), progress=False)
-        results["base"] = run(base, prompts, [None] * len(prompts), args.tokens)
-        del base
         lora = LLM(compose_config(common + lora_cfg), progress=False)
-        results["lora-base"] = run(lora, prompts, [None] * len(prompts), args.tokens)
         names = list(adapters)
-        results["lora-mixed"] = run(lora, prompts, [names[i % len(names)] for i in range(len(prompts))], args.tokens)
+        runs = {"base": (base, [None] * len(prompts)), "lora-base": (lora, [None] * len(prompts)),
+                "lora-mixed": (lora, [names[i % len(names)] for i in range(len(prompts))])}
+        for llm, which in runs.values():  # warm-up: slots loaded, caches touched
+            run(llm, prompts, which, args.tokens)
+        samples: dict[str, list] = {name: [] for name in runs}
+        order = list(runs)
+        for r in range(args.rounds):
+            for name in order[r % 3:] + order[: r % 3]:
+                samples[name].append(run(*runs[name][:1], prompts, runs[name][1], args.tokens))
+        results = {name: (float(np.median([s for s, _ in xs])), float(np.median([t for _, t in xs])))
+                   for name, xs in samples.items()}
     flags = sorted(set(open("/proc/cpuinfo").read().split()) & {"amx_bf16", "avx512_bf16", "avx512f"})
     print(f"model={args.model} {' '.join(args.overrides)}: {args.requests} requests x {args.prompt_len} prompt + "
-          f"{args.tokens} output tokens, {args.adapters} adapters of rank {args.rank}; CPU flags {', '.join(flags)}")
+          f"{args.tokens} output tokens, {args.adapters} adapters of rank {args.rank}, medians of {args.rounds} rounds; "
+          f"CPU flags {', '.join(flags)}")
     print("| run | step ms | output tok/s | step time vs base |")
     print("|---|---|---|---|")
     for name, (step_s, tps) in results.items():

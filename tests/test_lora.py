@@ -194,3 +194,19 @@ def test_a_start_up_adapter_that_cannot_be_served_stops_start_up_naming_it(check
 def test_lora_with_tensor_parallelism_is_refused_by_name():
     with pytest.raises(ConfigError, match="engine.tensor_parallel_size=2"):
         compose_config(("lora.enable=true", "engine.tensor_parallel_size=2"))
+
+
+def test_a_bf16_model_serves_its_adapters_in_bf16_close_to_fp32_transformers(checkpoints):
+    """The cpu backend packs a bf16 model's adapter slots in bf16 (the bf16 matmul path, as its layers):
+    logprobs stay within bf16 rounding of fp32 transformers with the adapter merged."""
+    base_dir, adapters, merged = checkpoints
+    llm = LLM(compose_config(lora_overrides(base_dir, adapters, "model.backend=cpu", "model.dtype=bfloat16")),
+              progress=False)
+    assert llm.engine.runner.lora_buffers[0].q_proj.a.dtype.name == "bfloat16"
+    prompt = PROMPTS[2]
+    for name in (None, "a1", "a2"):
+        c = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5),
+                         use_tqdm=False, lora=name)[0].outputs[0]
+        reference = logprobs(merged[name], prompt + c.token_ids[:-1])[len(prompt) - 1 :]
+        worst = max(abs(lp - reference[i, t]) for i, entries in enumerate(c.logprobs) for t, lp in entries.items())
+        assert worst <= 0.02, (name, worst)

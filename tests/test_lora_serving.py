@@ -52,6 +52,7 @@ def test_model_names_the_adapter_and_models_lists_it_with_its_parent(setup):
                                               extra_body={"ignore_eos": True})
             ids = engine.tokenizer.encode(reply.choices[0].text, add_special_tokens=False)
             assert ids == greedy_tokens(merged[name], PROMPT, 6)
+            assert reply.model == model  # the response names the model the request named, as vLLM's do
         r = requests.post(f"{url}/v1/completions", json={"model": "a9", "prompt": "w3", "max_tokens": 2},
                           headers={"Authorization": f"Bearer {API_KEY}"})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"

@@ -84,12 +84,6 @@ class CpuBackend(Backend):
                    "layers unrolled)"
         return "backend cpu (the packed C++ matmul; layers unrolled)"
 
-    @property
-    def lora_dtype(self) -> jnp.dtype:
-        # The adapters' values are cast to the model's dtype and held in float32, the dtype this backend
-        # computes in: XLA:CPU's dot of float32 activations with bf16 weights runs ~3x slower.
-        return jnp.dtype(jnp.float32)
-
     def prepare_layers(self, layers: list[LayerWeights]) -> list[PackedLayerWeights]:
         """Layer by layer (unrolled: one LayerWeights per layer), so that at most one layer's weights
         exist twice at a time."""

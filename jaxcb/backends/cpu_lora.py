@@ -9,7 +9,8 @@ times as long at these thin shapes).
     down     hidden @ A_down -> masked -> @ B_down, added to the residual
 
 The masks zero every column outside a row's slot (`jaxcb.model.lora.lora_row_mask`). Packed once per
-slot write (`pack_lora_layers`, one compiled program), float32.
+slot write (`pack_lora_layers`, one compiled program) in the model's dtype: a bf16 model's adapters
+run on the bf16 matmul path as its layers do (x rounded to bf16 at each product).
 """
 
 from __future__ import annotations

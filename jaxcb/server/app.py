@@ -202,7 +202,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
                              cfg.server.structured_outputs_in_reasoning)
         await compile_grammar(state, plan.planned)
         streams = await _start(state, plan.planned)
-        writer = ResponseWriter(req, plan.planned.chat, state.model_name, state.client.tokenizer)
+        writer = ResponseWriter(req, plan.planned.chat, req.model, state.client.tokenizer)
         streams = _traced(request, streams, plan.planned, writer.id)
 
         def store(response: dict) -> None:  # `store` says whether it was kept (not with responses_store_size=0)

@@ -116,4 +116,4 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             choices.append(choice)
     make = fmt.chat_response if body.is_chat else fmt.completion_response
-    return make(rid, state.model_name, choices, *usage_of(finals))
+    return make(rid, req.model, choices, *usage_of(finals))

@@ -166,11 +166,11 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             if first and req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
-            yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [choice]))
+            yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [choice]))
         if out.finished:
             finals[p_idx] = out
     if include_usage:
-        yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [], fmt.usage(*usage_of(list(finals.values())))))
+        yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [], fmt.usage(*usage_of(list(finals.values())))))
     yield fmt.SSE_DONE
 
 
@@ -209,7 +209,7 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     final = None
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+        yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice]))
     async for _, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
@@ -233,9 +233,9 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             if req.prompt_logprobs is not None and c.index not in sent_prompt:
                 sent_prompt.add(c.index)
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
-            yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+            yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice]))
         if out.finished:
             final = out
     if include_usage and final is not None:
-        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [], fmt.usage(*usage_of([final]))))
+        yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [], fmt.usage(*usage_of([final]))))
     yield fmt.SSE_DONE
