@@ -154,6 +154,9 @@ class Engine:
                 lora_buffers = empty_lora_weights(backend.cfg, cfg.lora.max_loras, cfg.lora.max_rank,
                                                   stacked=not backend.unroll_layers, dtype=backend.lora_dtype)
                 weights = weights._replace(lora=backend.prepare_lora(lora_buffers))
+                log.info("LoRA: %d slots of rank %d: %.1f MiB of slot buffers beside the weights", cfg.lora.max_loras,
+                         cfg.lora.max_rank, sum(a.nbytes for a in jax.tree.leaves((lora_buffers, weights.lora)))
+                         / 2**20)
             del model
             gc.collect()  # the checkpoint layout's arrays go now, so that the device's statistics show them gone
         with self.startup.phase("plan"):
