@@ -210,3 +210,19 @@ def test_a_bf16_model_serves_its_adapters_in_bf16_close_to_fp32_transformers(che
         reference = logprobs(merged[name], prompt + c.token_ids[:-1])[len(prompt) - 1 :]
         worst = max(abs(lp - reference[i, t]) for i, entries in enumerate(c.logprobs) for t, lp in entries.items())
         assert worst <= 0.02, (name, worst)
+
+
+def test_ngram_speculation_verifies_each_adapters_drafts_with_that_adapter(checkpoints):
+    """Drafts are rows of the step like any token: each carries its sequence's adapter slot, so the
+    tokens are those of transformers with the adapter merged, speculation on."""
+    base_dir, adapters, merged = checkpoints
+    llm = LLM(compose_config(lora_overrides(base_dir, adapters, "model.backend=cpu", "speculative.method=ngram",
+                                            "speculative.disable_by_batch_size=8")), progress=False)
+    prompt = [1] + [5, 9, 77, 3] * 6  # repetitive: the proposer finds continuations
+    names = [None, "a1", "a2"]
+    outs = llm.generate([prompt] * 3, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                        use_tqdm=False, lora=names)
+    for name, out in zip(names, outs):
+        assert out.outputs[0].token_ids == greedy_tokens(merged[name], prompt, 12), name
+    assert llm.engine.speculation.stats.num_draft_tokens > 0
+    assert llm.engine.num_recompiles == 0

@@ -7,6 +7,8 @@ from jaxcb.config import SchedulerConfig
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.core.lora_slots import LoraSlotTable
 from jaxcb.core.scheduler import Scheduler
+from jaxcb.core.sequence import RequestStatus
+from jaxcb.core.step import RunnerOutput, SampledToken
 
 
 def lora_scheduler(num_slots: int) -> tuple[Scheduler, LoraSlotTable]:
@@ -52,3 +54,34 @@ def test_the_least_recently_used_idle_slot_is_reused_and_a_resident_adapter_is_n
     assert slots.acquire(again) and slots.take_loads() == [(0, "a"), (1, "b")]  # a still resident: no load
     assert slots.acquire(seqs["c"]) and seqs["c"].lora_slot == 1 and slots.take_loads() == [(1, "c")]
     assert "b" not in slots.slot_of
+
+
+def test_through_preemption_every_scheduled_row_carries_the_slot_its_adapter_is_in():
+    """Few blocks and slots: sequences are preempted (their slots released) and come back, perhaps to
+    another slot; in every step each sequence's slot holds its own adapter, and one slot one adapter."""
+    slots = LoraSlotTable(2)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32), BlockPool(9), BLOCK, 256,
+                      lora_slots=slots)
+    seqs = [with_adapter(8, name, max_tokens=16) for name in ("a", "b", "c", None, "a", "c")]
+    for seq in seqs:
+        sched.add_request(seq)
+    loaded: dict[int, str] = {}
+    for _ in range(400):
+        if not sched.num_unfinished:
+            break
+        out = sched.schedule()
+        for slot, name in slots.take_loads():
+            loaded[slot] = name
+        by_id = {s.seq_id: s for s in seqs}
+        for s in out.scheduled:
+            name = by_id[s.seq_id].lora_name
+            assert (s.lora_slot == -1) == (name is None)
+            if name is not None:
+                assert loaded[s.lora_slot] == name
+        sched.commit(out)
+        update = {s.seq_id: SampledToken(7) for s in out.scheduled if s.samples}
+        for request, _, _ in sched.update(out, RunnerOutput(update)):
+            if request.num_output_tokens >= request.sampling_params.max_tokens:
+                sched.finish(request.seq_id, RequestStatus.FINISHED_LENGTH)
+    assert not sched.num_unfinished and sched.num_preemptions > 0
+    assert slots.num_held == 0 and sched.pool.num_free_blocks == sched.pool.num_blocks - 1
