@@ -6,15 +6,16 @@ Every targeted projection (q/k/v/o, gate/up/down) has two preallocated buffers p
     A  [in, S, R]   slot s's A in [:, s, :]   (rank padded with zeros)
     B  [S, R, out]  slot s's B (its scale folded in) in [s]
 
-They are arguments of the compiled step (`StepWeights.lora`), never constants: loading an adapter
-into a slot replaces the arrays, and the same executable serves any mix of adapters. Each token
-row carries its slot (`lora_ids`, -1 for the base); the update of a projection over the flat batch
-is grouped by slot with a one-hot mask:
+They are arguments of the compiled step (`StepWeights.lora`, as the backend prepares them:
+`Backend.prepare_lora`), never constants: loading an adapter into a slot makes new arrays, and the
+same executable serves any mix of adapters. Each token row carries its slot (`lora_ids`, -1 for the
+base), turned once per step into a mask over the slots' rank columns (`lora_row_mask`); the update
+of a projection over the flat batch is grouped by slot with it:
 
-    x [T, in] @ A [in, S R] -> [T, S, R], times onehot(slot) [T, S, 1] -> [T, S R] @ B [S R, out]
+    x [T, in] @ A [in, S R] -> [T, S R], times the rows' masks [T, S R] -> @ B [S R, out]
 
 so each row meets only its own slot's A and B, and a base row's update is exactly zero. Its cost
-is the same for any mix (2 S R (in + out) flops a token and projection); `benchmarks/lora.py`
+is the same for any mix (2 S R (in + out) multiply-adds a token and projection); `benchmarks/lora.py`
 measures it against the base.
 """
 
