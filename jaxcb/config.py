@@ -163,6 +163,28 @@ class SpeculativeConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Multi-LoRA serving (jaxcb/lora/): PEFT adapters over the one base model, any mix per step."""
+
+    # Start-up adapters, {name: PEFT directory}; a request's `model` names one of them or the base.
+    # (Optional so that `lora.adapters={a: /path}` on the command line replaces it rather than merging
+    # into a struct node, which Hydra refuses.)
+    adapters: Any = None  # {name: path}
+    enable: bool = False  # compile LoRA in even with no start-up adapter (for run-time loading); on when adapters is not empty
+    max_loras: int = 4  # device slots: adapters a single step can mix (more wait for a slot, least recently used swapped out)
+    max_rank: int = 16  # largest rank an adapter may have (slots are this wide; a smaller rank is zero-padded)
+    max_cpu_loras: Optional[int] = None  # adapters held in host memory at once (loaded ones); None: max(max_loras, start-up adapters)
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable or bool(self.adapters)
+
+    @property
+    def start_up_adapters(self) -> dict[str, str]:
+        return dict(self.adapters or {})
+
+
+@dataclass
 class DistributedConfig:
     """Multi-host JAX: `jax.distributed.initialize` arguments; all null (one host) skips it."""
 
@@ -266,6 +288,8 @@ class ServerConfig:
     routing_index_blocks: Optional[int] = None
     routing_max_imbalance: float = 2.0  # prefix_aware: see routing
     routing_imbalance_slack_tokens: int = 2048  # prefix_aware: see routing (lets an idle cluster follow prefixes)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind api_key); false: both are 404s.
+    allow_runtime_lora: bool = False
 
 
 @dataclass
@@ -344,6 +368,7 @@ class Config:
     bench: BenchConfig = field(default_factory=BenchConfig)
     job: JobConfig = field(default_factory=JobConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     input: Optional[str] = None  # scripts/generate.py: a JSONL job to run instead of generate.prompts
     output: Optional[str] = None  # scripts/generate.py: where the job's results go (appended; resumable)
@@ -362,6 +387,7 @@ def register_configs() -> None:
         ("server", ServerConfig),
         ("job", JobConfig),
         ("speculative", SpeculativeConfig),
+        ("lora", LoraConfig),
         ("ray", RayConfig),
     ):
         cs.store(group=group, name=f"base_{group}", node=node)

@@ -127,6 +127,7 @@ def validate_config(cfg: Config) -> None:
         f"engine.tensor_parallel_size={e.tensor_parallel_size} must be >= 1 (1: one device, no sharding)",
     )
     validate_distributed_config(e.distributed)
+    validate_lora_config(cfg)
     require(1 <= srv.port <= 65535, f"server.port={srv.port} must be in 1..65535")
     require(
         srv.metrics_prefix in ("jaxcb", "vllm"),
@@ -382,3 +383,29 @@ def validate_model_config(m: ModelConfig) -> None:
             f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3', 'yarn', 'linear' or "
             f"set model.rope_scaling=null",
         )
+
+
+def validate_lora_config(cfg: Config) -> None:
+    """lora.*: ranges, and what LoRA cannot be served with (the adapters' own files are checked at start-up)."""
+    lo = cfg.lora
+    require(lo.adapters is None or isinstance(lo.adapters, dict),
+            f"lora.adapters={lo.adapters!r} must be a mapping {{name: PEFT directory}}, e.g. lora.adapters={{sql: /ckpt/sql}}")
+    require(lo.max_loras >= 1, f"lora.max_loras={lo.max_loras} must be >= 1")
+    require(lo.max_rank >= 1, f"lora.max_rank={lo.max_rank} must be >= 1")
+    require(lo.max_cpu_loras is None or lo.max_cpu_loras >= max(lo.max_loras, len(lo.start_up_adapters)),
+            f"lora.max_cpu_loras={lo.max_cpu_loras} must be >= lora.max_loras={lo.max_loras} and >= the "
+            f"{len(lo.start_up_adapters)} adapters of lora.adapters, or null")
+    for name, path in lo.start_up_adapters.items():
+        require(isinstance(name, str) and name.strip() == name and name != "" and "/" not in name,
+                f"lora.adapters: the name {name!r} must be a non-empty word without '/' or surrounding spaces")
+        require(isinstance(path, str) and path != "", f"lora.adapters.{name}={path!r} must be a PEFT directory")
+    if not lo.enabled:
+        require(not cfg.server.allow_runtime_lora,
+                "server.allow_runtime_lora=true needs LoRA compiled in: set lora.enable=true (or lora.adapters)")
+        return
+    require(cfg.engine.tensor_parallel_size == 1,
+            f"LoRA (lora.adapters / lora.enable) is not served with engine.tensor_parallel_size="
+            f"{cfg.engine.tensor_parallel_size} yet: use engine.tensor_parallel_size=1, or serve without adapters")
+    require(cfg.server.backend == "local",
+            f"LoRA (lora.adapters / lora.enable) is not served with server.backend={cfg.server.backend!r} yet: "
+            "use server.backend=local")

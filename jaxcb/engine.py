@@ -30,7 +30,9 @@ from tqdm import tqdm
 
 from jaxcb.core.block_hash import model_root
 from jaxcb.core.block_pool import BlockPool
-from jaxcb.config import Config
+from jaxcb.config import Config, ConfigError
+from jaxcb.lora.manager import LoraManager
+from jaxcb.model.lora import empty_lora_weights, slot_values
 from jaxcb.engine_stats import EMPTY_STEP, EngineStats
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.backends import select_backend
@@ -84,6 +86,26 @@ def enable_compilation_cache(directory: Optional[str]) -> str:
     return directory
 
 
+def make_lora_manager(cfg: Config, arch) -> Optional[LoraManager]:
+    """The engine's adapters, with lora.adapters loaded and checked; None when LoRA is off."""
+    if not cfg.lora.enabled:
+        return None
+    from jaxcb.server.protocol import served_model_name
+
+    manager = LoraManager(cfg.lora, arch, served_model_name(cfg))
+    problems = []
+    for name, path in cfg.lora.start_up_adapters.items():
+        try:
+            manager.load(name, path)
+        except InvalidRequestError as e:
+            problems.append(str(e))
+    if problems:
+        raise ConfigError("lora.adapters: " + " ".join(problems))
+    log.info("LoRA: %d adapters loaded (%s), %d device slots of rank %d", len(manager.adapters),
+             ", ".join(manager.adapters) or "none yet", cfg.lora.max_loras, cfg.lora.max_rank)
+    return manager
+
+
 def make_speculation(cfg: Config, platform: str) -> Optional[Speculation]:
     """The scheduler's proposer and back-off for `speculative.*`, or None when it is off (logged)."""
     sp = cfg.speculative
@@ -113,6 +135,7 @@ class Engine:
         tp_size = cfg.engine.tensor_parallel_size
         self.tp = make_tensor_parallel(tp_size, arch)
         self.max_model_len = cfg.engine.max_model_len or arch.max_position_embeddings
+        self.lora = make_lora_manager(cfg, arch)  # start-up adapters read and checked before any weight
         memory = read_device_memory()
         if memory is not None:  # weights that cannot be loaded and prepared fail here, in a sentence
             backend = select_backend(cfg.model, arch, cfg.attention, mesh=self.tp.mesh if self.tp is not None else None)
@@ -126,6 +149,14 @@ class Engine:
         self.eos_token_ids = tuple(self.tokenizer.eos_token_ids or ())
         with self.startup.phase("prepare"):  # before the cache is planned: the prepare copy needs room
             weights = backend.prepare(model, self.max_model_len, self.tp.replicated if self.tp is not None else None)
+            lora_buffers = None
+            if self.lora is not None:  # the adapters' slots, planned with the weights, before the cache
+                lora_buffers = empty_lora_weights(backend.cfg, cfg.lora.max_loras, cfg.lora.max_rank,
+                                                  stacked=not backend.unroll_layers, dtype=backend.lora_dtype)
+                weights = weights._replace(lora=backend.prepare_lora(lora_buffers))
+                log.info("LoRA: %d slots of rank %d: %.1f MiB of slot buffers beside the weights", cfg.lora.max_loras,
+                         cfg.lora.max_rank, sum(a.nbytes for a in jax.tree.leaves((lora_buffers, weights.lora)))
+                         / 2**20)
             del model
             gc.collect()  # the checkpoint layout's arrays go now, so that the device's statistics show them gone
         with self.startup.phase("plan"):
@@ -180,6 +211,7 @@ class Engine:
             host_pool=host_pool,
             block_growth=cache_block_growth(cfg.cache, backend.attention.name),
             speculation=self.speculation,
+            lora_slots=self.lora.slots if self.lora is not None else None,
         )
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
         buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name,
@@ -203,11 +235,14 @@ class Engine:
             compile_rare_variants=when,
             compile_inline=platform == "cpu",  # XLA:CPU: never a compile beside a step (runner/compiler.py)
             max_drafts=max_drafts,
+            lora_buffers=lora_buffers,
         )
-        del weights, kv_cache  # the runner holds them
+        del weights, kv_cache, lora_buffers  # the runner holds them
         if compile_buckets:
             with self.startup.phase("compile"):
                 self.runner.compile_all(progress=progress)
+                if self.lora is not None:  # the slot writer, so that no adapter load compiles while serving
+                    self._write_lora_slot(0, None)
         self.memory_report = report_memory(self.runner.weights, plan, workspace, self.runner.compiled.values(),
                                            read_device_memory())
         log.info("%s", self.memory_report)
@@ -266,6 +301,7 @@ class Engine:
         queue_timeout_s: Optional[float] = None,
         cache_salt: Optional[str] = None,
         background: bool = False,
+        lora: Optional[str] = None,
     ) -> str:
         """Queue a request; raise InvalidRequestError (nothing queued) if it can never be served.
 
@@ -277,8 +313,11 @@ class Engine:
         it has, finish_reason "timeout". Either frees its blocks at once. `cache_salt` (a tenant's
         non-empty string): it shares cached prefix blocks only with requests that give the same salt
         (and no salt only with no salt). `background` (batch work): it yields to every other request,
-        admitted after them and preempted first, whatever the scheduler's policy."""
+        admitted after them and preempted first, whatever the scheduler's policy. `lora`: the name of a
+        loaded LoRA adapter to run it with (as a request's `model` names it); None or the base model's name:
+        the base model."""
         params = params or SamplingParams()
+        adapter = self._lora_adapter(lora)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string, or left out", "cache_salt")
         kind = output_kind or (OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
@@ -317,11 +356,15 @@ class Engine:
                     sample_index=i,
                     parent_id=group.seqs[0].seq_id if i else None,
                     cache_salt=cache_salt,
+                    lora_name=adapter.name if adapter is not None else None,
+                    lora_identity=self.lora.identity(adapter) if adapter is not None else None,
                     group_id=request_id,
                     constraint=new_constraint() if new_constraint is not None else None,
                 )
             )
         self.output.add(group)
+        if adapter is not None:
+            self.lora.requests_per_adapter[adapter.name] += 1
         needed = variant_needed(params)
         if needed is not None and self.runner.compiler.serve(needed) is None:
             # Its step variant is still compiling (engine.compile_rare_variants): it waits, nothing else does.
@@ -330,6 +373,47 @@ class Engine:
             for seq in group.seqs:
                 self.scheduler.add_request(seq)
         return request_id
+
+    def _lora_adapter(self, name: Optional[str]):
+        """The adapter a request names, or None for the base; InvalidRequestError ("model") for an unknown name."""
+        if self.lora is None:
+            if name is not None and name != self.served_model_name:
+                raise InvalidRequestError(f"model {name!r} is not served here: no LoRA adapters are loaded "
+                                          "(lora.adapters)", "model")
+            return None
+        return self.lora.resolve(name)
+
+    @property
+    def served_model_name(self) -> str:
+        from jaxcb.server.protocol import served_model_name
+
+        return served_model_name(self.cfg)
+
+    # --- LoRA adapters at run time ---------------------------------------------------------------
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load a PEFT adapter that requests may then name; InvalidRequestError if it cannot be served."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not compiled in: start with lora.enable=true (or lora.adapters)",
+                                      "lora_name")
+        self.lora.load(name, path)
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Refuse new requests for the adapter at once; it goes when its running requests finish (each
+        step checks). True when it is gone already."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not compiled in: no adapter is loaded", "lora_name")
+        self.lora.unloading_in_use = self._adapter_in_use
+        return self.lora.unload(name)
+
+    def _adapter_in_use(self, name: str) -> bool:
+        return any(seq.lora_name == name for seq in self.scheduler.sequences.values()) or any(
+            seq.lora_name == name for _, seqs in self._held for seq in seqs)
+
+    def _write_lora_slot(self, slot: int, adapter_weights: Optional[dict]) -> None:
+        backend = self.runner.backend
+        self.runner.write_lora_slot(slot, slot_values(adapter_weights, self.model_config, self.cfg.lora.max_rank,
+                                                      stacked=not backend.unroll_layers, dtype=backend.lora_dtype))
 
     def _release_held(self) -> None:
         """Queue the held requests whose step variant has become ready; forget aborted and expired ones."""
@@ -447,6 +531,8 @@ class Engine:
         if self._held:
             self._release_held()
         sched_out = self.scheduler.schedule()
+        if self.lora is not None:  # the adapters this step's sequences took slots for, written before it runs
+            self.lora.write_slots(self._write_lora_slot)
         handle = None
         if not sched_out.is_empty:
             handle = self.runner.dispatch(sched_out)
@@ -462,6 +548,8 @@ class Engine:
         if self.cfg.engine.async_scheduling:
             handle, self._in_flight = self._in_flight, handle
         outputs = expired + (self._process(handle) if handle is not None else [])
+        if self.lora is not None and self.lora.unloading:
+            self.lora.finish_unloads()
         self.last_stats = self._snapshot(handle)
         return outputs, self.last_stats
 
@@ -487,7 +575,19 @@ class Engine:
             num_steps=self._num_dispatched, num_preemptions=sched.num_preemptions,
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
             num_recompiles=self.runner.num_recompiles, aborted_request_ids=aborted, **self._speculation_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+        sched, lo = self.scheduler, self.lora
+        running = tuple(sorted({s.lora_name for s in sched.running if s.lora_name is not None}))
+        waiting = tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name is not None}))
+        totals = tuple((name, lo.requests_per_adapter[name], lo.tokens_per_adapter[name])
+                       for name in sorted(lo.requests_per_adapter))
+        return dict(lora_running_adapters=running, lora_waiting_adapters=waiting, max_lora=lo.cfg.max_loras,
+                    lora_totals=totals)
 
     def _speculation_stats(self) -> dict:
         if self.speculation is None:
@@ -508,6 +608,11 @@ class Engine:
             seq = self.scheduler.sequences.get(seq_id)
             if seq is not None:
                 self.output.record_prompt_logprobs(seq.group_id, entries)
+        if self.lora is not None:  # tokens per adapter, for the metrics
+            for seq_id, token in runner_out.sampled.items():
+                seq = self.scheduler.sequences.get(seq_id)
+                if seq is not None and seq.lora_name is not None:
+                    self.lora.tokens_per_adapter[seq.lora_name] += len(runner_out.verified.get(seq_id, (token,)))
         outputs, stops = self.output.process(self.scheduler.update(sched_out, runner_out))
         for seq, status in stops:
             self.scheduler.finish(seq.seq_id, status)
@@ -534,17 +639,23 @@ class LLM:
         sampling_params: Union[SamplingParams, abc.Sequence[SamplingParams], None] = None,
         *,
         use_tqdm: bool = True,
+        lora: Union[str, None, abc.Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
+        """`lora`: the LoRA adapter (a loaded one's name, as a request's `model` names it) every prompt runs
+        with, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(adapters)} LoRA adapters (lora=)")
         ids = []
         try:
-            for prompt, params in zip(prompts, sampling_params):
-                ids.append(self.engine.add_request(prompt, params, final_only=True))
+            for prompt, params, adapter in zip(prompts, sampling_params, adapters):
+                ids.append(self.engine.add_request(prompt, params, final_only=True, lora=adapter))
         except Exception:
             for rid in ids:  # nothing half-queued stays behind
                 self.engine.abort(rid)

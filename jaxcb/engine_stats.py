@@ -40,6 +40,12 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0  # of those, accepted
     spec_accepted_per_position: tuple[int, ...] = field(default=())  # [k]: accepted at each draft position
     spec_num_unspeculated_requests: int = 0  # requests that decoded without it (constraints, prompt_logprobs)
+    # LoRA (all empty with it off): the adapters of running and waiting sequences, the slots, and per
+    # adapter (name, requests added, tokens generated) since start-up.
+    lora_running_adapters: tuple[str, ...] = ()
+    lora_waiting_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
+    lora_totals: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def spec_mean_accepted_length(self) -> float:

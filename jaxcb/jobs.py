@@ -158,7 +158,8 @@ def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, Ch
                                        cfg.server.structured_outputs_in_reasoning)
     else:
         planned = plan_completion(req)
-    if req.model is not None and req.model != served_model_name(cfg):
+    if req.model is not None and req.model != served_model_name(cfg) and not cfg.lora.enabled:
+        # (with LoRA, Engine.add_request checks the name: the base's or a loaded adapter's)
         raise InvalidRequestError(f"model {req.model!r} is not the model of this job ({served_model_name(cfg)!r}); "
                                   "drop model or give that name", "model")
     if req.stream or req.stream_options is not None:
@@ -314,7 +315,8 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 pending = _PendingRecord(rec.id, req, planned, [None] * len(planned.prompts))
                 for i, prompt in enumerate(planned.prompts):
                     rid = engine.add_request(prompt, planned.params, priority=planned.priority, final_only=True,
-                                             cache_salt=planned.cache_salt, timeout_s=planned.timeout)
+                                             cache_salt=planned.cache_salt, timeout_s=planned.timeout,
+                                             lora=planned.model)
                     added.append(rid)
                     in_flight[rid] = (pending, i)
             except (InvalidRequestError, EngineOverloadedError) as e:
@@ -345,7 +347,8 @@ async def serve_planned(client: "EngineClient", planned: PlannedRequest, *, dead
         try:
             for prompt in planned.prompts:
                 streams.append(await client.add(prompt, planned.params, priority=planned.priority, deadlines=deadlines,
-                                                cache_salt=planned.cache_salt, background=background))
+                                                cache_salt=planned.cache_salt, background=background,
+                                                lora=planned.model))
             break
         except EngineOverloadedError as e:
             for stream in streams:

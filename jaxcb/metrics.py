@@ -174,6 +174,15 @@ class EngineMetrics:
         self.spec_unspeculated = counter(
             "spec_decode_num_unspeculated_requests",
             "Requests decoded without speculation (token constraints, prompt_logprobs) while it is on.")
+        # LoRA: vLLM's info gauge (its labels name the running and waiting adapters; its value the time
+        # it was set) and, per adapter, requests and generated tokens.
+        self.lora_info = Gauge(series_names(prefix, "lora_requests_info")[0], "Running and waiting LoRA adapters.",
+                               list(lbl) + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_info_labels: Optional[tuple] = None
+        self.lora_requests = labelled_counter("lora_requests", "Requests added, by LoRA adapter.", "lora_name")
+        self.lora_tokens = labelled_counter("lora_generation_tokens", "Generated tokens, by LoRA adapter.",
+                                            "lora_name")
+        self._lora_last: dict[str, tuple[int, int]] = {}
         # No counter of failed KV block allocations: the scheduler answers one by preempting
         # (num_preemptions), and requests that could never fit are refused up front (request_rejected).
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "recompiles": 0, "drafts": 0, "draft_tokens": 0,
@@ -226,6 +235,8 @@ class EngineMetrics:
         self._advance(self.spec_draft_tokens, "draft_tokens", stats.spec_num_draft_tokens)
         self._advance(self.spec_accepted, "accepted", stats.spec_num_accepted_tokens)
         self._advance(self.spec_unspeculated, "unspeculated", stats.spec_num_unspeculated_requests)
+        if stats.max_lora:
+            self._read_lora(stats)
         per_pos = stats.spec_accepted_per_position
         if per_pos != tuple(self._last_per_pos):
             self._last_per_pos += [0] * (len(per_pos) - len(self._last_per_pos))
@@ -233,6 +244,22 @@ class EngineMetrics:
                 if n > self._last_per_pos[i]:
                     self.spec_accepted_per_pos.labels(**self.labels, position=str(i)).inc(n - self._last_per_pos[i])
                     self._last_per_pos[i] = n
+
+    def _read_lora(self, stats: EngineStats) -> None:
+        values = (*self.labels.values(), str(stats.max_lora), ",".join(stats.lora_running_adapters),
+                  ",".join(stats.lora_waiting_adapters))
+        if values != self._lora_info_labels:  # one series at a time: the previous label set goes
+            if self._lora_info_labels is not None:
+                self.lora_info.remove(*self._lora_info_labels)
+            self._lora_info_labels = values
+        self.lora_info.labels(*values).set(time.time())
+        for name, requests, tokens in stats.lora_totals:
+            last_requests, last_tokens = self._lora_last.get(name, (0, 0))
+            if requests > last_requests:
+                self.lora_requests.labels(**self.labels, lora_name=name).inc(requests - last_requests)
+            if tokens > last_tokens:
+                self.lora_tokens.labels(**self.labels, lora_name=name).inc(tokens - last_tokens)
+            self._lora_last[name] = (max(requests, last_requests), max(tokens, last_tokens))
 
     def _observe_request(self, out: RequestOutput, now: float) -> None:
         rid = out.request_id

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig
+from jaxcb.model.lora import LoraRows, lora_delta
 from jaxcb.sampling import Argmax, xla_argmax
 from jaxcb.sharding import TP_AXIS
 from jaxcb.model.llama import (LayerWeights, Llama, StepWeights, apply_rope, build_local_rope_table,
@@ -156,6 +157,11 @@ class Backend:
     argmax: Argmax = xla_argmax  # the row argmax that sampling uses (same indices whatever it is)
     name = "xla"
 
+    @property
+    def lora_dtype(self) -> jnp.dtype:
+        """The LoRA slot buffers' dtype: the model's (the adapters are cast to it either way)."""
+        return jnp.dtype(self.cfg.dtype)
+
     def describe(self) -> str:
         return f"backend {self.name} (XLA's dot; layers {'unrolled' if self.unroll_layers else 'scanned'})"
 
@@ -224,6 +230,7 @@ class Backend:
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
         window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window; None: no layer has one
+        lora: Optional[LoraRows] = None,  # each row's adapter; None: no LoRA
     ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
         x = self.norm(h, w.attn_norm)
         if isinstance(w, FusedLayerWeights):  # one matmul; each device group's q, k, v sliced out
@@ -237,7 +244,30 @@ class Backend:
             q, k, v = (jnp.einsum("td,dhk->thk", x, p) for p in (w.q_proj, w.k_proj, w.v_proj))
             if w.q_bias is not None:
                 q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
+        if lora is not None:
+            q, k, v = self.add_lora_qkv(x, q, k, v, lora)
         return self.rope_write_and_attend(w, q, k, v, rope, cache, layer, md, window)
+
+    # --- LoRA: each row's low-rank update (`jaxcb.model.lora`) ----------------------------------
+
+    def prepare_lora(self, buffers):
+        """The LoRA slot buffers as `lora_update` reads them (here: as they are). Called after every slot
+        write: it must compile once (a jitted function) and hold no more than one prepared copy."""
+        return buffers
+
+    def lora_update(self, x: jax.Array, lora: LoraRows, name: str, residual: Optional[jax.Array] = None
+                    ) -> jax.Array:
+        """[T, in] -> [T, out]: each row's x @ A @ B for projection `name` (zero on base rows), plus
+        `residual` if given."""
+        delta = lora_delta(x, getattr(lora.weights, name), lora.mask)
+        return delta if residual is None else residual + delta.astype(residual.dtype)
+
+    def add_lora_qkv(self, x: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, lora: LoraRows
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q/k/v ([T, H, K] each) plus each row's LoRA update from the normed input x [T, D]."""
+        q, k, v = (self.lora_update(x, lora, name, p.reshape(p.shape[0], -1)).reshape(p.shape)
+                   for p, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))
+        return q, k, v
 
     def rope_write_and_attend(self, w, q, k, v, rope, cache: KVCache, layer, md: AttentionMetadata, window):
         """q/k norms (where the family has them), rope, then the form's write and attend: the part of
@@ -258,11 +288,14 @@ class Backend:
     def sm_scale(self) -> float:
         return 1.0 / math.sqrt(self.cfg.query_pre_attn_scalar or self.cfg.head_dim)
 
-    def add_attention_output(self, w: LayerWeights, h: jax.Array, attn: jax.Array) -> jax.Array:
+    def add_attention_output(self, w: LayerWeights, h: jax.Array, attn: jax.Array,
+                             lora: Optional[LoraRows] = None) -> jax.Array:
         out = jnp.einsum("thk,hkd->td", attn, w.o_proj)
+        if lora is not None:
+            out = self.lora_update(attn.reshape(attn.shape[0], -1), lora, "o_proj", out)
         return h + (out if w.post_attn_norm is None else self.norm(out, w.post_attn_norm))
 
-    def add_mlp(self, w: LayerWeights, h: jax.Array) -> jax.Array:
+    def add_mlp(self, w: LayerWeights, h: jax.Array, lora: Optional[LoraRows] = None) -> jax.Array:
         x = self.norm(h, w.mlp_norm)
         if isinstance(w, FusedLayerWeights):
             gate_up = jnp.einsum("td,dgcf->tgcf", x, w.gate_up_proj)
@@ -270,8 +303,12 @@ class Backend:
         else:
             gate = jnp.einsum("td,df->tf", x, w.gate_proj)
             up = jnp.einsum("td,df->tf", x, w.up_proj)
+        if lora is not None:
+            gate, up = self.lora_update(x, lora, "gate_proj", gate), self.lora_update(x, lora, "up_proj", up)
         act = jax.nn.silu(gate) if self.cfg.hidden_act == "silu" else jax.nn.gelu(gate, approximate=True)
         out = jnp.einsum("tf,fd->td", act * up, w.down_proj)
+        if lora is not None:
+            out = self.lora_update(act * up, lora, "down_proj", out)
         return h + (out if w.post_mlp_norm is None else self.norm(out, w.post_mlp_norm))
 
     def head_weights(self, w: StepWeights) -> StepWeights:

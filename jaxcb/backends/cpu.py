@@ -29,6 +29,7 @@ from jaxcb.kernels.packed_matmul import (
     pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
 )
 from jaxcb.model.llama import LayerWeights, Llama
+from jaxcb.model.lora import LoraLayerWeights, LoraModule, LoraRows, module_dims
 
 
 class PackedLayerWeights(NamedTuple):
@@ -61,6 +62,15 @@ class PackedLayerWeights(NamedTuple):
         )
 
 
+@jax.jit
+def _pack_lora(buffers: list[LoraLayerWeights]) -> list[LoraLayerWeights]:
+    def pack(m: LoraModule) -> LoraModule:
+        d_in, num_slots, rank = m.a.shape
+        return LoraModule(pack_columns(m.a.reshape(d_in, num_slots * rank)), pack_columns(m.b.reshape(num_slots * rank, -1)))
+
+    return [LoraLayerWeights(*(pack(m) for m in layer)) for layer in buffers]
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuBackend(Backend):
     unroll_layers: bool = True
@@ -91,11 +101,12 @@ class CpuBackend(Backend):
         return head
 
     def self_attention(self, w: PackedLayerWeights, h, rope, cache: KVCache, layer, md: AttentionMetadata,
-                       window=None):
+                       window=None, lora: Optional[LoraRows] = None):
         cfg = self.cfg
         h = h.astype(jnp.float32)  # a bf16 model's embeddings: the stream is float32 from here
         llama_attention = w.qkv_bias is None and w.q_norm is None
-        if self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES and llama_attention:
+        fused = self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES and llama_attention
+        if fused and lora is None:
             # q/k/v, rope and the cache write in one kernel call, then attention over the cache. (A
             # family with q/k/v biases or q/k norms takes the path below: its projections, then XLA.)
             q, k_cache, v_cache = packed_qkv(h, w.qkv_proj, w.attn_norm, cfg.rms_norm_eps, *rope, cache.k, cache.v,
@@ -109,15 +120,45 @@ class CpuBackend(Backend):
         q_, k_, v_ = (qkv[:, :q].reshape(-1, cfg.num_heads, cfg.head_dim),
                       qkv[:, q : q + kv].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
                       qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+        if lora is not None:  # the low-rank update beside the packed matmul, from the same normed input
+            q_, k_, v_ = self.add_lora_qkv(self.norm(h, w.attn_norm), q_, k_, v_, lora)
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
 
-    def add_attention_output(self, w: PackedLayerWeights, h, attn):
+    def add_attention_output(self, w: PackedLayerWeights, h, attn, lora: Optional[LoraRows] = None):
         attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
-        return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=h.astype(jnp.float32))
+        residual = h.astype(jnp.float32)
+        if lora is not None:  # folded into the residual the kernel adds
+            residual = self.lora_update(attn, lora, "o_proj", residual)
+        return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual)
 
-    def add_mlp(self, w: PackedLayerWeights, h):
-        return packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm,
-                          eps=self.cfg.rms_norm_eps, residual=h)
+    def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None):
+        if lora is None:
+            return packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm,
+                              eps=self.cfg.rms_norm_eps, residual=h)
+        # With LoRA gate and up need their updates before the activation: the fused MLP kernel is split
+        # into its two matmuls. gate_up's panels come in (gate, up) pairs of 16 columns (`pack_gate_up`).
+        h = h.astype(jnp.float32)
+        num_panels, f = w.gate_up_proj.shape[0] // 2, self.cfg.intermediate_size
+        pairs = packed_matmul(h, w.gate_up_proj, 2 * num_panels * 16, norm=w.mlp_norm, eps=self.cfg.rms_norm_eps)
+        pairs = pairs.reshape(-1, num_panels, 2, 16)
+        gate, up = (pairs[:, :, c].reshape(-1, num_panels * 16)[:, :f] for c in (0, 1))
+        x = self.norm(h, w.mlp_norm)
+        gate, up = self.lora_update(x, lora, "gate_proj", gate), self.lora_update(x, lora, "up_proj", up)
+        hidden = jax.nn.silu(gate) * up
+        residual = self.lora_update(hidden, lora, "down_proj", h)
+        return packed_matmul(hidden, w.down_proj, self.cfg.hidden_size, residual=residual)
+
+    def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[LoraLayerWeights]:
+        """Each slot buffer packed for `packed_matmul` (A as [in, S R], B as [S R, out]): the update's
+        two products run in the C++ kernel beside the layer's, not as XLA:CPU dots (~10x the time for
+        these thin shapes). Float32 (`lora_dtype`)."""
+        return _pack_lora(buffers)
+
+    def lora_update(self, x, lora: LoraRows, name: str, residual=None):
+        module = getattr(lora.weights, name)
+        shrunk = packed_matmul(x.astype(jnp.float32), module.a, lora.mask.shape[1]) * lora.mask  # [T, S R]
+        return packed_matmul(shrunk, module.b, module_dims(self.cfg)[name][1],
+                             residual=None if residual is None else residual.astype(jnp.float32))
 
     def logits(self, w, hidden):
         return packed_matmul(hidden, w.head, self.cfg.vocab_size)

@@ -218,12 +218,14 @@ class KVCacheManager:
 
     def _chain_root(self, request: Sequence) -> BlockHash:
         root = salted_root(self.root, request.cache_salt)
+        if request.lora_identity is not None:  # an adapter's K/V are its own: never another's or the base's
+            root = salted_root(root, f"jaxcb-lora {request.lora_identity}")
         group = self._group(request)
         return root if group is None else salted_root(root, f"jaxcb-n-group {group!r}")
 
     def _root_key(self, request: Sequence) -> tuple:
         """What a chain's first block follows, compared exactly on a hit (its digest is _chain_root)."""
-        return (self.root, request.cache_salt, self._group(request))
+        return (self.root, request.cache_salt, request.lora_identity, self._group(request))
 
     def cached_prefix(self, request: Sequence) -> CachedPrefix:
         """The longest cached prefix of the request's known full blocks, leaving its last token (and

@@ -62,6 +62,7 @@ from jaxcb.core.block_pool import BlockPool
 from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.block_hash import BlockHash
 from jaxcb.core.kv_cache_manager import NO_ROOT, CachedPrefix, KVCacheManager
+from jaxcb.core.lora_slots import LoraSlotTable
 from jaxcb.core.sequence import RequestStatus, Sequence, SequenceId
 from jaxcb.core.speculation import Speculation
 from jaxcb.core.step import RunnerOutput, ScheduledSequence, SchedulerOutput
@@ -83,8 +84,11 @@ class Scheduler:
         host_pool: Optional[BlockPool] = None,
         block_growth: int = 1,
         speculation: Optional[Speculation] = None,
+        lora_slots: Optional[LoraSlotTable] = None,
     ):
         self.cfg = cfg
+        # LoRA: a sequence with an adapter is admitted only once its adapter has a device slot.
+        self.lora_slots = lora_slots
         # root: the model's identity, in which every block hash is rooted (Engine.prefix_cache_root).
         # Spare blocks are taken only while every running sequence could still take a run of its own.
         self.kv = KVCacheManager(block_pool, block_size, enable_prefix_caching=enable_prefix_caching,
@@ -143,6 +147,8 @@ class Scheduler:
         sequence.status = status
         sequence.finished_time = time.monotonic()
         self.kv.free(sequence)
+        if self.lora_slots is not None:
+            self.lora_slots.release(sequence)
         self._num_background -= sequence.background
         del self.sequences[sequence.seq_id]
 
@@ -280,6 +286,8 @@ class Scheduler:
         self.running.remove(victim)
         returned = scheduled.pop(victim.seq_id, None)
         swap = self.kv.preempt(victim, swap=self.cfg.preemption_mode == "swap")
+        if self.lora_slots is not None:
+            self.lora_slots.release(victim)
         if not swap:
             victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
@@ -321,10 +329,16 @@ class Scheduler:
         # place to the next one in the same step. Counting it would leave every other step a lone
         # prompt tail beside the decodes (at 32-token outputs, 199 of 430 steps).
         num_partial = sum(1 for r in self.running if self._still_prefilling_after(r, scheduled))
+        # Sequences whose LoRA adapter finds no free device slot: set aside (in order) while the ones
+        # behind them are admitted, then put back at the head of the queue.
+        no_slot: list[Sequence] = []
         while self.waiting and (budget > 0 or static) and len(self.running) < self.cfg.max_num_seqs:
             sequence = self.waiting[0]
             if self.in_flight.verifying(sequence):
                 break  # preempted while its verify step ran: its tokens are not known yet
+            if self.lora_slots is not None and not self.lora_slots.can_acquire(sequence):
+                no_slot.append(self.waiting.popleft())  # still counted as waiting: it stays in the queue
+                continue
             if sequence.host_block_ids:
                 admitted = self._admit_swapped(sequence, budget, scheduled)
                 if admitted == 0:
@@ -351,6 +365,8 @@ class Scheduler:
             total = reserve if self.cfg.policy == "static" else start + num_new
             if not self.kv.can_admit(share, total):
                 break
+            if self.lora_slots is not None:
+                self.lora_slots.acquire(sequence)  # can_acquire said yes above
             self._leave_waiting(sequence, head=True)
             self.kv.admit(sequence, share, total)
             sequence.num_computed_tokens = start
@@ -366,6 +382,7 @@ class Scheduler:
                 budget -= num_new
             if partial:
                 num_partial += 1
+        self.waiting.extendleft(reversed(no_slot))
         return budget
 
     @staticmethod
@@ -383,6 +400,8 @@ class Scheduler:
         if self.cfg.long_prefill_token_threshold is not None:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         if num_new <= 0 or not self.kv.can_admit(CachedPrefix(), start + num_new):
+            return 0
+        if self.lora_slots is not None and not self.lora_slots.acquire(sequence):
             return 0
         self._leave_waiting(sequence, head=True)
         self.kv.swap_in_blocks(sequence, start + num_new)
@@ -414,6 +433,7 @@ class Scheduler:
             block_ids=sequence.block_ids,  # no copy: the KV-cache manager replaces the list, never extends it
             block_epoch=sequence.block_epoch,
             num_blocks_kept=num_blocks_kept,
+            lora_slot=sequence.lora_slot,
             samples=stop == num_prompt + num_output,
             num_prompt_tokens=num_prompt,
             num_output_tokens=num_output,

@@ -60,6 +60,11 @@ class Sequence:
     sample_index: int = 0  # which of the n completions this sequence is
     parent_id: Optional[SequenceId] = None  # the leader whose prompt blocks this sequence shares (n > 1)
     cache_salt: Optional[str] = None  # its tenant's: only sequences with the same salt share cached blocks
+    lora_name: Optional[str] = None  # its LoRA adapter (None: the base model)
+    # The adapter's identity (name and weights digest): part of its prefix-cache root, so two adapters
+    # (or an adapter reloaded with other weights) never share K/V.
+    lora_identity: Optional[str] = None
+    lora_slot: int = -1  # the device slot its adapter is in while it runs (core/lora_slots.py); -1: the base
     group_id: Optional[str] = None  # the user's request id: the request (output group) this sequence belongs to
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -54,6 +54,7 @@ class ScheduledSequence:
     # Its table's first blocks unchanged since it was last scheduled, when blocks were freed from its
     # end since (speculative decoding: rejected drafts'); None: it only grew.
     num_blocks_kept: Optional[int] = None
+    lora_slot: int = -1  # its adapter's device slot (core/lora_slots.py); -1: the base model
 
     @property
     def num_rows(self) -> int:

@@ -44,6 +44,7 @@ from jaxcb.distributed.ray_cluster import check_room, connect, import_ray, repli
 from jaxcb.distributed.replica_metrics import QUERY_TIMEOUT_S, ReplicaDashboard, RouterMetrics, await_ref
 from jaxcb.distributed.routing import make_chooser
 from jaxcb.engine import PromptType
+from jaxcb.errors import InvalidRequestError
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.async_engine import EngineDeadError, StreamAbortedError
@@ -203,6 +204,7 @@ class ReplicaRouter:
 
     def __init__(self, cfg: Config, model_name: str):
         self.cfg = cfg
+        self.model_name = model_name
         self.ray = ray = import_ray()
         self._owns_connection = connect(cfg.ray)
         self._poller: Optional[asyncio.Task] = None
@@ -251,12 +253,20 @@ class ReplicaRouter:
     def is_alive(self) -> bool:
         return not self._stopped and any(r.alive for r in self.replicas)
 
+    def served_adapters(self) -> list[str]:
+        return []
+
     async def add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
         deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None, background: bool = False,
+        lora: Optional[str] = None,
     ) -> RemoteRequestStream:
         """Queue a request on the replica server.routing picks; raises its refusal (InvalidRequestError, ...) here.
-        `cache_salt`: the tenant's, passed on to the engine and folded into the router's block hashes."""
+        `cache_salt`: the tenant's, passed on to the engine and folded into the router's block hashes.
+        `lora`: the body's `model`, which must name the base model (LoRA is not served over Ray replicas)."""
+        if lora is not None and lora != self.model_name:
+            raise InvalidRequestError(f"model {lora!r} is not served here: LoRA adapters are not served with "
+                                      "server.backend=ray", "model")
         request_id = request_id or uuid.uuid4().hex
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         cost = _Cost(len(prompt_ids), params.n * params.max_tokens)

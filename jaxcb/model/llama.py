@@ -36,6 +36,7 @@ from flax import nnx
 
 from jaxcb.kernels.attention import AttentionForm, AttentionMetadata, KVCache
 from jaxcb.model.config import LlamaConfig, RopeScaling
+from jaxcb.model.lora import LoraRows
 
 INIT_STD = 0.02
 
@@ -158,6 +159,8 @@ class StepWeights(NamedTuple):
     head: Any  # the backend's LM head
     rope_table: jax.Array  # f32[2, max_len, K // 2]: cos and sin of every position's rotary angles
     local_rope_table: Optional[jax.Array] = None  # the same for the windowed layers' base (cfg.rope_local_theta)
+    # LoRA's slot buffers (`jaxcb.model.lora`), laid out as `layers` is (stacked or a list); None: no LoRA
+    lora: Any = None
 
 
 class DecoderLayers(nnx.Module):
@@ -260,8 +263,10 @@ class LayerOps(Protocol):
         layer: jax.Array,  # i32[]
         md: AttentionMetadata,
         window: Optional[jax.Array] = None,  # i32[]: the layer's sliding window (NO_WINDOW: none); None: no layer has one
+        lora: Optional[LoraRows] = None,  # each row's adapter on q/k/v; None: LoRA is not compiled in
     ) -> tuple[jax.Array, KVCache]:  # (attention output [T, Hq, K], the cache with this layer's new K/V)
-        """Norm, project q/k/v (+ bias), q/k norms, rope, write every row's new K/V, then attend."""
+        """Norm, project q/k/v (+ bias, + each row's LoRA update), q/k norms, rope, write every row's new
+        K/V, then attend."""
         ...
 
     def add_attention_output(
@@ -269,14 +274,16 @@ class LayerOps(Protocol):
         w: Any,  # one layer's weights
         h: jax.Array,  # [T, D]
         attn: jax.Array,  # [T, Hq, K], in h's dtype
-    ) -> jax.Array:  # [T, D]: h + attn @ o_proj
+        lora: Optional[LoraRows] = None,  # each row's adapter on o_proj
+    ) -> jax.Array:  # [T, D]: h + attn @ o_proj (+ its LoRA update)
         ...
 
     def add_mlp(
         self,
         w: Any,  # one layer's weights
         h: jax.Array,  # [T, D]
-    ) -> jax.Array:  # [T, D]: h + SwiGLU(norm(h))
+        lora: Optional[LoraRows] = None,  # each row's adapter on gate/up/down
+    ) -> jax.Array:  # [T, D]: h + SwiGLU(norm(h)) (gate, up and down each with its LoRA update)
         ...
 
 
@@ -287,6 +294,7 @@ def forward(
     positions: jax.Array,  # i32[T]
     cache: KVCache,
     md: AttentionMetadata,
+    lora_mask: Optional[jax.Array] = None,  # f32[T, S R]: each token row's LoRA slot columns (w.lora set; lora_row_mask)
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden] final-normed, updated cache)
     cfg = ops.cfg
     # Clipped: padding tokens may carry any position.
@@ -298,8 +306,9 @@ def forward(
         local = None
 
     def layer_step(carry, xs):
-        (h, cache), (layer, window, is_local, lw) = carry, xs
-        return decoder_layer(ops, lw, h, cos_sin, is_local, cache, layer, md, window), None
+        (h, cache), (layer, window, is_local, lw, ll) = carry, xs
+        lora = None if ll is None else LoraRows(ll, lora_mask)
+        return decoder_layer(ops, lw, h, cos_sin, is_local, cache, layer, md, window, lora), None
 
     # What attention derives from the step's metadata (the kernel's tile table) is built once, here.
     md = ops.attention.prepare_step(md, token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads, cache.k.shape[3])
@@ -312,11 +321,12 @@ def forward(
     if isinstance(w.layers, list):
         for i, lw in enumerate(w.layers):
             window = None if windows is None else windows[i]
+            lora = None if w.lora is None else LoraRows(w.lora[i], lora_mask)
             h, cache = _decoder_layer_traced_once(ops, lw, h, cos_sin, None if local is None else local[i], cache,
-                                                  jnp.int32(i), md, window)
+                                                  jnp.int32(i), md, window, lora)
     else:
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (h, cache), _ = jax.lax.scan(layer_step, (h, cache), (layers, windows, local, w.layers))
+        (h, cache), _ = jax.lax.scan(layer_step, (h, cache), (layers, windows, local, w.layers, w.lora))
     return rms_norm(h, w.final_norm, cfg.rms_norm_eps, cfg.norm_offset), cache
 
 
@@ -330,12 +340,17 @@ def decoder_layer(
     layer: jax.Array,  # i32[]
     md: AttentionMetadata,
     window: Optional[jax.Array],  # i32[]: the layer's sliding window; None: no layer has one
+    lora: Optional[LoraRows] = None,  # the layer's LoRA slots and each row's slot; None: no LoRA
 ) -> tuple[jax.Array, KVCache]:  # ([T, D], the cache with this layer's new K/V)
     """One decoder layer: attention (its K/V written), output projection plus residual, MLP plus residual."""
     cs = cos_sin if is_local is None else cos_sin[is_local]
-    attn, cache = ops.self_attention(w, h, (cs[0], cs[1]), cache, layer, md, window)
-    h = ops.add_attention_output(w, h, attn.astype(h.dtype))
-    return ops.add_mlp(w, h), cache
+    if lora is None:  # the operations' own calls: a model without LoRA compiles what it always did
+        attn, cache = ops.self_attention(w, h, (cs[0], cs[1]), cache, layer, md, window)
+        h = ops.add_attention_output(w, h, attn.astype(h.dtype))
+        return ops.add_mlp(w, h), cache
+    attn, cache = ops.self_attention(w, h, (cs[0], cs[1]), cache, layer, md, window, lora=lora)
+    h = ops.add_attention_output(w, h, attn.astype(h.dtype), lora=lora)
+    return ops.add_mlp(w, h, lora=lora), cache
 
 
 # The unrolled loop's layer, a nested jit: every layer has the same shapes, so a step traces and

@@ -49,6 +49,7 @@ from jaxcb.kernels.attention import SWAP_CHUNK, KVCache
 from jaxcb.kernels.attention.cache import gather_blocks
 from jaxcb.kv_cache import HostSwapSpace
 from jaxcb.model.llama import StepWeights, forward
+from jaxcb.model.lora import lora_row_mask, slots_and_rank, write_slot
 from jaxcb.runner.buckets import BucketKey, Buckets, ModelKey, SamplerKey
 from jaxcb.runner.compiler import StepCompiler
 from jaxcb.kernels.attention import AttentionMetadata
@@ -123,16 +124,22 @@ class ModelRunner:
         compile_rare_variants: str = "startup",
         compile_inline: bool = False,
         max_drafts: int = 0,
+        lora_buffers=None,
     ):
         """`weights`: the model's, as `backend.prepare` made them.
         `sampling_variants`: the sampling levels compiled for every bucket (full among them);
         `masked_sampling`: also compile every bucket's masked variant (token bitmask and logit bias);
         `prompt_logprobs`: and its prompt-logprobs variant (logprobs of every prompt row, chunk by chunk);
         `compile_workers`, `compile_rare_variants`, `compile_inline`: how and when they compile (`compiler.StepCompiler`);
-        `max_drafts`: speculative decoding's k (0: off), for the rows' drafts that penalties count."""
+        `max_drafts`: speculative decoding's k (0: off), for the rows' drafts that penalties count;
+        `lora_buffers`: LoRA's slot buffers (`jaxcb.model.lora.empty_lora_weights`; None: no LoRA compiled in):
+        the step reads them as the backend prepares them (`weights.lora`), and each token row carries its slot."""
         self.backend = backend
         self.weights = weights
         self.tp = tp
+        self.lora = lora_buffers is not None
+        self.lora_buffers = lora_buffers
+        self.lora_shape = slots_and_rank(lora_buffers) if self.lora else None  # (slots, rank)
         self.kv_cache = kv_cache
         self.buckets = buckets
         self.max_logprobs = max_logprobs
@@ -152,7 +159,7 @@ class ModelRunner:
         replicated = tp.replicated if tp is not None else None
         self.inputs = StepInputBuilder(
             buckets, kv_cache.block_size, backend.cfg.vocab_size, max_stop_token_ids, max_logit_bias,
-            self.compiler.serve, SlotTable(self.num_slots), replicated, max_drafts,
+            self.compiler.serve, SlotTable(self.num_slots), replicated, max_drafts, self.lora,
         )
         self.slot_state: SlotState = empty_slot_state(self.num_slots, max(buckets.widths), backend.cfg.vocab_size,
                                                       replicated)
@@ -175,19 +182,20 @@ class ModelRunner:
 
     def _make_model_step(self):
         backend, num_logprobs, max_rows, num_slots = self.backend, self.max_logprobs, self.max_rows, self.num_slots
-        block_size = self.kv_cache.block_size
+        block_size, lora, lora_shape = self.kv_cache.block_size, self.lora, self.lora_shape
 
         def model_step(weights: StepWeights, kv_cache: KVCache, state: SlotState, key: ModelKey, ints, prev_tokens):
             """-> (the hidden state of each row's last token [R, D], each token row's prompt logprobs
             (i32[T, 1 + n], f32[T, 1 + n]) or None, the cache, the slot state)."""
-            x = unpack(model_inputs(key, block_size=block_size, abstract=True), ints)
+            x = unpack(model_inputs(key, block_size=block_size, abstract=True, lora=lora), ints)
             from_prev = prev_tokens[jnp.clip(x.prev_rows, 0, max_rows - 1)]
             token_ids = jnp.where(x.prev_rows >= 0, from_prev, x.token_ids)
             slot, col, block = x.table_updates
             tables = state.block_tables.at[slot, col].set(block, mode="drop")
             block_tables = tables[x.row_slots, : key.table_width]  # i32[R, W]
             md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, block_tables, x.num_seqs)
-            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md)
+            lora_mask = lora_row_mask(x.lora_ids, *lora_shape) if lora else None  # f32[T, S R]
+            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md, lora_mask)
             # The penalties' counts: this step's tokens recorded (padding tokens dropped), whatever the
             # variant, so that one model executable serves them all (`BucketKey.model`).
             pad = jnp.array([num_slots], jnp.int32)
@@ -248,7 +256,8 @@ class ModelRunner:
             lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding(a)), tree)
         vector = lambda n, dtype: jax.ShapeDtypeStruct((n,), dtype, sharding=self.inputs.sharding)  # noqa: E731
         if isinstance(part, ModelKey):
-            num_ints, _ = packed_sizes(model_inputs(part, block_size=self.kv_cache.block_size, abstract=True))
+            num_ints, _ = packed_sizes(model_inputs(part, block_size=self.kv_cache.block_size, abstract=True,
+                                                    lora=self.lora))
             return self._model_step, (abstract(self.weights), abstract(self.kv_cache), abstract(self.slot_state), part,
                                       vector(num_ints, jnp.int32), vector(self.max_rows, jnp.int32))
         num_ints, num_floats = packed_sizes(sampler_inputs(part, **self._sampler_sizes, abstract=True))
@@ -311,6 +320,12 @@ class ModelRunner:
             if self.inputs.sharding is not None:
                 args = jax.device_put(args, self.inputs.sharding)
             self.slot_state = writer(self.slot_state, *args)
+
+    def write_lora_slot(self, slot: int, values) -> None:
+        """Put one LoRA slot's contents (`jaxcb.model.lora.slot_values`) into the slot buffers: new arrays
+        (the step in flight keeps the ones it was dispatched with), the same compiled writer every time."""
+        self.lora_buffers = write_slot(self.lora_buffers, jnp.int32(slot), values)
+        self.weights = self.weights._replace(lora=self.backend.prepare_lora(self.lora_buffers))
 
     def executable(self, key: BucketKey) -> tuple:
         """The compiled executables of a bucket's step: (the model's, the sampler's); `run` calls them."""

@@ -50,6 +50,7 @@ class ModelInputs:
     # (on the device); else -1.
     prev_rows: jax.Array  # i32[T]
     prompt_targets: Optional[jax.Array] = None  # i32[T], prompt logprobs only: the prompt token each row predicts; -1: none
+    lora_ids: Optional[jax.Array] = None  # i32[T], LoRA compiled in only: each token row's adapter slot; -1: the base
 
 
 @dataclasses.dataclass
@@ -134,10 +135,10 @@ def _factories(abstract: bool, sharding: Optional[jax.sharding.Sharding]):
 
 
 def model_inputs(key: ModelKey, *, block_size: int, num_slots: int = 0, abstract: bool = False,
-                 sharding: Optional[jax.sharding.Sharding] = None) -> ModelInputs:
+                 sharding: Optional[jax.sharding.Sharding] = None, lora: bool = False) -> ModelInputs:
     """One model bucket's inputs: ShapeDtypeStructs (`abstract`: what it is compiled for) or host
     arrays at their padding values: tokens write K/V to the null block and belong to row R; rows have no
-    context; table updates go to slot `num_slots` (dropped). query_start_loc and num_seqs depend on the
+    context; table updates go to slot `num_slots` (dropped); tokens run on the base (LoRA slot -1). query_start_loc and num_seqs depend on the
     step: the builder writes them whole."""
     t, r = key.num_tokens, key.num_seqs
     i32, _, _ = _factories(abstract, sharding)
@@ -147,6 +148,7 @@ def model_inputs(key: ModelKey, *, block_size: int, num_slots: int = 0, abstract
         table_updates=i32((3, table_update_capacity(t, r, block_size)), num_slots),
         token_rows=i32((t,), r), logits_indices=i32((r,)), num_prompt=i32((r,)), prev_rows=i32((t,), -1),
         prompt_targets=i32((t,), -1) if key.prompt_logprobs else None,
+        lora_ids=i32((t,), -1) if lora else None,
     )
 
 

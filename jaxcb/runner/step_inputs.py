@@ -60,6 +60,7 @@ class StepInputBuilder:
     slots: SlotTable
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
     max_drafts: int = 0  # speculative decoding's k (0: off): the width of the rows' drafts (`StepInputs.row_drafts`)
+    lora: bool = False  # LoRA compiled in: each token row carries its adapter's slot (`ModelInputs.lora_ids`)
 
     def __post_init__(self) -> None:
         num_slots = self.slots.num_slots
@@ -94,7 +95,7 @@ class StepInputBuilder:
     def template(self, key: BucketKey) -> PackedTemplate:
         if key not in self._templates:
             self._templates[key] = PackedTemplate(StepInputs(
-                model_inputs(key.model, block_size=self.block_size, num_slots=self.slots.num_slots),
+                model_inputs(key.model, block_size=self.block_size, num_slots=self.slots.num_slots, lora=self.lora),
                 sampler_inputs(key.sampler, max_banned=self.max_banned, vocab_size=self.vocab_size,
                                max_logit_bias=self.max_logit_bias, max_drafts=self.max_drafts)))
         return self._templates[key]
@@ -137,6 +138,8 @@ class StepInputBuilder:
             itertools.chain.from_iterable(map(operator.attrgetter("token_ids"), seqs)), np.int32, num_tokens)
         x.positions[:num_tokens] = pos
         x.slot_mapping[:num_tokens] = slot_mapping  # padding: the null block
+        if self.lora:
+            x.lora_ids[:num_tokens] = np.repeat(_column(seqs, "lora_slot"), lens)
         num_output = _column(seqs, "num_output_tokens")
         if verifies:
             # Speculative decoding: a sequence verifying k drafts takes 1 + k rows, one per token, each

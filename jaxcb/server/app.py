@@ -26,6 +26,7 @@ from jaxcb.errors import EngineOverloadedError, InvalidRequestError
 from jaxcb.server.dashboard import dashboard_html
 from jaxcb.server.async_engine import EngineDeadError, RequestStream
 from jaxcb.server.batch_routes import add_batch_routes
+from jaxcb.server.lora_routes import add_lora_routes
 from jaxcb.server.batch_runner import BatchRunner
 from jaxcb.server.engine_client import EngineClient, make_engine_client
 from jaxcb.server.completions import (
@@ -122,6 +123,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
     app.add_middleware(GuardMiddleware, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes,
                        max_file_bytes=cfg.server.max_file_bytes)
     add_batch_routes(app, state, lambda request: _json_body(request, cfg))
+    add_lora_routes(app, state, lambda request: _json_body(request, cfg))
     if tracer is not None:
         app.add_middleware(TracingMiddleware, tracer=tracer, model=state.model_name)
 
@@ -145,10 +147,12 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxcb",
-            "max_model_len": state.client.max_model_len,
-        }]}
+        created = int(time.time())
+        base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "jaxcb",
+                "root": state.model_name, "parent": None, "max_model_len": state.client.max_model_len}
+        # LoRA adapters as vLLM lists them: their own id, the base as parent
+        adapters = [dict(base, id=name, root=name, parent=state.model_name) for name in state.client.served_adapters()]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request):
@@ -198,7 +202,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
                              cfg.server.structured_outputs_in_reasoning)
         await compile_grammar(state, plan.planned)
         streams = await _start(state, plan.planned)
-        writer = ResponseWriter(req, plan.planned.chat, state.model_name, state.client.tokenizer)
+        writer = ResponseWriter(req, plan.planned.chat, req.model, state.client.tokenizer)
         streams = _traced(request, streams, plan.planned, writer.id)
 
         def store(response: dict) -> None:  # `store` says whether it was kept (not with responses_store_size=0)
@@ -296,7 +300,8 @@ async def _start(state: ServerState, planned: PlannedRequest) -> list[RequestStr
     try:
         for prompt in planned.prompts:
             streams.append(await state.client.add(prompt, planned.params, priority=planned.priority,
-                                                        deadlines=deadlines, cache_salt=planned.cache_salt))
+                                                        deadlines=deadlines, cache_salt=planned.cache_salt,
+                                                        lora=planned.model))
     except InvalidRequestError as e:
         close_streams(streams)
         state.client.request_rejected("invalid")

@@ -120,9 +120,14 @@ class AsyncEngine:
         self._commands.put((fn, args, loop, future))
         return await future
 
+    async def run_in_engine_thread(self, fn: Callable, *args):
+        """fn(*args) on the engine's thread, between two steps (the engine is not thread-safe)."""
+        return await self._call(fn, *args)
+
     async def add(
         self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None, priority: int = 0,
         deadlines: Optional[dict[str, float]] = None, cache_salt: Optional[str] = None, background: bool = False,
+        lora: Optional[str] = None,
     ) -> "RequestStream":
         """Queue a request; raises the engine's refusal (InvalidRequestError, EngineOverloadedError) here.
         `deadlines`: Engine.add_request's timeout_s / queue_timeout_s; `cache_salt`: its tenant's;
@@ -131,7 +136,8 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         try:
-            await self._call(self._add, prompt, params, request_id, priority, deadlines or {}, cache_salt, background)
+            await self._call(self._add, prompt, params, request_id, priority, deadlines or {}, cache_salt, background,
+                             lora)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -152,11 +158,11 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(self.engine.abort, request_id)
 
-    def _add(self, prompt, params, request_id, priority, deadlines, cache_salt, background):
+    def _add(self, prompt, params, request_id, priority, deadlines, cache_salt, background, lora=None):
         # Deltas: what a stream sends is what is new, and a step's cost does not grow with the stream.
         return self.engine.add_request(prompt, params, request_id=request_id, priority=priority,
                                        output_kind=OutputKind.DELTA, cache_salt=cache_salt, background=background,
-                                       **deadlines)
+                                       lora=lora, **deadlines)
 
     def _abort_from_any_thread(self, request_id: str, reason: str) -> None:
         self._commands.put((self._abort, (request_id, reason), None, None))

@@ -43,8 +43,13 @@ class PlannedBody:
 
 
 def check_model(state: "ServerState", model: str) -> None:
-    if model != state.model_name:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {state.model_name!r}",
+    """The base model's name or a loaded LoRA adapter's; else a 404 naming `model`."""
+    if model == state.model_name:
+        return
+    adapters = state.client.served_adapters()
+    if model not in adapters:
+        served = ", ".join(repr(n) for n in [state.model_name, *adapters])
+        raise APIError(404, f"model {model!r} is not served here; this server serves {served}",
                        param="model", type="not_found_error", code="model_not_found")
 
 
@@ -114,5 +119,5 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             choices.append(choice)
     if body.is_chat:
-        return fmt.chat_response(rid, state.model_name, choices, *usage_of(finals), reasoning_tokens=thought)
-    return fmt.completion_response(rid, state.model_name, choices, *usage_of(finals))
+        return fmt.chat_response(rid, req.model, choices, *usage_of(finals), reasoning_tokens=thought)
+    return fmt.completion_response(rid, req.model, choices, *usage_of(finals))

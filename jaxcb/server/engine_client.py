@@ -51,10 +51,14 @@ class EngineClient(Protocol):
 
     async def add(self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None,
                   priority: int = 0, deadlines: Optional[dict[str, float]] = None,
-                  cache_salt: Optional[str] = None, background: bool = False) -> OutputStream:
+                  cache_salt: Optional[str] = None, background: bool = False, lora: Optional[str] = None
+                  ) -> OutputStream:
         """Queue a request; the engine's refusal (InvalidRequestError, EngineOverloadedError) is raised here.
         `deadlines`: Engine.add_request's timeout_s / queue_timeout_s; `background`: batch work, which
-        yields to every other request (Engine.add_request)."""
+        yields to every other request (Engine.add_request); `lora`: the body's `model` (base or adapter)."""
+
+    def served_adapters(self) -> list[str]:
+        """The LoRA adapters requests may name in `model` (/v1/models lists them)."""
 
     def abort_all(self, reason: str) -> None: ...
 
@@ -105,9 +109,24 @@ class LocalEngineClient:
 
     async def add(self, prompt: PromptType, params: SamplingParams, *, request_id: Optional[str] = None,
                   priority: int = 0, deadlines: Optional[dict[str, float]] = None,
-                  cache_salt: Optional[str] = None, background: bool = False) -> OutputStream:
+                  cache_salt: Optional[str] = None, background: bool = False, lora: Optional[str] = None
+                  ) -> OutputStream:
         return await self.async_engine.add(prompt, params, request_id=request_id, priority=priority,
-                                           deadlines=deadlines, cache_salt=cache_salt, background=background)
+                                           deadlines=deadlines, cache_salt=cache_salt, background=background,
+                                           lora=lora)
+
+    def served_adapters(self) -> list[str]:
+        return self.engine.lora.served() if self.engine.lora is not None else []
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self.async_engine.run_in_engine_thread(self.engine.load_lora_adapter, name, path)
+
+    async def unload_lora_adapter(self, name: str) -> bool:
+        """True when it is gone at once; else it goes when its running requests finish."""
+        return await self.async_engine.run_in_engine_thread(self.engine.unload_lora_adapter, name)
+
+    async def loaded_adapters(self) -> list[str]:
+        return await self.async_engine.run_in_engine_thread(lambda: list(self.engine.lora.adapters))
 
     def abort_all(self, reason: str) -> None:
         self.async_engine.abort_all(reason)

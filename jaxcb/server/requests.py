@@ -36,6 +36,7 @@ class PlannedRequest:
     timeout: Optional[float] = None  # the body's own deadline in seconds, if it gave one
     chat: Optional[ChatPlan] = None  # a chat request's plan: how tool calls are read back out of the reply
     renamed_fields: dict[str, str] = field(default_factory=dict)  # the engine's field name -> the body's
+    model: Optional[str] = None  # the body's `model`: the base model's name or a LoRA adapter's (Engine.add_request's lora)
 
     def body_field(self, name: Optional[str]) -> Optional[str]:
         return self.renamed_fields.get(name, name) if name is not None else None
@@ -76,7 +77,7 @@ def plan_completion(req: CompletionRequest) -> PlannedRequest:
         from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
     _check_timeout(req.timeout)
     params = sampling_params(req, req.max_tokens, req.logprobs, structured)
-    return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout)
+    return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout, model=req.model)
 
 
 def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,
@@ -106,4 +107,5 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
         raise _renamed(e, renamed) from None
     if plan.tool_parser is not None and plan.tool_parser.reads_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] must reach the parser
-    return PlannedRequest([plan.prompt_ids], params, req.priority, req.cache_salt, req.timeout, plan, renamed)
+    return PlannedRequest([plan.prompt_ids], params, req.priority, req.cache_salt, req.timeout, plan, renamed,
+                          model=req.model)

@@ -167,11 +167,11 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             if first and req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
-            yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [choice]))
+            yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [choice]))
         if out.finished:
             finals[p_idx] = out
     if include_usage:
-        yield fmt.sse(fmt.completion_chunk(rid, state.model_name, created, [], fmt.usage(*usage_of(list(finals.values())))))
+        yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [], fmt.usage(*usage_of(list(finals.values())))))
     yield fmt.SSE_DONE
 
 
@@ -211,7 +211,7 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     replies: dict[int, tuple[list[int], list[str]]] = {}  # choice -> its token ids and text so far (usage's reasoning)
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+        yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice]))
     async for _, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
@@ -238,13 +238,13 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             if req.prompt_logprobs is not None and c.index not in sent_prompt:
                 sent_prompt.add(c.index)
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
-            yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [choice]))
+            yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice]))
         if out.finished:
             final = out
     if include_usage and final is not None:
         thought = None
         if plan is not None and plan.reasoning is not None:
             thought = sum(reasoning_tokens(plan, tok, ids, "".join(texts)) for ids, texts in replies.values())
-        yield fmt.sse(fmt.chat_chunk(rid, state.model_name, created, [],
+        yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [],
                                      fmt.usage(*usage_of([final]), reasoning_tokens=thought)))
     yield fmt.SSE_DONE

@@ -1,0 +1,94 @@
+"""The engine's adapters: loaded on the host by name, brought into device slots as steps need them.
+
+    load(name, path)   read and check a PEFT directory (`peft.load_peft_adapter`); from then on
+                       requests may name it (at start-up: lora.adapters; at run time: the server's
+                       POST /v1/load_lora_adapter)
+    unload(name)       no new request may name it; it is dropped (host copy and slot) once its last
+                       running or waiting sequence has finished (`finish_unloads`, every step)
+    write_slots(...)   before a dispatch: the slot writes the scheduler decided (core/lora_slots.py)
+
+Requests are counted per adapter (`requests_per_adapter`, `tokens_per_adapter`) for the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Callable, Optional
+
+from jaxcb.config import LoraConfig
+from jaxcb.core.lora_slots import LoraSlotTable
+from jaxcb.errors import InvalidRequestError
+from jaxcb.lora.peft import LoraAdapter, check_adapter_name, load_peft_adapter
+from jaxcb.model.config import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+
+class LoraManager:
+    def __init__(self, cfg: LoraConfig, model_cfg: LlamaConfig, base_name: str):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        self.base_name = base_name
+        self.max_cpu_loras = cfg.max_cpu_loras or max(cfg.max_loras, len(cfg.start_up_adapters))
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.unloading: set[str] = set()
+        self.slots = LoraSlotTable(cfg.max_loras)
+        # Whether an adapter still has unfinished requests (the engine's answer; unload waits for them).
+        self.unloading_in_use: Callable[[str], bool] = lambda name: False
+        self.requests_per_adapter: Counter[str] = Counter()  # requests added to the engine, ever
+        self.tokens_per_adapter: Counter[str] = Counter()  # tokens they generated
+        self.load_seconds = 0.0
+
+    def load(self, name: str, path: str) -> LoraAdapter:
+        """Read and check the adapter; InvalidRequestError naming what does not fit (nothing loaded)."""
+        check_adapter_name(name, self.base_name)
+        if name in self.adapters:
+            raise InvalidRequestError(f"a LoRA adapter named {name!r} is already loaded; unload it first", "lora_name")
+        if len(self.adapters) >= self.max_cpu_loras:
+            raise InvalidRequestError(f"{len(self.adapters)} LoRA adapters are loaded, lora.max_cpu_loras="
+                                      f"{self.max_cpu_loras}; unload one first", "lora_name")
+        adapter = load_peft_adapter(name, path, self.model_cfg, self.cfg.max_rank)
+        self.adapters[name] = adapter
+        log.info("LoRA adapter %r loaded from %s: rank %d, %d projections, %.1f MiB on the host", name, path,
+                 adapter.rank, len(adapter.weights), adapter.num_bytes / 2**20)
+        return adapter
+
+    def unload(self, name: str) -> bool:
+        """Refuse new requests for the adapter and drop it once its requests are done; True if it is
+        gone already (none was running)."""
+        if name not in self.adapters or name in self.unloading:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        self.unloading.add(name)
+        self.finish_unloads()
+        return name not in self.adapters
+
+    def finish_unloads(self) -> None:
+        for name in list(self.unloading):
+            if not self.unloading_in_use(name) and not self.slots.is_held(name):
+                self.slots.forget(name)
+                del self.adapters[name]
+                self.unloading.discard(name)
+                log.info("LoRA adapter %r unloaded", name)
+
+    def resolve(self, name: Optional[str]) -> Optional[LoraAdapter]:
+        """The adapter a request names (None or the base's name: the base model)."""
+        if name is None or name == self.base_name:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None or name in self.unloading:
+            known = ", ".join([repr(self.base_name)] + [repr(n) for n in self.adapters if n not in self.unloading])
+            raise InvalidRequestError(f"model {name!r} is neither the base model nor a loaded LoRA adapter "
+                                      f"(served: {known})", "model")
+        return adapter
+
+    def identity(self, adapter: LoraAdapter) -> str:
+        return f"{adapter.name}:{adapter.digest}"
+
+    def write_slots(self, write: Callable[[int, Optional[dict]], None]) -> None:
+        """Make the slot writes the scheduler decided: `write(slot, adapter weights)`."""
+        for slot, name in self.slots.take_loads():
+            write(slot, self.adapters[name].weights)
+
+    def served(self) -> list[str]:
+        return [n for n in self.adapters if n not in self.unloading]
