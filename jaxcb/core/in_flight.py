@@ -60,6 +60,10 @@ class InFlightTokens:
         """Whether the sequence's tokens wait for a verify step still in flight (it cannot be scheduled)."""
         return seq.seq_id in self._verifying
 
+    def row_of(self, seq: "Sequence") -> int:
+        """Its row in the last dispatched step, whose token is its last one in flight; -1: none."""
+        return self._row_of.get(seq.seq_id, -1) if self.last_token_in_flight(seq) else -1
+
     def last_token_in_flight(self, seq: "Sequence") -> bool:
         return bool(seq.output_token_ids) and seq.output_token_ids[-1] == _IN_FLIGHT
 
