@@ -116,7 +116,7 @@ class NgramProposer:
 class SequenceSpeculation:
     """One sequence's speculation state, kept on it (`Sequence.speculation`)."""
 
-    index: NgramIndex
+    index: Optional[NgramIndex]  # the n-gram proposer's; None for a proposer that keeps no per-sequence index
     accepted: deque = field(default_factory=deque)  # accepted tokens of its last verify steps
     resume_at: int = 0  # it proposes again once it has this many tokens (back-off)
     backoff: int = FIRST_BACKOFF_TOKENS  # the next back-off's length, in tokens
@@ -157,7 +157,8 @@ class Speculation:
                 if seq.sample_index == 0:
                     self.stats.num_unspeculated_requests += 1
                 return None
-            state = seq.speculation = SequenceSpeculation(self.proposer.new_index())
+            index = self.proposer.new_index() if isinstance(self.proposer, NgramProposer) else None
+            state = seq.speculation = SequenceSpeculation(index)
         return state or None
 
     def prepare(self, candidates: list[tuple["Sequence", bool, int]], num_decoding: int, max_drafts) -> None:
