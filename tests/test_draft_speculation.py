@@ -84,8 +84,9 @@ def test_speculative_sampling_draws_the_targets_distribution_whatever_the_draft(
     p /= p.sum()
     observed = np.bincount(token, minlength=vocab)
     _, p_value = chi_square(observed, p * num_rows)
-    assert p_value > MIN_P_VALUE, (observed, p * num_rows, p_value)
     accepted = token == drafts
+    print(f"sampler: chi-square p = {p_value:.3f}, drafts accepted {accepted.mean():.2f}")  # pytest -s shows it
+    assert p_value > MIN_P_VALUE, (observed, p * num_rows, p_value)
     assert 0.1 < accepted.mean() < 0.6  # the draft disagrees often: many rows resample from the residual
     _, p_drafts = chi_square(np.bincount(drafts, minlength=vocab)[:6], p[:6] * (drafts < 6).sum())
     assert p_drafts < 1e-12  # the test tells q from p
@@ -154,6 +155,7 @@ def test_sampled_tokens_with_a_draft_model_follow_the_targets_distribution():
         dof += int(kept.sum()) - 1
     assert dof >= 3
     p_value = float(scipy_stats.chi2.sf(statistic, dof))
+    print(f"engine: chi-square {statistic:.2f}, {dof} degrees of freedom, p = {p_value:.3f}")  # pytest -s shows it
     assert p_value > MIN_P_VALUE, (statistic, dof, p_value)
     assert on.num_recompiles == 0
     assert_all_blocks_free(on)
