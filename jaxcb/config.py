@@ -418,11 +418,12 @@ def resolve_draft_model(value: Any) -> ModelConfig:
         draft: ModelConfig = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf's own errors name the key and the type
         raise ConfigError(f"speculative.draft_model={fields!r}: {e}") from e
-    if is_packaged(draft.checkpoint):
-        try:
-            draft.checkpoint = resolve_packaged_checkpoint(draft.checkpoint)
-        except PackagedCheckpointError as e:
-            raise ConfigError(f"speculative.draft_model: {e}") from e
+    for name in ("checkpoint", "tokenizer"):  # package:MODULE/FILE, resolved as model.checkpoint is
+        if is_packaged(getattr(draft, name)):
+            try:
+                setattr(draft, name, resolve_packaged_checkpoint(getattr(draft, name)))
+            except PackagedCheckpointError as e:
+                raise ConfigError(f"speculative.draft_model's {name}: {e}") from e
     return draft
 
 

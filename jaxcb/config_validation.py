@@ -361,8 +361,9 @@ def validate_model_config(m: ModelConfig) -> None:
         )
     if m.tokenizer is not None:
         require(
-            os.path.isfile(os.path.join(m.tokenizer, "tokenizer.json")),
-            f"model.tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one",
+            os.path.isfile(os.path.join(m.tokenizer, "tokenizer.json"))
+            or (m.tokenizer.endswith(".gguf") and os.path.isfile(m.tokenizer)),
+            f"model.tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one, or a GGUF file",
         )
     if m.checkpoint is None:
         missing = [f for f in _ARCH_FIELDS if getattr(m, f) is None]

@@ -22,6 +22,11 @@ cannot be scheduled before then: it sits step N+1 out (`verifying`), and `resolv
 puts all its new tokens in place. A sequence's row in step N is counted in rows (a verifying
 sequence takes 1 + k, `ScheduledSequence.num_rows`).
 
+A plain decoder whose last token is in flight still speculates: proposals come from its known
+tokens, the proposer's first guess standing for the one in flight (an n-gram match's next token,
+or the draft model's own draw), and the step reads the real token from the device; drafts made
+after a wrong guess are simply rejected more often (`row_of` gives the proposer its row).
+
 Without async scheduling a step is resolved before the next is scheduled, so that row is
 always -1. Nothing outside this module knows how an in-flight token is marked.
 """
