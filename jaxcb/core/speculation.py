@@ -167,13 +167,13 @@ class Speculation:
         last dispatched step or -1); `num_decoding`: sequences decoding; `max_drafts(seq)`: the most
         drafts it may verify (its max_tokens and max_model_len)."""
         self._proposals = {}
-        if num_decoding > self.disable_by_batch_size:
-            return
         requests = []
         for seq, last_in_flight, row in candidates:
-            state = self._state(seq)
+            state = self._state(seq)  # first: a request that never speculates is counted, whatever the batch
+            if state is None or num_decoding > self.disable_by_batch_size:
+                continue
             room = min(self.k, max_drafts(seq))
-            if state is None or room <= 0 or seq.num_tokens < state.resume_at:
+            if room <= 0 or seq.num_tokens < state.resume_at:
                 continue
             tokens = seq.prompt_token_ids + seq.output_token_ids
             requests.append(ProposalRequest(seq, tokens, len(tokens) - last_in_flight, room, row))

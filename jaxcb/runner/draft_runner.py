@@ -10,8 +10,9 @@ kinds of executable, all compiled at start-up:
              tokens, verify rows), which writes the draft's K/V where the model writes its own.
              Its cache therefore holds what the served model's holds, prefix hits and rolled-back
              drafts alike (a rejected draft's K/V is rewritten when its position is computed again).
-    propose  per count of proposing sequences S (powers of two): k + 1 decode steps of the draft
-             (a `fori_loop` over one traced forward) from each sequence's last known token,
+    propose  per count of proposing sequences S (powers of two): k decode steps of the draft
+             (k + 1 when a last token is in flight: a `fori_loop` over one traced forward whose trip
+             count is an operand) from each sequence's last known token,
              each drawing the next token greedily (temperature 0) or from the draft's softmax at the
              request's temperature; the distributions q they were drawn from stay on the device
              (`probs`, f32[P * k, V]) for the verify step's sampler (`jaxcb.sampling.DraftRows`).
@@ -113,10 +114,11 @@ class DraftRunner:
         backend, block_size, k = self.backend, self.block_size, self.k
 
         def propose(weights: StepWeights, kv_cache: KVCache, probs: jax.Array, tokens, positions, tables, seeds,
-                    temperature, skip, num):
-            """k + 1 draft decode steps from each row's last known token -> (i32[S, k + 1] the tokens
+                    temperature, skip, num, num_steps):
+            """`num_steps` (k, or k + 1 when a row's last token is in flight: a traced bound, so one executable
+            serves both) draft decode steps from each row's last known token -> (i32[S, k + 1] the tokens
             drawn, the cache, `probs` with rows [0, S * k) the q of each row's drafts skip..skip + k - 1).
-            tokens, positions, skip i32[S]; tables i32[S, W]; seeds u32[S]; temperature f32[S]; num i32[]."""
+            tokens, positions, skip i32[S]; tables i32[S, W]; seeds u32[S]; temperature f32[S]; num, num_steps i32[]."""
             num_rows = tokens.shape[0]
             rows = jnp.arange(num_rows)
             valid = rows < num
@@ -147,7 +149,7 @@ class DraftRunner:
 
             init = (tokens, positions, kv_cache, jnp.zeros((num_rows, k + 1), jnp.int32),
                     jnp.zeros((num_rows, k + 1, probs.shape[1]), jnp.float32))
-            _, _, kv_cache, drawn, q_all = jax.lax.fori_loop(0, k + 1, one_step, init)
+            _, _, kv_cache, drawn, q_all = jax.lax.fori_loop(0, num_steps, one_step, init)
             q_drafts = jnp.take_along_axis(q_all, (skip[:, None] + jnp.arange(k)[None, :])[:, :, None], axis=1)
             probs = jax.lax.dynamic_update_slice(probs, q_drafts.reshape(num_rows * k, -1), (0, 0))
             return drawn, kv_cache, probs
@@ -159,7 +161,7 @@ class DraftRunner:
         abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
         return (abstract(self.weights), abstract(self.kv_cache), abstract(self.probs), i32(size), i32(size),
                 i32(size, self.table_width), jax.ShapeDtypeStruct((size,), jnp.uint32),
-                jax.ShapeDtypeStruct((size,), jnp.float32), i32(size), i32())
+                jax.ShapeDtypeStruct((size,), jnp.float32), i32(size), i32(), i32())
 
     def _sync_args(self, key: ModelKey, tables) -> tuple:
         from jaxcb.runner.step_args import packed_sizes
@@ -213,7 +215,7 @@ class DraftRunner:
             tables[i, held : held + self.scratch_per_row] = np.arange(first, first + self.scratch_per_row)
         fn = self._compiled_propose[size]
         drawn, self.kv_cache, self.probs = fn(self.weights, self.kv_cache, self.probs, tokens, positions, tables,
-                                              seeds, temperature, skip, np.int32(n))
+                                              seeds, temperature, skip, np.int32(n), np.int32(self.k + skip.max()))
         return np.asarray(drawn)[:n]
 
 
