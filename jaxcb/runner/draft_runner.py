@@ -10,7 +10,8 @@ kinds of executable, all compiled at start-up:
              tokens, verify rows), which writes the draft's K/V where the model writes its own.
              Its cache therefore holds what the served model's holds, prefix hits and rolled-back
              drafts alike (a rejected draft's K/V is rewritten when its position is computed again).
-    propose  per count of proposing sequences S (powers of two): k decode steps of the draft
+    propose  per count of proposing sequences S (powers of two), and whether all of them are greedy
+             (then nothing is drawn and no q kept): k decode steps of the draft
              (k + 1 when a last token is in flight: a `fori_loop` over one traced forward whose trip
              count is an operand) from each sequence's last known token,
              each drawing the next token greedily (temperature 0) or from the draft's softmax at the
@@ -85,9 +86,9 @@ class DraftRunner:
         self.probs = jnp.zeros((max_proposals * self.k, self.vocab_size), jnp.float32)  # f32[P * k, V]
         self.proposal_sizes = proposal_buckets(max_proposals)
         self._sync = jax.jit(self._make_sync(), donate_argnums=(1,), static_argnums=(3,))
-        self._propose = jax.jit(self._make_propose(), donate_argnums=(1,))
+        self._propose = jax.jit(self._make_propose(), donate_argnums=(1,), static_argnums=(11,))
         self._compiled_sync: dict[ModelKey, object] = {}
-        self._compiled_propose: dict[int, object] = {}
+        self._compiled_propose: dict[tuple[int, bool], object] = {}  # (proposing sequences, all greedy)
         self.num_recompiles = 0
 
     # --- the executables ------------------------------------------------------------------------
@@ -114,11 +115,13 @@ class DraftRunner:
         backend, block_size, k = self.backend, self.block_size, self.k
 
         def propose(weights: StepWeights, kv_cache: KVCache, probs: jax.Array, tokens, positions, tables, seeds,
-                    temperature, skip, num, num_steps):
+                    temperature, skip, num, num_steps, greedy_only: bool):
             """`num_steps` (k, or k + 1 when a row's last token is in flight: a traced bound, so one executable
             serves both) draft decode steps from each row's last known token -> (i32[S, k + 1] the tokens
             drawn, the cache, `probs` with rows [0, S * k) the q of each row's drafts skip..skip + k - 1).
-            tokens, positions, skip i32[S]; tables i32[S, W]; seeds u32[S]; temperature f32[S]; num, num_steps i32[]."""
+            tokens, positions, skip i32[S]; tables i32[S, W]; seeds u32[S]; temperature f32[S]; num, num_steps i32[].
+            `greedy_only` (static: the host knows): every row greedy, so no draw and no q (greedy rows'
+            verification never reads q); `probs` comes back unchanged."""
             num_rows = tokens.shape[0]
             rows = jnp.arange(num_rows)
             valid = rows < num
@@ -138,6 +141,9 @@ class DraftRunner:
                                        tables, num)
                 hidden, kv = forward(backend, weights, tok, pos, kv, md)
                 logits = backend.logits(weights, hidden).astype(jnp.float32)  # f32[S, V]
+                if greedy_only:
+                    nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                    return nxt, pos + 1, kv, drawn.at[:, j].set(nxt), q_all
                 scaled = logits / scale
                 noise = jax.vmap(draw)(seeds, pos + 1, scaled)
                 nxt = jnp.where(greedy, jnp.argmax(logits, axis=-1), jnp.argmax(scaled + noise, axis=-1))
@@ -147,9 +153,11 @@ class DraftRunner:
                 q_all = q_all.at[:, j].set(q)
                 return nxt, pos + 1, kv, drawn, q_all
 
-            init = (tokens, positions, kv_cache, jnp.zeros((num_rows, k + 1), jnp.int32),
-                    jnp.zeros((num_rows, k + 1, probs.shape[1]), jnp.float32))
+            q_shape = (num_rows, k + 1, 0 if greedy_only else probs.shape[1])
+            init = (tokens, positions, kv_cache, jnp.zeros((num_rows, k + 1), jnp.int32), jnp.zeros(q_shape, jnp.float32))
             _, _, kv_cache, drawn, q_all = jax.lax.fori_loop(0, num_steps, one_step, init)
+            if greedy_only:
+                return drawn, kv_cache, probs
             q_drafts = jnp.take_along_axis(q_all, (skip[:, None] + jnp.arange(k)[None, :])[:, :, None], axis=1)
             probs = jax.lax.dynamic_update_slice(probs, q_drafts.reshape(num_rows * k, -1), (0, 0))
             return drawn, kv_cache, probs
@@ -162,6 +170,9 @@ class DraftRunner:
         return (abstract(self.weights), abstract(self.kv_cache), abstract(self.probs), i32(size), i32(size),
                 i32(size, self.table_width), jax.ShapeDtypeStruct((size,), jnp.uint32),
                 jax.ShapeDtypeStruct((size,), jnp.float32), i32(size), i32(), i32())
+
+    def _compile_propose(self, size: int, greedy_only: bool):
+        return self._propose.lower(*self._propose_args(size), greedy_only).compile()
 
     def _sync_args(self, key: ModelKey, tables) -> tuple:
         from jaxcb.runner.step_args import packed_sizes
@@ -177,7 +188,8 @@ class DraftRunner:
         for key in sorted(model_keys):
             self._compiled_sync[key] = self._sync.lower(*self._sync_args(key, tables)).compile()
         for size in self.proposal_sizes:
-            self._compiled_propose[size] = self._propose.lower(*self._propose_args(size)).compile()
+            for greedy_only in (True, False):
+                self._compiled_propose[size, greedy_only] = self._compile_propose(size, greedy_only)
         elapsed = time.perf_counter() - start
         log.info("draft model: compiled %d sync and %d propose executables (up to %d proposing sequences, k=%d) "
                  "in %.1f s", len(self._compiled_sync), len(self._compiled_propose), self.max_proposals, self.k,
@@ -213,7 +225,7 @@ class DraftRunner:
             tables[i, :held] = block_ids[:held]
             first = self.scratch_start + i * self.scratch_per_row
             tables[i, held : held + self.scratch_per_row] = np.arange(first, first + self.scratch_per_row)
-        fn = self._compiled_propose[size]
+        fn = self._compiled_propose[size, not temperature.any()]
         drawn, self.kv_cache, self.probs = fn(self.weights, self.kv_cache, self.probs, tokens, positions, tables,
                                               seeds, temperature, skip, np.int32(n), np.int32(self.k + skip.max()))
         return np.asarray(drawn)[:n]
