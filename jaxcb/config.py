@@ -159,7 +159,10 @@ class SpeculativeConfig:
     # proposed tokens on average stops proposing for 16 tokens, then 32, 64, ... while it keeps failing.
     min_mean_accepted: float = 0.5
     acceptance_window: int = 4
-    draft_model: Optional[Any] = None  # method=draft (a smaller model proposing): not built yet; refused
+    # method=draft: the model that proposes, in the forms `model` takes: a preset name (tiny, smollm2, ...)
+    # or a mapping of model fields ({name: hf, checkpoint: DIR} or a preset with overrides, e.g.
+    # {name: tiny, seed: 1}); it must share the served model's tokenizer (`resolve_draft_model`).
+    draft_model: Optional[Any] = None
 
 
 @dataclass
@@ -415,6 +418,39 @@ def load_config(cfg: DictConfig | Config) -> Config:
 
     validate_config(obj)
     return obj
+
+
+def resolve_draft_model(value: Any) -> ModelConfig:
+    """`speculative.draft_model` as a ModelConfig: a preset name, or a mapping of model fields whose
+    `name` is a preset (conf/model/<name>.yaml) that the other fields override. Raise ConfigError
+    naming what is wrong (an unknown preset, an unknown field, a wrong type)."""
+    if isinstance(value, (DictConfig, dict)):
+        fields = OmegaConf.to_container(value) if isinstance(value, DictConfig) else dict(value)
+    elif isinstance(value, str):
+        fields = {"name": value}
+    else:
+        raise ConfigError(f"speculative.draft_model={value!r} must be a model preset name or a mapping of "
+                          f"model fields (name: a preset)")
+    name = fields.get("name")
+    preset = os.path.join(CONF_DIR, "model", f"{name}.yaml")
+    if not isinstance(name, str) or not os.path.isfile(preset):
+        presets = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "model")) if f.endswith(".yaml"))
+        raise ConfigError(f"speculative.draft_model's name={name!r} must be one of the model presets: "
+                          f"{', '.join(presets)}")
+    base = OmegaConf.load(preset)
+    base.pop("defaults", None)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), base, fields)
+        draft: ModelConfig = OmegaConf.to_object(merged)
+    except Exception as e:  # omegaconf's own errors name the key and the type
+        raise ConfigError(f"speculative.draft_model={fields!r}: {e}") from e
+    for name in ("checkpoint", "tokenizer"):  # package:MODULE/FILE, resolved as model.checkpoint is
+        if is_packaged(getattr(draft, name)):
+            try:
+                setattr(draft, name, resolve_packaged_checkpoint(getattr(draft, name)))
+            except PackagedCheckpointError as e:
+                raise ConfigError(f"speculative.draft_model's {name}: {e}") from e
+    return draft
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -18,6 +18,7 @@ from jaxcb.config import (
     DistributedConfig,
     ModelConfig,
     ServerConfig,
+    resolve_draft_model,
 )
 
 
@@ -194,12 +195,9 @@ def validate_speculative_config(cfg: Config) -> None:
     """speculative.*: what jaxcb speculates with, and the combinations it refuses by name."""
     sp = cfg.speculative
     require(sp.method in ("none", "ngram", "draft"), f"speculative.method={sp.method!r} must be none, ngram or draft")
-    require(sp.method != "draft",
-            "speculative.method=draft (a draft model proposing) is not built yet; use speculative.method=ngram, "
-            "or none")
-    require(sp.draft_model is None,
-            f"speculative.draft_model={sp.draft_model!r} is only read by speculative.method=draft, which is not "
-            f"built yet; drop it")
+    require(sp.draft_model is None or sp.method == "draft",
+            f"speculative.draft_model={sp.draft_model!r} is only read by speculative.method=draft; drop it or set "
+            f"speculative.method=draft")
     if sp.method == "none":
         return
     require(sp.num_speculative_tokens >= 1,
@@ -216,9 +214,28 @@ def validate_speculative_config(cfg: Config) -> None:
     require(budget == "auto" or budget > sp.num_speculative_tokens,
             f"speculative.num_speculative_tokens={sp.num_speculative_tokens} must be below "
             f"scheduler.max_num_batched_tokens={budget}: a verify row brings 1 + k tokens")
+    if sp.method == "draft":
+        validate_draft_method(cfg)
     require(cfg.scheduler.policy != "static",
-            "speculative.method=ngram with scheduler.policy=static: the request-level baseline reserves every "
+            f"speculative.method={sp.method} with scheduler.policy=static: the request-level baseline reserves every "
             "sequence's blocks up front and is measured without speculation; use policy fcfs or priority")
+
+
+def validate_draft_method(cfg: Config) -> None:
+    """speculative.method=draft: the draft model is a model config of its own, checked like `model`; what
+    the draft runner does not do yet is refused by name."""
+    sp = cfg.speculative
+    require(sp.draft_model is not None,
+            "speculative.method=draft needs speculative.draft_model: a model preset (e.g. tiny, smollm2) or "
+            "{name: hf, checkpoint: DIR}, sharing the served model's tokenizer")
+    draft = resolve_draft_model(sp.draft_model)
+    validate_model_config(draft)
+    require(cfg.engine.tensor_parallel_size == 1,
+            f"speculative.method=draft with engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}: the "
+            f"draft model runs on one device; use tensor_parallel_size=1 or speculative.method=ngram")
+    require(cfg.scheduler.preemption_mode != "swap",
+            "speculative.method=draft with scheduler.preemption_mode=swap: swapping copies the served model's "
+            "blocks only, not the draft's; use preemption_mode=recompute or speculative.method=ngram")
 
 
 def validate_distributed_config(d: DistributedConfig) -> None:
@@ -345,8 +362,9 @@ def validate_model_config(m: ModelConfig) -> None:
         )
     if m.tokenizer is not None:
         require(
-            os.path.isfile(os.path.join(m.tokenizer, "tokenizer.json")),
-            f"model.tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one",
+            os.path.isfile(os.path.join(m.tokenizer, "tokenizer.json"))
+            or (m.tokenizer.endswith(".gguf") and os.path.isfile(m.tokenizer)),
+            f"model.tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one, or a GGUF file",
         )
     if m.checkpoint is None:
         missing = [f for f in _ARCH_FIELDS if getattr(m, f) is None]
@@ -409,3 +427,6 @@ def validate_lora_config(cfg: Config) -> None:
     require(cfg.server.backend == "local",
             f"LoRA (lora.adapters / lora.enable) is not served with server.backend={cfg.server.backend!r} yet: "
             "use server.backend=local")
+    require(cfg.speculative.method != "draft",
+            "LoRA (lora.adapters / lora.enable) is not served with speculative.method=draft: the draft model has no "
+            "adapters, so its proposals would be the base model's; use speculative.method=ngram or none")

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from jaxcb.core.block_hash import model_root
 from jaxcb.core.block_pool import BlockPool
-from jaxcb.config import Config, ConfigError
+from jaxcb.config import Config, ConfigError, resolve_draft_model
 from jaxcb.lora.manager import LoraManager
 from jaxcb.model.lora import empty_lora_weights, slot_values
 from jaxcb.engine_stats import EMPTY_STEP, EngineStats
@@ -57,7 +57,10 @@ from jaxcb.runner.compiler import compile_plan
 from jaxcb.sampling import StepVariant
 from jaxcb.sampling_params import InvalidRequestError, SamplingParams
 from jaxcb.core.scheduler import Scheduler
+from jaxcb.core.proposers import Proposer
 from jaxcb.core.speculation import Speculation
+from jaxcb.draft_setup import load_draft_model
+from jaxcb.runner.draft_runner import DraftProposer, DraftRunner
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.startup_log import StartupLog, report_memory
 from jaxcb.startup_memory import check_weights_fit
@@ -106,18 +109,24 @@ def make_lora_manager(cfg: Config, arch) -> Optional[LoraManager]:
     return manager
 
 
-def make_speculation(cfg: Config, platform: str) -> Optional[Speculation]:
-    """The scheduler's proposer and back-off for `speculative.*`, or None when it is off (logged)."""
+def speculation_batch_size(cfg: Config, platform: str) -> int:
+    """speculative.disable_by_batch_size resolved: most decoding sequences that speculate."""
+    batch = cfg.speculative.disable_by_batch_size
+    return (8 if platform == "cpu" else 64) if batch == "auto" else batch
+
+
+def make_speculation(cfg: Config, platform: str, proposer: Optional[Proposer] = None) -> Optional[Speculation]:
+    """The scheduler's proposer and back-off for `speculative.*`, or None when it is off (logged).
+    `proposer`: the draft model's (method=draft); n-gram lookup otherwise."""
     sp = cfg.speculative
     if sp.method == "none":
         return None
-    batch = sp.disable_by_batch_size
-    if batch == "auto":
-        batch = 8 if platform == "cpu" else 64
-    log.info("speculative decoding: %s, up to %d tokens a step (n-grams of %d..%d tokens), while at most %d "
-             "sequences decode", sp.method, sp.num_speculative_tokens, sp.prompt_lookup_min, sp.prompt_lookup_max,
-             batch)
-    return Speculation(sp, batch)
+    batch = speculation_batch_size(cfg, platform)
+    how = (f"n-grams of {sp.prompt_lookup_min}..{sp.prompt_lookup_max} tokens" if sp.method == "ngram"
+           else f"draft model {resolve_draft_model(sp.draft_model).name}")
+    log.info("speculative decoding: %s, up to %d tokens a step (%s), while at most %d sequences decode",
+             sp.method, sp.num_speculative_tokens, how, batch)
+    return Speculation(sp, batch, proposer)
 
 
 class Engine:
@@ -159,6 +168,9 @@ class Engine:
                          / 2**20)
             del model
             gc.collect()  # the checkpoint layout's arrays go now, so that the device's statistics show them gone
+            # speculative.method=draft: the draft model, loaded and prepared the same way (its tokenizer checked).
+            draft = (load_draft_model(cfg, model_cfg, self.tokenizer, self.max_model_len)
+                     if cfg.speculative.method == "draft" else None)
         with self.startup.phase("plan"):
             memory = read_device_memory()
             limits = resolve_batch_limits(cfg.scheduler, model_cfg, memory, memory_fraction=cfg.cache.memory_fraction,
@@ -167,7 +179,8 @@ class Engine:
             workspace = step_activation_bytes(model_cfg, limits.max_num_batched_tokens, limits.max_num_seqs, tp_size)
             plan = plan_kv_cache(cfg.cache, model_cfg, max_model_len=self.max_model_len,
                                  max_num_seqs=limits.max_num_seqs, tensor_parallel_size=tp_size,
-                                 reserve_bytes=workspace, memory=memory)
+                                 reserve_bytes=workspace, memory=memory,
+                                 extra_bytes_per_block=draft.bytes_per_block(cfg.cache.block_size) if draft else 0)
             limits = cap_by_cache(limits, cfg.scheduler, plan)
         if limits.reasons:
             log.info("%s", limits.describe())
@@ -199,8 +212,20 @@ class Engine:
             else:
                 log.warning("cache.swap_space_gib=%g holds no block: preemption will recompute", cfg.cache.swap_space_gib)
         platform = jax.default_backend()
-        self.speculation = make_speculation(cfg, platform)
-        max_drafts = self.speculation.k if self.speculation is not None else 0
+        max_drafts = cfg.speculative.num_speculative_tokens if cfg.speculative.method != "none" else 0
+        max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
+        buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name,
+                               max_drafts=max_drafts)
+        self.draft_runner = proposer = None
+        if draft is not None:
+            self.draft_runner = DraftRunner(
+                draft.weights, draft.backend, num_blocks=plan.num_blocks, block_size=plan.block_size,
+                cache_dtype=draft.cache_dtype, num_speculative_tokens=max_drafts,
+                max_proposals=min(sched_cfg.max_num_seqs, speculation_batch_size(cfg, platform)),
+                max_model_len=self.max_model_len, max_prev_rows=max(b.num_seqs for b in buckets.all()))
+            proposer = DraftProposer(self.draft_runner, lambda: self.runner.last_hidden)
+            del draft
+        self.speculation = make_speculation(cfg, platform, proposer)
         self.scheduler = Scheduler(
             sched_cfg,
             self.block_pool,
@@ -213,9 +238,6 @@ class Engine:
             speculation=self.speculation,
             lora_slots=self.lora.slots if self.lora is not None else None,
         )
-        max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
-        buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name,
-                               max_drafts=max_drafts)
         workers, when = compile_plan(cfg.engine, platform=platform)
         self.runner = ModelRunner(
             weights,
@@ -236,6 +258,7 @@ class Engine:
             compile_inline=platform == "cpu",  # XLA:CPU: never a compile beside a step (runner/compiler.py)
             max_drafts=max_drafts,
             lora_buffers=lora_buffers,
+            draft=self.draft_runner,
         )
         del weights, kv_cache, lora_buffers  # the runner holds them
         if compile_buckets:

@@ -195,6 +195,7 @@ def plan_kv_cache(
     tensor_parallel_size: int = 1,
     pool_fraction: Optional[float] = None,
     memory: Optional[DeviceMemory] = None,
+    extra_bytes_per_block: int = 0,
 ) -> KVCachePlan:
     """Size the cache from `cache.num_blocks`, or from the memory it may take.
 
@@ -207,10 +208,11 @@ def plan_kv_cache(
     reports no memory statistics, it takes `cpu_kv_cache_gib` (as vLLM's CPU backend does),
     never more than `max_num_seqs` sequences of `max_model_len` can use -- a CPU run should
     not pin gigabytes it cannot use -- and refuses a size the host's available memory cannot
-    hold. Fails if one sequence of max_model_len would not fit.
+    hold. Fails if one sequence of max_model_len would not fit. `extra_bytes_per_block`: what each
+    block costs besides the model's K/V (a draft model's own K/V for the same block id).
     """
     dtype = default_cache_dtype(cache.dtype, model.dtype)
-    bytes_per_block = model.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * cache.block_size
+    bytes_per_block = model.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * cache.block_size + extra_bytes_per_block
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if cache.num_blocks is not None:
         num_blocks, source = cache.num_blocks, "cache.num_blocks"

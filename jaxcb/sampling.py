@@ -126,6 +126,19 @@ jax.tree_util.register_dataclass(
 )
 
 
+@dataclasses.dataclass
+class DraftRows:
+    """Speculative decoding with a draft model: what each verify row checks (`sample`'s `drafts`)."""
+
+    token_ids: jax.Array  # i32[R]: the draft the row verifies, sampled by the draft model; -1: none (or n-gram)
+    probs: jax.Array  # f32[R, V]: the draft model's distribution q that token was drawn from
+
+
+jax.tree_util.register_dataclass(DraftRows, data_fields=["token_ids", "probs"], meta_fields=[])
+
+ACCEPT_SALT = 1  # a verify row's acceptance draw: fold_in(fold_in(key(seed), counter), ACCEPT_SALT)
+
+
 def allowed_tokens(bitmask: jax.Array, vocab: int) -> jax.Array:
     """bool[R, V] from a bitmask i32[R, ceil(V / 32)] (little-endian bit order, as llguidance writes it)."""
     as_bytes = jax.lax.bitcast_convert_type(bitmask, jnp.uint8).reshape(bitmask.shape[0], -1)
@@ -270,8 +283,10 @@ def _filter_top_k_top_p(logits: jax.Array, s: SamplingArrays) -> jax.Array:
     return jnp.where(keys < cutoff[:, None], -jnp.inf, logits)
 
 
-def _draw(x: jax.Array, s: SamplingArrays, filtered: bool, argmax: Argmax) -> jax.Array:
-    """i32[R]: temperature, (top-k / top-p / min-p,) then Gumbel-argmax; greedy rows' draws are not used."""
+def _draw(x: jax.Array, s: SamplingArrays, filtered: bool, argmax: Argmax, drafts: Optional[DraftRows] = None
+          ) -> jax.Array:
+    """i32[R]: temperature, (top-k / top-p / min-p,) then Gumbel-argmax; greedy rows' draws are not used.
+    A row verifying a draft model's token (`drafts`) draws by speculative sampling instead (`_verify_draft`)."""
     greedy = s.temperature == 0
     x = x / jnp.where(greedy, 1.0, s.temperature)[:, None]
     if filtered:
@@ -283,7 +298,42 @@ def _draw(x: jax.Array, s: SamplingArrays, filtered: bool, argmax: Argmax) -> ja
         key = jax.random.fold_in(jax.random.key(seed), counter)
         return jax.random.gumbel(key, (x.shape[-1],), jnp.float32)
 
-    return argmax(x + jax.vmap(row_noise)(s.seeds, s.counters))
+    noise = jax.vmap(row_noise)(s.seeds, s.counters)
+    token = argmax(x + noise)
+    if drafts is None:
+        return token
+    return _verify_draft(x, noise, token, s, drafts, argmax)
+
+
+def _verify_draft(x: jax.Array, noise: jax.Array, token: jax.Array, s: SamplingArrays, drafts: DraftRows,
+                  argmax: Argmax) -> jax.Array:
+    """Speculative sampling of the rows that verify a draft model's token d, drawn from its distribution
+    q: with p the row's target distribution (every penalty, ban, temperature and filter applied: softmax
+    of `x`), d is kept with probability min(1, p(d) / q(d)), else the row draws from the residual
+    norm(max(p - q, 0)), which is zero at a rejected d. So the row's token is distributed as p whatever
+    q is, and it equals d exactly when d is accepted (the host's rule for every proposer). The acceptance
+    draw is the row's own (`ACCEPT_SALT`), the residual's noise the row's Gumbel noise. Other rows keep
+    `token`. x f32[R, V] (tempered, filtered), noise f32[R, V], token i32[R] -> i32[R]."""
+    verifies = drafts.token_ids >= 0
+    draft = jnp.maximum(drafts.token_ids, 0)[:, None]
+    p = jax.nn.softmax(x, axis=-1)  # f32[R, V]
+    p_draft = jnp.take_along_axis(p, draft, axis=-1)[:, 0]
+    q_draft = jnp.take_along_axis(drafts.probs, draft, axis=-1)[:, 0]
+
+    def row_uniform(seed, counter):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), counter), ACCEPT_SALT)
+        return jax.random.uniform(key, (), jnp.float32)
+
+    u = jax.vmap(row_uniform)(s.seeds, s.counters)
+    accept = u * q_draft < p_draft  # u < p/q without the division (q(d) > 0: d was drawn from q)
+    residual = jnp.maximum(p - drafts.probs, 0.0)
+    residual = jnp.where(drafts.token_ids[:, None] >= 0, residual.at[jnp.arange(x.shape[0]), draft[:, 0]].set(0.0),
+                         residual)  # rounding aside, the residual is 0 at a rejected d already
+    has_residual = residual.max(axis=-1) > 0
+    resampled = argmax(jnp.where(residual > 0, jnp.log(jnp.where(residual > 0, residual, 1.0)) + noise, -jnp.inf))
+    # p == q (no residual mass) accepts every d but for rounding: such a row keeps its plain draw.
+    rejected = jnp.where(has_residual, resampled, token)
+    return jnp.where(verifies, jnp.where(accept, draft[:, 0], rejected), token).astype(jnp.int32)
 
 
 def _logprobs(logits: jax.Array, token: jax.Array, n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -307,6 +357,7 @@ def sample(
     logits_argmax: Optional[jax.Array] = None,  # i32[R]: the logits' row argmax, computed on the way
     counts: Optional[PenaltyCounts] = None,  # FULL: the rows' counts, this step's tokens included
     masks: Optional[TokenMasks] = None,
+    drafts: Optional[DraftRows] = None,  # from RANDOM on: the draft model's tokens rows verify (`_verify_draft`)
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(token i32[R], its logprob f32[R], top ids i32[R, n], top logprobs f32[R, n]) at a sampling
     `level`; below FULL the logprobs are zeros. With `masks` every row's logits get its
@@ -327,7 +378,8 @@ def sample(
     x = x.at[rows, s.banned_token_ids].set(-jnp.inf, mode="drop")
     if masks is not None:
         x = jnp.where(allowed_tokens(masks.bitmask, vocab), x, -jnp.inf)
-    token = jnp.where(s.temperature == 0, argmax(x), _draw(x, s, level >= StepVariant.FULL, argmax)).astype(jnp.int32)
+    token = jnp.where(s.temperature == 0, argmax(x),
+                      _draw(x, s, level >= StepVariant.FULL, argmax, drafts)).astype(jnp.int32)
     if level < StepVariant.FULL:
         return (token, *no_logprobs)
     token_lp, top_ids, top_lp = _logprobs(logits, token, num_logprobs)

@@ -226,3 +226,8 @@ def test_ngram_speculation_verifies_each_adapters_drafts_with_that_adapter(check
         assert out.outputs[0].token_ids == greedy_tokens(merged[name], prompt, 12), name
     assert llm.engine.speculation.stats.num_draft_tokens > 0
     assert llm.engine.num_recompiles == 0
+
+
+def test_lora_with_a_draft_model_is_refused_by_name():
+    with pytest.raises(ConfigError, match="speculative.method=draft"):
+        compose_config(("lora.enable=true", "speculative.method=draft", "speculative.draft_model=tiny"))

@@ -337,3 +337,34 @@ def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm):
     assert engine.speculation.stats.num_accepted_tokens > 0 and engine.scheduler.num_preemptions > 0
     assert engine.scheduler.prefix_cache_hits > 0 and engine.num_recompiles == 0
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+
+
+@pytest.mark.parametrize("draft", ["self", "random_small"])
+def test_draft_model_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm, draft, tmp_path):
+    """Requests with preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without
+    speculation, with SmolLM2 drafting for itself (nearly every draft accepted: the two compute the same
+    logits but for float rounding across batch shapes) or a small random model (few accepted)."""
+    if draft == "self":
+        draft_model = "speculative.draft_model=smollm2"
+    else:  # a random tiny-shaped model with SmolLM2's vocabulary and tokenizer
+        llm.engine.tokenizer.save(str(tmp_path))
+        draft_model = f"speculative.draft_model={{name:tiny,vocab_size:49152,tokenizer:'{tmp_path}'}}"
+    overrides = BASE + VARIANTS + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
+                                   "speculative.method=draft", draft_model, "cache.num_blocks=12")
+    spec = LLM(compose_config(overrides), progress=False)
+    lines = ["red green blue red green blue red green", "The cat sat on the mat. The dog sat on the log."] + PROMPTS
+    num = 200 if draft == "random_small" else 60
+    prompts = [f"{lines[i % len(lines)]}" + " and" * (i % 4) for i in range(num)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, n=2 if i % 9 == 0 else 1) for i in range(num)]
+    theirs = llm.generate(prompts, params, use_tqdm=False)
+    ours = spec.generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in theirs]
+    engine = spec.engine
+    stats = engine.speculation.stats
+    if draft == "random_small":
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens / 2
+    else:
+        assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache_hits > 0
+    assert engine.num_recompiles == 0
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1

@@ -50,7 +50,7 @@ def assert_all_blocks_free(engine):
 
 def test_ngram_proposes_what_followed_the_latest_occurrence_of_the_longest_suffix():
     proposer = NgramProposer(min_n=2, max_n=3)
-    propose = lambda tokens, k: proposer.propose(proposer.new_index(), tokens, len(tokens), k)  # noqa: E731
+    propose = lambda tokens, k: proposer.continuation(proposer.new_index(), tokens, len(tokens), k)  # noqa: E731
     # [1, 2, 3] (3 tokens, the longest) last occurred at 0..2, followed by 9, 9, 7, ...
     assert propose([1, 2, 3, 9, 9, 7, 2, 3, 4, 5, 1, 2, 3], 3) == [9, 9, 7]
     # [1, 2, 3] never occurred before; [2, 3] did, latest at 6..7, followed by 6, 1, ...
@@ -64,14 +64,14 @@ def test_a_token_in_flight_is_guessed_from_the_match_and_never_indexed():
     proposer = NgramProposer(min_n=2, max_n=4)
     index = proposer.new_index()
     tokens = [3, 4, 5, 6, 3, 4]
-    assert proposer.propose(index, tokens, 6, 4) == [5, 6, 3, 4]
+    assert proposer.continuation(index, tokens, 6, 4) == [5, 6, 3, 4]
     # the next token in flight (-1): the match of the known suffix [3, 4] continues 5, 6, 3, ...; 5 stands
     # for the token in flight, and the drafts follow it
     tokens.append(-1)
-    assert proposer.propose(index, tokens, 6, 3) == [6, 3, 4]
+    assert proposer.continuation(index, tokens, 6, 3) == [6, 3, 4]
     assert all(-1 not in gram for gram in index.last_end)
     tokens[-1] = 5
-    assert proposer.propose(index, tokens, 7, 2) == [6, 3]
+    assert proposer.continuation(index, tokens, 7, 2) == [6, 3]
     assert all(-1 not in gram for gram in index.last_end)
 
 
@@ -79,30 +79,36 @@ def _sequence(prompt, **params):
     return Sequence(("r", 0), list(prompt), SamplingParams(max_tokens=100, **params))
 
 
+def _drafts(spec, seq, last_in_flight, num_decoding, max_drafts):
+    """What `seq` alone brings to a step: its proposal (`Speculation.prepare`), cut to max_drafts."""
+    spec.prepare([(seq, last_in_flight, -1)], num_decoding, lambda s: max_drafts)
+    return spec.drafts(seq, max_drafts).token_ids
+
+
 def test_backoff_stops_proposals_after_low_acceptance_and_resumes_later():
     cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_mean_accepted=1.0, acceptance_window=2)
     spec = Speculation(cfg, disable_by_batch_size=8)
     seq = _sequence([1, 2, 3, 1, 2, 3, 1, 2])
-    assert spec.drafts(seq, False, 1, 3) == [3, 1, 2]
+    assert _drafts(spec, seq, False, 1, 3) == [3, 1, 2]
     spec.verified(seq, (3, 1, 2), 0)
-    assert spec.drafts(seq, False, 1, 3) == [3, 1, 2]
+    assert _drafts(spec, seq, False, 1, 3) == [3, 1, 2]
     spec.verified(seq, (3, 1, 2), 1)  # 0.5 accepted a step over the window, below 1.0
-    assert spec.drafts(seq, False, 1, 3) == []
+    assert _drafts(spec, seq, False, 1, 3) == []
     seq.output_token_ids += [3] * 16  # 16 tokens later it proposes again
-    assert spec.drafts(seq, False, 1, 3) != []
+    assert _drafts(spec, seq, False, 1, 3) != []
     assert spec.stats.num_drafts == 2 and spec.stats.num_draft_tokens == 6 and spec.stats.num_accepted_tokens == 1
     assert spec.stats.accepted_per_position == [1, 0, 0]
     # too many sequences decoding: compute-bound, no proposals
-    assert spec.drafts(seq, False, 9, 3) == []
+    assert _drafts(spec, seq, False, 9, 3) == []
 
 
 def test_constrained_and_prompt_logprobs_requests_decode_without_speculation_and_are_counted():
     spec = Speculation(SpeculativeConfig(method="ngram"), disable_by_batch_size=8)
     constrained = _sequence([1, 2, 1, 2, 1])
     constrained.constraint = object()  # a grammar, allowed_token_ids or bad_words
-    assert spec.drafts(constrained, False, 1, 4) == []
-    assert spec.drafts(_sequence([1, 2, 1, 2, 1], prompt_logprobs=1), False, 1, 4) == []
-    assert spec.drafts(_sequence([1, 2, 1, 2, 1]), False, 1, 4) == [2, 1, 2, 1]
+    assert _drafts(spec, constrained, False, 1, 4) == []
+    assert _drafts(spec, _sequence([1, 2, 1, 2, 1], prompt_logprobs=1), False, 1, 4) == []
+    assert _drafts(spec, _sequence([1, 2, 1, 2, 1]), False, 1, 4) == [2, 1, 2, 1]
     assert spec.stats.num_unspeculated_requests == 2
 
 

@@ -22,6 +22,11 @@ cannot be scheduled before then: it sits step N+1 out (`verifying`), and `resolv
 puts all its new tokens in place. A sequence's row in step N is counted in rows (a verifying
 sequence takes 1 + k, `ScheduledSequence.num_rows`).
 
+A plain decoder whose last token is in flight still speculates: proposals come from its known
+tokens, the proposer's first guess standing for the one in flight (an n-gram match's next token,
+or the draft model's own draw), and the step reads the real token from the device; drafts made
+after a wrong guess are simply rejected more often (`row_of` gives the proposer its row).
+
 Without async scheduling a step is resolved before the next is scheduled, so that row is
 always -1. Nothing outside this module knows how an in-flight token is marked.
 """
@@ -59,6 +64,10 @@ class InFlightTokens:
     def verifying(self, seq: "Sequence") -> bool:
         """Whether the sequence's tokens wait for a verify step still in flight (it cannot be scheduled)."""
         return seq.seq_id in self._verifying
+
+    def row_of(self, seq: "Sequence") -> int:
+        """Its row in the last dispatched step, whose token is its last one in flight; -1: none."""
+        return self._row_of.get(seq.seq_id, -1) if self.last_token_in_flight(seq) else -1
 
     def last_token_in_flight(self, seq: "Sequence") -> bool:
         return bool(seq.output_token_ids) and seq.output_token_ids[-1] == _IN_FLIGHT

@@ -219,6 +219,8 @@ class Scheduler:
             self.running.sort(key=lambda r: r.background)
             self.waiting = deque(sorted(self.waiting, key=lambda r: r.background))
 
+        if self.speculation is not None:
+            self._propose()
         for sequence in list(self.running):
             if sequence.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -226,9 +228,11 @@ class Scheduler:
             if num_new == 0:
                 continue
             drafts: list[int] = []
+            probs_row = -1
             num_blocks = len(sequence.block_ids)
             if self.speculation is not None and num_new == 1 and not sequence.is_prefilling:
-                drafts = self._drafts(sequence, budget)
+                proposal = self._drafts(sequence, budget)
+                drafts, probs_row = proposal.token_ids, proposal.probs_row
                 if drafts and not self.kv.allocate(sequence, 1 + len(drafts)):
                     drafts = []  # drafts never preempt: without room for them it decodes plainly
                 num_new += len(drafts)
@@ -239,7 +243,7 @@ class Scheduler:
                 if victim is sequence:
                     break
             else:
-                scheduled[sequence.seq_id] = self._scheduled(sequence, num_new, drafts, num_blocks)
+                scheduled[sequence.seq_id] = self._scheduled(sequence, num_new, drafts, num_blocks, probs_row)
                 budget -= num_new
 
         ranked = self.cfg.policy == "priority" or (self._num_background > 0 and self.cfg.policy != "static")
@@ -270,12 +274,23 @@ class Scheduler:
             num_new = min(num_new, self.cfg.long_prefill_token_threshold)
         return max(0, num_new)
 
-    def _drafts(self, sequence: Sequence, budget: int) -> list[int]:
-        """The drafts a decoding sequence verifies this step (speculation.py)."""
-        last_in_flight = self.in_flight.last_token_in_flight(sequence)
-        room = min(budget - 1, sequence.sampling_params.max_tokens - sequence.num_output_tokens - 1,
+    def _room_for_drafts(self, sequence: Sequence) -> int:
+        """The most drafts a sequence may verify: its max_tokens and max_model_len less its next token."""
+        return min(sequence.sampling_params.max_tokens - sequence.num_output_tokens - 1,
                    self.max_model_len - sequence.num_tokens - 1)
-        return self.speculation.drafts(sequence, last_in_flight, len(self.running), room)
+
+    def _propose(self) -> None:
+        """The step's proposals, asked once for every decoding sequence that may speculate (speculation.py)."""
+        candidates = [
+            (s, self.in_flight.last_token_in_flight(s), self.in_flight.row_of(s)) for s in self.running
+            if s.status is RequestStatus.RUNNING and not s.is_prefilling and not self.in_flight.verifying(s)
+            and s.num_tokens - s.num_computed_tokens == 1
+        ]
+        self.speculation.prepare(candidates, len(self.running), self._room_for_drafts)
+
+    def _drafts(self, sequence: Sequence, budget: int):
+        """The drafts a decoding sequence verifies this step, and where their probabilities are (a Proposal)."""
+        return self.speculation.drafts(sequence, min(budget - 1, self._room_for_drafts(sequence)))
 
     def _preempt(self, victim: Sequence, scheduled: dict[SequenceId, ScheduledSequence]) -> int:
         """Free the victim's blocks and requeue it at the head; return the budget it gives back.
@@ -411,8 +426,8 @@ class Scheduler:
         self.kv.register_full_blocks(sequence, start + num_new)  # its swapped-in blocks, then this step's
         return num_new
 
-    def _scheduled(self, sequence: Sequence, num_new: int, drafts: list[int] = (), num_blocks: int = 0
-                   ) -> ScheduledSequence:
+    def _scheduled(self, sequence: Sequence, num_new: int, drafts: list[int] = (), num_blocks: int = 0,
+                   probs_row: int = -1) -> ScheduledSequence:
         start, stop = sequence.num_computed_tokens, sequence.num_computed_tokens + num_new - len(drafts)
         params = sequence.sampling_params
         num_prompt, num_output = len(sequence.prompt_token_ids), len(sequence.output_token_ids)
@@ -445,6 +460,7 @@ class Scheduler:
             constraint=sequence.constraint,
             prompt_logprob_targets=targets,
             draft_token_ids=tuple(drafts),
+            draft_probs_row=probs_row if drafts else -1,
             num_blocks_without_drafts=num_blocks,
             uncounted_token_ids=Speculation.take_uncounted(sequence) if params.uses_penalties else (),
         )

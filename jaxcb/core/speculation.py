@@ -17,10 +17,12 @@ This module decides, for each decoding sequence and step (`Speculation.drafts`):
   (`num_unspeculated_requests`); not while more than `disable_by_batch_size` sequences
   decode (a large batch is compute-bound: k drafts cost about k decodes); not while it
   backs off (below);
-- what it proposes: the n-gram proposer (`NgramProposer`) looks up the sequence's last n
+- what it proposes, through one protocol (`proposers.py`), asked once a step for every sequence
+  that may speculate (`prepare`): the n-gram proposer (`NgramProposer`) looks up the sequence's last n
   tokens (longest first) in its prompt and output so far, and proposes what followed their
   latest earlier occurrence (past the end, what the proposal itself continues: a repeating
-  pattern keeps repeating);
+  pattern keeps repeating); a draft model (`jaxcb.runner.draft_runner.DraftProposer`) drafts k
+  tokens on the device, drawn from distributions the verify step then checks them against;
 - async scheduling's rule: proposals come from the tokens known when the step is scheduled.
   Under async scheduling a decoding sequence's last token is still in flight then: the match
   is looked up for its known tokens, and its continuation's first token stands for the one in
@@ -39,6 +41,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+from jaxcb.core.proposers import NO_PROPOSAL, Proposal, Proposer, ProposalRequest
 
 if TYPE_CHECKING:
     from jaxcb.config import SpeculativeConfig
@@ -84,7 +88,16 @@ class NgramProposer:
     def new_index(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
 
-    def propose(self, index: NgramIndex, tokens: list[int], num_known: int, k: int) -> list[int]:
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        """The `Proposer` protocol: each request's continuation (`continuation`)."""
+        out = []
+        for r in requests:
+            state = r.seq.speculation
+            drafts = self.continuation(state.index, r.token_ids, r.num_known, r.num_drafts)
+            out.append(Proposal(drafts) if drafts else NO_PROPOSAL)
+        return out
+
+    def continuation(self, index: NgramIndex, tokens: list[int], num_known: int, k: int) -> list[int]:
         """Up to k drafts to follow `tokens`, of which the first `num_known` are known and the rest (at
         most one) in flight: the continuation of the longest match of the known tokens' suffix, its
         first tokens standing for those in flight."""
@@ -103,7 +116,7 @@ class NgramProposer:
 class SequenceSpeculation:
     """One sequence's speculation state, kept on it (`Sequence.speculation`)."""
 
-    index: NgramIndex
+    index: Optional[NgramIndex]  # the n-gram proposer's; None for a proposer that keeps no per-sequence index
     accepted: deque = field(default_factory=deque)  # accepted tokens of its last verify steps
     resume_at: int = 0  # it proposes again once it has this many tokens (back-off)
     backoff: int = FIRST_BACKOFF_TOKENS  # the next back-off's length, in tokens
@@ -124,9 +137,11 @@ class SpeculationStats:
 class Speculation:
     """The scheduler's proposer and back-off (module docstring)."""
 
-    def __init__(self, cfg: "SpeculativeConfig", disable_by_batch_size: int):
+    def __init__(self, cfg: "SpeculativeConfig", disable_by_batch_size: int, proposer: Optional[Proposer] = None):
+        """`proposer`: what proposes (default: n-gram prompt lookup, as `cfg` says)."""
         self.k = cfg.num_speculative_tokens
-        self.proposer = NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.proposer: Proposer = proposer or NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self._proposals: dict = {}  # this step's proposals, by sequence id (`prepare`)
         self.disable_by_batch_size = disable_by_batch_size
         self.min_mean_accepted = cfg.min_mean_accepted
         self.window = cfg.acceptance_window
@@ -142,19 +157,38 @@ class Speculation:
                 if seq.sample_index == 0:
                     self.stats.num_unspeculated_requests += 1
                 return None
-            state = seq.speculation = SequenceSpeculation(self.proposer.new_index())
+            index = self.proposer.new_index() if isinstance(self.proposer, NgramProposer) else None
+            state = seq.speculation = SequenceSpeculation(index)
         return state or None
 
-    def drafts(self, seq: "Sequence", last_in_flight: bool, num_decoding: int, max_drafts: int) -> list[int]:
-        """The drafts a decoding sequence brings to the step being scheduled (empty: it decodes plainly);
-        `last_in_flight`: its last token is not known yet."""
-        state = self._state(seq)
-        if state is None or max_drafts <= 0 or num_decoding > self.disable_by_batch_size:
-            return []
-        if seq.num_tokens < state.resume_at:
-            return []
-        tokens = seq.prompt_token_ids + seq.output_token_ids
-        return self.proposer.propose(state.index, tokens, len(tokens) - last_in_flight, min(self.k, max_drafts))
+    def prepare(self, candidates: list[tuple["Sequence", bool, int]], num_decoding: int, max_drafts) -> None:
+        """Ask the proposer, once for the step being scheduled, what each decoding sequence that may
+        speculate proposes. `candidates`: (sequence, whether its last token is in flight, its row in the
+        last dispatched step or -1); `num_decoding`: sequences decoding; `max_drafts(seq)`: the most
+        drafts it may verify (its max_tokens and max_model_len)."""
+        self._proposals = {}
+        requests = []
+        for seq, last_in_flight, row in candidates:
+            state = self._state(seq)  # first: a request that never speculates is counted, whatever the batch
+            if state is None or num_decoding > self.disable_by_batch_size:
+                continue
+            room = min(self.k, max_drafts(seq))
+            if room <= 0 or seq.num_tokens < state.resume_at:
+                continue
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            requests.append(ProposalRequest(seq, tokens, len(tokens) - last_in_flight, room, row))
+        if requests:
+            for r, proposal in zip(requests, self.proposer.propose(requests)):
+                if proposal.token_ids:
+                    self._proposals[r.seq.seq_id] = proposal
+
+    def drafts(self, seq: "Sequence", max_drafts: int) -> Proposal:
+        """What a decoding sequence brings to the step being scheduled (no drafts: it decodes plainly):
+        its proposal from `prepare`, cut to `max_drafts`."""
+        proposal = self._proposals.pop(seq.seq_id, NO_PROPOSAL)
+        if max_drafts <= 0 or not proposal.token_ids:
+            return NO_PROPOSAL
+        return Proposal(proposal.token_ids[:max_drafts], proposal.probs_row)
 
     def verified(self, seq: "Sequence", drafts: tuple[int, ...], num_accepted: int) -> None:
         """A verify step's outcome: `num_accepted` of the sequence's `drafts` were the target's tokens."""

@@ -47,6 +47,9 @@ class ScheduledSequence:
     # runner gives each of the 1 + k tokens a row of its own that samples the target's token after
     # it (`num_rows`); the scheduler keeps the drafts the target agrees with (`RunnerOutput.verified`).
     draft_token_ids: tuple[int, ...] = ()
+    # A draft model's drafts: the row of its distributions (q) that drew the first draft, the others after it
+    # (`jaxcb.runner.draft_runner`); -1: drafts from a deterministic proposer (n-gram), q one-hot.
+    draft_probs_row: int = -1
     # Blocks it held before the drafts asked for more: those past it and past its accepted tokens are freed.
     num_blocks_without_drafts: int = 0
     # Penalties: drafts accepted by an earlier verify step, which the slot's counts do not hold yet.

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -56,9 +56,12 @@ from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.runner.slots import SlotState, SlotTable, empty_slot_state, write_slots
 from jaxcb.runner.step_args import StepArgs, model_inputs, packed_sizes, sampler_inputs, unpack
 from jaxcb.runner.step_inputs import WRITE_CHUNK, SlotWrites, StepInputBuilder
-from jaxcb.sampling import SAMPLING_LEVELS, PenaltyCounts, StepVariant, record_tokens, sample
+from jaxcb.sampling import SAMPLING_LEVELS, DraftRows, PenaltyCounts, StepVariant, record_tokens, sample
 from jaxcb.core.step import RunnerOutput, SampledToken, SchedulerOutput
 from jaxcb.sharding import TensorParallel, fetch
+
+if TYPE_CHECKING:
+    from jaxcb.runner.draft_runner import DraftRunner
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,7 @@ class ModelRunner:
         compile_inline: bool = False,
         max_drafts: int = 0,
         lora_buffers=None,
+        draft: Optional["DraftRunner"] = None,
     ):
         """`weights`: the model's, as `backend.prepare` made them.
         `sampling_variants`: the sampling levels compiled for every bucket (full among them);
@@ -133,8 +137,12 @@ class ModelRunner:
         `compile_workers`, `compile_rare_variants`, `compile_inline`: how and when they compile (`compiler.StepCompiler`);
         `max_drafts`: speculative decoding's k (0: off), for the rows' drafts that penalties count;
         `lora_buffers`: LoRA's slot buffers (`jaxcb.model.lora.empty_lora_weights`; None: no LoRA compiled in):
-        the step reads them as the backend prepares them (`weights.lora`), and each token row carries its slot."""
+        the step reads them as the backend prepares them (`weights.lora`), and each token row carries its slot;
+        `draft`: the draft model's runner (speculative.method=draft): its cache follows every step's tokens
+        (`DraftRunner.sync`, dispatched before the model's step), and the sampler verifies its drafts
+        against the distributions it drew them from (`DraftRunner.probs`)."""
         self.backend = backend
+        self.draft = draft
         self.weights = weights
         self.tp = tp
         self.lora = lora_buffers is not None
@@ -159,12 +167,14 @@ class ModelRunner:
         replicated = tp.replicated if tp is not None else None
         self.inputs = StepInputBuilder(
             buckets, kv_cache.block_size, backend.cfg.vocab_size, max_stop_token_ids, max_logit_bias,
-            self.compiler.serve, SlotTable(self.num_slots), replicated, max_drafts, self.lora,
+            self.compiler.serve, SlotTable(self.num_slots), replicated, max_drafts, lora=self.lora,
+            draft_probs=draft is not None,
         )
         self.slot_state: SlotState = empty_slot_state(self.num_slots, max(buckets.widths), backend.cfg.vocab_size,
                                                       replicated)
         self._sampler_sizes = dict(max_banned=max_stop_token_ids, vocab_size=backend.cfg.vocab_size,
-                                   max_logit_bias=max_logit_bias, max_drafts=max_drafts)
+                                   max_logit_bias=max_logit_bias, max_drafts=max_drafts,
+                                   draft_probs=draft is not None)
         self._hidden_rows_dtype: Optional[jnp.dtype] = None  # `_hidden_dtype`
         self._head_weights = backend.head_weights(weights)  # what the sampler reads of the weights
         model_step, sampler_step = self._make_model_step(), self._make_sampler_step()
@@ -177,6 +187,9 @@ class ModelRunner:
                                        out_shardings=(replicated, replicated, tp.kv_cache, replicated))
             self._sampler_step = jax.jit(sampler_step, static_argnums=(3,), out_shardings=replicated)
             self._write_slots = jax.jit(write_slots, donate_argnums=(0,), out_shardings=replicated)
+        # The last dispatched step's hidden state of each row's last token [R, D], on the device: what a
+        # proposer that reads the target's hidden states (an EAGLE-style head) starts from.
+        self.last_hidden: Optional[jax.Array] = None
         # The last dispatched step's sampled tokens, left on the device for the next step's tokens in flight.
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32, device=self.inputs.sharding)
 
@@ -213,7 +226,7 @@ class ModelRunner:
         backend, num_logprobs, max_rows, sizes = self.backend, self.max_logprobs, self.max_rows, self._sampler_sizes
 
         def sampler_step(head: StepWeights, counts: Optional[PenaltyCounts], hidden: jax.Array, key: SamplerKey,
-                         ints, floats):
+                         ints, floats, draft_probs: Optional[jax.Array] = None):
             """-> (i32[R, 1 + n] the sampled token then the top ids, f32[R, 1 + n] their logprobs, the
             sampled tokens as the next step reads them, i32[max_rows])."""
             x = unpack(sampler_inputs(key, **sizes, abstract=True), ints, floats)
@@ -225,11 +238,15 @@ class ModelRunner:
                     rows = jnp.arange(x.row_drafts.shape[0])[:, None]
                     row_counts = PenaltyCounts(row_counts.seen.at[rows, x.row_drafts].set(True, mode="drop"),
                                                row_counts.output_counts.at[rows, x.row_drafts].add(1, mode="drop"))
+            drafts = None
+            if x.verify_draft_ids is not None:  # f32[P, V]: the draft model's distributions, a row per draft
+                drafts = DraftRows(x.verify_draft_ids, draft_probs[jnp.clip(x.verify_probs_rows, 0,
+                                                                            draft_probs.shape[0] - 1)])
             greedy = level == StepVariant.GREEDY
             logits, logits_argmax = backend.logits_and_argmax(head, hidden, not greedy)
             token, token_lp, top_ids, top_lp = sample(
                 logits, x.sampling, level, num_logprobs, backend.argmax,
-                logits_argmax if greedy else None, counts=row_counts, masks=x.masks,
+                logits_argmax if greedy else None, counts=row_counts, masks=x.masks, drafts=drafts,
             )
             ids = jnp.concatenate([token[:, None], top_ids], axis=1)  # i32[R, 1 + n]
             lps = jnp.concatenate([token_lp[:, None], top_lp], axis=1)  # f32[R, 1 + n]
@@ -246,7 +263,7 @@ class ModelRunner:
 
     @property
     def num_recompiles(self) -> int:
-        return self.compiler.num_recompiles
+        return self.compiler.num_recompiles + (self.draft.num_recompiles if self.draft is not None else 0)
 
     def traceable(self, part: Union[ModelKey, SamplerKey]) -> tuple:
         """(the jitted function, its abstract arguments) of one executable of a step: shaped (and, under
@@ -264,8 +281,11 @@ class ModelRunner:
         counts = abstract(self.slot_state.counts) if part.variant >= StepVariant.FULL else None
         hidden = jax.ShapeDtypeStruct((part.num_seqs, self.backend.cfg.hidden_size), self._hidden_dtype(),
                                       sharding=self.inputs.sharding)
+        probs = None
+        if self.draft is not None and part.variant >= StepVariant.RANDOM:
+            probs = abstract(self.draft.probs)
         return self._sampler_step, (abstract(self._head_weights), counts, hidden, part, vector(num_ints, jnp.int32),
-                                    vector(num_floats, jnp.float32))
+                                    vector(num_floats, jnp.float32), probs)
 
     def _lower(self, part: Union[ModelKey, SamplerKey]):
         fn, args = self.traceable(part)
@@ -284,6 +304,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.compiler.compile_startup(progress)
         self._write_slots_compiled = self._compile_slot_writer()
+        if self.draft is not None:  # the draft's cache follows every model bucket's steps
+            self.draft.compile({BucketKey(*b, v).model for v in self.variants for b in self.buckets.all()},
+                               self.slot_state.block_tables)
         if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
             null = jnp.zeros(SWAP_CHUNK, jnp.int32)
             k, v = gather_blocks(self.kv_cache, null)
@@ -338,11 +361,15 @@ class ModelRunner:
         logprobs f32[R, 1 + n], each token row's prompt logprobs or None), still on the device.
         `executables`: (model, sampler) to run instead of the compiled ones (benchmarks)."""
         model, sampler = executables or self.executable(key)
+        if self.draft is not None:  # before the step takes the slot state: the tables as the step finds them
+            self.draft.sync(key.model, args.model_ints, args.prev_tokens, self.slot_state.block_tables)
         hidden, prompt, self.kv_cache, self.slot_state = model(self.weights, self.kv_cache, self.slot_state,
                                                                args.model_ints, args.prev_tokens)
         counts = self.slot_state.counts if key.sampler.variant >= StepVariant.FULL else None
+        probs = self.draft.probs if self.draft is not None and key.sampler.variant >= StepVariant.RANDOM else None
         ids, lps, self._prev_tokens = sampler(self._head_weights, counts, hidden, args.sampler_ints,
-                                              args.sampler_floats)
+                                              args.sampler_floats, probs)
+        self.last_hidden = hidden
         return ids, lps, prompt
 
     # --- one step ------------------------------------------------------------------------------

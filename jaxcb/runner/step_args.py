@@ -64,6 +64,11 @@ class SamplerInputs:
     # Speculative decoding, from FULL on: each row's drafts before its token (a verify row j: drafts 1..j),
     # which its penalties count on top of its slot's counts; V (out of range) pads.
     row_drafts: Optional[jax.Array] = None  # i32[R, k]
+    # Speculative decoding with a draft model, from RANDOM on: the draft token each row verifies (-1: none,
+    # or a deterministic proposer's), and the row of the draft model's distributions (`DraftRunner.probs`)
+    # it was drawn from (`jaxcb.sampling.DraftRows`).
+    verify_draft_ids: Optional[jax.Array] = None  # i32[R]
+    verify_probs_rows: Optional[jax.Array] = None  # i32[R]
 
 
 @dataclasses.dataclass
@@ -153,9 +158,11 @@ def model_inputs(key: ModelKey, *, block_size: int, num_slots: int = 0, abstract
 
 
 def sampler_inputs(key: SamplerKey, *, max_banned: int, vocab_size: int, max_logit_bias: int, max_drafts: int = 0,
-                   abstract: bool = False, sharding: Optional[jax.sharding.Sharding] = None) -> SamplerInputs:
+                   draft_probs: bool = False, abstract: bool = False,
+                   sharding: Optional[jax.sharding.Sharding] = None) -> SamplerInputs:
     """One sampling bucket's inputs, abstract or at their padding values: rows sample greedily with no
-    filter (top_p 1, repetition 1), nothing banned or biased (ids V), every token allowed."""
+    filter (top_p 1, repetition 1), nothing banned or biased (ids V), every token allowed, no draft
+    model's token verified (-1). `draft_probs`: a draft model proposes (its rows from RANDOM on)."""
     r, variant = key.num_seqs, key.variant
     i32, f32, u32 = _factories(abstract, sharding)
     full = variant >= StepVariant.FULL
@@ -169,6 +176,8 @@ def sampler_inputs(key: SamplerKey, *, max_banned: int, vocab_size: int, max_log
         masks=TokenMasks(i32((r, (vocab_size + 31) // 32), -1), i32((r, max_logit_bias), vocab_size),
                          f32((r, max_logit_bias))) if variant >= StepVariant.MASKED else None,
         row_drafts=i32((r, max_drafts), vocab_size) if max_drafts and full else None,
+        verify_draft_ids=i32((r,), -1) if draft_probs and variant >= StepVariant.RANDOM else None,
+        verify_probs_rows=i32((r,)) if draft_probs and variant >= StepVariant.RANDOM else None,
     )
 
 

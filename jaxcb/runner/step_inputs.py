@@ -61,6 +61,7 @@ class StepInputBuilder:
     sharding: Optional[jax.sharding.Sharding] = None  # tensor parallelism: replicated on the mesh
     max_drafts: int = 0  # speculative decoding's k (0: off): the width of the rows' drafts (`StepInputs.row_drafts`)
     lora: bool = False  # LoRA compiled in: each token row carries its adapter's slot (`ModelInputs.lora_ids`)
+    draft_probs: bool = False  # a draft model proposes: rows say which of its distributions drew their draft
 
     def __post_init__(self) -> None:
         num_slots = self.slots.num_slots
@@ -97,7 +98,8 @@ class StepInputBuilder:
             self._templates[key] = PackedTemplate(StepInputs(
                 model_inputs(key.model, block_size=self.block_size, num_slots=self.slots.num_slots, lora=self.lora),
                 sampler_inputs(key.sampler, max_banned=self.max_banned, vocab_size=self.vocab_size,
-                               max_logit_bias=self.max_logit_bias, max_drafts=self.max_drafts)))
+                               max_logit_bias=self.max_logit_bias, max_drafts=self.max_drafts,
+                               draft_probs=self.draft_probs)))
         return self._templates[key]
 
     def build(self, out: SchedulerOutput, prev_tokens: jax.Array
@@ -179,6 +181,8 @@ class StepInputBuilder:
             self._fill_verify_banned(seqs, row_seq, row_offset, x.banned_token_ids)
             if key.variant >= StepVariant.FULL:
                 self._fill_row_drafts(seqs, row_seq, row_offset, x.row_drafts)
+            if self.draft_probs and key.variant >= StepVariant.RANDOM:
+                self._fill_draft_rows(seqs, row_seq, row_offset, x.verify_draft_ids, x.verify_probs_rows)
         else:
             for i in np.flatnonzero(num_banned).tolist():
                 ids = seqs[i].banned_token_ids[: self.max_banned]
@@ -232,6 +236,17 @@ class StepInputBuilder:
         for row in np.flatnonzero(row_offset).tolist():
             j = int(row_offset[row])
             row_drafts[row, :j] = seqs[int(row_seq[row])].draft_token_ids[:j]
+
+    @staticmethod
+    def _fill_draft_rows(seqs: list[ScheduledSequence], row_seq: np.ndarray, row_offset: np.ndarray,
+                         draft_ids: np.ndarray, probs_rows: np.ndarray) -> None:
+        """A draft model's verify row j (below k): draft j + 1, which it checks against its q (the
+        distributions' row draft_probs_row + j); its last row (the bonus token) verifies none."""
+        for row, (i, j) in enumerate(zip(row_seq.tolist(), row_offset.tolist())):
+            s = seqs[i]
+            if s.draft_probs_row >= 0 and j < len(s.draft_token_ids):
+                draft_ids[row] = s.draft_token_ids[j]
+                probs_rows[row] = s.draft_probs_row + j
 
     def _token_places(self, seqs: list[ScheduledSequence], lens: np.ndarray, starts: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
