@@ -195,3 +195,35 @@ def test_an_fp8_cache_is_refused_by_the_cpu_kernel_naming_what_works():
                                           r"attention\.impl=xla"):
         cpu_form().check_cache_dtype(QUANTIZED_CACHE_DTYPES["fp8_e4m3"])
     cpu_form().check_cache_dtype(jnp.int8)  # int8 it reads
+
+
+@pytest.mark.parametrize("form", ["xla", "cpu", "pallas-interpret"])
+def test_write_and_attend_under_shard_map_in_a_layer_scan_carries_the_scales(form):
+    """As the model calls it under tensor parallelism: a jitted scan over layers, the cache (buffers and
+    scales, split by KV head) carried by the scan through shard_map."""
+    from jax.sharding import Mesh
+
+    from jaxcb.sharding import TP_AXIS
+
+    attention = FORMS[form]().with_mesh(Mesh(np.array(jax.devices()[:1]), (TP_AXIS,)))
+    batch = make_ragged_batch(MIXED, block_size=8, num_kv_heads=2, group=3, head_dim=16, seed=6, num_layers=3)
+    cache, k_ref, v_ref = quantized_cache(batch, "int8")
+    q, _, _, kv_lens, tables, qsl, num_seqs, _ = batch.args(jnp)
+    md = AttentionMetadata(jnp.zeros(q.shape[0], jnp.int32), qsl, kv_lens, tables, num_seqs)  # writes: null block
+    new_kv = jnp.zeros((q.shape[0], 2, 16), jnp.float32)
+
+    @jax.jit
+    def layers(cache):
+        def layer_step(cache, layer):
+            out, cache = attention.write_and_attend(q, new_kv, new_kv, cache, layer, md, SM_SCALE)
+            return cache, out
+
+        return jax.lax.scan(layer_step, cache, jnp.arange(3, dtype=jnp.int32))
+
+    with jax.default_matmul_precision("highest"):
+        cache_out, out = layers(cache)
+        for layer in range(3):
+            expected = ragged_paged_attention_reference(q, k_ref, v_ref, kv_lens, tables, qsl, num_seqs,
+                                                        jnp.int32(layer), sm_scale=SM_SCALE)
+            assert_matches(np.asarray(out[layer]), np.asarray(expected), batch, 1e-5)
+    np.testing.assert_array_equal(np.asarray(cache_out.k_scale), np.asarray(cache.k_scale))

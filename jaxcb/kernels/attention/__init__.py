@@ -27,6 +27,12 @@ the argument) or a static Python float c > 0, the same in every layer: each scor
 becomes c * tanh(score / c), then the causal and window masks, then the softmax (transformers'
 Gemma 2). A static argument of each form's jit (the C++ kernel's attribute), never an operand.
 
+8-bit caches (`cache.dtype=int8 | fp8_e4m3 | fp8_e5m2`, `quantization.py`): the cache carries a scale
+per (layer, KV head) for K and V; `write` quantizes with saturation before the form's write, and
+`attend` folds the K scale into q and applies the V scale to the output, while each form widens the
+8-bit blocks to the compute dtype as it reads them (in registers: no dequantized copy). `cache_dtypes`
+lists what a form reads (the cpu form: float32, bfloat16, int8); others are refused at start-up.
+
 Invariant of every form (and of every backend that writes the cache itself): in each layer,
 every row's new K/V is written before any row's attention reads the cache (`write_and_attend`:
 the whole step's write, then the attend). So a sequence attends to its own new tokens, and
