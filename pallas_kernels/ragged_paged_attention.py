@@ -241,7 +241,9 @@ def _attend(
         k = k_ref[pages].reshape(kv_tile, head_dim)
         v = v_ref[pages].reshape(kv_tile, head_dim)
         if k.dtype != q.dtype:  # an 8-bit cache: widened in registers (its scales are applied outside)
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            # Through f16, which holds every int8 and fp8 value exactly, as bf16 and f32 do after it: int8's
+            # direct conversion spilled at head dim 256 (Gemma 2's decode launch), this one does not.
+            k, v = k.astype(jnp.float16).astype(q.dtype), v.astype(jnp.float16).astype(q.dtype)
         key_pos = t * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
         key_valid = key_pos < kv_len
         if window_ref is not None:  # keys of the first tile before every row's window: as if past kv_len

@@ -227,3 +227,56 @@ def test_write_and_attend_under_shard_map_in_a_layer_scan_carries_the_scales(for
                                                         jnp.int32(layer), sm_scale=SM_SCALE)
             assert_matches(np.asarray(out[layer]), np.asarray(expected), batch, 1e-5)
     np.testing.assert_array_equal(np.asarray(cache_out.k_scale), np.asarray(cache.k_scale))
+
+
+def quantized_kernel_calls(variant: str, dtype: str):
+    """The Triton launches of the pallas form attending over an 8-bit cache, lowered for an abstract H200."""
+    from cuda_variants import ENGINE_LLAMA8B, GEMMA2_9B
+    from jaxcb.kernels.triton_calls import lower_for_gpu, triton_calls
+
+    v = {"llama8b": ENGINE_LLAMA8B, "gemma2_9b": GEMMA2_9B}[variant]
+    d = QUANTIZED_CACHE_DTYPES[dtype]
+    q, cache, _, *rest = v.args(64, 16, 64)
+    cache8 = jax.ShapeDtypeStruct(cache.shape, d)
+    scales = jax.ShapeDtypeStruct(cache.shape[:2], jnp.float32)
+    form = pallas_form()
+
+    def attend(q, k8, v8, k_scale, v_scale, kv_lens, tables, qsl, num_seqs, layer, *window):
+        md = AttentionMetadata(jnp.zeros(q.shape[0], jnp.int32), qsl, kv_lens, tables, num_seqs)
+        md = form.prepare_step(md, q.shape[0], v.group, v.block_size)
+        return form.attend(q, KVCache(k8, v8, k_scale, v_scale), layer, md, v.head_dim**-0.5,
+                           *(window or (None,)), softcap=v.softcap)
+
+    return v, triton_calls(lower_for_gpu(attend, q, cache8, cache8, scales, scales, *rest))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["llama8b", "gemma2_9b"])
+def test_the_pallas_kernel_lowers_for_an_h200_reading_an_8_bit_cache(variant, dtype):
+    """On a GPU the kernel's K/V operands are the 8-bit cache itself (no widened copy before the launch):
+    lowered for an abstract H200, with the engine's launches (and Gemma 2's window, soft-cap, head dim 256)."""
+    v, calls = quantized_kernel_calls(variant, dtype)
+    assert [c.name for c in calls] == ["ragged_paged_attention_decode", "ragged_paged_attention_prefill"]
+    element = {"int8": "i8", "fp8_e4m3": "f8E4M3FN", "fp8_e5m2": "f8E5M2"}[dtype]
+    for call in calls:
+        assert call.operand_types[5].endswith(f"x{v.head_dim}x{element}>"), call.operand_types
+        assert call.operand_types[4].endswith("xbf16>"), "q stays in the model's dtype"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["llama8b", "gemma2_9b"])
+def test_the_8_bit_cache_kernel_compiles_for_sm90a_without_spills(variant, dtype):
+    """Through Triton's compiler and ptxas (tests/test_triton_resources.py's toolchain): the widening in
+    registers costs no spill and stays within the H200's registers and shared memory."""
+    import os
+
+    if os.environ.get("JAXCB_REQUIRE_TRITON") != "1":
+        pytest.importorskip("triton")
+    from jaxcb.kernels.triton_calls import MAX_REGISTERS, MAX_SHARED_BYTES, ptxas_resources
+
+    _, calls = quantized_kernel_calls(variant, dtype)
+    for call in calls:
+        r = ptxas_resources(call)
+        assert (r.spill_store_bytes, r.spill_load_bytes) == (0, 0), (call.name, r)
+        assert 0 < r.registers <= MAX_REGISTERS and r.shared_bytes <= MAX_SHARED_BYTES, (call.name, r)
+        print(variant, dtype, call.name, r.registers, r.shared_bytes)
