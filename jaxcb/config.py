@@ -23,6 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from jaxcb.model.packaged import PackagedCheckpointError, is_packaged, resolve_packaged_checkpoint
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The 8-bit KV cache dtypes (jaxcb/kernels/attention/quantization.py): cache.dtype only, never model.dtype.
+QUANTIZED_CACHE_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+CACHE_DTYPES = (*DTYPES, *QUANTIZED_CACHE_DTYPES)
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 BACKENDS = ("auto", "cpu", "xla")
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
@@ -112,7 +115,10 @@ class CacheConfig:
     num_blocks: Optional[int] = None  # total blocks incl. the null block; None: from the memory below
     memory_fraction: float = 0.9  # GPU/TPU: share of device memory for weights + cache when num_blocks is None
     cpu_kv_cache_gib: float = 4.0  # CPU: GiB of host memory for the cache when num_blocks is None
-    dtype: str = "auto"  # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16 | float16 | int8 | fp8_e4m3 | fp8_e5m2
+    # 8-bit caches without k_scale/v_scale in the checkpoint: tokens of the shipped calibration text
+    # (jaxcb/data/kv_calibration.txt) prefilled once at start-up to measure each (layer, KV head)'s range.
+    kv_calibration_tokens: int = 512
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose tokens (and all before) match
     swap_space_gib: float = 4.0  # host memory for blocks of sequences preempted by swap
     block_growth: Optional[int] = None  # blocks a decoding sequence takes at once; None: 4 with the CPU attention kernel, else 1

@@ -10,6 +10,7 @@ import os
 from jaxcb.batch_limits import validate_batch_limits
 from jaxcb.config import (
     BACKENDS,
+    CACHE_DTYPES,
     DTYPES,
     LAYER_LOOPS,
     SUPPORTED_BLOCK_SIZES,
@@ -65,8 +66,13 @@ def validate_config(cfg: Config) -> None:
         f"cache.block_growth={c.block_growth} must be >= 1, or null (4 with attention.impl=cpu, else 1)",
     )
     require(
-        c.dtype == "auto" or c.dtype in DTYPES,
-        f"cache.dtype={c.dtype!r} must be 'auto' or one of {list(DTYPES)}",
+        c.dtype in CACHE_DTYPES,
+        f"cache.dtype={c.dtype!r} must be one of {list(CACHE_DTYPES)}",
+    )
+    require(
+        c.kv_calibration_tokens >= 16,
+        f"cache.kv_calibration_tokens={c.kv_calibration_tokens} must be >= 16 (the tokens an 8-bit cache's "
+        f"scales are measured on)",
     )
     require(
         cfg.attention.impl in ("auto", "pallas", "cpu", "xla", "reference"),

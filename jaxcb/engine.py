@@ -42,11 +42,14 @@ from jaxcb.kv_cache import (
     allocate_planned_kv_cache,
     cache_block_growth,
     configure_device_memory,
+    default_cache_dtype,
     num_swap_blocks,
     plan_kv_cache,
     read_device_memory,
     step_activation_bytes,
 )
+from jaxcb.kernels.attention.quantization import is_quantized
+from jaxcb.kv_scales import KVScales, calibrated_kv_scales, checkpoint_has_kv_scales, resolve_kv_scales
 from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer, weights_fingerprint
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
@@ -129,6 +132,27 @@ def make_speculation(cfg: Config, platform: str, proposer: Optional[Proposer] = 
     return Speculation(sp, batch, proposer)
 
 
+def kv_scales_for(cfg: Config, backend, weights, model_cfg, tokenizer, plan, tp, max_model_len: int
+                  ) -> Optional[KVScales]:
+    """An 8-bit cache's scales (`jaxcb.kv_scales`); None for an unquantized cache, whose checkpoint
+    k_scale/v_scale, if any, are not needed (logged). Calibration prefills at most max_model_len
+    tokens (the rotary table's length)."""
+    if not is_quantized(plan.dtype):
+        if cfg.model.init != "random" and checkpoint_has_kv_scales(cfg.model.checkpoint):
+            log.info("the checkpoint's k_scale/v_scale are not used: cache.dtype=%s is not 8-bit", plan.dtype.name)
+        return None
+
+    def calibrate() -> KVScales:
+        return calibrated_kv_scales(
+            backend, weights, model_cfg, tokenizer, min(cfg.cache.kv_calibration_tokens, max_model_len),
+            plan.block_size, plan.dtype,
+            default_cache_dtype("auto", model_cfg.dtype), tp.kv_cache if tp is not None else None,
+        )
+
+    checkpoint = cfg.model.checkpoint if cfg.model.init != "random" else None
+    return resolve_kv_scales(checkpoint, model_cfg, plan.dtype, calibrate=calibrate)
+
+
 class Engine:
     def __init__(self, cfg: Config, *, compile_buckets: bool = True, progress: bool = True):
         """Start-up, in the order `jaxcb.startup_memory.ENGINE_STARTUP_ORDER` models (each phase timed
@@ -182,13 +206,16 @@ class Engine:
                                  reserve_bytes=workspace, memory=memory,
                                  extra_bytes_per_block=draft.bytes_per_block(cfg.cache.block_size) if draft else 0)
             limits = cap_by_cache(limits, cfg.scheduler, plan)
+            backend.attention.check_cache_dtype(plan.dtype)  # an unsupported pairing fails before calibrating
+            # An 8-bit cache's scales: the checkpoint's, or measured on the shipped text (jaxcb/kv_scales.py).
+            self.kv_scales = kv_scales_for(cfg, backend, weights, model_cfg, self.tokenizer, plan, self.tp,
+                                           self.max_model_len)
         if limits.reasons:
             log.info("%s", limits.describe())
         self.batch_limits = limits
         # The scheduler's limits in force (auto resolved); every component reads these, not cfg.scheduler.
         self.scheduler_config = sched_cfg = limits.apply(cfg.scheduler)
         self.cache_plan = plan
-        backend.attention.check_cache_dtype(plan.dtype)
         self.block_pool = BlockPool(plan.num_blocks)
         # The root of every block hash: what the K/V depend on besides the tokens. Equal in every
         # process, restart and host that serves the same model the same way, so a router computes a
@@ -197,10 +224,13 @@ class Engine:
         self.prefix_cache_root: bytes = model_root({
             "architecture": dataclasses.asdict(model_cfg), "weights": weights_fingerprint(cfg.model),
             "cache_dtype": plan.dtype.name, "block_size": plan.block_size,
+            # An 8-bit cache's blocks hold K/V divided by its scales: other scales, other bytes.
+            **({"kv_scales": self.kv_scales.digest()} if self.kv_scales is not None else {}),
         })
         with self.startup.phase("allocate"):
             kv_cache = allocate_planned_kv_cache(
-                model_cfg, plan, self.tp.kv_cache if self.tp is not None else None, backend.attention.zeros_fn
+                model_cfg, plan, self.tp.kv_cache if self.tp is not None else None, backend.attention.zeros_fn,
+                None if self.kv_scales is None else (self.kv_scales.k, self.kv_scales.v),
             )
         host_pool = swap_space = None
         if sched_cfg.preemption_mode == "swap":

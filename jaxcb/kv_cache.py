@@ -21,6 +21,7 @@ from jax.sharding import Sharding
 from jaxcb.config import CacheConfig, ConfigError
 from jaxcb.kernels.attention import zeros_buffer
 from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, gather_blocks, scatter_blocks  # noqa: F401
+from jaxcb.kernels.attention.quantization import QUANTIZED_CACHE_DTYPES, cache_dtype_name
 from jaxcb.model.config import LlamaConfig
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,9 @@ def kv_cache_shape(model: LlamaConfig, num_blocks: int, block_size: int) -> tupl
 
 def default_cache_dtype(requested: str, model_dtype: str = "float32") -> jnp.dtype:
     """`auto` is bf16 on accelerators; on CPU the model's dtype, bf16 for a bf16 model (half the
-    bytes attention reads) and f32 otherwise."""
+    bytes attention reads) and f32 otherwise. int8 / fp8_e4m3 / fp8_e5m2: the 8-bit dtypes."""
+    if requested in QUANTIZED_CACHE_DTYPES:
+        return QUANTIZED_CACHE_DTYPES[requested]
     if requested != "auto":
         return jnp.dtype(requested)
     if jax.default_backend() == "cpu":
@@ -80,7 +83,7 @@ class KVCachePlan:
         )
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens:,} tokens, "
-            f"{format_bytes(self.total_bytes)} {jnp.dtype(self.dtype).name}{split} ({self.source}); "
+            f"{format_bytes(self.total_bytes)} {cache_dtype_name(self.dtype)}{split} ({self.source}); "
             f"holds {self.max_full_length_seqs:.1f} sequences of max_model_len={self.max_model_len}"
         )
 
@@ -258,20 +261,32 @@ def allocate_kv_cache(
     dtype: jnp.dtype,
     sharding: Optional[Sharding] = None,
     zeros: Callable[..., jax.Array] = zeros_buffer,
+    scales: Optional[tuple[np.ndarray, np.ndarray]] = None,
 ) -> KVCache:
     """The device buffers, allocated once (each device allocates only its shard, if `sharding` splits
     them); the step updates them in place (donated). `zeros` is the attention form's allocator
-    (`AttentionForm.zeros_fn`: on CPU, pages the OS zeroes when first touched)."""
+    (`AttentionForm.zeros_fn`: on CPU, pages the OS zeroes when first touched). An 8-bit dtype needs
+    `scales`, (K, V) f32[num_layers, num_kv_heads] (`jaxcb.kv_scales`), placed like the buffers."""
     shape = kv_cache_shape(model, num_blocks, block_size)
-    return KVCache(k=zeros(shape, dtype, sharding), v=zeros(shape, dtype, sharding))
+    quantized = jnp.dtype(dtype) in QUANTIZED_CACHE_DTYPES.values()
+    if quantized != (scales is not None):
+        raise ValueError(f"a {cache_dtype_name(dtype)} cache takes scales iff it is 8-bit (scales given: "
+                         f"{scales is not None})")
+    k_scale = v_scale = None
+    if scales is not None:
+        want = (model.num_layers, model.num_kv_heads)
+        if any(np.shape(s) != want for s in scales):
+            raise ValueError(f"KV scales {[np.shape(s) for s in scales]} must be [num_layers, num_kv_heads] = {want}")
+        k_scale, v_scale = (jax.device_put(np.asarray(s, np.float32), sharding) for s in scales)
+    return KVCache(k=zeros(shape, dtype, sharding), v=zeros(shape, dtype, sharding), k_scale=k_scale, v_scale=v_scale)
 
 
 def allocate_planned_kv_cache(
     model: LlamaConfig, plan: KVCachePlan, sharding: Optional[Sharding] = None,
-    zeros: Callable[..., jax.Array] = zeros_buffer,
+    zeros: Callable[..., jax.Array] = zeros_buffer, scales: Optional[tuple[np.ndarray, np.ndarray]] = None,
 ) -> KVCache:
     log.info(plan.describe())
-    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding, zeros)
+    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding, zeros, scales)
 
 
 class HostSwapSpace:

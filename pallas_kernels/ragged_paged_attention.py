@@ -17,6 +17,12 @@ score q.k * sm_scale becomes c * tanh(score / c) before the causal and window ma
 softmax, so the online softmax's running max (and split-KV's merge) works on capped scores. None
 compiles the kernel without it, exactly as before.
 
+8-bit caches (int8, float8_e4m3fn, float8_e5m2; `QUANTIZED_CACHE_DTYPES`): the K/V tiles are loaded
+as they are stored, one byte an element, and converted to q's dtype in registers (every such
+value is exact in bf16 and f32) before the dots. The kernel knows no scales: the caller multiplies
+q by the K scale before and the output by the V scale after (they are per KV head, constant over
+the KV loop). The reference reads such a cache as its integer/fp8 values in float32, alike.
+
 Cache layout: `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]`, so one
 block of one head is a contiguous [block_size, head_dim] tile. The layer is an argument:
 a model's layer scan passes the whole stacked cache, which is never copied.
@@ -73,6 +79,8 @@ from pallas_kernels.query_tiles import Launch, default_kv_tile, query_tiles, two
 SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64)
 NO_WINDOW = 2**30  # a window longer than any context: a full-attention layer of a model with windowed ones
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# 8-bit cache dtypes every form reads, converted to q's dtype as the tiles are loaded; q may differ from them.
+QUANTIZED_CACHE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def ragged_paged_attention_reference(
@@ -145,7 +153,8 @@ def check_attention_inputs(
     window=None, softcap=None,
 ) -> None:
     """Shape and dtype checks with messages that name the offending argument. An implementation
-    that reads the cache in one dtype and computes in q's passes q_may_differ_from_cache."""
+    that reads the cache in one dtype and computes in q's passes q_may_differ_from_cache; every
+    form computes an 8-bit cache in q's dtype."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
@@ -162,7 +171,7 @@ def check_attention_inputs(
         raise ValueError(f"{block_size=} must be one of {SUPPORTED_BLOCK_SIZES}")
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache dtype {k_cache.dtype} must equal v_cache dtype {v_cache.dtype}")
-    if q.dtype != k_cache.dtype and not q_may_differ_from_cache:
+    if q.dtype != k_cache.dtype and not q_may_differ_from_cache and k_cache.dtype not in QUANTIZED_CACHE_DTYPES:
         raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks_per_seq], got {block_tables.shape=}")
@@ -231,6 +240,10 @@ def _attend(
         next_pages = pages_of(t + 1)
         k = k_ref[pages].reshape(kv_tile, head_dim)
         v = v_ref[pages].reshape(kv_tile, head_dim)
+        if k.dtype != q.dtype:  # an 8-bit cache: widened in registers (its scales are applied outside)
+            # Through f16, which holds every int8 and fp8 value exactly, as bf16 and f32 do after it: int8's
+            # direct conversion spilled at head dim 256 (Gemma 2's decode launch), this one does not.
+            k, v = k.astype(jnp.float16).astype(q.dtype), v.astype(jnp.float16).astype(q.dtype)
         key_pos = t * kv_tile + lax.broadcasted_iota(jnp.int32, (kv_tile,), 0)
         key_valid = key_pos < kv_len
         if window_ref is not None:  # keys of the first tile before every row's window: as if past kv_len

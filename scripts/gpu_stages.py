@@ -276,7 +276,8 @@ def large_cache(st) -> None:
 # decode ------------------------------------------------------------------------------------------
 def decode(st) -> None:
     """Decode attention at batches 1-256 and 1k/4k contexts: device time per call and K/V bytes read
-    per second against the copy bandwidth; JAX's own Pallas paged_attention on the same cache."""
+    per second against the copy bandwidth; JAX's own Pallas paged_attention on the same cache; the
+    pallas kernel on the same batch from an fp8_e4m3 cache (cache.dtype=fp8_e4m3's bandwidth)."""
     import jax
     import jax.numpy as jnp
 
@@ -306,7 +307,40 @@ def decode(st) -> None:
                     r["pct_of_copy_bw"] = 100 * kv_bytes / t.median_s / copy_bw if copy_bw else None
                     pct = f"{r['pct_of_copy_bw']:.0f}%" if copy_bw else "-"
                     log(f"| {num_seqs} | {ctx} | {impl} | {r['us']:.1f} | {kv_bytes / (1 << 20):.1f} | {r['gbs']:.0f} | {pct} |")
+            # The same batch from an fp8 (e4m3) cache, as the engine reads it with cache.dtype=fp8_e4m3: the kernel
+            # widens the 8-bit tiles in registers, the form scales q and the output. Half the bytes of bf16.
+            impl = "pallas fp8_e4m3"
+            with st.row(f"decode x{num_seqs} @ {ctx} {impl}", seqs=num_seqs, context=ctx, impl=impl) as r:
+                fn, fp8_args = fp8_decode(st, args)
+                fp8_bytes = 2 * num_seqs * ctx * hkv * d  # one byte an element
+                t = time_in_loop(functools.partial(fn, sm_scale=d**-0.5), *fp8_args, iters=iters, repeats=repeats)
+                r["us"], r["gbs"] = t.median_s * 1e6, fp8_bytes / t.median_s / 1e9
+                r["pct_of_copy_bw"] = 100 * fp8_bytes / t.median_s / copy_bw if copy_bw else None
+                pct = f"{r['pct_of_copy_bw']:.0f}%" if copy_bw else "-"
+                log(f"| {num_seqs} | {ctx} | {impl} | {r['us']:.1f} | {fp8_bytes / (1 << 20):.1f} | {r['gbs']:.0f} | {pct} |")
+                del fp8_args
             del args
+
+
+def fp8_decode(st, args):
+    """(attend(q, k8, v8, ...) through the pallas form with per-(layer, KV head) scales, the batch's
+    arguments with its cache quantized to float8_e4m3fn at a scale that spans the random values)."""
+    import jax.numpy as jnp
+
+    from jaxcb.kernels.attention import AttentionMetadata, KVCache, pallas_form
+    from jaxcb.kernels.attention.quantization import QUANTIZED_CACHE_DTYPES, quantized_max
+
+    q, k_cache, v_cache, kv_lens, tables, qsl, num_seqs, layer = args
+    fp8 = QUANTIZED_CACHE_DTYPES["fp8_e4m3"]
+    scale = jnp.full(k_cache.shape[:2], 6.0 / quantized_max(fp8), jnp.float32)  # |N(0, 1)| < 6
+    k8, v8 = ((x.astype(jnp.float32) / scale[:, :, None, None, None]).astype(fp8) for x in (k_cache, v_cache))
+    form = pallas_form(interpret=st.dry_run)
+
+    def attend(q, k8, v8, kv_lens, tables, qsl, num_seqs, layer, *, sm_scale):
+        md = AttentionMetadata(jnp.zeros(q.shape[0], jnp.int32), qsl, kv_lens, tables, num_seqs)
+        return form.attend(q, KVCache(k8, v8, scale, scale), layer, md, sm_scale)
+
+    return attend, (q, k8, v8, kv_lens, tables, qsl, num_seqs, layer)
 
 
 def jax_paged_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, *, sm_scale,

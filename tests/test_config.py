@@ -115,12 +115,18 @@ def test_unknown_preset_fails_at_composition():
         compose_config("model=llama9b")
 
 
+@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_the_8_bit_kv_cache_dtypes_are_accepted(dtype):
+    assert compose_config(f"cache.dtype={dtype}").cache.dtype == dtype
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (["cache.block_size=0"], r"cache\.block_size=0 must be one of \[8, 16, 32, 64\]"),
         (["cache.num_blocks=1"], r"cache\.num_blocks=1 must be >= 2"),
-        (["cache.dtype=int8"], r"cache\.dtype='int8'"),
+        (["cache.dtype=int4"], r"cache\.dtype='int4' must be one of .*'int8', 'fp8_e4m3', 'fp8_e5m2'"),
+        (["cache.dtype=int8", "cache.kv_calibration_tokens=4"], r"cache\.kv_calibration_tokens=4 must be >= 16"),
         (["scheduler.max_num_seqs=0"], r"scheduler\.max_num_seqs=0 must be >= 1"),
         (
             ["scheduler.max_num_batched_tokens=8"],

@@ -69,7 +69,8 @@ def test_gpu_check_sh_dry_run_passes_every_stage_in_a_bare_venv(bare_python, tmp
     assert list(results["stages"]) == STAGES
     assert all(results["stages"][s]["status"] == "ok" and results["stages"][s]["rows"] for s in STAGES)
     impls = {r.get("impl") for r in results["stages"]["decode"]["rows"]}
-    assert impls == {"pallas", "pallas 1 split", "xla", "jax_paged_attention"}  # with and without split-KV
+    # with and without split-KV, and from an fp8 cache
+    assert impls == {"pallas", "pallas 1 split", "xla", "jax_paged_attention", "pallas fp8_e4m3"}
     assert any("large cache" in r["row"] or "GiB (K + V)" in r["row"] for r in results["stages"]["correctness"]["rows"])
     assert (out / "step_decode_hlo.txt").read_text().startswith("HloModule")
     engine = {r["row"]: r for r in results["stages"]["engine"]["rows"]}

@@ -241,8 +241,9 @@ def test_an_f32_model_serves_from_a_bf16_cache(impl):
 
 
 def test_a_cache_dtype_the_cpu_kernel_cannot_read_is_a_config_error_at_start_up():
-    with pytest.raises(ConfigError, match="cache.dtype=float16 cannot be read by attention.impl=cpu .it reads float32 or bfloat16.: "
-                                          "use cache.dtype=float32, or attention.impl=xla"):
+    with pytest.raises(ConfigError, match="cache.dtype=float16 cannot be read by attention.impl=cpu .it reads float32, "
+                                          "bfloat16, int8.: use cache.dtype=float32 or bfloat16 or int8, or "
+                                          "attention.impl=xla"):
         make_engine("cache.dtype=float16", "attention.impl=cpu")
 
 

@@ -39,6 +39,9 @@ ORBAX_PARAMS_DIR = "params"
 # (a request with an image is refused at the door).
 IGNORED_HF_TENSORS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
                                 r"|(model\.)?(vision_tower|multi_modal_projector)\..*")
+# An fp8 checkpoint's KV cache scales (per layer, or per KV head): not weights; jaxcb.kv_scales reads
+# them for an 8-bit cache.dtype, and an unquantized cache needs none.
+KV_SCALE_TENSORS = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale)")
 # Where a multimodal checkpoint keeps its text tower: transformers 4's and 5's layouts.
 TEXT_TOWER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                        ("language_model.lm_head.", "lm_head."))
@@ -212,7 +215,7 @@ def hf_checkpoint_problems(
         elif tensors[name].shape != rule.hf_shape(cfg):
             problems.append(f"tensor {display(name)} has shape {tensors[name].shape}, expected {rule.hf_shape(cfg)}")
     for name in sorted(set(tensors) - set(expected)):
-        if not IGNORED_HF_TENSORS.fullmatch(name):
+        if not IGNORED_HF_TENSORS.fullmatch(name) and not KV_SCALE_TENSORS.fullmatch(name):
             hint = " (the config has tie_word_embeddings=true)" if name == "lm_head.weight" else ""
             problems.append(f"unexpected tensor {display(name)}{hint}")
     return problems

@@ -27,6 +27,12 @@ the argument) or a static Python float c > 0, the same in every layer: each scor
 becomes c * tanh(score / c), then the causal and window masks, then the softmax (transformers'
 Gemma 2). A static argument of each form's jit (the C++ kernel's attribute), never an operand.
 
+8-bit caches (`cache.dtype=int8 | fp8_e4m3 | fp8_e5m2`, `quantization.py`): the cache carries a scale
+per (layer, KV head) for K and V; `write` quantizes with saturation before the form's write, and
+`attend` folds the K scale into q and applies the V scale to the output, while each form widens the
+8-bit blocks to the compute dtype as it reads them (in registers: no dequantized copy). `cache_dtypes`
+lists what a form reads (the cpu form: float32, bfloat16, int8); others are refused at start-up.
+
 Invariant of every form (and of every backend that writes the cache itself): in each layer,
 every row's new K/V is written before any row's attention reads the cache (`write_and_attend`:
 the whole step's write, then the attend). So a sequence attends to its own new tokens, and
@@ -54,6 +60,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxcb.config import AttentionConfig, ConfigError
 from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, scatter_blocks, scatter_kv_rows
+from jaxcb.kernels.attention.quantization import (
+    cache_dtype_name, is_quantized, quantize, scale_outputs, scale_queries,
+)
 from jaxcb.kernels.attention.reference import NO_WINDOW, ragged_paged_attention_reference
 from jaxcb.kernels.attention.xla import ragged_paged_attention_xla
 from jaxcb.sharding import HEADS_SPEC, KV_CACHE_SPEC
@@ -115,16 +124,21 @@ class AttentionForm:
         return dataclasses.replace(self, mesh=mesh)
 
     def check_cache_dtype(self, dtype) -> None:
-        """A ConfigError at start-up for a cache dtype this form cannot read."""
-        name = jax.numpy.dtype(dtype).name
+        """A ConfigError at start-up for a cache dtype this form cannot read, naming the ones it can."""
+        name = cache_dtype_name(dtype)
         if self.cache_dtypes is not None and name not in self.cache_dtypes:
+            others = "attention.impl=xla" + (" or pallas (GPU)" if is_quantized(dtype) else "")
             raise ConfigError(
                 f"cache.dtype={name} cannot be read by attention.impl={self.name} (it reads "
-                f"{' or '.join(self.cache_dtypes)}): use cache.dtype={self.cache_dtypes[0]}, or attention.impl=xla"
+                f"{', '.join(self.cache_dtypes)}): use cache.dtype={' or '.join(self.cache_dtypes)}, or {others}"
             )
 
     def write(self, cache: KVCache, layer: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
-        """One layer's new K/V ([T, Hkv, D] each) into their slots i32[T] (in place when donated)."""
+        """One layer's new K/V ([T, Hkv, D] each) into their slots i32[T] (in place when donated); an
+        8-bit cache gets them divided by the layer's scales and saturated (`quantization.quantize`)."""
+        if cache.quantized:
+            k = quantize(k, cache.k_scale[layer], cache.k.dtype)
+            v = quantize(v, cache.v_scale[layer], cache.v.dtype)
         return self.write_rows_fn(cache, layer, k, v, slot_mapping)
 
     def attend(
@@ -137,7 +151,10 @@ class AttentionForm:
         window: Optional[jax.Array] = None,  # i32[]: this layer's sliding window; None: none
         softcap: Optional[float] = None,  # static: logit soft-cap, scores -> c * tanh(scores / c); None: none
     ) -> jax.Array:  # [T, num_q_heads, head_dim], in q's dtype
-        q_in = q.astype(cache.k.dtype) if self.computes_in_cache_dtype else q
+        if cache.quantized:  # the K scale folded into q; each form converts the 8-bit tiles to q's dtype
+            q_in = scale_queries(q, cache.k_scale[layer])
+        else:
+            q_in = q.astype(cache.k.dtype) if self.computes_in_cache_dtype else q
         prepared = {} if md.tiles is None else {"tiles": md.tiles}
         if window is not None:  # passed only when there is one: without it every form compiles as before
             prepared["window"] = window
@@ -147,6 +164,8 @@ class AttentionForm:
             q_in, cache.k, cache.v, md.kv_lens, md.block_tables, md.query_start_loc, md.num_seqs, layer,
             sm_scale=sm_scale, **prepared,
         )
+        if cache.quantized:  # the V scale, once per output row rather than once per key
+            out = scale_outputs(out, cache.v_scale[layer])
         return out.astype(q.dtype)
 
     def write_and_attend(
@@ -169,7 +188,7 @@ class AttentionForm:
 
         if self.mesh is None:
             return write_then_attend(q, k, v, cache, layer, md, window)
-        cache_spec = KVCache(KV_CACHE_SPEC, KV_CACHE_SPEC)
+        cache_spec = jax.tree.map(lambda _: KV_CACHE_SPEC, cache)  # buffers and scales alike: by KV head
         # The window, like the layer, is replicated (None is an empty pytree: no operand at all); the softcap is
         # a constant of the traced function.
         return jax.shard_map(
@@ -193,12 +212,12 @@ def pallas_form(interpret: bool = False) -> AttentionForm:
 def cpu_form() -> AttentionForm:
     """Raises CpuKernelUnavailable when the C++ kernels cannot be built here."""
     from jaxcb.kernels.attention import cpu
-    from jaxcb.kernels.cpu import ATTENTION_DTYPES, load_cpu_kernels
+    from jaxcb.kernels.cpu import CACHE_DTYPES, load_cpu_kernels
 
     load_cpu_kernels()
     return AttentionForm(
         "cpu", cpu.ragged_paged_attention_cpu, cpu.write_kv_rows_into, cpu.write_blocks,
-        cache_dtypes=ATTENTION_DTYPES, computes_in_cache_dtype=False, zeros_fn=cpu.lazy_zeros,
+        cache_dtypes=CACHE_DTYPES, computes_in_cache_dtype=False, zeros_fn=cpu.lazy_zeros,
     )
 
 

@@ -6,12 +6,17 @@ num_blocks, block_size, head_dim]` -- one block of one head is a contiguous
 in place by the jitted step (which donates them). Block 0 is the null block: padding tokens
 write there and unused block-table entries point there, so it never holds data anyone reads.
 Under tensor parallelism both arrays are split on the KV-head axis.
+
+An 8-bit cache (`quantization.py`) carries its scales beside the buffers, f32[num_layers,
+num_kv_heads] for K and for V (split on the KV-head axis like them); an unquantized cache has
+none (None: no operand at all, so its steps compile as they always did). Every write keeps them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +30,16 @@ SWAP_CHUNK = 16  # blocks per device<->host copy call: one compiled shape, padde
 class KVCache:
     k: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
     v: jax.Array  # [num_layers, num_kv_heads, num_blocks, block_size, head_dim]
+    k_scale: Optional[jax.Array] = None  # f32[num_layers, num_kv_heads]: an 8-bit cache's K scales; None: not quantized
+    v_scale: Optional[jax.Array] = None  # f32[num_layers, num_kv_heads]: its V scales
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def with_buffers(self, k: jax.Array, v: jax.Array) -> "KVCache":
+        """The same cache (scales kept) over new K/V buffers: what every write returns."""
+        return dataclasses.replace(self, k=k, v=v)
 
     @property
     def num_blocks(self) -> int:
@@ -35,7 +50,7 @@ class KVCache:
         return self.k.shape[3]
 
 
-jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v"], meta_fields=[])
+jax.tree_util.register_dataclass(KVCache, data_fields=["k", "v", "k_scale", "v_scale"], meta_fields=[])
 
 
 def scatter_kv_rows(
@@ -57,7 +72,7 @@ def scatter_kv_rows(
     # Indexing [layer, :, slots] puts the token axis first: the update is [T, num_kv_heads, head_dim].
     k_flat = cache.k.reshape(flat).at[layer, :, slot_mapping].set(k.astype(cache.k.dtype), mode="drop")
     v_flat = cache.v.reshape(flat).at[layer, :, slot_mapping].set(v.astype(cache.v.dtype), mode="drop")
-    return KVCache(k=k_flat.reshape(cache.k.shape), v=v_flat.reshape(cache.v.shape))
+    return cache.with_buffers(k_flat.reshape(cache.k.shape), v_flat.reshape(cache.v.shape))
 
 
 @jax.jit
@@ -68,8 +83,9 @@ def gather_blocks(cache: KVCache, block_ids: jax.Array) -> tuple[jax.Array, jax.
 
 @functools.partial(jax.jit, donate_argnums=0)
 def scatter_blocks(cache: KVCache, block_ids: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
-    """Write K and V into `block_ids` (in place: the cache is donated). Padding targets the null block."""
-    return KVCache(k=cache.k.at[:, :, block_ids].set(k), v=cache.v.at[:, :, block_ids].set(v))
+    """Write K and V into `block_ids` (in place: the cache is donated). Padding targets the null block.
+    Raw blocks as they were gathered (an 8-bit cache's quantized bytes): no conversion."""
+    return cache.with_buffers(cache.k.at[:, :, block_ids].set(k), cache.v.at[:, :, block_ids].set(v))
 
 
 def block_rows(block_ids: jax.Array, k: jax.Array, v: jax.Array, layer: int, block_size: int):

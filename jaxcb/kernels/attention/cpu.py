@@ -4,7 +4,8 @@
 attention forms (a sliding window is the kernel's optional last operand, an i32[]: it varies by
 layer; a logit soft-cap its optional attribute `softcap`, absent when None, so that the call is
 then the one it always was); q (and the result) and the cache may differ in dtype (float32 / bfloat16 each): an f32
-model can keep a bf16 cache, read as f32. `write_kv_rows` writes one layer's
+model can keep a bf16 cache, read as f32. An int8 cache is read as f32 values -128..127 (the
+K scale is already in q and the V scale is applied to the result: `quantization.py`). `write_kv_rows` writes one layer's
 new K/V rows into the paged cache in place (XLA:CPU's scatter into a bfloat16 cache converts
 the whole cache to f32 and back, twice per layer).
 """
@@ -18,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcb.kernels.attention.inputs import check_attention_inputs
-from jaxcb.kernels.cpu import ATTENTION_DTYPES, ATTENTION_TARGET, KV_WRITE_TARGET, LAZY_ZEROS_TARGET, load_cpu_kernels
+from jaxcb.kernels.cpu import (
+    ATTENTION_DTYPES, ATTENTION_TARGET, CACHE_DTYPES, KV_WRITE_TARGET, LAZY_ZEROS_TARGET, load_cpu_kernels,
+)
 
 
 def ragged_paged_attention_cpu(
@@ -39,10 +42,10 @@ def ragged_paged_attention_cpu(
         q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, num_seqs, layer, q_may_differ_from_cache=True,
         window=window, softcap=softcap,
     )
-    for name, dtype in (("q", q.dtype), ("the KV cache", k_cache.dtype)):
-        if jnp.dtype(dtype).name not in ATTENTION_DTYPES:
-            raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {dtype} for {name}; "
-                             f"use cache.dtype=float32 or bfloat16, or attention.impl=xla")
+    for name, dtype, allowed in (("q", q.dtype, ATTENTION_DTYPES), ("the KV cache", k_cache.dtype, CACHE_DTYPES)):
+        if jnp.dtype(dtype).name not in allowed:
+            raise ValueError(f"the CPU attention kernel takes {' or '.join(allowed)} for {name}, got {dtype}; "
+                             f"use cache.dtype={' or '.join(CACHE_DTYPES)}, or attention.impl=xla")
     load_cpu_kernels()
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     windowed = () if window is None else (jnp.reshape(window, ()),)  # the kernel's optional last operand
@@ -76,21 +79,19 @@ def write_kv_rows(
 
 def write_kv_rows_into(cache, layer: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array):
     """`AttentionForm.write` of the cpu form: write_kv_rows on a KVCache."""
-    from jaxcb.kernels.attention.cache import KVCache
-
-    return KVCache(*write_kv_rows(cache.k, cache.v, layer, k, v, slots))
+    return cache.with_buffers(*write_kv_rows(cache.k, cache.v, layer, k, v, slots))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def write_blocks(cache, block_ids: jax.Array, k: jax.Array, v: jax.Array):
     """Whole blocks (swap-in) written layer by layer as rows of slots, in place."""
-    from jaxcb.kernels.attention.cache import KVCache, block_rows
+    from jaxcb.kernels.attention.cache import block_rows
 
     k_cache, v_cache = cache.k, cache.v
     for layer in range(k_cache.shape[0]):
         slots, k_rows, v_rows = block_rows(block_ids, k, v, layer, k_cache.shape[3])
         k_cache, v_cache = write_kv_rows(k_cache, v_cache, jnp.int32(layer), k_rows, v_rows, slots)
-    return KVCache(k=k_cache, v=v_cache)
+    return cache.with_buffers(k_cache, v_cache)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -17,6 +17,10 @@ alike, so even NaN there cannot reach the output): a few blocks, not worth a sec
 
 A logit soft-cap (`softcap`, a static float c; None: none, and no op of it) caps every score to
 c * tanh(score / c) before the masks, in both paths: the online softmax's max is the capped one.
+
+An 8-bit cache (int8, fp8) is gathered in its own dtype (a quarter of f32's bytes) and widened
+to q's dtype (the short path) or f32 (the long one) after the gather; the scales are applied by
+the caller (`quantization.py`).
 """
 
 from __future__ import annotations
@@ -121,8 +125,9 @@ def _attend_gathered(q_tiles, k_cache, v_cache, block_tables, seq, pos0, kv_len,
     ctx = width * block_size
     flat_ids = (layer * num_kv_heads + jnp.arange(num_kv_heads))[None, :, None] * num_blocks + block_tables[seq][:, None, :]
     flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
-    k = k_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
-    v = v_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim)
+    # An 8-bit cache's blocks are gathered as they are stored, then widened to q's dtype (scales: outside).
+    k = k_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim).astype(q_tiles.dtype)
+    v = v_cache.reshape(flat_shape)[flat_ids].reshape(num_tiles, num_kv_heads, ctx, head_dim).astype(q_tiles.dtype)
     key_pos = jnp.arange(ctx)
     key_valid = key_pos[None, :] < kv_len[:, None]  # [G, C]
     if window is not None:  # keys before every token's window: as if past kv_len

@@ -41,7 +41,8 @@ ARGMAX_TARGET = "jaxcb_row_argmax"
 KV_WRITE_TARGET = "jaxcb_kv_cache_write"
 LAZY_ZEROS_TARGET = "jaxcb_lazy_zeros"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
-ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of the cache, each (ragged_paged_attention.cc)
+ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of an unquantized cache, each (ragged_paged_attention.cc)
+CACHE_DTYPES = (*ATTENTION_DTYPES, "int8")  # the caches the attention kernel reads (int8: scaled outside it)
 CXX_FLAGS = (
     "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast",
     # Lets GCC vectorise the dot-product reductions; no -ffinite-math-only (masks rely on it not).

@@ -8,7 +8,9 @@
 // first token are never read. Without the operand: no window. With the attribute softcap (a float
 // c > 0; Gemma 2's logit soft-capping) each score q.k * sm_scale becomes c * tanh(score / c)
 // before the masks and the softmax (vector_tanh.h, in every vector path). Without it: no capping,
-// and the call is the one it was before the attribute existed.
+// and the call is the one it was before the attribute existed. An int8 cache is read as its
+// integer values, converted to f32 as each block is loaded: the caller has folded the K scale into
+// q and applies the V scale to the output (jaxcb/kernels/attention/quantization.py).
 //
 // Why C++: on CPU the XLA path spends most of its time gathering K/V blocks into fresh
 // buffers and in many small ops. Here each (sequence, KV head, tile of query tokens) reads
@@ -82,8 +84,32 @@ inline void LoadRow<uint16_t>(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = Bf16ToFloat(src[i]);
 }
 
-// A cache block's rows as floats: f32 blocks are read in place, bf16 ones converted into `buf`.
+template <>
+inline void LoadRow<int8_t>(const int8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {  // sign-extend 16 bytes to i32, then convert: exact (|x| <= 128)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) {  // the same, 8 at a time
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// A cache block's rows as floats: f32 blocks are read in place, bf16 and int8 ones converted into
+// `buf` (an int8 block's values unscaled: the K scale is in q, the V scale applied to the output).
 inline const float* BlockAsFloat(const float* src, float*, int64_t) { return src; }
+
+inline const float* BlockAsFloat(const int8_t* src, float* buf, int64_t n) {
+  LoadRow<int8_t>(src, buf, n);
+  return buf;
+}
 
 inline const float* BlockAsFloat(const uint16_t* src, float* buf, int64_t n) {
   LoadRow<uint16_t>(src, buf, n);
@@ -388,7 +414,7 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
   acc.assign(rows * D, 0.0f);
   m.assign(rows, -1e30f);
   l.assign(rows, 0.0f);
-  if (!std::is_same_v<C, float>) {  // bf16 blocks are converted to floats here
+  if (!std::is_same_v<C, float>) {  // bf16 and int8 blocks are converted to floats here
     kbuf.resize(BS * D);
     vbuf.resize(BS * D);
   }
@@ -536,8 +562,10 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   if (k_cache.element_type() != v_cache.element_type())
     return ffi::Error::InvalidArgument("k_cache and v_cache must have the same dtype");
   const bool q_f32 = q.element_type() == ffi::F32, cache_f32 = k_cache.element_type() == ffi::F32;
-  if ((!q_f32 && q.element_type() != ffi::BF16) || (!cache_f32 && k_cache.element_type() != ffi::BF16))
-    return ffi::Error::InvalidArgument("ragged paged attention on CPU takes float32 or bfloat16 (q and cache)");
+  const bool cache_s8 = k_cache.element_type() == ffi::S8;
+  if ((!q_f32 && q.element_type() != ffi::BF16) || (!cache_f32 && !cache_s8 && k_cache.element_type() != ffi::BF16))
+    return ffi::Error::InvalidArgument(
+        "ragged paged attention on CPU takes float32 or bfloat16 q and a float32, bfloat16 or int8 cache");
   auto run = [&](auto* q_data, auto* cache_type) {
     using Q = std::remove_const_t<std::remove_pointer_t<decltype(q_data)>>;
     using C = std::remove_pointer_t<decltype(cache_type)>;
@@ -548,6 +576,7 @@ ffi::Error RaggedPagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi:
   };
   const auto* q_float = reinterpret_cast<const float*>(q.untyped_data());
   const auto* q_bf16 = reinterpret_cast<const uint16_t*>(q.untyped_data());
+  if (cache_s8) return q_f32 ? run(q_float, static_cast<int8_t*>(nullptr)) : run(q_bf16, static_cast<int8_t*>(nullptr));
   if (q_f32) return cache_f32 ? run(q_float, static_cast<float*>(nullptr)) : run(q_float, static_cast<uint16_t*>(nullptr));
   return cache_f32 ? run(q_bf16, static_cast<float*>(nullptr)) : run(q_bf16, static_cast<uint16_t*>(nullptr));
 }
