@@ -4,12 +4,19 @@ scheduling too; metrics and the dashboard read only the snapshot."""
 from __future__ import annotations
 
 import os
+import random
 import re
 
 from engine_factory import shared_engine
 from jaxcb.sampling_params import SamplingParams
 
-PROMPT = list(range(1, 21))  # 20 tokens: one prefill step under the tests' 64-token budget
+
+
+def fresh_prompt() -> list[int]:
+    """20 tokens (one prefill step under the tests' 64-token budget) that no other test's request shared: the
+    shared engine's prefix cache must not turn the prefill this test counts into a hit."""
+    rng = random.Random(os.urandom(8))
+    return [rng.randrange(1, 256) for _ in range(20)]
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -17,7 +24,7 @@ def test_async_snapshot_describes_the_step_whose_outputs_it_comes_with():
     engine = shared_engine()  # other tests may have stepped it: counts are taken from here
     assert engine.cfg.engine.async_scheduling and not engine.has_unfinished_requests()
     first = engine.last_stats.num_steps + 1  # the number the next step dispatched gets
-    rid = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    rid = engine.add_request(fresh_prompt(), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     outputs, stats = engine.step_with_stats()  # the prefill is on the device; nothing came back yet
     assert outputs == [] and stats.step_index == 0 and stats.num_tokens == 0 and stats.num_steps == first
     outputs, stats = engine.step_with_stats()  # the prefill's token comes back while the first decode runs
@@ -36,7 +43,7 @@ def test_async_snapshot_describes_the_step_whose_outputs_it_comes_with():
 
 def test_a_snapshot_names_the_requests_aborted_since_the_last_one():
     engine = shared_engine()
-    rid = engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    rid = engine.add_request(fresh_prompt(), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step_with_stats()
     assert engine.abort(rid)
     _, stats = engine.step_with_stats()
