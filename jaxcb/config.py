@@ -115,6 +115,7 @@ class CacheConfig:
     dtype: str = "auto"  # auto (bf16 on GPU/TPU, f32 on CPU) | float32 | bfloat16 | float16
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose tokens (and all before) match
     swap_space_gib: float = 4.0  # host memory for blocks of sequences preempted by swap
+    host_prefix_cache_gib: float = 0.0  # host memory for prefix-cache blocks the device evicts (0: off)
     block_growth: Optional[int] = None  # blocks a decoding sequence takes at once; None: 4 with the CPU attention kernel, else 1
 
 
