@@ -65,7 +65,7 @@ class CachedPrefix:
 
     @property
     def num_host_blocks(self) -> int:
-        return len(self.blocks) - len(self.block_ids)
+        return sum(1 for _, entry in self.blocks if entry is not None)
 
 
 class KVCacheManager:
