@@ -273,7 +273,7 @@ def allocate_planned_kv_cache(
     return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding, zeros)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared by identity: its fields are arrays
 class PendingCopy:
     """Device blocks gathered for host blocks, on their way to host memory (`HostBlocks.offload`)."""
 
@@ -338,7 +338,10 @@ class HostBlocks:
 
     def restore(self, cache: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
         """Copy host blocks back into device blocks: pairs of (host block, device block). A host block whose
-        bytes are still on their way is read from the device arrays they are coming from."""
+        bytes are still on their way (a copy that has not finished) is read from the device arrays they are
+        coming from; one whose copy has finished lands first."""
+        hosts = {h for h, _ in pairs}
+        self.land([c for c in self._pending if hosts.intersection(c.host_ids) and c.k.is_ready() and c.v.is_ready()])
         in_flight = {}  # host block -> (pending copy, its row), the latest copy winning
         for copy in self._pending:
             for row, host in enumerate(copy.host_ids):
@@ -351,15 +354,18 @@ class HostBlocks:
             host = np.zeros(SWAP_CHUNK, np.int64)
             host[: len(chunk)] = [h for h, _ in chunk]
             cache = self.write_blocks(cache, jnp.asarray(dev), jnp.asarray(self.k[:, :, host]), jnp.asarray(self.v[:, :, host]))
+        by_copy: dict[int, tuple[PendingCopy, list[tuple[int, int]]]] = {}
         for host, dev_block in pairs:
             if host in in_flight:
                 copy, row = in_flight[host]
-                dev = np.zeros(SWAP_CHUNK, np.int32)
-                dev[0] = dev_block
-                rows = np.zeros(SWAP_CHUNK, np.int32)
-                rows[0] = row
-                rows = jnp.asarray(rows)
-                cache = self.write_blocks(cache, jnp.asarray(dev), copy.k[:, :, rows], copy.v[:, :, rows])
+                by_copy.setdefault(id(copy), (copy, []))[1].append((row, dev_block))
+        for copy, rows in by_copy.values():  # a copy holds at most SWAP_CHUNK blocks: one write each
+            dev = np.zeros(SWAP_CHUNK, np.int32)
+            src = np.zeros(SWAP_CHUNK, np.int32)
+            dev[: len(rows)] = [d for _, d in rows]
+            src[: len(rows)] = [r for r, _ in rows]
+            src = jnp.asarray(src)
+            cache = self.write_blocks(cache, jnp.asarray(dev), copy.k[:, :, src], copy.v[:, :, src])
         return cache
 
     swap_in = restore
