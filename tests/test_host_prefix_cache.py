@@ -208,3 +208,29 @@ def test_random_aborts_leak_nothing_in_either_pool(engines):
                 for rid in rng.sample(ids, 3):
                     engine.abort(rid)
     assert_nothing_held(engine)
+
+
+def test_host_blocks_restore_what_was_offloaded_whether_or_not_it_has_landed():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxcb.kernels.attention.cache import KVCache
+    from jaxcb.kv_cache import HostBlocks
+
+    shape = (2, 2, 40, 4, 8)  # layers, KV heads, blocks, block size, head dim
+    values = jax.random.normal(jax.random.key(0), shape)
+    cache = KVCache(k=values + 0, v=-values)  # a copy: the writes donate the cache
+    host = HostBlocks(cache, 30)
+    first = host.offload(cache, [(b, b) for b in range(1, 21)])  # two chunks
+    cache = host.restore(cache, [(3, 30), (19, 31)])  # before anything landed: read from the gathered arrays
+    host.land(first)
+    # Host block 5 is offloaded again from another device block: the later copy is what it holds.
+    host.offload(cache, [(7, 5)])
+    cache = host.restore(cache, [(5, 32), (12, 33)])
+    host.land()
+    cache = host.restore(cache, [(5, 34)])
+    k = np.asarray(cache.k)
+    for block, source in ((30, 3), (31, 19), (32, 7), (33, 12), (34, 7)):
+        np.testing.assert_array_equal(k[:, :, block], np.asarray(values[:, :, source]), err_msg=str(block))
+    np.testing.assert_array_equal(np.asarray(cache.v[:, :, 30]), -np.asarray(values[:, :, 3]))
+    assert host.num_blocking_lands == 0 and host._pending == []
