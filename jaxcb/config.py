@@ -121,6 +121,7 @@ class CacheConfig:
     kv_calibration_tokens: int = 512
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose tokens (and all before) match
     swap_space_gib: float = 4.0  # host memory for blocks of sequences preempted by swap
+    host_prefix_cache_gib: float = 0.0  # host memory for prefix-cache blocks the device evicts (0: off)
     block_growth: Optional[int] = None  # blocks a decoding sequence takes at once; None: 4 with the CPU attention kernel, else 1
 
 

@@ -88,6 +88,10 @@ def validate_config(cfg: Config) -> None:
         f"scheduler.preemption_mode={s.preemption_mode!r} must be recompute or swap",
     )
     require(c.swap_space_gib >= 0, f"cache.swap_space_gib={c.swap_space_gib} must be >= 0")
+    require(c.host_prefix_cache_gib >= 0, f"cache.host_prefix_cache_gib={c.host_prefix_cache_gib} must be >= 0")
+    require(c.host_prefix_cache_gib == 0 or c.enable_prefix_caching,
+            f"cache.host_prefix_cache_gib={c.host_prefix_cache_gib} keeps prefix-cache blocks, but "
+            "cache.enable_prefix_caching=false; turn prefix caching on or set cache.host_prefix_cache_gib=0")
     require(s.priority_aging_s > 0, f"scheduler.priority_aging_s={s.priority_aging_s} must be > 0")
     for name in ("max_waiting_requests", "max_waiting_tokens"):
         v = getattr(s, name)
@@ -242,6 +246,10 @@ def validate_draft_method(cfg: Config) -> None:
     require(cfg.scheduler.preemption_mode != "swap",
             "speculative.method=draft with scheduler.preemption_mode=swap: swapping copies the served model's "
             "blocks only, not the draft's; use preemption_mode=recompute or speculative.method=ngram")
+    require(cfg.cache.host_prefix_cache_gib == 0,
+            f"speculative.method=draft with cache.host_prefix_cache_gib={cfg.cache.host_prefix_cache_gib:g}: the host "
+            "tier keeps and restores the served model's blocks only, not the draft's; set cache.host_prefix_cache_gib=0 "
+            "or use speculative.method=ngram")
 
 
 def validate_distributed_config(d: DistributedConfig) -> None:

@@ -33,16 +33,19 @@ from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import Config, ConfigError, resolve_draft_model
 from jaxcb.lora.manager import LoraManager
 from jaxcb.model.lora import empty_lora_weights, slot_values
+from jaxcb.core.host_prefix_cache import HostPrefixCache
 from jaxcb.engine_stats import EMPTY_STEP, EngineStats
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.backends import select_backend
 from jaxcb.batch_limits import cap_by_cache, resolve_batch_limits
 from jaxcb.kv_cache import (
-    HostSwapSpace,
+    GIB,
+    HostBlocks,
     allocate_planned_kv_cache,
     cache_block_growth,
     configure_device_memory,
     default_cache_dtype,
+    format_bytes,
     num_swap_blocks,
     plan_kv_cache,
     read_device_memory,
@@ -237,10 +240,20 @@ class Engine:
             num_host = num_swap_blocks(cfg.cache, plan)
             if num_host >= 2:
                 host_pool = BlockPool(num_host)
-                swap_space = HostSwapSpace(kv_cache, num_host, backend.attention.write_blocks_fn)
+                swap_space = HostBlocks(kv_cache, num_host, backend.attention.write_blocks_fn)
                 log.info("swap space: %d host blocks (cache.swap_space_gib=%g)", num_host - 1, cfg.cache.swap_space_gib)
             else:
                 log.warning("cache.swap_space_gib=%g holds no block: preemption will recompute", cfg.cache.swap_space_gib)
+        host_cache = host_tier = None
+        num_tier = int(cfg.cache.host_prefix_cache_gib * GIB // plan.bytes_per_block)
+        if cfg.cache.host_prefix_cache_gib > 0:
+            if num_tier < 2:
+                raise ConfigError(f"cache.host_prefix_cache_gib={cfg.cache.host_prefix_cache_gib:g} holds no "
+                                  f"{format_bytes(plan.bytes_per_block)} block; raise it or set it to 0")
+            host_cache = HostPrefixCache(num_tier)
+            host_tier = HostBlocks(kv_cache, num_tier, backend.attention.write_blocks_fn)
+            log.info("prefix cache host tier: %d blocks (%s, cache.host_prefix_cache_gib=%g)", num_tier - 1,
+                     format_bytes((num_tier - 1) * plan.bytes_per_block), cfg.cache.host_prefix_cache_gib)
         platform = jax.default_backend()
         max_drafts = cfg.speculative.num_speculative_tokens if cfg.speculative.method != "none" else 0
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
@@ -267,6 +280,7 @@ class Engine:
             block_growth=cache_block_growth(cfg.cache, backend.attention.name),
             speculation=self.speculation,
             lora_slots=self.lora.slots if self.lora is not None else None,
+            host_cache=host_cache,
         )
         workers, when = compile_plan(cfg.engine, platform=platform)
         self.runner = ModelRunner(
@@ -282,6 +296,7 @@ class Engine:
             masked_sampling=cfg.engine.masked_sampling,
             prompt_logprobs=cfg.engine.prompt_logprobs,
             swap_space=swap_space,
+            host_tier=host_tier,
             tp=self.tp,
             compile_workers=workers,
             compile_rare_variants=when,
@@ -591,6 +606,8 @@ class Engine:
             handle = self.runner.dispatch(sched_out)
             self._num_dispatched += 1
             self.scheduler.commit(sched_out)
+        elif sched_out.swap_out or sched_out.offload or sched_out.swap_in or sched_out.restore:
+            self.runner.land_copies(self.runner.copy_blocks(sched_out))  # copies without a step to carry them
         elif self._in_flight is None and self.scheduler.num_unfinished:
             raise RuntimeError(
                 f"the scheduler could not schedule any of {self.scheduler.num_unfinished} unfinished sequences "
@@ -629,6 +646,7 @@ class Engine:
             prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
             num_recompiles=self.runner.num_recompiles, aborted_request_ids=aborted, **self._speculation_stats(),
             **self._lora_stats(),
+            **self._host_tier_stats(),
         )
 
     def _lora_stats(self) -> dict:
@@ -641,6 +659,17 @@ class Engine:
                        for name in sorted(lo.requests_per_adapter))
         return dict(lora_running_adapters=running, lora_waiting_adapters=waiting, max_lora=lo.cfg.max_loras,
                     lora_totals=totals)
+
+
+    def _host_tier_stats(self) -> dict:
+        kv, tier = self.scheduler.kv, self.runner.host_tier
+        if kv.host_cache is None:
+            return {}
+        return dict(host_prefix_cache_hits=kv.host_prefix_hits,
+                    host_tier_bytes_to_host=kv.num_offloaded_blocks * tier.bytes_per_block,
+                    host_tier_bytes_to_device=kv.num_restored_blocks * tier.bytes_per_block,
+                    host_tier_evictions=kv.host_cache.num_evictions,
+                    host_tier_usage=kv.host_cache.num_cached_blocks / (kv.host_cache.num_blocks - 1))
 
     def _speculation_stats(self) -> dict:
         if self.speculation is None:

@@ -46,6 +46,12 @@ class EngineStats:
     lora_waiting_adapters: tuple[str, ...] = ()
     max_lora: int = 0
     lora_totals: tuple[tuple[str, int, int], ...] = ()
+    # The prefix cache's host tier, totals since start-up (all 0 with cache.host_prefix_cache_gib=0).
+    host_prefix_cache_hits: int = 0  # tokens found in the host tier (a part of prefix_cache_hits)
+    host_tier_bytes_to_host: int = 0  # evicted device blocks copied out
+    host_tier_bytes_to_device: int = 0  # host hits copied back
+    host_tier_evictions: int = 0  # host blocks whose contents were dropped for newer ones
+    host_tier_usage: float = 0.0  # fraction of the host tier's blocks holding contents
 
     @property
     def spec_mean_accepted_length(self) -> float:

@@ -1,9 +1,10 @@
-"""The paged KV cache's size and device buffers, and the host swap space.
+"""The paged KV cache's size and device buffers, and host memory for whole blocks (swap, host tier).
 
 The layout (`[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` for K and for V,
 block 0 the null block) and the writes into it belong to the attention forms
 (`jaxcb.kernels.attention`); this module decides how many blocks there are, allocates them
-once, and copies whole blocks to and from host memory for swap preemption.
+once, and copies whole blocks to and from host memory for swap preemption and the prefix cache's
+host tier.
 """
 
 from __future__ import annotations
@@ -289,8 +290,26 @@ def allocate_planned_kv_cache(
     return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding, zeros, scales)
 
 
-class HostSwapSpace:
-    """Preallocated host memory for swapped-out blocks, indexed by host block id (0 unused)."""
+@dataclasses.dataclass(eq=False)  # compared by identity: its fields are arrays
+class PendingCopy:
+    """Device blocks gathered for host blocks, on their way to host memory (`HostBlocks.offload`)."""
+
+    host_ids: list[int]
+    k: jax.Array  # [num_layers, num_kv_heads, SWAP_CHUNK, block_size, head_dim]
+    v: jax.Array
+
+
+class HostBlocks:
+    """Preallocated host memory for whole KV blocks, indexed by host block id (0 unused): the swap space of
+    preempted sequences, or the prefix cache's host tier.
+
+    Copies out (`offload`) never wait: the device gathers the blocks and starts their transfer to host
+    memory, and the step that follows is dispatched at once; the bytes land (`land`) when that step is
+    collected -- by then the gather has run, since the step overwrites the blocks it read (the cache is
+    donated) and so runs after it. A copy back (`restore`) of a host block whose bytes have not landed
+    takes them from the gathered device arrays instead, so it never waits either. `num_blocking_lands`
+    counts landings that found a transfer unfinished (the engine thread waited): it stays 0.
+    """
 
     def __init__(self, cache: KVCache, num_blocks: int, write_blocks: Callable[..., KVCache] = scatter_blocks):
         num_layers, num_kv_heads, _, block_size, head_dim = cache.k.shape
@@ -298,29 +317,75 @@ class HostSwapSpace:
         self.k = np.zeros(shape, cache.k.dtype)
         self.v = np.zeros(shape, cache.v.dtype)
         self.num_blocks = num_blocks
+        self.bytes_per_block = 2 * self.k[:, :, 0].nbytes
         self.write_blocks = write_blocks  # the attention form's: (cache, block_ids, k, v) -> cache, donated
+        self._pending: list[PendingCopy] = []  # in the order dispatched
+        self.num_blocking_lands = 0
 
-    def swap_out(self, cache: KVCache, pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: pairs of (device block, host block)."""
+    def offload(self, cache: KVCache, pairs: list[tuple[int, int]]) -> list[PendingCopy]:
+        """Start copying device blocks to host blocks: pairs of (device block, host block). Returns the
+        copies, which `land` finishes."""
+        copies = []
         for i in range(0, len(pairs), SWAP_CHUNK):
             chunk = pairs[i : i + SWAP_CHUNK]
             dev = np.zeros(SWAP_CHUNK, np.int32)
             dev[: len(chunk)] = [d for d, _ in chunk]
             k, v = gather_blocks(cache, jnp.asarray(dev))
-            host = [h for _, h in chunk]
-            self.k[:, :, host] = np.asarray(k)[:, :, : len(chunk)]
-            self.v[:, :, host] = np.asarray(v)[:, :, : len(chunk)]
+            for x in (k, v):
+                x.copy_to_host_async()
+            copies.append(PendingCopy([h for _, h in chunk], k, v))
+        self._pending += copies
+        return copies
 
-    def swap_in(self, cache: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
-        """Copy host blocks back into device blocks: pairs of (host block, device block)."""
-        for i in range(0, len(pairs), SWAP_CHUNK):
-            chunk = pairs[i : i + SWAP_CHUNK]
+    def land(self, copies: Optional[list[PendingCopy]] = None) -> None:
+        """Write finished copies (default: all pending) into host memory, oldest first."""
+        copies = list(self._pending) if copies is None else copies
+        for copy in copies:
+            if copy not in self._pending:
+                continue  # landed already (by an earlier call)
+            if not (copy.k.is_ready() and copy.v.is_ready()):
+                self.num_blocking_lands += 1
+            n = len(copy.host_ids)
+            self.k[:, :, copy.host_ids] = np.asarray(copy.k)[:, :, :n]
+            self.v[:, :, copy.host_ids] = np.asarray(copy.v)[:, :, :n]
+            self._pending.remove(copy)
+
+    # The name swap preemption knows these by.
+    swap_out = offload
+
+    def restore(self, cache: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
+        """Copy host blocks back into device blocks: pairs of (host block, device block). A host block whose
+        bytes are still on their way (a copy that has not finished) is read from the device arrays they are
+        coming from; one whose copy has finished lands first."""
+        hosts = {h for h, _ in pairs}
+        self.land([c for c in self._pending if hosts.intersection(c.host_ids) and c.k.is_ready() and c.v.is_ready()])
+        in_flight = {}  # host block -> (pending copy, its row), the latest copy winning
+        for copy in self._pending:
+            for row, host in enumerate(copy.host_ids):
+                in_flight[host] = (copy, row)
+        landed = [(h, d) for h, d in pairs if h not in in_flight]
+        for i in range(0, len(landed), SWAP_CHUNK):
+            chunk = landed[i : i + SWAP_CHUNK]
             dev = np.zeros(SWAP_CHUNK, np.int32)  # padding rows land in the null block
             dev[: len(chunk)] = [d for _, d in chunk]
             host = np.zeros(SWAP_CHUNK, np.int64)
             host[: len(chunk)] = [h for h, _ in chunk]
             cache = self.write_blocks(cache, jnp.asarray(dev), jnp.asarray(self.k[:, :, host]), jnp.asarray(self.v[:, :, host]))
+        by_copy: dict[int, tuple[PendingCopy, list[tuple[int, int]]]] = {}
+        for host, dev_block in pairs:
+            if host in in_flight:
+                copy, row = in_flight[host]
+                by_copy.setdefault(id(copy), (copy, []))[1].append((row, dev_block))
+        for copy, rows in by_copy.values():  # a copy holds at most SWAP_CHUNK blocks: one write each
+            dev = np.zeros(SWAP_CHUNK, np.int32)
+            src = np.zeros(SWAP_CHUNK, np.int32)
+            dev[: len(rows)] = [d for _, d in rows]
+            src[: len(rows)] = [r for r, _ in rows]
+            src = jnp.asarray(src)
+            cache = self.write_blocks(cache, jnp.asarray(dev), copy.k[:, :, src], copy.v[:, :, src])
         return cache
+
+    swap_in = restore
 
 
 CPU_BLOCK_GROWTH = 4  # cache.block_growth's default with the CPU attention kernel

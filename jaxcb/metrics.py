@@ -163,6 +163,16 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.recompilations = counter("recompilations", "Step compilations after warm-up (should stay 0).")
+        # The prefix cache's host tier (cache.host_prefix_cache_gib; all 0 when off).
+        self.host_prefix_hits = counter(
+            "host_prefix_cache_hits", "Tokens found in the prefix cache's host tier (a part of prefix_cache_hits).")
+        self.host_tier_bytes = labelled_counter(
+            "host_prefix_cache_bytes", "Bytes of KV blocks copied between the device cache and the prefix cache's "
+            "host tier, by direction (to_host: evicted blocks kept; to_device: host hits brought back).", "direction")
+        self.host_tier_evictions = counter(
+            "host_prefix_cache_evictions", "Blocks the prefix cache's host tier dropped for newer ones.")
+        self.host_tier_usage = gauge(
+            "host_prefix_cache_usage_perc", "Fraction of the prefix cache's host tier blocks holding contents (0..1).")
         # Speculative decoding, under vLLM's names (acceptance rate: accepted / draft tokens; mean accepted
         # length: 1 + accepted tokens / drafts).
         self.spec_drafts = counter("spec_decode_num_drafts", "Verify steps: a sequence bringing drafts to a step.")
@@ -186,7 +196,8 @@ class EngineMetrics:
         # No counter of failed KV block allocations: the scheduler answers one by preempting
         # (num_preemptions), and requests that could never fit are refused up front (request_rejected).
         self._last = {"preemptions": 0, "queries": 0, "hits": 0, "recompiles": 0, "drafts": 0, "draft_tokens": 0,
-                      "accepted": 0, "unspeculated": 0}
+                      "accepted": 0, "unspeculated": 0, "host_hits": 0, "host_evictions": 0}
+        self._last_bytes = {"to_host": 0, "to_device": 0}
         self._last_per_pos: list[int] = []
         self._streams: dict[str, _Stream] = {}  # request id -> its stream, from its first token to its end
         self._window: deque[tuple[float, float, int, int]] = deque()  # (end time, step seconds, prefill, decode)
@@ -231,6 +242,14 @@ class EngineMetrics:
         self._advance(self.prefix_queries, "queries", stats.prefix_cache_queries)
         self._advance(self.prefix_hits, "hits", stats.prefix_cache_hits)
         self._advance(self.recompilations, "recompiles", stats.num_recompiles)
+        self._advance(self.host_prefix_hits, "host_hits", stats.host_prefix_cache_hits)
+        self._advance(self.host_tier_evictions, "host_evictions", stats.host_tier_evictions)
+        self.host_tier_usage.set(stats.host_tier_usage)
+        for direction, value in (("to_host", stats.host_tier_bytes_to_host),
+                                 ("to_device", stats.host_tier_bytes_to_device)):
+            if value > self._last_bytes[direction]:
+                self.host_tier_bytes.labels(**self.labels, direction=direction).inc(value - self._last_bytes[direction])
+                self._last_bytes[direction] = value
         self._advance(self.spec_drafts, "drafts", stats.spec_num_drafts)
         self._advance(self.spec_draft_tokens, "draft_tokens", stats.spec_num_draft_tokens)
         self._advance(self.spec_accepted, "accepted", stats.spec_num_accepted_tokens)

@@ -85,6 +85,9 @@ class BlockPool:
         self._same_as: dict[int, int] = {}
         self._content_ids = itertools.count(1)
         self.num_evictions = 0
+        # With a host tier (KVCacheManager), the registered blocks `allocate` evicted, until it takes them.
+        self.keep_evicted = False
+        self.evicted: list[CachedBlock] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -118,18 +121,20 @@ class BlockPool:
     # --- prefix caching --------------------------------------------------------------------------
 
     def register(self, block: int, block_hash: BlockHash, parent: Hashable, token_ids: Sequence[int],
-                 ) -> Optional[int]:
+                 content_id: Optional[int] = None) -> Optional[int]:
         """Remember that held `block` is (or, by the end of the step being built, will be) full of
         `token_ids` after the contents `parent` names; return the content id its children name as
         their parent. A hash already registered keeps its first block: the same contents computed
         twice are cached once (the second block takes the first one's content id), and other
         contents under the same hash (a collision) are not cached at all (None: nothing that
-        follows this block can be cached either)."""
+        follows this block can be cached either). `content_id`: contents coming back from the host
+        tier keep the id their children there name."""
         self._check_held([block])
         token_ids = tuple(token_ids)
         entry = self._cached.get(block)  # registered already (by another holder of the block)
         if entry is None and block_hash not in self._block_of_hash:
-            entry = self._cached[block] = CachedBlock(block, block_hash, parent, token_ids, next(self._content_ids))
+            cid = content_id if content_id is not None else next(self._content_ids)
+            entry = self._cached[block] = CachedBlock(block, block_hash, parent, token_ids, cid)
             self._block_of_hash[block_hash] = block
             return entry.content_id
         if entry is None:
@@ -186,6 +191,8 @@ class BlockPool:
         if entry is not None:
             del self._block_of_hash[entry.block_hash]
             self.num_evictions += 1
+            if self.keep_evicted:
+                self.evicted.append(entry)
 
     @property
     def num_cached_blocks(self) -> int:

@@ -23,6 +23,11 @@ makes before the next step, and keeps the prefix cache:
 With prefix caching off, the n sequences of one request (n > 1) still share their prompt's
 blocks through the same mechanism, in a chain rooted in their own group that nothing else finds.
 
+With a host tier (`cache.host_prefix_cache_gib`, `host_prefix_cache.py`), a registered block the
+device pool evicts is copied to a host block first (`offload`, before the step that overwrites
+it), and `cached_prefix` continues into the host tier where the device misses: a host hit takes
+a fresh device block at admission, filled from the host (`restore`) before the step.
+
 The scheduler counts tokens, never blocks: it asks the manager whether a sequence fits
 (`can_admit`: its cached prefix plus fresh blocks for its first tokens, also a swapped-out
 sequence's return with no prefix), to admit it (`admit`, `swap_in_blocks`), to give a running
@@ -37,7 +42,8 @@ from dataclasses import dataclass
 from typing import Hashable, Optional
 
 from jaxcb.core.block_hash import BlockHash, chain_hash, salted_root
-from jaxcb.core.block_pool import BlockPool, NoFreeBlocksError
+from jaxcb.core.block_pool import BlockPool, CachedBlock, NoFreeBlocksError
+from jaxcb.core.host_prefix_cache import HostPrefixCache
 from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.sequence import Sequence
 
@@ -52,14 +58,21 @@ NO_ROOT = bytes(16)  # the root of a manager told nothing of its model (tests of
 class CachedPrefix:
     """A waiting sequence's leading full blocks found in the prefix cache (`cached_prefix`)."""
 
-    block_ids: tuple[int, ...] = ()
+    block_ids: tuple[int, ...] = ()  # the device blocks found
     num_tokens: int = 0  # the tokens they hold, which the sequence need not compute
+    # The whole prefix in order: (device block, None) or (None, host entry) for a block found in the host tier.
+    blocks: tuple[tuple[Optional[int], Optional[CachedBlock]], ...] = ()
+
+    @property
+    def num_host_blocks(self) -> int:
+        return sum(1 for _, entry in self.blocks if entry is not None)
 
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, block_size: int, *, enable_prefix_caching: bool = False,
                  root: BlockHash = NO_ROOT, host_pool: Optional[BlockPool] = None, block_growth: int = 1,
-                 growth_reserve: int = 0, max_model_len: Optional[int] = None):
+                 growth_reserve: int = 0, max_model_len: Optional[int] = None,
+                 host_cache: Optional[HostPrefixCache] = None):
         self.pool = pool
         self.block_size = block_size
         # A decoding sequence that needs a block takes block_growth at once, while more than
@@ -76,6 +89,14 @@ class KVCacheManager:
         self.swap_out: list[tuple[int, int]] = []  # (device block, host block)
         self.num_swap_outs = 0
         self.num_swap_ins = 0
+        # The prefix cache's host tier (None: off): evicted registered blocks offloaded, found, restored.
+        self.host_cache = host_cache if enable_prefix_caching else None
+        pool.keep_evicted = self.host_cache is not None
+        self.offload: list[tuple[int, int]] = []  # (device block, host block) copies before the next step
+        self.restore: list[tuple[int, int]] = []  # (host block, device block) copies before the next step
+        self.host_prefix_hits = 0  # tokens found in the host tier (also counted in prefix_cache_hits)
+        self.num_offloaded_blocks = 0
+        self.num_restored_blocks = 0
 
     # --- device blocks: the scheduler's questions --------------------------------------------------
 
@@ -91,7 +112,7 @@ class KVCacheManager:
         """Whether a sequence that holds no blocks yet fits its first `num_tokens` tokens: the blocks
         of `prefix` (found by `cached_prefix`), then fresh ones from the free blocks -- less the
         prefix's own cached blocks that are free now (taking them takes them out of the free queue)."""
-        needed = max(0, self.num_blocks_for(num_tokens) - len(prefix.block_ids))
+        needed = max(0, self.num_blocks_for(num_tokens) - len(prefix.block_ids))  # host hits take fresh ones
         reused_free = sum(1 for block in prefix.block_ids if self.pool.ref_count(block) == 0)
         return needed <= self.pool.num_free_blocks - reused_free
 
@@ -104,10 +125,44 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += prefix.num_tokens
-        # The prefix first: a fresh allocation could otherwise evict its cached, unreferenced blocks.
-        request.block_ids = self.pool.touch(list(prefix.block_ids)) + self.pool.allocate(num_new)
+        if not prefix.num_host_blocks:
+            # The prefix first: a fresh allocation could otherwise evict its cached, unreferenced blocks.
+            request.block_ids = self.pool.touch(list(prefix.block_ids)) + self._allocate(num_new)
+        else:
+            request.block_ids = self._admit_with_host_hits(prefix, num_new)
+            self.host_prefix_hits += prefix.num_host_blocks * self.block_size
         request.block_epoch = next(_block_epochs)
-        request.num_registered_blocks = len(prefix.block_ids)
+        request.num_registered_blocks = len(prefix.blocks) if prefix.blocks else len(prefix.block_ids)
+
+    def _admit_with_host_hits(self, prefix: CachedPrefix, num_new: int) -> list[int]:
+        """The block table of a prefix found partly in the host tier: its device blocks taken, a fresh
+        device block for each host hit (filled from the host before the step, and registered with the
+        contents it gets), then the fresh blocks past the prefix."""
+        self.pool.touch(list(prefix.block_ids))
+        hosts = [entry.block for block, entry in prefix.blocks if entry is not None]
+        self.host_cache.hold(hosts)  # no offload of this allocation may take them before the copy
+        fresh = iter(self._allocate(num_new))
+        table = []
+        for block, entry in prefix.blocks:
+            if entry is not None:
+                block = next(fresh)
+                self.restore.append((entry.block, block))
+                self.pool.register(block, entry.block_hash, entry.parent, entry.token_ids, entry.content_id)
+            table.append(block)
+        self.num_restored_blocks += len(hosts)
+        return table + list(fresh)
+
+    def _allocate(self, num_blocks: int) -> list[int]:
+        """Fresh device blocks; with a host tier, the registered blocks that taking them evicts are offloaded."""
+        blocks = self.pool.allocate(num_blocks)
+        if self.host_cache is not None and self.pool.evicted:
+            for entry in self.pool.evicted:
+                host = self.host_cache.insert(entry)
+                if host is not None:
+                    self.offload.append((entry.block, host))
+                    self.num_offloaded_blocks += 1
+            self.pool.evicted.clear()
+        return blocks
 
     def allocate(self, request: Sequence, num_new: int) -> bool:
         """Give running `request` room for its next `num_new` tokens (a decoding sequence: up to a run
@@ -117,7 +172,7 @@ class KVCacheManager:
             return True
         try:
             # A new list, never the old one extended: a step scheduled before holds that one as it was.
-            request.block_ids = request.block_ids + self.pool.allocate(needed + self._growth_extra(request, needed))
+            request.block_ids = request.block_ids + self._allocate(needed + self._growth_extra(request, needed))
         except NoFreeBlocksError:
             return False
         return True
@@ -192,7 +247,7 @@ class KVCacheManager:
         """A swapped-out sequence returns with room for its first `num_tokens` tokens: fresh device
         blocks, its host blocks copied into them before the next step. The caller asked
         `can_admit(CachedPrefix(), num_tokens)` first."""
-        request.block_ids = self.pool.allocate(self.num_blocks_for(num_tokens))
+        request.block_ids = self._allocate(self.num_blocks_for(num_tokens))
         request.block_epoch = next(_block_epochs)
         self.swap_in += list(zip(request.host_block_ids, request.block_ids))
         self.host_pool.free(request.host_block_ids)
@@ -204,6 +259,16 @@ class KVCacheManager:
         swaps = (self.swap_in, self.swap_out)
         self.swap_in, self.swap_out = [], []
         return swaps
+
+    def take_host_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """(restore, offload) copies of the host tier recorded since the last step, and forget them. The
+        runner makes them when it dispatches the step, reading the restored host blocks then, so they
+        are released here."""
+        copies = (self.restore, self.offload)
+        if self.restore:
+            self.host_cache.release([host for host, _ in self.restore])
+        self.restore, self.offload = [], []
+        return copies
 
     # --- the prefix cache -----------------------------------------------------------------------
 
@@ -233,14 +298,21 @@ class KVCacheManager:
         if not self._shares(request):
             return CachedPrefix()
         num_blocks = min(request.num_tokens - 1, InFlightTokens.num_known_tokens(request)) // self.block_size
-        hits, parent, bs = [], self._root_key(request), self.block_size
+        hits, parent, bs, host = [], self._root_key(request), self.block_size, self.host_cache
         for i, block_hash in enumerate(self._block_hashes(request, num_blocks)):
-            cached = self.pool.find(block_hash, parent, request.token_ids(i * bs, (i + 1) * bs))
-            if cached is None:
+            token_ids = request.token_ids(i * bs, (i + 1) * bs)
+            cached = self.pool.find(block_hash, parent, token_ids)
+            if cached is not None:
+                hits.append((cached.block, None))
+            elif host is not None and (cached := host.find(block_hash, parent, token_ids)) is not None:
+                hits.append((None, cached))
+            else:
                 break
-            hits.append(cached.block)
             parent = cached.content_id
-        return CachedPrefix(tuple(hits), len(hits) * bs)
+        device = tuple(block for block, _ in hits if block is not None)
+        if len(device) == len(hits):
+            return CachedPrefix(device, len(hits) * bs)
+        return CachedPrefix(device, len(hits) * bs, tuple(hits))
 
     def _block_hashes(self, request: Sequence, num_blocks: int) -> list[BlockHash]:
         """The hashes of the request's first num_blocks full blocks, each computed once per sequence."""

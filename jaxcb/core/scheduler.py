@@ -61,6 +61,7 @@ from jaxcb.config import SchedulerConfig
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.core.in_flight import InFlightTokens
 from jaxcb.core.block_hash import BlockHash
+from jaxcb.core.host_prefix_cache import HostPrefixCache
 from jaxcb.core.kv_cache_manager import NO_ROOT, CachedPrefix, KVCacheManager
 from jaxcb.core.lora_slots import LoraSlotTable
 from jaxcb.core.sequence import RequestStatus, Sequence, SequenceId
@@ -85,6 +86,7 @@ class Scheduler:
         block_growth: int = 1,
         speculation: Optional[Speculation] = None,
         lora_slots: Optional[LoraSlotTable] = None,
+        host_cache: Optional[HostPrefixCache] = None,
     ):
         self.cfg = cfg
         # LoRA: a sequence with an adapter is admitted only once its adapter has a device slot.
@@ -93,7 +95,8 @@ class Scheduler:
         # Spare blocks are taken only while every running sequence could still take a run of its own.
         self.kv = KVCacheManager(block_pool, block_size, enable_prefix_caching=enable_prefix_caching,
                                  root=root, host_pool=host_pool, block_growth=block_growth,
-                                 growth_reserve=cfg.max_num_seqs * block_growth, max_model_len=max_model_len)
+                                 growth_reserve=cfg.max_num_seqs * block_growth, max_model_len=max_model_len,
+                                 host_cache=host_cache)
         self.max_model_len = max_model_len
         self.clock = clock  # of arrival times and priority aging
         self.waiting: deque[Sequence] = deque()
@@ -256,8 +259,8 @@ class Scheduler:
             budget = self._admit(budget, scheduled)
 
         swap_in, swap_out = self.kv.take_swaps()
-        out = SchedulerOutput(list(scheduled.values()), preempted, swap_in, swap_out)
-        return out
+        restore, offload = self.kv.take_host_tier_copies()
+        return SchedulerOutput(list(scheduled.values()), preempted, swap_in, swap_out, restore, offload)
 
     def _num_new_tokens(self, sequence: Sequence, budget: int) -> int:
         if self.in_flight.verifying(sequence):

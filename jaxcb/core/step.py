@@ -69,10 +69,15 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     preempted_ids: list[SequenceId] = field(default_factory=list)  # sequences this step preempted
-    # Block copies the runner makes before the step, swap_in first: a host block freed by a swap-in
-    # may be reused by a swap-out of the same step.
+    # Block copies the runner makes before the step: first every read of device blocks (swap_out,
+    # offload: a device block freed by a swap-out or evicted to the host tier may be refilled by a
+    # swap-in or restore of the same step), then every write (swap_in, restore), whose host blocks are
+    # read then -- before a swap-out or offload of the same step lands in a host block a swap-in freed.
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    # The prefix cache's host tier (cache.host_prefix_cache_gib): hits copied back, evicted blocks copied out.
+    restore: list[tuple[int, int]] = field(default_factory=list)  # (host tier block, device block)
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host tier block)
 
     @property
     def num_scheduled_tokens(self) -> int:

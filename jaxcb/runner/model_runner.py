@@ -47,7 +47,7 @@ from tqdm import tqdm
 from jaxcb.backends import Backend
 from jaxcb.kernels.attention import SWAP_CHUNK, KVCache
 from jaxcb.kernels.attention.cache import gather_blocks
-from jaxcb.kv_cache import HostSwapSpace
+from jaxcb.kv_cache import HostBlocks, PendingCopy
 from jaxcb.model.llama import StepWeights, forward
 from jaxcb.model.lora import lora_row_mask, slots_and_rank, write_slot
 from jaxcb.runner.buckets import BucketKey, Buckets, ModelKey, SamplerKey
@@ -79,6 +79,8 @@ class StepHandle:
     logprobs: jax.Array  # f32[R, 1 + max_logprobs]: their logprobs
     # The prompt-logprobs variant: each token row's prompt token then the top ids, and their logprobs.
     prompt_logprobs: Optional[tuple[jax.Array, jax.Array]] = None  # (i32[T, 1 + n], f32[T, 1 + n])
+    # Blocks copied out to host memory before the step, landed there when it is collected.
+    copies: tuple[tuple[HostBlocks, list[PendingCopy]], ...] = ()
 
 
 def prompt_logprobs(backend: Backend, weights: StepWeights, hidden: jax.Array, targets: jax.Array, n: int
@@ -121,7 +123,8 @@ class ModelRunner:
         sampling_variants: tuple[str, ...] = ("greedy", "random", "full"),
         masked_sampling: bool = False,
         prompt_logprobs: bool = False,
-        swap_space: Optional[HostSwapSpace] = None,
+        swap_space: Optional[HostBlocks] = None,
+        host_tier: Optional[HostBlocks] = None,
         tp: Optional[TensorParallel] = None,
         compile_workers: int = 1,
         compile_rare_variants: str = "startup",
@@ -160,6 +163,7 @@ class ModelRunner:
         )
         self.num_steps = 0
         self.swap_space = swap_space
+        self.host_tier = host_tier  # the prefix cache's host tier (cache.host_prefix_cache_gib)
         self.max_rows = max(bucket.num_seqs for bucket in buckets.all())
         # Twice the most rows a step has: a sequence keeps its slot while it runs, and the least
         # recently scheduled is never one of the step's own (slots.py).
@@ -307,10 +311,13 @@ class ModelRunner:
         if self.draft is not None:  # the draft's cache follows every model bucket's steps
             self.draft.compile({BucketKey(*b, v).model for v in self.variants for b in self.buckets.all()},
                                self.slot_state.block_tables)
-        if self.swap_space is not None:  # the two block-copy shapes, so that a swap never compiles
+        for host in (self.swap_space, self.host_tier):  # the block-copy shapes, so that a copy never compiles
+            if host is None:
+                continue
             null = jnp.zeros(SWAP_CHUNK, jnp.int32)
             k, v = gather_blocks(self.kv_cache, null)
-            self.kv_cache = self.swap_space.write_blocks(self.kv_cache, null, k, v)
+            self.kv_cache = host.write_blocks(self.kv_cache, null, k, v)
+            self.kv_cache = host.write_blocks(self.kv_cache, null, k[:, :, null], v[:, :, null])  # restore in flight
         elapsed = time.perf_counter() - start
         c = self.compiler
         startup = [v for v in self.variants if v not in c.deferred]
@@ -377,24 +384,41 @@ class ModelRunner:
     def build_inputs(self, out: SchedulerOutput) -> tuple[BucketKey, StepArgs, Optional[SlotWrites]]:
         return self.inputs.build(out, self._prev_tokens)
 
+    def copy_blocks(self, out: SchedulerOutput) -> tuple[tuple[HostBlocks, list[PendingCopy]], ...]:
+        """The step's block copies (SchedulerOutput's order: device blocks read first, then written), none
+        waiting: the copies out land in host memory when the step is collected (`land_copies`)."""
+        copies = []
+        for host, pairs in ((self.swap_space, out.swap_out), (self.host_tier, out.offload)):
+            if pairs:
+                copies.append((host, host.offload(self.kv_cache, pairs)))
+        written = False
+        for host, pairs in ((self.swap_space, out.swap_in), (self.host_tier, out.restore)):
+            if pairs:
+                self.kv_cache, written = host.restore(self.kv_cache, pairs), True
+        if written and self.tp is not None:  # keep the sharding the steps were compiled for (a no-op if unchanged)
+            self.kv_cache = jax.device_put(self.kv_cache, self.tp.kv_cache)
+        return tuple(copies)
+
+    @staticmethod
+    def land_copies(copies: tuple[tuple[HostBlocks, list[PendingCopy]], ...]) -> None:
+        for host, pending in copies:
+            host.land(pending)
+
     def dispatch(self, out: SchedulerOutput) -> StepHandle:
         """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
-        if out.swap_in:
-            self.kv_cache = self.swap_space.swap_in(self.kv_cache, out.swap_in)
-            if self.tp is not None:  # keep the sharding the steps were compiled for (a no-op if unchanged)
-                self.kv_cache = jax.device_put(self.kv_cache, self.tp.kv_cache)
-        if out.swap_out:
-            self.swap_space.swap_out(self.kv_cache, out.swap_out)
+        copies = self.copy_blocks(out)
         key, args, writes = self.build_inputs(out)
         if writes is not None:
             self.write_slots(writes)
         ids, lps, prompt = self.run(key, args)
         self.num_steps += 1
-        return StepHandle(out, key, ids, lps, prompt)
+        return StepHandle(out, key, ids, lps, prompt, copies)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
-        """Wait for a dispatched step and bring its sampled tokens to the host."""
+        """Wait for a dispatched step and bring its sampled tokens to the host (and the blocks copied out
+        before it to host memory: done by now, since the step ran after the copies read its cache)."""
         ids, lps = fetch(handle.token_ids), fetch(handle.logprobs)
+        self.land_copies(handle.copies)
         seqs = handle.scheduled.scheduled
         num_rows = handle.scheduled.num_rows
         # Each row's token and logprob as Python numbers in one conversion each, not two per row.

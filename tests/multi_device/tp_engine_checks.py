@@ -207,13 +207,13 @@ def test_step_communicates_two_activation_all_reduces_per_layer_and_never_gather
 
 
 def test_swapped_blocks_come_back_into_the_split_cache():
-    from jaxcb.kv_cache import HostSwapSpace
+    from jaxcb.kv_cache import HostBlocks
 
     tp = engine(2).tp
     cache = allocate_kv_cache(engine(2).model_config, 6, 16, jnp.float32, tp.kv_cache)
     values = jax.random.normal(jax.random.key(0), cache.k.shape)
     cache = jax.device_put(type(cache)(k=values, v=-values), tp.kv_cache)
-    swap = HostSwapSpace(cache, 4)
+    swap = HostBlocks(cache, 4)
     swap.swap_out(cache, [(2, 1), (3, 2)])
     cache = jax.device_put(swap.swap_in(cache, [(1, 4), (2, 5)]), tp.kv_cache)
     assert cache.k.sharding.spec == P(None, "tp")
