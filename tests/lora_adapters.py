@@ -45,3 +45,18 @@ def logprobs(model, ids: list[int]):
 
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1).numpy()
+
+
+def base_and_two_adapters(root) -> tuple[str, dict, dict]:
+    """A random tiny HF Llama under root/base and ADAPTER_1 / ADAPTER_2 over it: (base dir, {adapter name: dir},
+    {None | name: the transformers model with it merged})."""
+    from hf_checkpoints import make_hf_llama, write_word_tokenizer
+
+    base_dir = str(root / "base")
+    base = make_hf_llama(base_dir)
+    write_word_tokenizer(base_dir, 131)
+    adapters, merged = {}, {None: base}
+    for name, fields, seed in (("a1", ADAPTER_1, 1), ("a2", ADAPTER_2, 2)):
+        adapters[name] = str(root / name)
+        merged[name] = make_peft_adapter(base, adapters[name], seed, **fields)
+    return base_dir, adapters, merged

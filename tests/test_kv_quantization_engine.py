@@ -16,6 +16,7 @@ from jaxcb.kv_cache import plan_kv_cache
 from jaxcb.kv_scales import calibration_token_ids, checkpoint_kv_scales
 from jaxcb.model.config import LlamaConfig
 from jaxcb.sampling_params import SamplingParams
+from test_kv_cache import FakeGpu  # a device that reports memory as a GPU does
 
 INT8 = ("cache.dtype=int8", "attention.impl=cpu")
 TINY = LlamaConfig(
@@ -26,14 +27,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = ["The lighthouse keeper said", "Numbers: 1, 2, 3,", "The lighthouse keeper said that the fog"]
 
 
-class FakeGpu:
-    platform = "gpu"
-
-    def __init__(self, limit, in_use):
-        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
-
-    def memory_stats(self):
-        return self.stats
 
 
 @pytest.mark.parametrize("source", ["cpu", "gpu"])

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from engine_factory import BASE
-from hf_checkpoints import make_hf_llama, write_word_tokenizer
-from lora_adapters import ADAPTER_1, ADAPTER_2, greedy_tokens, logprobs, make_peft_adapter
+from hf_checkpoints import make_hf_llama
+from lora_adapters import base_and_two_adapters, greedy_tokens, logprobs
 from jaxcb.config import ConfigError, compose_config
 from jaxcb.engine import LLM
 from jaxcb.errors import InvalidRequestError
@@ -27,15 +27,7 @@ NUM_TOKENS = 8
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(base dir, {adapter name: dir}, {None | name: the transformers model with it merged})."""
-    root = tmp_path_factory.mktemp("lora")
-    base_dir = str(root / "base")
-    base = make_hf_llama(base_dir)
-    write_word_tokenizer(base_dir, 131)
-    adapters, merged = {}, {None: base}
-    for name, fields, seed in (("a1", ADAPTER_1, 1), ("a2", ADAPTER_2, 2)):
-        adapters[name] = str(root / name)
-        merged[name] = make_peft_adapter(base, adapters[name], seed, **fields)
-    return base_dir, adapters, merged
+    return base_and_two_adapters(tmp_path_factory.mktemp("lora"))
 
 
 def lora_overrides(base_dir: str, adapters: dict, *extra: str) -> tuple:

@@ -12,8 +12,7 @@ import requests
 from openai import OpenAI
 
 from engine_factory import BASE
-from hf_checkpoints import make_hf_llama, write_word_tokenizer
-from lora_adapters import ADAPTER_1, ADAPTER_2, greedy_tokens, make_peft_adapter
+from lora_adapters import base_and_two_adapters, greedy_tokens
 from server_harness import running_server
 from jaxcb.config import compose_config
 from jaxcb.engine import Engine, LLM
@@ -26,14 +25,7 @@ API_KEY = "k"
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora-serving")
-    base_dir = str(root / "base")
-    base = make_hf_llama(base_dir)
-    write_word_tokenizer(base_dir, 131)
-    adapters, merged = {}, {None: base}
-    for name, fields, seed in (("a1", ADAPTER_1, 1), ("a2", ADAPTER_2, 2)):
-        adapters[name] = str(root / name)
-        merged[name] = make_peft_adapter(base, adapters[name], seed, **fields)
+    base_dir, adapters, merged = base_and_two_adapters(tmp_path_factory.mktemp("lora-serving"))
     overrides = ("model=hf", f"model.checkpoint={base_dir}", "model.dtype=float32", "lora.max_loras=2",
                  "lora.max_rank=8", f"lora.adapters={{a1: '{adapters['a1']}'}}", "server.allow_runtime_lora=true",
                  f"server.api_key={API_KEY}", "server.served_model_name=base")

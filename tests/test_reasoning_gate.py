@@ -18,15 +18,8 @@ from jaxcb.structured import GrammarCompiler, StructuredOutputs, TokenConstraint
 from jaxcb.structured.spec import ReasoningGate
 from jaxcb.tokenizer import load_tokenizer
 from server_harness import running_server
+from test_reasoning import ASK, THINK_TEMPLATE  # Qwen3's shape: the generation prompt opens <think>
 
-# Qwen3's shape (as in test_reasoning.py): the generation prompt opens <think>, or closes an empty one.
-THINK_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}"
-)
-ASK = [{"role": "user", "content": "Think, then answer."}]
 BOS, EOS, THINK, END_THINK = 256, 257, 258, 259
 INSIDE, MAY_OPEN = ReplyStart(True, False), ReplyStart(False, True)
 
