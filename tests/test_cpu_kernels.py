@@ -3,6 +3,7 @@ and a clear fallback or error where they cannot be built."""
 
 import ctypes
 import logging
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -51,11 +52,28 @@ def test_a_failed_build_says_why_and_leaves_no_library_behind(monkeypatch, tmp_p
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def fake_compiler_runs(monkeypatch) -> list:
+    """Replace the compile (not `--version`) with one that writes an empty library: what a test of the build's
+    keying needs, without compiling every kernel again. Returns the compile commands run."""
+    real_run, compiles = subprocess.run, []
+
+    def run(cmd, *args, **kwargs):
+        if "--version" in cmd:
+            return real_run(cmd, *args, **kwargs)
+        compiles.append(cmd)
+        open(cmd[cmd.index("-o") + 1], "wb").close()
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(cpu_kernels.subprocess, "run", run)
+    return compiles
+
+
 def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path))
-    first = cpu_kernels.build_library()
+    first = cpu_kernels.build_library()  # a real build
     mtime = first.stat().st_mtime_ns
     assert cpu_kernels.build_library() == first and first.stat().st_mtime_ns == mtime
+    compiles = fake_compiler_runs(monkeypatch)
     for i, source in enumerate(cpu_kernels.SOURCES):  # each source is part of the key
         changed = tmp_path / f"changed{i}.cc"
         changed.write_text(source.read_text() + "\n// changed\n")
@@ -64,6 +82,8 @@ def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypat
         with monkeypatch.context() as m:
             m.setattr(cpu_kernels, "SOURCES", tuple(sources))
             assert cpu_kernels.build_library() != first
+    assert len(compiles) == len(cpu_kernels.SOURCES) and all(str(tmp_path / f"changed{i}.cc") in compiles[i]
+                                                             for i in range(len(compiles)))
 
 
 def test_sources_from_another_directory_build_their_own_library(monkeypatch, tmp_path):
@@ -71,12 +91,14 @@ def test_sources_from_another_directory_build_their_own_library(monkeypatch, tmp
     `benchmarks/bench_kernels.py --against`): keyed by their content, like this package's."""
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path / "cache"))
     here = cpu_kernels.build_library()
+    compiles = fake_compiler_runs(monkeypatch)  # the changed revision's build is keyed, not compiled again
     for name, suffix in (("same", ""), ("changed", "\n// changed\n")):
         (tmp_path / name).mkdir()
         for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
             (tmp_path / name / f.name).write_text(f.read_text() + (suffix if f.suffix == ".cc" else ""))
-    assert cpu_kernels.build_library(tmp_path / "same") == here
+    assert cpu_kernels.build_library(tmp_path / "same") == here and compiles == []
     assert cpu_kernels.build_library(tmp_path / "changed") != here
+    assert len(compiles) == 1 and str(tmp_path / "changed") in " ".join(compiles[0])
 
 
 def test_row_argmax_gives_jnp_argmax_indices_for_ties_infinities_nans_and_ragged_widths():

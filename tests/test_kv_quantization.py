@@ -167,7 +167,7 @@ def test_the_forms_write_quantizes_each_layers_rows_with_that_layers_scales(form
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_swap_out_and_in_copy_the_raw_bytes_and_keep_the_scales(dtype):
-    from jaxcb.kv_cache import HostSwapSpace
+    from jaxcb.kv_cache import HostBlocks
 
     d = QUANTIZED_CACHE_DTYPES[dtype]
     rng = np.random.default_rng(1)
@@ -178,7 +178,7 @@ def test_swap_out_and_in_copy_the_raw_bytes_and_keep_the_scales(dtype):
     scales = np.full((2, 2), 0.5, np.float32)
     for write_blocks in [None] + ([cpu_form().write_blocks_fn] if dtype == "int8" else []):
         cache = KVCache(k, k, jnp.asarray(scales), jnp.asarray(scales * 3))
-        space = HostSwapSpace(cache, 4, *([write_blocks] if write_blocks else []))
+        space = HostBlocks(cache, 4, *([write_blocks] if write_blocks else []))
         space.swap_out(cache, [(2, 1), (5, 3)])
         # The swap-in donates the cache it writes into, scales and all: they come back in its result.
         empty = KVCache(jnp.zeros(shape, d), jnp.zeros(shape, d), jnp.asarray(scales), jnp.asarray(scales * 3))
