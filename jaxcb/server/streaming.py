@@ -216,9 +216,10 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
         for c in out.outputs:
             if c.index in sent_done:
                 continue
-            ids, texts = replies.setdefault(c.index, ([], []))
-            ids.extend(c.token_ids)
-            texts.append(c.text)
+            if include_usage and plan is not None and plan.reasoning is not None:  # kept only where usage counts them
+                ids, texts = replies.setdefault(c.index, ([], []))
+                ids.extend(c.token_ids)
+                texts.append(c.text)
             if c.index in held:
                 c = held.pop(c.index).followed_by(c)
             done = fmt.finish_reason(c)
