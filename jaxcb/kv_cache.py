@@ -132,6 +132,10 @@ class DeviceMemory:
     in_use_bytes: int  # allocated now (the weights, after they are loaded and prepared)
     pool_fraction: float  # the pool's share of the device (XLA_PYTHON_CLIENT_MEM_FRACTION)
     platform: str = "gpu"
+    # The pool's largest contiguous free block, where the allocator reports it (XLA's BFC allocator
+    # does): the cache's K and V are one buffer each, and the weights that prepare replaced (q/k/v and
+    # gate/up before fusing) leave holes below them that neither buffer can use.
+    largest_free_bytes: Optional[int] = None
 
     @property
     def total_bytes(self) -> int:
@@ -149,8 +153,10 @@ def read_device_memory(device: Optional[jax.Device] = None, pool_fraction: Optio
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
         return None
+    largest = stats.get("largest_free_block_bytes")
     return DeviceMemory(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)),
-                        pool_fraction if pool_fraction is not None else xla_pool_fraction(), device.platform)
+                        pool_fraction if pool_fraction is not None else xla_pool_fraction(), device.platform,
+                        int(largest) if largest else None)
 
 
 def cache_budget_bytes(memory: DeviceMemory, memory_fraction: float) -> tuple[int, str]:
@@ -225,6 +231,12 @@ def plan_kv_cache(
         if memory is not None:
             budget, source = cache_budget_bytes(memory, cache.memory_fraction)
             budget -= reserve_bytes
+            if memory.largest_free_bytes is not None and budget > memory.largest_free_bytes - reserve_bytes:
+                # K and V are allocated one after the other from the largest free block: a cache sized
+                # from the free bytes alone fails its second allocation in a fragmented pool.
+                budget = memory.largest_free_bytes - reserve_bytes
+                source += (f", capped by the pool's largest free block of {format_bytes(memory.largest_free_bytes)} "
+                           f"(the rest of the free memory is in holes the step's workspace may use)")
             num_blocks = max(0, budget // (bytes_per_block // tensor_parallel_size))
         else:  # host memory (fake CPU devices share it: the whole cache counts against it)
             needed = max_num_seqs * blocks_per_seq + 1
@@ -287,7 +299,17 @@ def allocate_planned_kv_cache(
     zeros: Callable[..., jax.Array] = zeros_buffer, scales: Optional[tuple[np.ndarray, np.ndarray]] = None,
 ) -> KVCache:
     log.info(plan.describe())
-    return allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding, zeros, scales)
+    try:
+        # Waited for here: an allocation that fails is reported when the buffer is first used, which
+        # would otherwise be the first step, with every later step failing the same way.
+        return jax.block_until_ready(
+            allocate_kv_cache(model, plan.num_blocks, plan.block_size, plan.dtype, sharding, zeros, scales))
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ConfigError(
+            f"the KV cache ({plan.describe()}) could not be allocated: {str(e).splitlines()[0]}; lower "
+            f"cache.memory_fraction or set cache.num_blocks") from e
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: its fields are arrays

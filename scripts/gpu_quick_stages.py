@@ -65,8 +65,10 @@ def preflight(st) -> None:
 def kernel(st) -> None:
     """The kernel against the reference at one batch, and registers and spills of XLA's PTX for it."""
     dump = os.path.join(st.check.out_dir, "kernel_xla_dump")
-    gpu_stages.kernel_vs_reference(st, dump)
+    fn, args = gpu_stages.kernel_vs_reference(st, dump)
     gpu_stages.xla_ptx_registers(st, dump)
+    if not st.dry_run:  # the triton package's compile of the same kernel: shared memory, and a second reading
+        gpu_stages.triton_estimate(st, fn, args)
 
 
 # startup -----------------------------------------------------------------------------------------
@@ -87,13 +89,14 @@ def startup(st) -> None:
                  step_compiles=len(runner.compiled), attention=runner.backend.attention.name,
                  num_blocks=engine.cache_plan.num_blocks, cache=engine.cache_plan.describe())
         stats = jax.local_devices()[0].memory_stats() or {}
-        r.update({f"{k}_gib": round(stats[k] / GIB, 2) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
-                  if k in stats})
+        r.update({f"{k}_gib": round(stats[k] / GIB, 2) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit",
+                                                                  "largest_free_block_bytes") if k in stats})
         log(f"start-up {r['startup_s']} s: {r['step_compiles']} step compiles ({len(buckets.all())} buckets x "
             f"{len(VARIANTS)} variants), limits {r['max_num_seqs']} seqs / {r['max_num_batched_tokens']} tokens, "
             f"table width {r['table_widths']} blocks, {r['attention']}")
         log(f"{r['cache']}; device memory in use {r.get('bytes_in_use_gib', '-')} GiB of a "
-            f"{r.get('bytes_limit_gib', '-')} GiB pool")
+            f"{r.get('bytes_limit_gib', '-')} GiB pool, largest free block "
+            f"{r.get('largest_free_block_bytes_gib', '-')} GiB")
 
 
 # decode ------------------------------------------------------------------------------------------

@@ -155,8 +155,12 @@ def xla_ptx_registers(st, dump: str) -> bool:
         from jaxcb.kernels.triton_calls import find_ptxas, parse_ptxas_functions
 
         ptxas = find_ptxas()
-        ptx_files = sorted(glob.glob(os.path.join(dump, "*.ptx")))
+        ptx_files = sorted(glob.glob(os.path.join(dump, "**", "*.ptx"), recursive=True))
         r["ptx_files"] = [os.path.basename(p) for p in ptx_files]
+        if not ptx_files:  # say what XLA did write, for the next run to look for
+            names = sorted(os.path.relpath(p, dump) for p in glob.glob(os.path.join(dump, "**", "*"), recursive=True))
+            r["dump_files"] = names[:200]
+            log(f"XLA's dump ({len(names)} files): " + ", ".join(names[:60]))
         assert ptx_files, f"XLA dumped no .ptx into {dump}"
         assert ptxas, "no ptxas (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin, beside nvcc)"
         for ptx in ptx_files:

@@ -14,7 +14,7 @@ from jaxcb.backends import select_backend
 from jaxcb.backends import base as backend_base
 from jaxcb.batch_limits import resolve_batch_limits
 from jaxcb.config import CacheConfig, ConfigError, SchedulerConfig, compose_config
-from jaxcb.kv_cache import GIB, DeviceMemory
+from jaxcb.kv_cache import GIB, DeviceMemory, plan_kv_cache
 from jaxcb.startup_log import MemoryReport, report_memory
 from jaxcb.startup_memory import (
     ENGINE_STARTUP_ORDER, PLAN_BEFORE_PREPARE, check_weights_fit, model_startup, weight_bytes,
@@ -138,3 +138,34 @@ def test_a_compiled_step_larger_than_what_the_cache_leaves_is_refused_at_start_u
     assert "headroom 1.00 GiB" in str(report)
     with pytest.raises(ConfigError, match=r"largest compiled step needs 3.00 GiB .* lower cache\.memory_fraction"):
         report_memory({}, plan, GIB, [Executable(3 * GIB)], memory)
+
+
+def test_the_cache_fits_the_pools_largest_free_block_where_prepare_left_holes():
+    # As measured on an H200 with llama8b: prepare's replaced q/k/v and gate/up left ~9 GiB of holes
+    # below the fused weights, so the free bytes (110.8 GiB) held K but not V (53.66 GiB each).
+    arch = preset("llama8b")
+    cache = CacheConfig(memory_fraction=POOL_FRACTION, dtype="bfloat16")
+    pool, weights, reserve = int(125.82 * GIB), int(15.02 * GIB), int(3.48 * GIB)
+    whole = DeviceMemory(pool, weights, POOL_FRACTION)
+    holed = dataclasses.replace(whole, largest_free_bytes=int(101.8 * GIB))
+    plan = lambda memory: plan_kv_cache(cache, arch, max_model_len=8192, max_num_seqs=256,  # noqa: E731
+                                        reserve_bytes=reserve, memory=memory)
+    assert plan(whole).total_bytes > holed.largest_free_bytes  # what failed its second allocation
+    capped = plan(holed)
+    assert capped.total_bytes <= holed.largest_free_bytes - reserve
+    assert capped.total_bytes > holed.largest_free_bytes - reserve - capped.bytes_per_block
+    assert "largest free block of 101.80 GiB" in capped.describe()
+    roomy = dataclasses.replace(whole, largest_free_bytes=pool - weights)  # no holes: nothing changes
+    assert plan(roomy) == plan(whole)
+
+
+def test_a_kv_cache_the_device_cannot_allocate_is_refused_at_start_up_with_what_to_change(monkeypatch):
+    from jaxcb import kv_cache
+
+    def out_of_memory(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 53.66GiB")
+
+    monkeypatch.setattr(kv_cache, "allocate_kv_cache", out_of_memory)
+    plan = startup("llama8b", 1).plan
+    with pytest.raises(ConfigError, match=r"could not be allocated: RESOURCE_EXHAUSTED.*lower cache\.memory_fraction"):
+        kv_cache.allocate_planned_kv_cache(preset("llama8b"), plan)
