@@ -214,7 +214,9 @@ def correctness(st) -> None:
     if st.dry_run:
         cases = {k: [(min(q, 20), min(kv, 20)) for q, kv in v[:3]] for k, v in cases.items()}
     log("| batch | block | dtype | impl | max rel err | limit | ok |\n|---|---|---|---|---|---|---|")
-    for block_size in (16, 32):
+    # A dry run walks every case and path at one block size: interpret mode's parity at both is the
+    # test suite's (tests/test_attention.py), and each call here is a compile of its own.
+    for block_size in (16,) if st.dry_run else (16, 32):
         for name, seqs in cases.items():
             batch = make_ragged_batch(seqs, block_size=block_size, num_kv_heads=hkv, group=hq // hkv, head_dim=d,
                                       seed=block_size)

@@ -14,8 +14,10 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_tests_on_fake_devices(path: str, num_devices: int = 8, timeout_s: int = 600) -> subprocess.CompletedProcess:
-    """`pytest path` (relative to the repository) with `num_devices` CPU devices; its output in .stdout."""
+def run_tests_on_fake_devices(path: str, num_devices: int = 8, timeout_s: int = 600, select: str = ""
+                              ) -> subprocess.CompletedProcess:
+    """`pytest path` (relative to the repository) with `num_devices` CPU devices, only the tests `select`
+    picks where given (pytest's -k); its output in .stdout."""
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -23,7 +25,8 @@ def run_tests_on_fake_devices(path: str, num_devices: int = 8, timeout_s: int = 
         PYTHONPATH=os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p),
     )
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p", "no:cacheprovider", os.path.join(REPO, path)],
+        [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-x", "-p", "no:cacheprovider", os.path.join(REPO, path),
+         *(["-k", select] if select else [])],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
         stdin=subprocess.DEVNULL,
     )
