@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxcb.backends import Backend
 from jaxcb.config import Config, ConfigError, ModelConfig, resolve_draft_model
-from jaxcb.kv_cache import default_cache_dtype
+from jaxcb.kv_cache import default_cache_dtype, step_activation_bytes
 from jaxcb.model.config import LlamaConfig
 from jaxcb.model.llama import StepWeights
 from jaxcb.model_setup import load_model_and_tokenizer
@@ -37,6 +37,18 @@ class DraftModel:
     def bytes_per_block(self, block_size: int) -> int:
         """The draft's K/V bytes in one cache block (every block id has one in each model's buffers)."""
         return self.backend.cfg.kv_bytes_per_token(jnp.dtype(self.cache_dtype).itemsize) * block_size
+
+    def reserve_bytes(self, block_size: int, *, max_proposals: int, num_speculative_tokens: int,
+                      max_num_batched_tokens: int) -> int:
+        """What the draft's runner takes on the device besides the weights and its K/V for the cache's
+        blocks, for the cache plan to leave room for (`jaxcb.runner.draft_runner.DraftRunner`): each
+        proposing row's scratch blocks, the q of every draft (f32[P * k, V]), and its steps' workspace
+        (the sync step over a whole token budget, the propose loop over P rows)."""
+        k = num_speculative_tokens
+        scratch_blocks = max_proposals * (-(-(k + 1) // block_size) + 1)
+        q_bytes = 4 * max_proposals * k * self.backend.cfg.vocab_size
+        return (scratch_blocks * self.bytes_per_block(block_size) + q_bytes
+                + step_activation_bytes(self.backend.cfg, max_num_batched_tokens, max_proposals))
 
 
 def tokenizer_vocabulary(tokenizer: Tokenizer) -> Any:

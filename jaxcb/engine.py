@@ -204,6 +204,11 @@ class Engine:
                                           block_size=cfg.cache.block_size, tensor_parallel_size=tp_size,
                                           token_buckets=cfg.engine.token_buckets)
             workspace = step_activation_bytes(model_cfg, limits.max_num_batched_tokens, limits.max_num_seqs, tp_size)
+            if draft is not None:  # the draft runner's buffers and steps, allocated after the cache
+                workspace += draft.reserve_bytes(
+                    cfg.cache.block_size, num_speculative_tokens=cfg.speculative.num_speculative_tokens,
+                    max_proposals=min(limits.max_num_seqs, speculation_batch_size(cfg, jax.default_backend())),
+                    max_num_batched_tokens=limits.max_num_batched_tokens)
             plan = plan_kv_cache(cfg.cache, model_cfg, max_model_len=self.max_model_len,
                                  max_num_seqs=limits.max_num_seqs, tensor_parallel_size=tp_size,
                                  reserve_bytes=workspace, memory=memory,

@@ -13,6 +13,8 @@ from engine_factory import make_engine, shared_engine
 from test_engine import run_with_arrivals
 from test_speculation import SPEC_BASE, assert_all_blocks_free, completions, spec_workload
 from jaxcb.config import ConfigError, compose_config
+from jaxcb.draft_setup import DraftModel
+from jaxcb.kv_cache import step_activation_bytes
 from jaxcb.sampling import DraftRows, PenaltyCounts, SamplingArrays, StepVariant, sample
 from jaxcb.sampling_params import SamplingParams
 
@@ -55,6 +57,19 @@ def test_the_cache_plan_counts_both_models_bytes_per_block():
     on, off = shared_engine(*SPEC_BASE, *OTHER_DRAFT), shared_engine(*SPEC_BASE)
     assert on.cache_plan.bytes_per_block == 2 * off.cache_plan.bytes_per_block  # the draft is a tiny too
     assert on.draft_runner.kv_cache.num_blocks > on.cache_plan.num_blocks  # + its proposals' scratch blocks
+
+
+def test_the_cache_plan_leaves_room_for_what_the_draft_runner_allocates_after_it():
+    on = shared_engine(*SPEC_BASE, *OTHER_DRAFT)
+    runner, plan = on.draft_runner, on.cache_plan
+    draft = DraftModel(None, runner.backend, runner.weights, runner.kv_cache.k.dtype)
+    tokens = max(on.runner.buckets.tokens)
+    reserve = draft.reserve_bytes(plan.block_size, max_proposals=runner.max_proposals,
+                                  num_speculative_tokens=runner.k, max_num_batched_tokens=tokens)
+    scratch = (runner.kv_cache.num_blocks - plan.num_blocks) * draft.bytes_per_block(plan.block_size)
+    assert scratch > 0 and runner.probs.nbytes > 0
+    workspace = step_activation_bytes(runner.backend.cfg, tokens, runner.max_proposals)
+    assert reserve == scratch + runner.probs.nbytes + workspace
 
 
 # --- the sampler's rule, alone ---------------------------------------------------------------------
