@@ -246,7 +246,8 @@ class Engine:
             if num_host >= 2:
                 host_pool = BlockPool(num_host)
                 swap_space = HostBlocks(kv_cache, num_host, backend.attention.write_blocks_fn)
-                log.info("swap space: %d host blocks (cache.swap_space_gib=%g)", num_host - 1, cfg.cache.swap_space_gib)
+                log.info("swap space: %d host blocks (cache.swap_space_gib=%g), copied by %s", num_host - 1,
+                         cfg.cache.swap_space_gib, swap_space.transfer)
             else:
                 log.warning("cache.swap_space_gib=%g holds no block: preemption will recompute", cfg.cache.swap_space_gib)
         host_cache = host_tier = None
@@ -257,8 +258,9 @@ class Engine:
                                   f"{format_bytes(plan.bytes_per_block)} block; raise it or set it to 0")
             host_cache = HostPrefixCache(num_tier)
             host_tier = HostBlocks(kv_cache, num_tier, backend.attention.write_blocks_fn)
-            log.info("prefix cache host tier: %d blocks (%s, cache.host_prefix_cache_gib=%g)", num_tier - 1,
-                     format_bytes((num_tier - 1) * plan.bytes_per_block), cfg.cache.host_prefix_cache_gib)
+            log.info("prefix cache host tier: %d blocks (%s, cache.host_prefix_cache_gib=%g), copied by %s",
+                     num_tier - 1, format_bytes((num_tier - 1) * plan.bytes_per_block), cfg.cache.host_prefix_cache_gib,
+                     host_tier.transfer)
         platform = jax.default_backend()
         max_drafts = cfg.speculative.num_speculative_tokens if cfg.speculative.method != "none" else 0
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)

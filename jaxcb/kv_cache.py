@@ -317,8 +317,29 @@ class PendingCopy:
     """Device blocks gathered for host blocks, on their way to host memory (`HostBlocks.offload`)."""
 
     host_ids: list[int]
-    k: jax.Array  # [num_layers, num_kv_heads, SWAP_CHUNK, block_size, head_dim]
+    k: jax.Array  # [num_layers, num_kv_heads, SWAP_CHUNK, block_size, head_dim], on the device
     v: jax.Array
+    # The same blocks on their way to host memory: `k`/`v` themselves (copy_to_host_async), or their
+    # copies in pinned host memory (device_put to memory_kind="pinned_host": the accelerator's DMA).
+    host_k: Optional[jax.Array] = None
+    host_v: Optional[jax.Array] = None
+
+    def landing(self) -> tuple[jax.Array, jax.Array]:
+        return (self.k, self.v) if self.host_k is None else (self.host_k, self.host_v)
+
+    def is_ready(self) -> bool:
+        return all(x.is_ready() for x in self.landing())
+
+
+HOST_TRANSFERS = ("pinned_host", "copy_to_host")
+
+
+def default_host_transfer(device: Optional[jax.Device] = None) -> str:
+    """How blocks go to host memory: into pinned host buffers on an accelerator that has them (a DMA the
+    step does not wait for), else `copy_to_host_async` (the CPU, whose device memory is host memory)."""
+    device = device or jax.local_devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if device.platform != "cpu" and "pinned_host" in kinds else "copy_to_host"
 
 
 class HostBlocks:
@@ -326,14 +347,16 @@ class HostBlocks:
     preempted sequences, or the prefix cache's host tier.
 
     Copies out (`offload`) never wait: the device gathers the blocks and starts their transfer to host
-    memory, and the step that follows is dispatched at once; the bytes land (`land`) when that step is
+    memory (on an accelerator into pinned host buffers, `memory_kind="pinned_host"`), and the step that follows is dispatched at once; the bytes land (`land`) when that step is
     collected -- by then the gather has run, since the step overwrites the blocks it read (the cache is
     donated) and so runs after it. A copy back (`restore`) of a host block whose bytes have not landed
     takes them from the gathered device arrays instead, so it never waits either. `num_blocking_lands`
     counts landings that found a transfer unfinished (the engine thread waited): it stays 0.
     """
 
-    def __init__(self, cache: KVCache, num_blocks: int, write_blocks: Callable[..., KVCache] = scatter_blocks):
+    def __init__(self, cache: KVCache, num_blocks: int, write_blocks: Callable[..., KVCache] = scatter_blocks,
+                 transfer: Optional[str] = None):
+        """`transfer`: "pinned_host" or "copy_to_host" (`default_host_transfer`: by the device)."""
         num_layers, num_kv_heads, _, block_size, head_dim = cache.k.shape
         shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
         self.k = np.zeros(shape, cache.k.dtype)
@@ -343,6 +366,9 @@ class HostBlocks:
         self.write_blocks = write_blocks  # the attention form's: (cache, block_ids, k, v) -> cache, donated
         self._pending: list[PendingCopy] = []  # in the order dispatched
         self.num_blocking_lands = 0
+        self.transfer = transfer or default_host_transfer(next(iter(cache.k.devices())))
+        if self.transfer not in HOST_TRANSFERS:
+            raise ValueError(f"transfer={self.transfer!r}: one of {HOST_TRANSFERS}")
 
     def offload(self, cache: KVCache, pairs: list[tuple[int, int]]) -> list[PendingCopy]:
         """Start copying device blocks to host blocks: pairs of (device block, host block). Returns the
@@ -353,9 +379,13 @@ class HostBlocks:
             dev = np.zeros(SWAP_CHUNK, np.int32)
             dev[: len(chunk)] = [d for d, _ in chunk]
             k, v = gather_blocks(cache, jnp.asarray(dev))
-            for x in (k, v):
-                x.copy_to_host_async()
-            copies.append(PendingCopy([h for _, h in chunk], k, v))
+            host_k = host_v = None
+            if self.transfer == "pinned_host":
+                host_k, host_v = (jax.device_put(x, x.sharding.with_memory_kind("pinned_host")) for x in (k, v))
+            else:
+                for x in (k, v):
+                    x.copy_to_host_async()
+            copies.append(PendingCopy([h for _, h in chunk], k, v, host_k, host_v))
         self._pending += copies
         return copies
 
@@ -365,11 +395,12 @@ class HostBlocks:
         for copy in copies:
             if copy not in self._pending:
                 continue  # landed already (by an earlier call)
-            if not (copy.k.is_ready() and copy.v.is_ready()):
+            if not copy.is_ready():
                 self.num_blocking_lands += 1
             n = len(copy.host_ids)
-            self.k[:, :, copy.host_ids] = np.asarray(copy.k)[:, :, :n]
-            self.v[:, :, copy.host_ids] = np.asarray(copy.v)[:, :, :n]
+            k, v = copy.landing()
+            self.k[:, :, copy.host_ids] = np.asarray(k)[:, :, :n]
+            self.v[:, :, copy.host_ids] = np.asarray(v)[:, :, :n]
             self._pending.remove(copy)
 
     # The name swap preemption knows these by.
@@ -380,7 +411,7 @@ class HostBlocks:
         bytes are still on their way (a copy that has not finished) is read from the device arrays they are
         coming from; one whose copy has finished lands first."""
         hosts = {h for h, _ in pairs}
-        self.land([c for c in self._pending if hosts.intersection(c.host_ids) and c.k.is_ready() and c.v.is_ready()])
+        self.land([c for c in self._pending if hosts.intersection(c.host_ids) and c.is_ready()])
         in_flight = {}  # host block -> (pending copy, its row), the latest copy winning
         for copy in self._pending:
             for row, host in enumerate(copy.host_ids):

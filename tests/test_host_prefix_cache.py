@@ -212,18 +212,24 @@ def test_random_aborts_leak_nothing_in_either_pool(engines):
     assert_nothing_held(engine)
 
 
-def test_host_blocks_restore_what_was_offloaded_whether_or_not_it_has_landed():
+@pytest.mark.parametrize("transfer", ["copy_to_host", "pinned_host"])
+def test_host_blocks_restore_what_was_offloaded_whether_or_not_it_has_landed(transfer):
+    """Both ways to host memory: copy_to_host_async (the CPU's default) and pinned host buffers (an
+    accelerator's, which JAX's CPU client has too)."""
     import jax
     import jax.numpy as jnp
 
     from jaxcb.kernels.attention.cache import KVCache
-    from jaxcb.kv_cache import HostBlocks
+    from jaxcb.kv_cache import HostBlocks, default_host_transfer
 
+    assert default_host_transfer() == "copy_to_host"  # on the CPU
     shape = (2, 2, 40, 4, 8)  # layers, KV heads, blocks, block size, head dim
     values = jax.random.normal(jax.random.key(0), shape)
     cache = KVCache(k=values + 0, v=-values)  # a copy: the writes donate the cache
-    host = HostBlocks(cache, 30)
+    host = HostBlocks(cache, 30, transfer=transfer)
     first = host.offload(cache, [(b, b) for b in range(1, 21)])  # two chunks
+    if transfer == "pinned_host":
+        assert {c.host_k.sharding.memory_kind for c in first} == {"pinned_host"}
     cache = host.restore(cache, [(3, 30), (19, 31)])  # before anything landed: read from the gathered arrays
     host.land(first)
     # Host block 5 is offloaded again from another device block: the later copy is what it holds.
