@@ -26,10 +26,11 @@ from jaxcb.backends.base import Backend
 from jaxcb.kernels.attention import AttentionMetadata, KVCache
 from jaxcb.kernels.cpu import ATTENTION_DTYPES
 from jaxcb.kernels.packed_matmul import (
-    pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
+    PANEL, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
 )
 from jaxcb.model.llama import LayerWeights, Llama
-from jaxcb.model.lora import LoraLayerWeights, LoraModule, LoraRows, module_dims
+from jaxcb.backends.cpu_lora import PackedLoraLayer, lora_add, pack_lora_layers
+from jaxcb.model.lora import LoraLayerWeights, LoraRows
 
 
 class PackedLayerWeights(NamedTuple):
@@ -60,15 +61,6 @@ class PackedLayerWeights(NamedTuple):
             pack_columns(w.down_proj),
             f32(bias), f32(w.q_norm), f32(w.k_norm),
         )
-
-
-@jax.jit
-def _pack_lora(buffers: list[LoraLayerWeights]) -> list[LoraLayerWeights]:
-    def pack(m: LoraModule) -> LoraModule:
-        d_in, num_slots, rank = m.a.shape
-        return LoraModule(pack_columns(m.a.reshape(d_in, num_slots * rank)), pack_columns(m.b.reshape(num_slots * rank, -1)))
-
-    return [LoraLayerWeights(*(pack(m) for m in layer)) for layer in buffers]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,20 +107,22 @@ class CpuBackend(Backend):
             return self.attention.attend(q, cache, layer, md, self.sm_scale, window), cache
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
+        if lora is not None:  # q/k/v's low-rank updates in two calls, from the same normed input
+            lw: PackedLoraLayer = lora.weights
+            qkv = lora_add(h, lw.qkv_a, lw.qkv_b, jnp.tile(lora.mask, (1, 3)), q + 2 * kv, qkv, norm=w.attn_norm,
+                           eps=cfg.rms_norm_eps)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         q_, k_, v_ = (qkv[:, :q].reshape(-1, cfg.num_heads, cfg.head_dim),
                       qkv[:, q : q + kv].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
                       qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-        if lora is not None:  # the low-rank update beside the packed matmul, from the same normed input
-            q_, k_, v_ = self.add_lora_qkv(self.norm(h, w.attn_norm), q_, k_, v_, lora)
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
 
     def add_attention_output(self, w: PackedLayerWeights, h, attn, lora: Optional[LoraRows] = None):
         attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
         residual = h.astype(jnp.float32)
         if lora is not None:  # folded into the residual the kernel adds
-            residual = self.lora_update(attn, lora, "o_proj", residual)
+            residual = lora_add(attn, lora.weights.o_a, lora.weights.o_b, lora.mask, self.cfg.hidden_size, residual)
         return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual)
 
     def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None):
@@ -138,27 +132,25 @@ class CpuBackend(Backend):
         # With LoRA gate and up need their updates before the activation: the fused MLP kernel is split
         # into its two matmuls. gate_up's panels come in (gate, up) pairs of 16 columns (`pack_gate_up`).
         h = h.astype(jnp.float32)
-        num_panels, f = w.gate_up_proj.shape[0] // 2, self.cfg.intermediate_size
-        pairs = packed_matmul(h, w.gate_up_proj, 2 * num_panels * 16, norm=w.mlp_norm, eps=self.cfg.rms_norm_eps)
-        pairs = pairs.reshape(-1, num_panels, 2, 16)
-        gate, up = (pairs[:, :, c].reshape(-1, num_panels * 16)[:, :f] for c in (0, 1))
-        x = self.norm(h, w.mlp_norm)
-        gate, up = self.lora_update(x, lora, "gate_proj", gate), self.lora_update(x, lora, "up_proj", up)
+        lw: PackedLoraLayer = lora.weights
+        num_panels, f, eps = w.gate_up_proj.shape[0] // 2, self.cfg.intermediate_size, self.cfg.rms_norm_eps
+        pairs = packed_matmul(h, w.gate_up_proj, 2 * num_panels * PANEL, norm=w.mlp_norm, eps=eps)
+        # gate's and up's updates in two calls, their B laid out in the same (gate, up) pairs
+        pairs = lora_add(h, lw.gate_up_a, lw.gate_up_b, jnp.tile(lora.mask, (1, 2)), 2 * num_panels * PANEL, pairs,
+                         norm=w.mlp_norm, eps=eps).reshape(-1, num_panels, 2, PANEL)
+        gate, up = (pairs[:, :, c].reshape(-1, num_panels * PANEL)[:, :f] for c in (0, 1))
         hidden = jax.nn.silu(gate) * up
-        residual = self.lora_update(hidden, lora, "down_proj", h)
+        residual = lora_add(hidden, lw.down_a, lw.down_b, lora.mask, self.cfg.hidden_size, h)
         return packed_matmul(hidden, w.down_proj, self.cfg.hidden_size, residual=residual)
 
-    def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[LoraLayerWeights]:
-        """Each slot buffer packed for `packed_matmul` (A as [in, S R], B as [S R, out]): the update's
-        two products run in the C++ kernel beside the layer's, not as XLA:CPU dots (~10x the time for
-        these thin shapes). Float32 (`lora_dtype`)."""
-        return _pack_lora(buffers)
-
-    def lora_update(self, x, lora: LoraRows, name: str, residual=None):
-        module = getattr(lora.weights, name)
-        shrunk = packed_matmul(x.astype(jnp.float32), module.a, lora.mask.shape[1]) * lora.mask  # [T, S R]
-        return packed_matmul(shrunk, module.b, module_dims(self.cfg)[name][1],
-                             residual=None if residual is None else residual.astype(jnp.float32))
+    def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
+        """The slot buffers packed for `packed_matmul`, the projections that share an input side by side
+        (`cpu_lora.pack_lora_layers`): a layer's updates are 8 kernel calls beside its own, not 14, and
+        not XLA:CPU dots (~10x the time at these thin shapes). In the model's dtype (`lora_dtype`)."""
+        f = self.cfg.intermediate_size
+        if jnp.dtype(self.cfg.dtype) == jnp.bfloat16:  # pack_gate_up's whole 32-column blocks
+            f += -f % 32
+        return pack_lora_layers(buffers, gate_up_panels=-(-f // PANEL))
 
     def logits(self, w, hidden):
         return packed_matmul(hidden, w.head, self.cfg.vocab_size)

@@ -15,7 +15,8 @@ run on the bf16 matmul path as its layers do (x rounded to bf16 at each product)
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -51,10 +52,10 @@ def _block_diag(*bs: jax.Array) -> jax.Array:
     return out
 
 
-def _gate_up_pairs(b_gate: jax.Array, b_up: jax.Array) -> jax.Array:
-    """[S R, F] x 2 -> [2 S R, 2 P 16]: gate's rows write gate's columns of each pair, up's rows up's."""
+def _gate_up_pairs(b_gate: jax.Array, b_up: jax.Array, panels: int) -> jax.Array:
+    """[S R, F] x 2 -> [2 S R, 2 P 16]: gate's rows write gate's columns of each pair, up's rows up's;
+    P = `panels`, the gate/up weight's pairs (`pack_gate_up` pads bf16 ones to whole 32 columns)."""
     sr, f = b_gate.shape
-    panels = -(-f // PANEL)
     pad = lambda b: jnp.pad(b, ((0, 0), (0, panels * PANEL - f))).reshape(sr, panels, 1, PANEL)  # noqa: E731
     zeros = jnp.zeros((sr, panels, 1, PANEL), b_gate.dtype)
     top = jnp.concatenate([pad(b_gate), zeros], axis=2)
@@ -62,21 +63,23 @@ def _gate_up_pairs(b_gate: jax.Array, b_up: jax.Array) -> jax.Array:
     return jnp.concatenate([top, bottom]).reshape(2 * sr, panels * 2 * PANEL)
 
 
-@jax.jit
-def pack_lora_layers(buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
+@functools.partial(jax.jit, static_argnames="gate_up_panels")
+def pack_lora_layers(buffers: list[LoraLayerWeights], gate_up_panels: int) -> list[PackedLoraLayer]:
     out = []
     for layer in buffers:
         (qa, qb), (ka, kb), (va, vb), (oa, ob), (ga, gb), (ua, ub), (da, db) = (_flat(m) for m in layer)
         out.append(PackedLoraLayer(
             pack_columns(jnp.concatenate([qa, ka, va], axis=1)), pack_columns(_block_diag(qb, kb, vb)),
             pack_columns(oa), pack_columns(ob),
-            pack_columns(jnp.concatenate([ga, ua], axis=1)), pack_columns(_gate_up_pairs(gb, ub)),
+            pack_columns(jnp.concatenate([ga, ua], axis=1)), pack_columns(_gate_up_pairs(gb, ub, gate_up_panels)),
             pack_columns(da), pack_columns(db),
         ))
     return out
 
 
-def lora_add(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array, n: int, residual: jax.Array) -> jax.Array:
-    """residual + ((x @ A) * mask) @ B for float32 x [T, in]; `mask` [T, columns of A]."""
-    shrunk = packed_matmul(x, a, mask.shape[1]) * mask
+def lora_add(x: jax.Array, a: jax.Array, b: jax.Array, mask: jax.Array, n: int, residual: jax.Array, *,
+             norm: Optional[jax.Array] = None, eps: float = 0.0) -> jax.Array:
+    """residual + ((x' @ A) * mask) @ B for float32 x [T, in], x' = x RMS-normed by `norm` where given
+    (in the kernel, as the layer's own projection norms it); `mask` [T, columns of A]."""
+    shrunk = packed_matmul(x, a, mask.shape[1], norm=norm, eps=eps) * mask
     return packed_matmul(shrunk, b, n, residual=residual)
