@@ -4,7 +4,8 @@ H200-sized device (capped by what the cache holds), and an explicit value always
 import pytest
 
 from cuda_variants import preset
-from engine_factory import make_engine
+from engine_factory import BASE
+from jaxcb.engine import Engine
 from jaxcb.batch_limits import cap_by_cache, resolve_batch_limits
 from jaxcb.config import CacheConfig, ConfigError, SchedulerConfig, compose_config
 from jaxcb.kv_cache import DeviceMemory, plan_kv_cache
@@ -68,8 +69,9 @@ def test_an_explicit_value_always_wins():
 
 
 def test_the_engine_reads_the_resolved_limits_and_leaves_the_config_as_given():
-    engine = make_engine("scheduler.max_num_seqs=auto", "scheduler.max_num_batched_tokens=auto",
-                         "engine.token_buckets=null")
+    # Not compiled: the buckets are what this reads (compiling all of them took half a minute).
+    engine = Engine(compose_config(BASE + ("scheduler.max_num_seqs=auto", "scheduler.max_num_batched_tokens=auto",
+                                           "engine.token_buckets=null")), compile_buckets=False, progress=False)
     assert engine.cfg.scheduler.max_num_seqs == "auto"
     assert (engine.scheduler_config.max_num_seqs, engine.scheduler_config.max_num_batched_tokens) == (64, 512)
     assert engine.runner.buckets.max_num_seqs == 64 and max(engine.runner.buckets.tokens) == 512
