@@ -29,7 +29,7 @@ from jaxcb.kernels.packed_matmul import (
     PANEL, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
 )
 from jaxcb.model.llama import LayerWeights, Llama
-from jaxcb.backends.cpu_lora import PackedLoraLayer, lora_add, pack_lora_layers
+from jaxcb.backends.cpu_lora import PackedLoraLayer, expand, pack_lora_layers, shrink
 from jaxcb.model.lora import LoraLayerWeights, LoraRows
 
 
@@ -107,22 +107,23 @@ class CpuBackend(Backend):
             return self.attention.attend(q, cache, layer, md, self.sm_scale, window), cache
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
-        if lora is not None:  # q/k/v's low-rank updates in two calls, from the same normed input
-            lw: PackedLoraLayer = lora.weights
-            qkv = lora_add(h, lw.qkv_a, lw.qkv_b, jnp.tile(lora.mask, (1, 3)), q + 2 * kv, qkv, norm=w.attn_norm,
-                           eps=cfg.rms_norm_eps)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
-        q_, k_, v_ = (qkv[:, :q].reshape(-1, cfg.num_heads, cfg.head_dim),
-                      qkv[:, q : q + kv].reshape(-1, cfg.num_kv_heads, cfg.head_dim),
-                      qkv[:, q + kv :].reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+        q_, k_, v_ = qkv[:, :q], qkv[:, q : q + kv], qkv[:, q + kv :]
+        if lora is not None:  # A of q/k/v in one call from the same normed input, then each B
+            lw: PackedLoraLayer = lora.weights
+            sq, sk, sv = shrink(h, lw.qkv_a, lora.mask, 3, norm=w.attn_norm, eps=cfg.rms_norm_eps)
+            q_, k_, v_ = expand(sq, lw.q_b, q, q_), expand(sk, lw.k_b, kv, k_), expand(sv, lw.v_b, kv, v_)
+        q_, k_, v_ = (q_.reshape(-1, cfg.num_heads, cfg.head_dim), k_.reshape(-1, cfg.num_kv_heads, cfg.head_dim),
+                      v_.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
 
     def add_attention_output(self, w: PackedLayerWeights, h, attn, lora: Optional[LoraRows] = None):
         attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
         residual = h.astype(jnp.float32)
         if lora is not None:  # folded into the residual the kernel adds
-            residual = lora_add(attn, lora.weights.o_a, lora.weights.o_b, lora.mask, self.cfg.hidden_size, residual)
+            [s] = shrink(attn, lora.weights.o_a, lora.mask)
+            residual = expand(s, lora.weights.o_b, self.cfg.hidden_size, residual)
         return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual)
 
     def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None):
@@ -135,22 +136,20 @@ class CpuBackend(Backend):
         lw: PackedLoraLayer = lora.weights
         num_panels, f, eps = w.gate_up_proj.shape[0] // 2, self.cfg.intermediate_size, self.cfg.rms_norm_eps
         pairs = packed_matmul(h, w.gate_up_proj, 2 * num_panels * PANEL, norm=w.mlp_norm, eps=eps)
-        # gate's and up's updates in two calls, their B laid out in the same (gate, up) pairs
-        pairs = lora_add(h, lw.gate_up_a, lw.gate_up_b, jnp.tile(lora.mask, (1, 2)), 2 * num_panels * PANEL, pairs,
-                         norm=w.mlp_norm, eps=eps).reshape(-1, num_panels, 2, PANEL)
+        pairs = pairs.reshape(-1, num_panels, 2, PANEL)
         gate, up = (pairs[:, :, c].reshape(-1, num_panels * PANEL)[:, :f] for c in (0, 1))
-        hidden = jax.nn.silu(gate) * up
-        residual = lora_add(hidden, lw.down_a, lw.down_b, lora.mask, self.cfg.hidden_size, h)
+        # A of gate/up in one call from the same normed input, then each B
+        sg, su = shrink(h, lw.gate_up_a, lora.mask, 2, norm=w.mlp_norm, eps=eps)
+        hidden = jax.nn.silu(expand(sg, lw.gate_b, f, gate)) * expand(su, lw.up_b, f, up)
+        [sd] = shrink(hidden, lw.down_a, lora.mask)
+        residual = expand(sd, lw.down_b, self.cfg.hidden_size, h)
         return packed_matmul(hidden, w.down_proj, self.cfg.hidden_size, residual=residual)
 
     def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
         """The slot buffers packed for `packed_matmul`, the projections that share an input side by side
-        (`cpu_lora.pack_lora_layers`): a layer's updates are 8 kernel calls beside its own, not 14, and
+        (`cpu_lora.pack_lora_layers`): a layer's updates are 11 kernel calls beside its own, not 14, and
         not XLA:CPU dots (~10x the time at these thin shapes). In the model's dtype (`lora_dtype`)."""
-        f = self.cfg.intermediate_size
-        if jnp.dtype(self.cfg.dtype) == jnp.bfloat16:  # pack_gate_up's whole 32-column blocks
-            f += -f % 32
-        return pack_lora_layers(buffers, gate_up_panels=-(-f // PANEL))
+        return pack_lora_layers(buffers)
 
     def logits(self, w, hidden):
         return packed_matmul(hidden, w.head, self.cfg.vocab_size)
