@@ -118,7 +118,13 @@ def make_lora_manager(cfg: Config, arch) -> Optional[LoraManager]:
 def speculation_batch_size(cfg: Config, platform: str) -> int:
     """speculative.disable_by_batch_size resolved: most decoding sequences that speculate."""
     batch = cfg.speculative.disable_by_batch_size
-    return (8 if platform == "cpu" else 64) if batch == "auto" else batch
+    if batch != "auto":
+        return batch
+    if platform != "cpu":
+        return 64
+    # On the CPU n-gram speculation paid up to 32 decoding sequences and lost at 64 (docs/benchmarks.md,
+    # "Where speculation stops paying"); a draft model's steps cost more, and its knee is not measured.
+    return 32 if cfg.speculative.method == "ngram" else 8
 
 
 def make_speculation(cfg: Config, platform: str, proposer: Optional[Proposer] = None) -> Optional[Speculation]:
