@@ -17,6 +17,7 @@ bf16 weights (and x rounded to bf16 at each product), not bf16 arithmetic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple, Optional
 
 import jax
@@ -61,6 +62,14 @@ class PackedLayerWeights(NamedTuple):
             pack_columns(w.down_proj),
             f32(bias), f32(w.q_norm), f32(w.k_norm),
         )
+
+
+def when_any_row_has_an_adapter(lora: LoraRows, with_lora, without, *operands):
+    """`with_lora(*operands)` in a step where some row has an adapter, else `without(*operands)`: the
+    updates' calls are skipped, not multiplied by a zero mask, in the steps that serve the base model
+    alone. (A conditional is a branch on the CPU; on a GPU it would make the device wait for the host,
+    which is why only this backend takes it.)"""
+    return jax.lax.cond(jnp.any(lora.mask != 0), with_lora, without, *operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +121,12 @@ class CpuBackend(Backend):
         q_, k_, v_ = qkv[:, :q], qkv[:, q : q + kv], qkv[:, q + kv :]
         if lora is not None:  # A of q/k/v in one call from the same normed input, then each B
             lw: PackedLoraLayer = lora.weights
-            sq, sk, sv = shrink(h, lw.qkv_a, lora.mask, 3, norm=w.attn_norm, eps=cfg.rms_norm_eps)
-            q_, k_, v_ = expand(sq, lw.q_b, q, q_), expand(sk, lw.k_b, kv, k_), expand(sv, lw.v_b, kv, v_)
+
+            def add_updates(q_, k_, v_):
+                sq, sk, sv = shrink(h, lw.qkv_a, lora.mask, 3, norm=w.attn_norm, eps=cfg.rms_norm_eps)
+                return expand(sq, lw.q_b, q, q_), expand(sk, lw.k_b, kv, k_), expand(sv, lw.v_b, kv, v_)
+
+            q_, k_, v_ = when_any_row_has_an_adapter(lora, add_updates, lambda *x: x, q_, k_, v_)
         q_, k_, v_ = (q_.reshape(-1, cfg.num_heads, cfg.head_dim), k_.reshape(-1, cfg.num_kv_heads, cfg.head_dim),
                       v_.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
@@ -122,14 +135,25 @@ class CpuBackend(Backend):
         attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
         residual = h.astype(jnp.float32)
         if lora is not None:  # folded into the residual the kernel adds
-            [s] = shrink(attn, lora.weights.o_a, lora.mask)
-            residual = expand(s, lora.weights.o_b, self.cfg.hidden_size, residual)
+            def add_update(residual):
+                [s] = shrink(attn, lora.weights.o_a, lora.mask)
+                return expand(s, lora.weights.o_b, self.cfg.hidden_size, residual)
+
+            residual = when_any_row_has_an_adapter(lora, add_update, lambda x: x, residual)
         return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual)
 
     def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None):
-        if lora is None:
+        def fused(h):
             return packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm,
                               eps=self.cfg.rms_norm_eps, residual=h)
+
+        if lora is None:
+            return fused(h)
+        # A step in which no row has an adapter runs the fused MLP kernel, as without LoRA.
+        return when_any_row_has_an_adapter(lora, functools.partial(self._mlp_with_lora, w, lora=lora), fused,
+                                           h.astype(jnp.float32))
+
+    def _mlp_with_lora(self, w: PackedLayerWeights, h, lora: LoraRows):
         # With LoRA gate and up need their updates before the activation: the fused MLP kernel is split
         # into its two matmuls. gate_up's panels come in (gate, up) pairs of 16 columns (`pack_gate_up`).
         h = h.astype(jnp.float32)
