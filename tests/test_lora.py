@@ -68,6 +68,22 @@ def test_base_and_two_adapters_mixed_in_one_batch_equal_transformers_with_each_m
     assert llm.engine.num_recompiles == 0
 
 
+def test_a_step_with_no_adapter_row_gives_the_base_models_tokens_and_logprobs(llm, checkpoints):
+    """The steps of base requests alone (the cpu backend skips the updates in them, and runs the fused
+    MLP kernel), then a step with an adapter row again: each as transformers gives it."""
+    _, _, merged = checkpoints
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=20)
+    for names in ([None] * len(PROMPTS), ["a1"] + [None] * (len(PROMPTS) - 1)):
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora=names)
+        for prompt, name, out in zip(PROMPTS, names, outs):
+            completion = out.outputs[0]
+            assert completion.token_ids == greedy_tokens(merged[name], prompt, NUM_TOKENS), name
+            reference = logprobs(merged[name], prompt + completion.token_ids[:-1])[len(prompt) - 1 :]
+            assert max(abs(lp - reference[i, t]) for i, entries in enumerate(completion.logprobs)
+                       for t, lp in entries.items()) <= 1e-4, name
+    assert llm.engine.num_recompiles == 0
+
+
 def test_the_same_prompt_on_two_adapters_never_shares_cached_blocks(llm, checkpoints):
     _, _, merged = checkpoints
     prompt = [1] + list(range(50, 90))  # five full blocks of 8
