@@ -291,7 +291,7 @@ def decode(st) -> None:
     from jaxcb.kernels.attention.testing import random_decode_batch
 
     hq, hkv, d = heads(st)
-    batches, contexts = ((1, 4), (64, 128)) if st.dry_run else ((1, 16, 32, 128, 256), (1024, 4096))
+    batches, contexts = ((4,), (128,)) if st.dry_run else ((1, 16, 32, 128, 256), (1024, 4096))
     iters, repeats = (2, 2) if st.dry_run else (30, 5)
     dtype = jnp.float32 if st.dry_run else jnp.bfloat16
     copy_bw = st.state.get("copy_bw")
