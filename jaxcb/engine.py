@@ -620,7 +620,8 @@ class Engine:
             self._num_dispatched += 1
             self.scheduler.commit(sched_out)
         elif sched_out.swap_out or sched_out.offload or sched_out.swap_in or sched_out.restore:
-            self.runner.land_copies(self.runner.copy_blocks(sched_out))  # copies without a step to carry them
+            self.runner.copy_blocks(sched_out)  # copies without a step to carry them
+            self.runner.land_copies()
         elif self._in_flight is None and self.scheduler.num_unfinished:
             raise RuntimeError(
                 f"the scheduler could not schedule any of {self.scheduler.num_unfinished} unfinished sequences "

@@ -332,6 +332,9 @@ class PendingCopy:
 
 
 HOST_TRANSFERS = ("pinned_host", "copy_to_host")
+# Copies out still on their way that a step's collection leaves pending (each holds its gathered blocks
+# on the device, SWAP_CHUNK of them) before the oldest are landed, waiting for them.
+MAX_PENDING_COPIES = 8
 
 
 def default_host_transfer(device: Optional[jax.Device] = None) -> str:
@@ -347,11 +350,14 @@ class HostBlocks:
     preempted sequences, or the prefix cache's host tier.
 
     Copies out (`offload`) never wait: the device gathers the blocks and starts their transfer to host
-    memory (on an accelerator into pinned host buffers, `memory_kind="pinned_host"`), and the step that follows is dispatched at once; the bytes land (`land`) when that step is
-    collected -- by then the gather has run, since the step overwrites the blocks it read (the cache is
-    donated) and so runs after it. A copy back (`restore`) of a host block whose bytes have not landed
-    takes them from the gathered device arrays instead, so it never waits either. `num_blocking_lands`
-    counts landings that found a transfer unfinished (the engine thread waited): it stays 0.
+    memory (on an accelerator into pinned host buffers, `memory_kind="pinned_host"`), and the step that
+    follows is dispatched at once; the bytes land (`land_finished`) when a later step is collected, once
+    their transfer has finished (usually that very step's collection: the step overwrites the blocks
+    the gather read, so it normally runs after it; on a loaded CPU the gather was once seen to finish
+    later). A copy back (`restore`) of a host block whose bytes have not landed takes them from the
+    gathered device arrays instead, so it never waits either. `num_blocking_lands` counts landings that
+    found a transfer unfinished (the engine thread waited): it stays 0 unless more than
+    `MAX_PENDING_COPIES` copies are on their way at once.
     """
 
     def __init__(self, cache: KVCache, num_blocks: int, write_blocks: Callable[..., KVCache] = scatter_blocks,
@@ -402,6 +408,16 @@ class HostBlocks:
             self.k[:, :, copy.host_ids] = np.asarray(k)[:, :, :n]
             self.v[:, :, copy.host_ids] = np.asarray(v)[:, :, :n]
             self._pending.remove(copy)
+
+    def land_finished(self) -> None:
+        """Land the copies that have finished, oldest first, up to the first that has not (a later copy to
+        the same host block must never land before an earlier one). What is still on its way stays
+        pending -- `restore` reads such blocks from the device arrays -- unless more than
+        `MAX_PENDING_COPIES` are: the oldest of those land now, waiting if they must (counted)."""
+        done = 0
+        while done < len(self._pending) and self._pending[done].is_ready():
+            done += 1
+        self.land(self._pending[: max(done, len(self._pending) - MAX_PENDING_COPIES)])
 
     # The name swap preemption knows these by.
     swap_out = offload

@@ -242,3 +242,24 @@ def test_host_blocks_restore_what_was_offloaded_whether_or_not_it_has_landed(tra
         np.testing.assert_array_equal(k[:, :, block], np.asarray(values[:, :, source]), err_msg=str(block))
     np.testing.assert_array_equal(np.asarray(cache.v[:, :, 30]), -np.asarray(values[:, :, 3]))
     assert host.num_blocking_lands == 0 and host._pending == []
+
+
+def test_copies_land_once_finished_oldest_first_and_the_engine_never_waits_for_one(monkeypatch):
+    import jax
+
+    from jaxcb.kernels.attention.cache import KVCache
+    from jaxcb.kv_cache import HostBlocks, PendingCopy
+
+    values = jax.random.normal(jax.random.key(1), (2, 2, 8, 4, 8))
+    cache = KVCache(k=values + 0, v=-values)
+    host = HostBlocks(cache, 10)
+    first = host.offload(cache, [(1, 5)])
+    second = host.offload(cache, [(2, 5)])  # the same host block again: the later copy's bytes must win
+    ready = {id(first[0]): False, id(second[0]): True}
+    monkeypatch.setattr(PendingCopy, "is_ready", lambda self: ready[id(self)])
+    host.land_finished()
+    assert host._pending == first + second  # the finished copy waits behind the unfinished earlier one
+    ready[id(first[0])] = True
+    host.land_finished()
+    assert host._pending == [] and host.num_blocking_lands == 0
+    np.testing.assert_array_equal(host.k[:, :, 5], np.asarray(values[:, :, 2]))

@@ -399,10 +399,11 @@ class ModelRunner:
             self.kv_cache = jax.device_put(self.kv_cache, self.tp.kv_cache)
         return tuple(copies)
 
-    @staticmethod
-    def land_copies(copies: tuple[tuple[HostBlocks, list[PendingCopy]], ...]) -> None:
-        for host, pending in copies:
-            host.land(pending)
+    def land_copies(self) -> None:
+        """The copies out that have finished, into host memory (those still on their way stay pending)."""
+        for host in (self.swap_space, self.host_tier):
+            if host is not None:
+                host.land_finished()
 
     def dispatch(self, out: SchedulerOutput) -> StepHandle:
         """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
@@ -418,7 +419,7 @@ class ModelRunner:
         """Wait for a dispatched step and bring its sampled tokens to the host (and the blocks copied out
         before it to host memory: done by now, since the step ran after the copies read its cache)."""
         ids, lps = fetch(handle.token_ids), fetch(handle.logprobs)
-        self.land_copies(handle.copies)
+        self.land_copies()
         seqs = handle.scheduled.scheduled
         num_rows = handle.scheduled.num_rows
         # Each row's token and logprob as Python numbers in one conversion each, not two per row.
