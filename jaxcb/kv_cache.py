@@ -414,10 +414,14 @@ class HostBlocks:
         the same host block must never land before an earlier one). What is still on its way stays
         pending -- `restore` reads such blocks from the device arrays -- unless more than
         `MAX_PENDING_COPIES` are: the oldest of those land now, waiting if they must (counted)."""
+        self.land(self._pending[: max(self._num_finished(), len(self._pending) - MAX_PENDING_COPIES)])
+
+    def _num_finished(self) -> int:
+        """How many pending copies, from the oldest, have finished (up to the first that has not)."""
         done = 0
         while done < len(self._pending) and self._pending[done].is_ready():
             done += 1
-        self.land(self._pending[: max(done, len(self._pending) - MAX_PENDING_COPIES)])
+        return done
 
     # The name swap preemption knows these by.
     swap_out = offload
@@ -425,9 +429,9 @@ class HostBlocks:
     def restore(self, cache: KVCache, pairs: list[tuple[int, int]]) -> KVCache:
         """Copy host blocks back into device blocks: pairs of (host block, device block). A host block whose
         bytes are still on their way (a copy that has not finished) is read from the device arrays they are
-        coming from; one whose copy has finished lands first."""
-        hosts = {h for h, _ in pairs}
-        self.land([c for c in self._pending if hosts.intersection(c.host_ids) and c.is_ready()])
+        coming from; the finished copies land first, oldest first up to the first unfinished one (a newer
+        copy of a host block landing before an older one still on its way would let the older win)."""
+        self.land(self._pending[: self._num_finished()])
         in_flight = {}  # host block -> (pending copy, its row), the latest copy winning
         for copy in self._pending:
             for row, host in enumerate(copy.host_ids):

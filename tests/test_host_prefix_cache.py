@@ -263,3 +263,20 @@ def test_copies_land_once_finished_oldest_first_and_the_engine_never_waits_for_o
     host.land_finished()
     assert host._pending == [] and host.num_blocking_lands == 0
     np.testing.assert_array_equal(host.k[:, :, 5], np.asarray(values[:, :, 2]))
+
+
+def test_a_restore_reads_the_newest_copy_of_a_host_block_while_an_older_one_is_on_its_way(monkeypatch):
+    import jax
+
+    from jaxcb.kernels.attention.cache import KVCache
+    from jaxcb.kv_cache import HostBlocks, PendingCopy
+
+    values = jax.random.normal(jax.random.key(2), (2, 2, 8, 4, 8))
+    cache = KVCache(k=values + 0, v=-values)
+    host = HostBlocks(cache, 10)
+    older = host.offload(cache, [(1, 5)])
+    newer = host.offload(cache, [(2, 5)])
+    monkeypatch.setattr(PendingCopy, "is_ready", lambda self: self is newer[0])
+    cache = host.restore(cache, [(5, 7)])  # the newer copy has finished, the older has not
+    np.testing.assert_array_equal(np.asarray(cache.k[:, :, 7]), np.asarray(values[:, :, 2]))
+    assert host._pending == older + newer  # neither landed ahead of the other

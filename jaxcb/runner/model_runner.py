@@ -79,8 +79,6 @@ class StepHandle:
     logprobs: jax.Array  # f32[R, 1 + max_logprobs]: their logprobs
     # The prompt-logprobs variant: each token row's prompt token then the top ids, and their logprobs.
     prompt_logprobs: Optional[tuple[jax.Array, jax.Array]] = None  # (i32[T, 1 + n], f32[T, 1 + n])
-    # Blocks copied out to host memory before the step, landed there when it is collected.
-    copies: tuple[tuple[HostBlocks, list[PendingCopy]], ...] = ()
 
 
 def prompt_logprobs(backend: Backend, weights: StepWeights, hidden: jax.Array, targets: jax.Array, n: int
@@ -407,13 +405,13 @@ class ModelRunner:
 
     def dispatch(self, out: SchedulerOutput) -> StepHandle:
         """Start the step on the device and return at once (JAX dispatch is asynchronous)."""
-        copies = self.copy_blocks(out)
+        self.copy_blocks(out)
         key, args, writes = self.build_inputs(out)
         if writes is not None:
             self.write_slots(writes)
         ids, lps, prompt = self.run(key, args)
         self.num_steps += 1
-        return StepHandle(out, key, ids, lps, prompt, copies)
+        return StepHandle(out, key, ids, lps, prompt)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         """Wait for a dispatched step and bring its sampled tokens to the host (and the blocks copied out
