@@ -45,7 +45,7 @@ def test_a_missing_compiler_is_named_in_the_error(monkeypatch, tmp_path):
 def test_a_failed_build_says_why_and_leaves_no_library_behind(monkeypatch, tmp_path):
     bad = tmp_path / "bad.cc"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", (cpu_kernels.SOURCES[0], bad))
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (bad,))
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path / "cache"))
     with pytest.raises(cpu_kernels.CpuKernelUnavailable, match="building the CPU kernels failed"):
         cpu_kernels.build_library()
@@ -69,11 +69,13 @@ def fake_compiler_runs(monkeypatch) -> list:
 
 
 def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypatch, tmp_path):
+    """Keyed builds, with the compile faked: every other test of the kernels runs a real build."""
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path))
-    first = cpu_kernels.build_library()  # a real build
-    mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build_library() == first and first.stat().st_mtime_ns == mtime
     compiles = fake_compiler_runs(monkeypatch)
+    first = cpu_kernels.build_library()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_kernels.build_library() == first and first.stat().st_mtime_ns == mtime and len(compiles) == 1
+    compiles.clear()
     for i, source in enumerate(cpu_kernels.SOURCES):  # each source is part of the key
         changed = tmp_path / f"changed{i}.cc"
         changed.write_text(source.read_text() + "\n// changed\n")
@@ -90,8 +92,9 @@ def test_sources_from_another_directory_build_their_own_library(monkeypatch, tmp
     """`build_library(source_dir)` builds another revision's kernels (the A/B of
     `benchmarks/bench_kernels.py --against`): keyed by their content, like this package's."""
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path / "cache"))
+    compiles = fake_compiler_runs(monkeypatch)  # keyed builds: the compile itself is faked
     here = cpu_kernels.build_library()
-    compiles = fake_compiler_runs(monkeypatch)  # the changed revision's build is keyed, not compiled again
+    compiles.clear()
     for name, suffix in (("same", ""), ("changed", "\n// changed\n")):
         (tmp_path / name).mkdir()
         for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):

@@ -323,7 +323,7 @@ def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm):
     """80 requests -- text that repeats, so proposals are accepted, and text that does not -- with
     preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without speculation."""
     # 11 blocks of 16 tokens for 8 sequences of ~36 tokens: preemption.
-    overrides = BASE + VARIANTS + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
+    overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
                                    "speculative.method=ngram", "cache.num_blocks=12")
     spec = LLM(compose_config(overrides), progress=False)
     lines = ["red green blue red green blue red green", "one, two, three; one, two, three; one, two,",
@@ -349,7 +349,7 @@ def test_draft_model_speculation_gives_the_same_greedy_tokens_on_the_real_model(
     else:  # a random tiny-shaped model with SmolLM2's vocabulary and tokenizer
         llm.engine.tokenizer.save(str(tmp_path))
         draft_model = f"speculative.draft_model={{name:tiny,vocab_size:49152,tokenizer:'{tmp_path}'}}"
-    overrides = BASE + VARIANTS + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
+    overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
                                    "speculative.method=draft", draft_model, "cache.num_blocks=12")
     spec = LLM(compose_config(overrides), progress=False)
     lines = ["red green blue red green blue red green", "The cat sat on the mat. The dog sat on the log."] + PROMPTS
