@@ -99,6 +99,8 @@ def configure_device_memory(memory_fraction: float) -> float:
     Must run before JAX first touches a device; a value the user set is kept."""
     if XLA_POOL_FRACTION_VAR not in os.environ:
         if _backends_initialized():
+            if not _accelerator_initialized():  # only the CPU, whose memory XLA does not pool: nothing to say
+                return xla_pool_fraction()
             log.warning("JAX's devices were in use before the engine started: XLA's memory pool stays at "
                         "%s of each accelerator; set %s=%g before starting to give the cache cache.memory_fraction",
                         XLA_DEFAULT_POOL_FRACTION, XLA_POOL_FRACTION_VAR, memory_fraction)
@@ -120,6 +122,16 @@ def _backends_initialized() -> bool:
 
         return bool(xla_bridge._backends)
     except (ImportError, AttributeError):  # a JAX without the private registry: assume the worst
+        return True
+
+
+def _accelerator_initialized() -> bool:
+    """Whether a backend JAX has started is an accelerator's (GPU, TPU): called once backends are up."""
+    try:
+        from jax._src import xla_bridge
+
+        return any(platform != "cpu" for platform in xla_bridge._backends)
+    except (ImportError, AttributeError):
         return True
 
 

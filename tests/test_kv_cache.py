@@ -1,5 +1,6 @@
 """The cache's device buffers: sized once from config or memory, written in place inside jit."""
 
+import logging
 import os
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,22 @@ def test_the_engine_sets_xlas_pool_to_memory_fraction_unless_the_user_did(monkey
     monkeypatch.delenv(kv.XLA_POOL_FRACTION_VAR)
     monkeypatch.setattr(kv, "_backends_initialized", lambda: True)  # too late to change it: left alone
     assert kv.configure_device_memory(0.92) == kv.XLA_DEFAULT_POOL_FRACTION
+    assert kv.XLA_POOL_FRACTION_VAR not in os.environ
+
+
+def test_a_late_start_warns_about_xlas_pool_only_where_an_accelerator_was_started(monkeypatch, caplog):
+    import jaxcb.kv_cache as kv
+
+    assert kv._accelerator_initialized() is (jax.default_backend() != "cpu")  # the real registry, read
+    monkeypatch.delenv(kv.XLA_POOL_FRACTION_VAR, raising=False)
+    monkeypatch.setattr(kv, "_backends_initialized", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="jaxcb.kv_cache"):
+        monkeypatch.setattr(kv, "_accelerator_initialized", lambda: False)  # the CPU alone: no pool to size
+        kv.configure_device_memory(0.92)
+        assert caplog.records == []
+        monkeypatch.setattr(kv, "_accelerator_initialized", lambda: True)
+        kv.configure_device_memory(0.92)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 before starting" in caplog.text
     assert kv.XLA_POOL_FRACTION_VAR not in os.environ
 
 
