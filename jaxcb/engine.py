@@ -138,7 +138,7 @@ def make_speculation(cfg: Config, platform: str, proposer: Optional[Proposer] = 
            else f"draft model {resolve_draft_model(sp.draft_model).name}")
     log.info("speculative decoding: %s, up to %d tokens a step (%s), while at most %d sequences decode",
              sp.method, sp.num_speculative_tokens, how, batch)
-    return Speculation(sp, batch, proposer)
+    return Speculation(sp, batch, proposer, costly=sp.method == "draft")
 
 
 def kv_scales_for(cfg: Config, backend, weights, model_cfg, tokenizer, plan, tp, max_model_len: int

@@ -29,6 +29,9 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers loads a GGUF with accelerate"),
 ]
 NUM_TOKENS = 32
+# The speculation tests' request counts, kept small for CI; JAXCB_SMOLLM2_SPEC_REQUESTS=200 runs each on
+# 200 requests (docs/benchmarks.md, "Speculative decoding", gives that run).
+SPEC_REQUESTS = int(os.environ.get("JAXCB_SMOLLM2_SPEC_REQUESTS", "0"))
 PROMPTS = [  # English and code, as completions
     "The three primary colors are",
     "Once upon a time, in a small village by the sea,",
@@ -320,7 +323,7 @@ def test_a_tool_call_cut_by_max_tokens_leaves_no_markup_in_content(llm):
 
 
 def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm):
-    """80 requests -- text that repeats, so proposals are accepted, and text that does not -- with
+    """80 requests (or JAXCB_SMOLLM2_SPEC_REQUESTS) -- text that repeats, so proposals are accepted, and text that does not -- with
     preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without speculation."""
     # 11 blocks of 16 tokens for 8 sequences of ~36 tokens: preemption.
     overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
@@ -328,8 +331,9 @@ def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm):
     spec = LLM(compose_config(overrides), progress=False)
     lines = ["red green blue red green blue red green", "one, two, three; one, two, three; one, two,",
              "The cat sat on the mat. The dog sat on the log. The cat sat on"] + PROMPTS
-    prompts = [f"{lines[i % len(lines)]}" + " and" * (i % 4) for i in range(80)]
-    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, n=2 if i % 9 == 0 else 1) for i in range(80)]
+    num = SPEC_REQUESTS or 80
+    prompts = [f"{lines[i % len(lines)]}" + " and" * (i % 4) for i in range(num)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, n=2 if i % 9 == 0 else 1) for i in range(num)]
     theirs = llm.generate(prompts, params, use_tqdm=False)
     ours = spec.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in theirs]
@@ -353,7 +357,7 @@ def test_draft_model_speculation_gives_the_same_greedy_tokens_on_the_real_model(
                                    "speculative.method=draft", draft_model, "cache.num_blocks=12")
     spec = LLM(compose_config(overrides), progress=False)
     lines = ["red green blue red green blue red green", "The cat sat on the mat. The dog sat on the log."] + PROMPTS
-    num = 60 if draft == "random_small" else 40
+    num = SPEC_REQUESTS or (60 if draft == "random_small" else 40)
     prompts = [f"{lines[i % len(lines)]}" + " and" * (i % 4) for i in range(num)]
     params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, n=2 if i % 9 == 0 else 1) for i in range(num)]
     theirs = llm.generate(prompts, params, use_tqdm=False)

@@ -102,6 +102,44 @@ def test_backoff_stops_proposals_after_low_acceptance_and_resumes_later():
     assert _drafts(spec, seq, False, 9, 3) == []
 
 
+def test_a_costly_proposer_backs_off_longer_judges_probes_sooner_and_new_sequences_learn_from_the_engine():
+    """A draft model's failed probe costs about a step: 64 tokens of back-off, a probe judged on
+    acceptance_window // 2 verify steps, and new sequences start backed off while the engine's last
+    4 x acceptance_window verify steps failed -- until accepted drafts bring them back."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_mean_accepted=0.5, acceptance_window=4)
+    spec = Speculation(cfg, disable_by_batch_size=8, costly=True)
+    prompt = [1, 2, 3] * 4
+    first = _sequence(prompt)
+    for _ in range(4):  # the first window: 4 verify steps, nothing accepted
+        assert _drafts(spec, first, False, 1, 3) == [1, 2, 3]
+        spec.verified(first, (1, 2, 3), 0)
+    assert _drafts(spec, first, False, 1, 3) == []
+    first.output_token_ids += [1] * 63
+    assert _drafts(spec, first, False, 1, 3) == []  # 64 tokens, not 16
+    first.output_token_ids += [1]
+    assert _drafts(spec, first, False, 1, 3) != []
+    spec.verified(first, (1, 2, 3), 0)
+    spec.verified(first, (1, 2, 3), 0)  # the probe: judged after 2 verify steps, backed off 128 tokens
+    assert _drafts(spec, first, False, 1, 3) == []
+    assert not spec.failing()  # 6 of the engine's 16 verify steps seen
+    for _ in range(10):
+        spec.verified(_sequence(prompt), (1, 2, 3), 0)
+    assert spec.failing()
+    late = _sequence(prompt)
+    assert _drafts(spec, late, False, 1, 3) == []  # starts backed off: the engine's drafts fail
+    late.output_token_ids += [1] * 64
+    drafts = _drafts(spec, late, False, 1, 3)
+    assert drafts  # its probe
+    for _ in range(16):  # its drafts pay: the engine's verdict turns, and new sequences propose at once
+        spec.verified(late, tuple(drafts), 3)
+    assert not spec.failing() and _drafts(spec, _sequence(prompt), False, 1, 3) == [1, 2, 3]
+    # a cheap proposer (n-gram) keeps 16-token back-offs and full windows: never a prior
+    cheap = Speculation(cfg, disable_by_batch_size=8)
+    for _ in range(16):
+        cheap.verified(_sequence(prompt), (1, 2, 3), 0)
+    assert cheap.failing() and _drafts(cheap, _sequence(prompt), False, 1, 3) == [1, 2, 3]
+
+
 def test_constrained_and_prompt_logprobs_requests_decode_without_speculation_and_are_counted():
     spec = Speculation(SpeculativeConfig(method="ngram"), disable_by_batch_size=8)
     constrained = _sequence([1, 2, 1, 2, 1])

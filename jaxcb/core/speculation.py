@@ -32,6 +32,13 @@ This module decides, for each decoding sequence and step (`Speculation.drafts`):
 - back-off: a sequence whose last `acceptance_window` verify steps accepted fewer than
   `min_mean_accepted` tokens on average stops proposing for 16 tokens, then 32, 64, ... while
   it keeps failing.
+- a costly proposer (a draft model: k + 1 forwards of its own and a host read before each verify
+  step, and under async scheduling the step its sequence sits out after it) backs off faster,
+  because each failed probe costs about a step of its own: its first back-off is 64 tokens, a
+  probe after a back-off is judged on its first `acceptance_window // 2` verify steps, and while
+  the engine's last `4 x acceptance_window` verify steps (all sequences) fell below
+  `min_mean_accepted`, a sequence starts already backed off instead of proposing from its first
+  decode. Outputs never change; only how often a failing draft is asked.
 
 It also keeps the counters that `/metrics` publishes under vLLM's names (`SpeculationStats`).
 """
@@ -49,6 +56,7 @@ if TYPE_CHECKING:
     from jaxcb.core.sequence import Sequence
 
 FIRST_BACKOFF_TOKENS = 16
+COSTLY_FIRST_BACKOFF_TOKENS = 64  # a draft model's (module docstring)
 
 
 class NgramIndex:
@@ -120,6 +128,7 @@ class SequenceSpeculation:
     accepted: deque = field(default_factory=deque)  # accepted tokens of its last verify steps
     resume_at: int = 0  # it proposes again once it has this many tokens (back-off)
     backoff: int = FIRST_BACKOFF_TOKENS  # the next back-off's length, in tokens
+    judged_after: int = 0  # verify steps it needs before a verdict; 0: the full acceptance window
     uncounted: list[int] = field(default_factory=list)  # accepted drafts the penalties' counts still lack
 
 
@@ -137,14 +146,21 @@ class SpeculationStats:
 class Speculation:
     """The scheduler's proposer and back-off (module docstring)."""
 
-    def __init__(self, cfg: "SpeculativeConfig", disable_by_batch_size: int, proposer: Optional[Proposer] = None):
-        """`proposer`: what proposes (default: n-gram prompt lookup, as `cfg` says)."""
+    def __init__(self, cfg: "SpeculativeConfig", disable_by_batch_size: int, proposer: Optional[Proposer] = None,
+                 costly: bool = False):
+        """`proposer`: what proposes (default: n-gram prompt lookup, as `cfg` says); `costly`: each proposal
+        costs device work of its own (a draft model), so failing proposals back off faster (module docstring)."""
         self.k = cfg.num_speculative_tokens
         self.proposer: Proposer = proposer or NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self._proposals: dict = {}  # this step's proposals, by sequence id (`prepare`)
         self.disable_by_batch_size = disable_by_batch_size
         self.min_mean_accepted = cfg.min_mean_accepted
         self.window = cfg.acceptance_window
+        self.costly = costly
+        self.first_backoff = COSTLY_FIRST_BACKOFF_TOKENS if costly else FIRST_BACKOFF_TOKENS
+        self.probe_window = max(1, self.window // 2) if costly else 0
+        # The engine's last verify steps, every sequence's (a costly proposer's new sequences read them).
+        self.recent: deque = deque(maxlen=4 * self.window)
         self.stats = SpeculationStats(accepted_per_position=[0] * self.k)
 
     def _state(self, seq: "Sequence") -> Optional[SequenceSpeculation]:
@@ -158,8 +174,14 @@ class Speculation:
                     self.stats.num_unspeculated_requests += 1
                 return None
             index = self.proposer.new_index() if isinstance(self.proposer, NgramProposer) else None
-            state = seq.speculation = SequenceSpeculation(index)
+            state = seq.speculation = SequenceSpeculation(index, backoff=self.first_backoff)
+            if self.costly and self.failing():  # the draft fails on this traffic: probe it later, briefly
+                self._back_off(seq, state)
         return state or None
+
+    def failing(self) -> bool:
+        """Whether the engine's last `4 x acceptance_window` verify steps accepted below `min_mean_accepted`."""
+        return len(self.recent) == self.recent.maxlen and sum(self.recent) < self.min_mean_accepted * len(self.recent)
 
     def prepare(self, candidates: list[tuple["Sequence", bool, int]], num_decoding: int, max_drafts) -> None:
         """Ask the proposer, once for the step being scheduled, what each decoding sequence that may
@@ -198,6 +220,7 @@ class Speculation:
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.accepted_per_position[i] += 1
+        self.recent.append(num_accepted)
         state = seq.speculation
         if state:
             if seq.sampling_params.uses_penalties:
@@ -208,14 +231,21 @@ class Speculation:
         state.accepted.append(num_accepted)
         if len(state.accepted) > self.window:
             state.accepted.popleft()
-        if len(state.accepted) < self.window:
+        judged = len(state.accepted)
+        if judged < (state.judged_after or self.window):
             return
-        if sum(state.accepted) < self.min_mean_accepted * self.window:
-            state.resume_at = seq.num_tokens + state.backoff
-            state.backoff *= 2
-            state.accepted.clear()
-        elif sum(state.accepted) >= self.window:  # paying again: the next back-off starts short
-            state.backoff = FIRST_BACKOFF_TOKENS
+        if sum(state.accepted) < self.min_mean_accepted * judged:
+            self._back_off(seq, state)
+            return
+        state.judged_after = 0  # past its probe: the full window from here
+        if judged == self.window and sum(state.accepted) >= self.window:  # paying again: back-offs start short
+            state.backoff = self.first_backoff
+
+    def _back_off(self, seq: "Sequence", state: SequenceSpeculation) -> None:
+        state.resume_at = seq.num_tokens + state.backoff
+        state.backoff *= 2
+        state.accepted.clear()
+        state.judged_after = self.probe_window
 
     @staticmethod
     def take_uncounted(seq: "Sequence") -> tuple[int, ...]:
