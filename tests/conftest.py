@@ -27,3 +27,15 @@ def no_persistent_compilation_cache():
     jaxcb.engine.enable_compilation_cache = lambda directory: directory or ""
     yield
     jaxcb.engine.enable_compilation_cache = saved
+
+
+# The files with the longest tests, in the order they run first. Under pytest-xdist the tests
+# handed out last decide when the run ends: a 70-second test drawn in the last minute leaves the
+# other worker idle. Sent first, they run while both workers still have short tests behind them.
+LONGEST_FIRST = ("test_gpu_check.py", "test_tensor_parallel.py", "test_smollm2.py", "test_lora_smollm2.py",
+                 "test_draft_speculation.py", "test_gguf.py", "test_ray_jobs.py", "test_prefix_routing_ray.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: every other order kept
