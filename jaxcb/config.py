@@ -184,7 +184,7 @@ class LoraConfig:
     enable: bool = False  # compile LoRA in even with no start-up adapter (for run-time loading); on when adapters is not empty
     max_loras: int = 4  # device slots: adapters a single step can mix (more wait for a slot, least recently used swapped out)
     max_rank: int = 16  # largest rank an adapter may have (slots are this wide; a smaller rank is zero-padded)
-    max_cpu_loras: Optional[int] = None  # adapters held in host memory at once (loaded ones); None: max(max_loras, start-up adapters)
+    max_cpu_loras: Optional[int] = None  # adapters whose weights stay in host memory (LRU; others read again when named); None: max(max_loras, start-up adapters)
 
     @property
     def enabled(self) -> bool:

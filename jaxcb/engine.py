@@ -178,6 +178,8 @@ class Engine:
         self.tp = make_tensor_parallel(tp_size, arch)
         self.max_model_len = cfg.engine.max_model_len or arch.max_position_embeddings
         self.lora = make_lora_manager(cfg, arch)  # start-up adapters read and checked before any weight
+        if self.lora is not None:  # unloads and dropped host copies wait for an adapter's requests
+            self.lora.in_use = self._adapter_in_use
         memory = read_device_memory()
         if memory is not None:  # weights that cannot be loaded and prepared fail here, in a sentence
             backend = select_backend(cfg.model, arch, cfg.attention, mesh=self.tp.mesh if self.tp is not None else None)
@@ -484,7 +486,6 @@ class Engine:
         step checks). True when it is gone already."""
         if self.lora is None:
             raise InvalidRequestError("LoRA is not compiled in: no adapter is loaded", "lora_name")
-        self.lora.unloading_in_use = self._adapter_in_use
         return self.lora.unload(name)
 
     def _adapter_in_use(self, name: str) -> bool:

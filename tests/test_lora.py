@@ -129,6 +129,46 @@ def test_more_adapters_than_slots_wait_for_a_slot_and_all_finish(llm, checkpoint
         assert engine.unload_lora_adapter("a1_again")
 
 
+def test_host_copies_past_max_cpu_loras_are_dropped_and_read_again_when_named(llm, checkpoints, tmp_path):
+    """lora.max_cpu_loras=4 host copies for 5 loaded adapters: the least recently named idle one gives
+    its weights up and is read again when a request names it, serving the same tokens; if its files
+    changed in between, the request is refused naming the adapter, and nothing is left behind."""
+    import shutil
+
+    base_dir, adapters, merged = checkpoints
+    engine, lora = llm.engine, llm.engine.lora
+    copies = {f"c{i}": str(shutil.copytree(adapters["a1"], tmp_path / f"c{i}")) for i in range(3)}
+    for name, path in copies.items():
+        engine.load_lora_adapter(name, path)
+    try:
+        [gone] = [name for name in lora.adapters if name not in lora.resident]
+        assert len(lora.resident) == 4 and not lora.adapters[gone].weights
+        params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        reloads = lora.num_reloads
+        [out] = llm.generate([PROMPTS[0]], params, use_tqdm=False, lora=gone)
+        assert out.outputs[0].token_ids == greedy_tokens(merged["a2" if gone == "a2" else "a1"], PROMPTS[0], NUM_TOKENS)
+        assert lora.num_reloads == reloads + 1 and gone in lora.resident and len(lora.resident) == 4
+        for name in ("a1", "a2", "c1", "c2"):  # named in turn: c0 is the least recently named, dropped
+            lora.resolve(name)
+        assert list(lora.resident) == ["a1", "a2", "c1", "c2"] and not lora.adapters["c0"].weights
+        config = os.path.join(copies["c0"], "adapter_config.json")
+        with open(config) as f:
+            changed = {**json.load(f), "lora_alpha": 1}
+        with open(config, "w") as f:
+            json.dump(changed, f)
+        with pytest.raises(InvalidRequestError) as e:
+            engine.add_request(PROMPTS[0], params, lora="c0")
+        assert e.value.field == "model" and "'c0'" in str(e.value) and "changed since the adapter was loaded" in str(e.value)
+        assert not engine.has_unfinished_requests() and engine.num_recompiles == 0
+    finally:
+        for name in copies:
+            assert engine.unload_lora_adapter(name)
+    assert set(lora.adapters) == {"a1", "a2"} and set(lora.resident) <= {"a1", "a2"}
+    [out] = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True),
+                         use_tqdm=False, lora="a2")  # served as before, its copy read again if it was dropped
+    assert out.outputs[0].token_ids == greedy_tokens(merged["a2"], PROMPTS[1], NUM_TOKENS)
+
+
 # --- PEFT fields honoured or refused -----------------------------------------------------------
 
 
