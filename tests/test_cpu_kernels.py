@@ -317,7 +317,7 @@ def test_bench_kernels_steps_against_replays_the_recorded_run_with_each_revision
     assert "steps, replayed | this checkout (s) | HEAD (s) | HEAD / this |" in capsys.readouterr().out
 
 
-# The attention kernel's AMX path (bf16 caches, prefill tiles of >= 16 query rows) and its rows path.
+# The attention kernel's AMX path (bf16 caches, tiles of >= 8 query rows) and its rows path.
 # Ragged prefills: tiles of 16 tokens and a last one of 5 (rows not a multiple of 16), contexts that
 # end mid-block, a chunk of 21 new tokens after 32 of prior context, decodes (rows path either way),
 # a sequence with no new tokens. Every slot no sequence owns (past each kv_len too) holds NaN.

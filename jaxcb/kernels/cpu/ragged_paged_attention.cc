@@ -23,12 +23,13 @@
 // follow.
 //
 // With a bf16 cache on a CPU with AMX (once the Python side has probed that it runs here:
-// jaxcb.kernels.cpu.attention_path), tiles of 16 or more query rows (prefill) take AttendTileAmx
-// instead: S = Q K^T and O += P V on AMX tiles in bf16 with float32 sums, the online softmax in
-// float32 AVX-512 between them, 64 keys a step. Row by row, a prefill tile's float32 FMAs are
-// the bound; on tiles it ran 3.2x faster on SmolLM2's heads (docs/benchmarks.md, bf16 on CPU).
-// Decode tiles (a few rows), float32 and int8 caches, and builds or machines without AMX keep
-// the rows path.
+// jaxcb.kernels.cpu.attention_path), tiles of 8 or more query rows (prefill, and decode tiles of
+// 8 or more query heads a KV head) take AttendTileAmx instead: S = Q K^T and O += P V on AMX
+// tiles in bf16 with float32 sums, the online softmax in float32 AVX-512 between them, 64 keys a
+// step; a float32 q keeps float32 precision (q and P in two bf16 terms each). Row by row, a
+// prefill tile's float32 FMAs are the bound; on tiles SmolLM2's prefill ran 2.8x faster
+// (benchmarks/bench_kernels.py --kernels cache-dtype; docs/benchmarks.md, bf16 on CPU). Tiles of
+// fewer rows, float32 and int8 caches, and builds or machines without AMX keep the rows path.
 
 #include <algorithm>
 #include <atomic>
@@ -495,10 +496,10 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
 // Prefill tiles on AMX (bf16 caches). A tile of many query rows multiplies whole steps of keys at
 // once instead of one row at a time: per step of up to 64 consecutive keys (any block size: the
 // keys are gathered through the block table row by row), S = Q K^T on tiles (tdpbf16ps, fp32
-// sums), the online softmax of S in fp32 AVX-512, P rounded to bf16, then O += P V on tiles. The
-// row path's fp32 FMAs run no faster on bf16 operands than on floats (vdpbf16ps did not pay in
-// the matmul either); AMX's tile multiply does, once a tile has rows enough to fill its 16-row
-// A operand. Rows are taken 16 at a time (the last chunk padded with zero rows).
+// sums), the online softmax of S in fp32 AVX-512, P in bf16, then O += P V on tiles. The row
+// path's fp32 FMAs run no faster on bf16 operands than on floats (vdpbf16ps did not pay in the
+// matmul either); AMX's tile multiply does, once a tile has kAmxMinRows rows. Rows are taken 16
+// at a time (an A tile's rows; the last chunk padded with zero rows).
 //
 // Layouts (AMX's B operand holds 16 "pair-rows", each 16 columns of two bf16 along the depth):
 // - Q: bf16 rows as they are, [padded rows][D] (an A tile reads 32 d of 16 rows);
@@ -511,9 +512,11 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
 // every score a row may not see (causal, sliding window), are -inf before the max and the exp,
 // so their P is 0. Soft-capping applies to the scaled score before the masks, as elsewhere.
 constexpr int64_t kAmxStepKeys = 64;  // keys per online-softmax step: S is four 16-key C tiles
-// Tiles of fewer rows (decode, the last few tokens of a chunk) take the rows path: below about
-// 16 rows a tile multiply is mostly padding and the buffers cost more than they save.
-constexpr int64_t kAmxMinRows = 16;
+// Tiles of fewer rows (decode tiles of small groups) take the rows path: a tile multiply is then
+// mostly padding and packing the step's keys costs more than it saves. Measured on SmolLM2's
+// heads over 400 keys, AMX against rows: 3 rows 0.68x, 6 rows 1.02x, 8 rows (a decode tile of 8
+// query heads a KV head) 1.19x, 9 rows 1.17x, 12 rows 1.39x, 48 rows 2.8x.
+constexpr int64_t kAmxMinRows = 8;
 
 // Tiles 0-3: C, 16 rows x 16 floats (S's four 16-key columns, or four 16-wide d columns of P V);
 // tiles 4 and 6: A, 16 rows x 32 bf16 (32 d of Q and of its remainder, or 32 keys of P); tile 5:
