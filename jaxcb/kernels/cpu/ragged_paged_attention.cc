@@ -667,10 +667,11 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
   alignas(64) float sbuf[16 * kAmxStepKeys];
   alignas(64) uint16_t pbuf[16 * kAmxStepKeys], plo[16 * kAmxStepKeys];
   alignas(64) float corr[16];
-  float* m = AlignedScratch<float>(ml_buf, 2 * padded);  // each row's running max, then its running sum
-  float* l = m + padded;
+  // Each row's running max, then its running sum as 16 lanes (summed across once, at the end).
+  float* l = AlignedScratch<float>(ml_buf, 17 * padded);
+  float* m = l + 16 * padded;
   std::fill(m, m + padded, -1e30f);
-  std::fill(l, l + padded, 0.0f);
+  std::fill(l, l + 16 * padded, 0.0f);
   std::fill(acc, acc + padded * D, 0.0f);
 
   // Q as bf16 rows, unscaled (sm_scale is applied to the fp32 scores: a bf16 q stays exact).
@@ -769,10 +770,11 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
         }
         __m512 sv[4];
         __m512 mx = minus_inf;
+        const bool masked = lo > 0 || hi < 16 * key_tiles;  // most rows see every key of most steps
         for (int64_t v = 0; v < key_tiles; ++v) {
           __m512 x = _mm512_mul_ps(_mm512_load_ps(sb + r * kAmxStepKeys + 16 * v), scale);
           if (cap.on()) x = cap(x);
-          sv[v] = _mm512_mask_mov_ps(minus_inf, LaneRange(lo - 16 * v, hi - 16 * v), x);
+          sv[v] = masked ? _mm512_mask_mov_ps(minus_inf, LaneRange(lo - 16 * v, hi - 16 * v), x) : x;
           mx = _mm512_max_ps(mx, sv[v]);
         }
         const float m_new = std::max(m[row], _mm512_reduce_max_ps(mx));
@@ -795,7 +797,8 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
           if constexpr (split_q)
             _mm256_store_si256(reinterpret_cast<__m256i*>(lo_row + 16 * key_tiles), _mm256_setzero_si256());
         }
-        l[row] = l[row] * correction + _mm512_reduce_add_ps(sum);
+        float* l_row = l + 16 * row;
+        _mm512_store_ps(l_row, _mm512_fmadd_ps(_mm512_load_ps(l_row), _mm512_set1_ps(correction), sum));
         m[row] = m_new;
         corr[r] = correction;
       }
@@ -858,7 +861,8 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
 
   float normed[kMaxHeadDim];
   for (int64_t row = 0; row < rows; ++row) {
-    const float inv = l[row] > 0.0f ? 1.0f / l[row] : 0.0f;
+    const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * row));
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
     for (int64_t d = 0; d < D; ++d) normed[d] = acc[row * D + d] * inv;
     Q* dst = out + ((q_begin + item.first_token + row / group) * s.num_q_heads + item.kv_head * group + row % group) * D;
     StoreRow<Q>(normed, dst, D);
