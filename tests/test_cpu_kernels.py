@@ -318,9 +318,10 @@ def test_bench_kernels_steps_against_replays_the_recorded_run_with_each_revision
 
 
 # The attention kernel's AMX path (bf16 caches, tiles of >= 8 query rows) and its rows path.
-# Ragged prefills: tiles of 16 tokens and a last one of 5 (rows not a multiple of 16), contexts that
-# end mid-block, a chunk of 21 new tokens after 32 of prior context, decodes (rows path either way),
-# a sequence with no new tokens. Every slot no sequence owns (past each kv_len too) holds NaN.
+# Ragged prefills: 37 tokens (on AMX a tile of 32 and one of 5: 5, 15 or 20 rows, not multiples of
+# 16; 5 rows stay on the rows path), contexts that end mid-block, a chunk of 21 new tokens after 32
+# of prior context, decodes (<= 4 rows: the rows path either way), a sequence with no new tokens.
+# Every slot no sequence owns (past each kv_len too) holds NaN.
 AMX_SEQS = [(37, 37), (21, 53), (1, 40), (0, 9), (16, 16), (1, 1)]
 
 

@@ -214,7 +214,8 @@ def bf16_matmul_paths_built() -> list[str]:
 ATTENTION_PATHS = {0: "rows", 1: "amx"}
 ATTENTION_DESCRIPTIONS = {
     "rows": "every tile row by row in float32",
-    "amx": "prefill tiles on AMX tiles (tdpbf16ps, float32 softmax), decode rows in float32",
+    "amx": "tiles of 8 or more query rows (prefill) on AMX tiles (tdpbf16ps, float32 sums and softmax), "
+           "fewer rows (decode) row by row in float32",
 }
 _ATTENTION_PROBE = """
 import ctypes, sys

@@ -26,10 +26,11 @@
 // jaxcb.kernels.cpu.attention_path), tiles of 8 or more query rows (prefill, and decode tiles of
 // 8 or more query heads a KV head) take AttendTileAmx instead: S = Q K^T and O += P V on AMX
 // tiles in bf16 with float32 sums, the online softmax in float32 AVX-512 between them, 64 keys a
-// step; a float32 q keeps float32 precision (q and P in two bf16 terms each). Row by row, a
-// prefill tile's float32 FMAs are the bound; on tiles SmolLM2's prefill ran 2.8x faster
-// (benchmarks/bench_kernels.py --kernels cache-dtype; docs/benchmarks.md, bf16 on CPU). Tiles of
-// fewer rows, float32 and int8 caches, and builds or machines without AMX keep the rows path.
+// step, 32 query tokens a work item; a float32 q keeps float32 precision (q and P in two bf16
+// terms each). Row by row, a prefill tile's float32 FMAs are the bound; on tiles SmolLM2's
+// prefill ran 3.5x faster (benchmarks/bench_kernels.py --kernels cache-dtype; docs/benchmarks.md,
+// bf16 on CPU). Tiles of fewer rows, float32 and int8 caches, and builds or machines without AMX
+// keep the rows path.
 
 #include <algorithm>
 #include <atomic>
@@ -519,7 +520,8 @@ constexpr int32_t kAmxTokensPerTile = 32;
 // Tiles of fewer rows (decode tiles of small groups) take the rows path: a tile multiply is then
 // mostly padding and packing the step's keys costs more than it saves. Measured on SmolLM2's
 // heads over 400 keys, AMX against rows: 3 rows 0.68x, 6 rows 1.02x, 8 rows (a decode tile of 8
-// query heads a KV head) 1.19x, 9 rows 1.17x, 12 rows 1.39x, 48 rows 2.8x.
+// query heads a KV head) 1.19x, 9 rows 1.17x, 12 rows 1.39x, 48 rows 2.8x (before the last two
+// improvements below: the 16-lane sums and unmasked rows).
 constexpr int64_t kAmxMinRows = 8;
 
 // Tiles 0-3: C, 16 rows x 16 floats (S's four 16-key columns, or four 16-wide d columns of P V);
@@ -547,11 +549,12 @@ T* AlignedScratch(std::vector<char>& buffer, size_t count) {
 inline __m256i ToBf16(__m512 x) {
 #if defined(__AVX512BF16__)
   return (__m256i)_mm512_cvtneps_pbh(x);
-#endif
+#else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
 }
 
 inline __m512 FromBf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
