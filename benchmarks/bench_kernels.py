@@ -9,7 +9,9 @@ interpreter.
 
 cache-dtype: the C++ attention kernel over `small`'s heads (12 query / 4 KV heads of 64, all
 12 layers of a stacked cache per call) with a float32 cache against a bfloat16 one
-(`cache.dtype=bfloat16` under a float32 model), the two timed alternately.
+(`cache.dtype=bfloat16` under a float32 model), the two timed alternately. Then, with a bf16 cache
+and a float32 q (a bf16 model's) over SmolLM2-135M's heads (9 query / 3 KV heads of 64), the path
+this CPU takes for a bf16 cache (AMX prefill tiles where it has AMX) against every tile row by row.
 
 --against REV: the kernels of this checkout against those of git revision REV, built side by
 side from REV's C++ sources (`jaxcb/kernels/cpu/`) and timed alternately in one process: small's matmul
@@ -321,6 +323,54 @@ def cache_dtype_table(calls: int) -> None:
         seconds = alternate({"f32": (all_layers, f32), "bf16": (all_layers, bf16)}, calls)
         a, b = (1e3 * seconds[k] / layers for k in ("f32", "bf16"))
         print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+    bf16_attention_paths_table(calls)
+
+
+# SmolLM2-135M's attention (9 query heads over 3 KV heads of 64), blocks of 16, a 4-layer bf16 cache.
+SMOLLM2_HEADS = dict(num_kv_heads=3, group=3, head_dim=64, block_size=16, num_layers=4, layer=0, pad_tokens=0,
+                     pad_seqs=0)
+BF16_PATH_WORKLOADS = {  # name: (sequences as (new tokens, kv_len), q's dtype)
+    "prefill 16 x 128 new @ 384 prior": ([(128, 512)] * 16, jnp.float32),
+    "the same, bf16 q": ([(128, 512)] * 16, jnp.bfloat16),
+    "prefill 1 x 512": ([(512, 512)], jnp.float32),
+    "chunk 2 x 16 new @ 1000 prior": ([(16, 1016)] * 2, jnp.float32),
+    "chunk 16 x 6 new @ 400 prior": ([(6, 406)] * 16, jnp.float32),
+    "decode 64 seqs @ 400 ctx": ([(1, 400)] * 64, jnp.float32),
+}
+
+
+def bf16_attention_paths_table(calls: int) -> None:
+    """The attention kernel on a bf16 cache over SmolLM2's heads, q in float32 (a bf16 model's
+    activations are float32) unless told: the path this CPU takes (AMX prefill tiles where it has
+    AMX: `jaxcb.kernels.cpu.attention_path`) against every tile row by row, timed alternately."""
+    chosen = cpu_kernels.attention_path()
+    if chosen == "rows":
+        print("\n(no AMX attention path on this CPU: every bf16 tile runs row by row)")
+        return
+    layers = SMOLLM2_HEADS["num_layers"]
+    heads = dict(SMOLLM2_HEADS)
+    all_layers = jax.jit(lambda q, k, v, kv_lens, tables, qsl, num_seqs, _: jnp.stack([
+        ragged_paged_attention_cpu(q, k, v, kv_lens, tables, qsl, num_seqs, jnp.int32(i),
+                                   sm_scale=heads["head_dim"] ** -0.5) for i in range(layers)]))
+
+    def on_path(name):
+        def run(*args):
+            cpu_kernels.select_attention_path(name)
+            return all_layers(*args)
+        return run
+
+    print(f"\n| workload (SmolLM2's heads, bf16 cache) | rows (ms / layer) | {chosen} (ms / layer) | "
+          f"rows / {chosen} |")
+    print("|---|---|---|---|")
+    try:
+        for name, (seqs, q_dtype) in BF16_PATH_WORKLOADS.items():
+            f32 = make_ragged_batch(seqs, seed=0, **heads).args(jnp)
+            args = (f32[0].astype(q_dtype), f32[1].astype(jnp.bfloat16), f32[2].astype(jnp.bfloat16), *f32[3:])
+            seconds = alternate({"rows": (on_path("rows"), args), chosen: (on_path(chosen), args)}, calls)
+            a, b = (1e3 * seconds[k] / layers for k in ("rows", chosen))
+            print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+    finally:
+        cpu_kernels.select_attention_path(chosen)
 
 
 # Every kernel of the library: the module constant naming its FFI target, and its symbol.

@@ -2,6 +2,7 @@
 and a clear fallback or error where they cannot be built."""
 
 import ctypes
+import dataclasses
 import logging
 import subprocess
 
@@ -11,6 +12,8 @@ import numpy as np
 import pytest
 
 import jaxcb.kernels.cpu as cpu_kernels
+from attention_batches import dense_attention
+from jaxcb.kernels.attention.testing import make_ragged_batch
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
 from jaxcb.kernels.packed_matmul import pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv
 from jaxcb.kernels.row_argmax import row_argmax
@@ -194,12 +197,12 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     the native build never runs the AVX2 tiles and attention rows. A second build for AVX2 only
     (x86-64-v3) runs them here and must agree with the native one, so both paths are checked
     on any machine with AVX2 (on an AVX2-only machine the two builds run the same code)."""
-    from jaxcb.kernels.attention.testing import make_ragged_batch
 
     flags = tuple("-march=x86-64-v3" if f == "-march=native" else f for f in cpu_kernels.CXX_FLAGS)
     monkeypatch.setattr(cpu_kernels, "CXX_FLAGS", flags)
     lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library()))
     monkeypatch.undo()
+    assert lib.JaxcbAttentionPaths() == 1 and lib.JaxcbSelectAttention(1) == 0  # no AMX: the rows path only
     names = {"JaxcbPackedMatmul": "matmul", "JaxcbPackedMlp": "mlp", "JaxcbRaggedPagedAttention": "attention",
              "JaxcbRowArgmax": "argmax", "JaxcbPackedMatmulArgmax": "matmul_argmax", "JaxcbPackedQkv": "qkv"}
     for symbol, target in names.items():
@@ -315,3 +318,65 @@ def test_bench_kernels_steps_against_replays_the_recorded_run_with_each_revision
     ms = module.steps_against("HEAD", targets, 2, overrides)
     assert set(ms) == {"this checkout", "HEAD"} and min(ms.values()) > 0
     assert "steps, replayed | this checkout (s) | HEAD (s) | HEAD / this |" in capsys.readouterr().out
+
+
+# The attention kernel's AMX path (bf16 caches, tiles of >= 8 query rows) and its rows path.
+# Ragged prefills: 37 tokens (on AMX a tile of 32 and one of 5: 5, 15 or 20 rows, not multiples of
+# 16; 5 rows stay on the rows path), contexts that end mid-block, a chunk of 21 new tokens after 32
+# of prior context, decodes (<= 4 rows: the rows path either way), a sequence with no new tokens.
+# Every slot no sequence owns (past each kv_len too) holds NaN.
+AMX_SEQS = [(37, 37), (21, 53), (1, 40), (0, 9), (16, 16), (1, 1)]
+
+
+@pytest.fixture
+def restore_attention_path():
+    chosen = cpu_kernels.attention_path()
+    yield
+    cpu_kernels.select_attention_path(chosen)
+
+
+def bf16_cache_run(batch, path, q_dtype=jnp.float32, **kw):
+    """The kernel on `path` with the batch's caches and q rounded to bf16 (q then passed as q_dtype),
+    and dense float64 attention over the same rounded values."""
+    rounded = dataclasses.replace(batch, **{name: np.asarray(jnp.asarray(getattr(batch, name), jnp.bfloat16), np.float32)
+                                            for name in ("q", "k_cache", "v_cache")})
+    q, k, v, *rest = rounded.args(jnp)
+    cpu_kernels.select_attention_path(path)
+    window = kw.get("window")
+    out = ragged_paged_attention_cpu(q.astype(q_dtype), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), *rest,
+                                     sm_scale=0.3, window=None if window is None else jnp.int32(window),
+                                     softcap=kw.get("softcap"))
+    return np.asarray(out.astype(jnp.float32)), dense_attention(rounded, 0.3, window=window, softcap=kw.get("softcap"))
+
+
+@pytest.mark.parametrize("path", ["amx", "rows"])
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32-q", "bf16-q"])
+@pytest.mark.parametrize("group, head_dim, block_size", [(1, 64, 16), (3, 64, 16), (4, 128, 8), (3, 128, 64), (1, 32, 32)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (20, 5.0)])
+def test_bf16_cache_attention_equals_the_float_reference_on_each_path(restore_attention_path, path, q_dtype, group,
+                                                                      head_dim, block_size, window, softcap):
+    """Both paths against float64 attention. A float32 q keeps float32 precision on either path (AMX
+    splits q and P in two bf16 terms each); with a bf16 q, AMX rounds P to bf16 and the output is
+    bf16. Where this CPU or build has no AMX, select_attention_path("amx") keeps the rows path."""
+    batch = make_ragged_batch(AMX_SEQS, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim,
+                              seed=group + head_dim + block_size)
+    batch.q *= 3  # peaked softmaxes: scores well past the cap of 5
+    out, expected = bf16_cache_run(batch, path, q_dtype, window=window, softcap=softcap)
+    n = batch.num_real_tokens
+    assert np.isfinite(out).all(), "a stale (NaN) slot reached the output"
+    assert np.all(out[n:] == 0), "padding tokens must come back as 0"
+    tol = 1e-5 if q_dtype == jnp.float32 else 5e-3
+    err = np.abs(out[:n] - expected[:n]).max() / np.abs(expected[:n]).max()
+    assert err <= tol, f"relative error {err:.2e} > {tol}"
+
+
+@pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="AMX only: elsewhere both names select the rows path")
+def test_the_amx_path_is_selected_where_the_cpu_has_amx_and_runs_prefill_tiles_only(restore_attention_path):
+    """On a CPU with AMX-BF16 the probe selects AMX; prefill tiles then differ from the rows path in
+    the last bits, and a decode-only batch (3 rows a tile) stays on the rows path, bit for bit."""
+    assert cpu_kernels.attention_path() == "amx"
+    for seqs, same in (([(40, 40), (17, 50)], False), ([(1, 40), (1, 77), (1, 3)], True)):
+        batch = make_ragged_batch(seqs, block_size=16, num_kv_heads=1, group=3, head_dim=64, seed=3)
+        amx, _ = bf16_cache_run(batch, "amx")
+        rows, _ = bf16_cache_run(batch, "rows")
+        assert np.array_equal(amx, rows) == same

@@ -20,7 +20,8 @@ import numpy as np
 
 from jaxcb.kernels.attention.inputs import check_attention_inputs
 from jaxcb.kernels.cpu import (
-    ATTENTION_DTYPES, ATTENTION_TARGET, CACHE_DTYPES, KV_WRITE_TARGET, LAZY_ZEROS_TARGET, load_cpu_kernels,
+    ATTENTION_DTYPES, ATTENTION_TARGET, CACHE_DTYPES, KV_WRITE_TARGET, LAZY_ZEROS_TARGET, attention_path,
+    load_cpu_kernels,
 )
 
 
@@ -47,6 +48,8 @@ def ragged_paged_attention_cpu(
             raise ValueError(f"the CPU attention kernel takes {' or '.join(allowed)} for {name}, got {dtype}; "
                              f"use cache.dtype={' or '.join(CACHE_DTYPES)}, or attention.impl=xla")
     load_cpu_kernels()
+    if k_cache.dtype == jnp.bfloat16:
+        attention_path()  # probed and selected once per process: AMX prefill tiles where they run
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     windowed = () if window is None else (jnp.reshape(window, ()),)  # the kernel's optional last operand
     capped = {} if softcap is None else {"softcap": np.float32(softcap)}  # the kernel's optional attribute

@@ -31,7 +31,7 @@ HERE = Path(__file__).parent
 SOURCES = (
     HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc", HERE / "kv_cache_write.cc",
 )
-HEADERS = (HERE / "bf16.h", HERE / "parallel_for.h", HERE / "vector_exp.h", HERE / "vector_tanh.h")
+HEADERS = (HERE / "amx.h", HERE / "bf16.h", HERE / "parallel_for.h", HERE / "vector_exp.h", HERE / "vector_tanh.h")
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
 MATMUL_ARGMAX_TARGET = "jaxcb_packed_matmul_argmax"
@@ -208,3 +208,48 @@ def bf16_matmul_paths_built() -> list[str]:
     """The bf16 paths this machine's build of the kernels has (what runs is another matter)."""
     built = load_cpu_kernels().JaxcbBf16MatmulPaths()
     return [name for code, name in BF16_MATMUL_PATHS.items() if built & (1 << code)]
+
+
+# The attention kernel's paths for a bf16 cache (ragged_paged_attention.cc's JaxcbSelectAttention).
+ATTENTION_PATHS = {0: "rows", 1: "amx"}
+ATTENTION_DESCRIPTIONS = {
+    "rows": "every tile row by row in float32",
+    "amx": "tiles of 8 or more query rows (prefill) on AMX tiles (tdpbf16ps, float32 sums and softmax), "
+           "fewer rows (decode) row by row in float32",
+}
+_ATTENTION_PROBE = """
+import ctypes, sys
+sys.exit(0 if ctypes.CDLL(sys.argv[1]).JaxcbProbeAttentionAmx() == 1 else 3)
+"""
+
+
+@functools.cache
+def attention_path() -> str:
+    """The path the attention kernel takes for a bf16 cache here (a name of ATTENTION_PATHS): AMX
+    where this build has it and a prefill tile on it runs and matches the rows path in a child
+    process (a CPU whose flags list an instruction it cannot run kills the child, not the
+    engine); else rows. Chosen once per process, and logged."""
+    lib = load_cpu_kernels()
+    chosen = 0
+    if lib.JaxcbAttentionPaths() & (1 << 1):
+        try:
+            done = subprocess.run([sys.executable, "-c", _ATTENTION_PROBE, str(build_library())], capture_output=True,
+                                  timeout=120)
+            ok = done.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            ok = False
+        if ok:
+            chosen = 1
+        else:
+            log.warning("the AMX attention is built for this CPU but does not run right here; falling back")
+    name = ATTENTION_PATHS[lib.JaxcbSelectAttention(chosen)]
+    log.info("CPU attention on a bf16 cache: %s", ATTENTION_DESCRIPTIONS[name])
+    return name
+
+
+def select_attention_path(name: str) -> str:
+    """Makes every later attention call on a bf16 cache take path `name` (tests and benchmarks
+    compare paths); returns the path in use, the current one when this build lacks `name`."""
+    attention_path()  # probed first: the first call of the kernel must not undo this choice
+    code = {v: k for k, v in ATTENTION_PATHS.items()}[name]
+    return ATTENTION_PATHS[load_cpu_kernels().JaxcbSelectAttention(code)]

@@ -35,9 +35,7 @@
 #include <utility>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "amx.h"
 #include "bf16.h"
 #include "parallel_for.h"
 #include "vector_exp.h"
@@ -350,57 +348,28 @@ struct WidenTile {
 };
 constexpr TileTable kTilesBf16Widen = MakeTable<WidenTile>();
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+using jaxcb::AmxScope;
+#if defined(JAXCB_AMX)
 #define JAXCB_BF16_AMX 1
+using jaxcb::EnsureAmxConfig;
+using jaxcb::g_amx_call;
+using jaxcb::RequestAmx;
 // The tile configuration every AMX tile call uses: C tiles 0 and 1 (kTileRows rows of 16
 // floats), A tile 2 (kTileRows rows of 32 bf16), B tiles 3 and 4 (16 pair-rows of 16 columns).
 // A chunk of fewer rows loads and multiplies all kTileRows; the rows past it are dropped.
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-  AmxConfig() {
-    for (int t : {0, 1, 2}) bytes_per_row[t] = 64, rows[t] = kTileRows;
-    for (int t : {3, 4}) bytes_per_row[t] = 64, rows[t] = 16;
-  }
-};
-// Bumped by every call that multiplies on AMX: a thread reloads the configuration on its first tile
-// of each call, in case other code (XLA's own AMX kernels on the same pool) changed it in between.
-std::atomic<int64_t> g_amx_call{0};
-
-thread_local int64_t t_amx_loaded = -1;  // the call whose configuration this thread holds; -1: none
-
-inline void EnsureAmxConfig() {
-  static const AmxConfig config;
-  const int64_t call = g_amx_call.load(std::memory_order_relaxed);
-  if (t_amx_loaded != call) {
-    _tile_loadconfig(&config);
-    t_amx_loaded = call;
-  }
-}
+const jaxcb::AmxConfig kAmxConfig = [] {
+  jaxcb::AmxConfig config;
+  for (int t : {0, 1, 2}) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
+  for (int t : {3, 4}) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  return config;
+}();
 #endif
-
-// Hands a thread's AMX state back (tilerelease) at the end of each work item that used it: a pool
-// thread (or the caller's) then carries no live tile data between calls, into context switches,
-// signal frames or other code. Reloading the configuration costs ~0.07 us an item.
-struct AmxScope {
-  bool used;
-  explicit AmxScope(bool used_) : used(used_) {}
-  ~AmxScope() {
-#if defined(JAXCB_BF16_AMX)
-    if (used && t_amx_loaded != -1) {
-      _tile_release();
-      t_amx_loaded = -1;
-    }
-#endif
-  }
-};
 #if defined(JAXCB_BF16_AMX)
 
 template <int R, int NP>
 void TileBf16Amx(const float* a_, const float* b_, int64_t depth, float* c, int64_t ldc, int64_t nv,
                  const char* prefetch, int64_t lines) {
-  EnsureAmxConfig();
+  EnsureAmxConfig(kAmxConfig);
   const char* a = reinterpret_cast<const char*>(a_);  // kTileRows rows of 4 * depth bytes
   const char* b = reinterpret_cast<const char*>(b_);  // NP panels of depth rows of 64 bytes
   const int64_t a_stride = 4 * depth, panel = 64 * depth;
@@ -435,14 +404,6 @@ struct AmxTile {
 };
 constexpr TileTable kTilesBf16Amx = MakeTable<AmxTile>();
 
-// AMX's tile data needs the kernel's permission, once per process (Linux 5.16+).
-bool RequestAmx() {
-  static const bool granted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
 #endif
 #if defined(JAXCB_BF16_DOT)
 template <int R, int NP>

@@ -21,6 +21,16 @@
 // vectorised, and the next block's keys and values are prefetched while this one is used:
 // decode steps read blocks scattered over the cache, which the hardware prefetcher cannot
 // follow.
+//
+// With a bf16 cache on a CPU with AMX (once the Python side has probed that it runs here:
+// jaxcb.kernels.cpu.attention_path), tiles of 8 or more query rows (prefill, and decode tiles of
+// 8 or more query heads a KV head) take AttendTileAmx instead: S = Q K^T and O += P V on AMX
+// tiles in bf16 with float32 sums, the online softmax in float32 AVX-512 between them, 64 keys a
+// step, 32 query tokens a work item; a float32 q keeps float32 precision (q and P in two bf16
+// terms each). Row by row, a prefill tile's float32 FMAs are the bound; on tiles SmolLM2's
+// prefill ran 3.5x faster (benchmarks/bench_kernels.py --kernels cache-dtype; docs/benchmarks.md,
+// bf16 on CPU). Tiles of fewer rows, float32 and int8 caches, and builds or machines without AMX
+// keep the rows path.
 
 #include <algorithm>
 #include <atomic>
@@ -36,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "bf16.h"
 #include "parallel_for.h"
 #include "vector_exp.h"
@@ -49,6 +60,10 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+#if defined(JAXCB_AMX)
+using jaxcb::EnsureAmxConfig;
+#endif
 
 constexpr int64_t kTokensPerTile = 16;  // query tokens of one sequence per work item
 constexpr int64_t kMaxBlockSize = 64;
@@ -139,6 +154,7 @@ struct WorkItem {
   int32_t seq;
   int32_t kv_head;
   int32_t first_token;  // offset of the tile's first query token within the sequence's new tokens
+  int32_t tokens;  // the tile's query tokens: up to kTokensPerTile (kAmxTokensPerTile on the AMX path)
 };
 
 // Gemma 2's logit soft-cap: a score s becomes cap * tanh(s / cap), on one score or a vector of them.
@@ -382,9 +398,8 @@ struct BlockFetch {
 };
 
 // The keys a work item's tile sees in its sequence: up to its last query token's position.
-inline int64_t KeysSeen(int32_t kv_len, int32_t q_len, int32_t first_token) {
-  const int64_t tile_tokens = std::min<int64_t>(kTokensPerTile, q_len - first_token);
-  return static_cast<int64_t>(kv_len) - q_len + first_token + tile_tokens;
+inline int64_t KeysSeen(int32_t kv_len, int32_t q_len, const WorkItem& item) {
+  return static_cast<int64_t>(kv_len) - q_len + item.first_token + item.tokens;
 }
 
 // The first key a work item's tile sees: the start of its first query token's window (the earliest).
@@ -402,11 +417,11 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
                 int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer, int64_t window, const WorkItem& item,
                 float sm_scale, const SoftCap& cap, Q* out, NextFetch&& first_block_of_next) {
   const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
-  const int64_t tile_tokens = std::min<int64_t>(kTokensPerTile, q_len - item.first_token);
+  const int64_t tile_tokens = item.tokens;
   const int64_t rows = tile_tokens * group;
   // Token i of the q_len new tokens sits at position kv_len - q_len + i.
   const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + item.first_token;
-  const int64_t last_pos = KeysSeen(kv_len, q_len, item.first_token) - 1;
+  const int64_t last_pos = KeysSeen(kv_len, q_len, item) - 1;
 
   // Per-thread scratch, grown once: no allocation per work item.
   thread_local std::vector<float> qf, acc, m, l, kbuf, vbuf;
@@ -478,6 +493,386 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
   }
 }
 
+#if defined(JAXCB_AMX)
+// Prefill tiles on AMX (bf16 caches). A tile of many query rows multiplies whole steps of keys at
+// once instead of one row at a time: per step of up to 64 consecutive keys (any block size: the
+// keys are gathered through the block table row by row), S = Q K^T on tiles (tdpbf16ps, fp32
+// sums), the online softmax of S in fp32 AVX-512, P in bf16, then O += P V on tiles. The row
+// path's fp32 FMAs run no faster on bf16 operands than on floats (vdpbf16ps did not pay in the
+// matmul either); AMX's tile multiply does, once a tile has kAmxMinRows rows. Rows are taken 16
+// at a time (an A tile's rows; the last chunk padded with zero rows).
+//
+// Layouts (AMX's B operand holds 16 "pair-rows", each 16 columns of two bf16 along the depth):
+// - Q: bf16 rows as they are, [padded rows][D] (an A tile reads 32 d of 16 rows);
+// - K^T for S: B[d / 2][key][2] = K[key][d], i.e. each key's row read as 32-bit pairs and
+//   transposed, 16 keys x 16 pairs a tile (16x16 32-bit transposes in registers);
+// - P: bf16 [16 rows][64 keys] (an A tile reads 32 keys of 16 rows);
+// - V for O: B[key / 2][d][2] = V[key][d], the step's keys two by two, interleaved.
+// Keys past the tile's last position (past kv_len: maybe stale, even NaN) and before its first
+// window are never read: their K and V rows are zeros in the buffers, and their scores, like
+// every score a row may not see (causal, sliding window), are -inf before the max and the exp,
+// so their P is 0. Soft-capping applies to the scaled score before the masks, as elsewhere.
+constexpr int64_t kAmxStepKeys = 64;  // keys per online-softmax step: S is four 16-key C tiles
+// Query tokens per work item on the AMX path: packing a step's keys for the tiles (a quarter of
+// the time at 16 tokens) is shared by all the item's rows. 32 ran 5% faster than 16 on SmolLM2's
+// prefill, 64 no faster again (the diagonal's masked keys grow with the tile).
+constexpr int32_t kAmxTokensPerTile = 32;
+// Tiles of fewer rows (decode tiles of small groups) take the rows path: a tile multiply is then
+// mostly padding and packing the step's keys costs more than it saves. Measured on SmolLM2's
+// heads over 400 keys, AMX against rows: 3 rows 0.68x, 6 rows 1.02x, 8 rows (a decode tile of 8
+// query heads a KV head) 1.19x, 9 rows 1.17x, 12 rows 1.39x, 48 rows 2.8x (before the last two
+// improvements below: the 16-lane sums and unmasked rows).
+constexpr int64_t kAmxMinRows = 8;
+
+// Tiles 0-3: C, 16 rows x 16 floats (S's four 16-key columns, or four 16-wide d columns of P V);
+// tiles 4 and 6: A, 16 rows x 32 bf16 (32 d of Q and of its remainder, or 32 keys of P); tile 5:
+// B, 16 pair-rows x 16 columns.
+const jaxcb::AmxConfig kAttentionAmxConfig = [] {
+  jaxcb::AmxConfig config;
+  for (int t = 0; t < 7; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  return config;
+}();
+
+// The AMX path is taken only once selected (JaxcbSelectAttention), after the Python side has
+// run JaxcbProbeAttentionAmx in a child process: until then, and where it fails, the rows path.
+std::atomic<bool> g_attention_amx{false};
+
+template <typename T>
+T* AlignedScratch(std::vector<char>& buffer, size_t count) {
+  const size_t bytes = count * sizeof(T) + 64;
+  if (buffer.size() < bytes) buffer.resize(bytes);
+  const auto at = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<T*>(buffer.data() + (64 - at % 64) % 64);
+}
+
+// 16 floats rounded to bf16 (to nearest even, as FloatToBf16; the values here are finite).
+inline __m256i ToBf16(__m512 x) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+#endif
+}
+
+inline __m512 FromBf16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// Lanes [lo, hi) of 16 (clipped to [0, 16)), as a mask.
+inline __mmask16 LaneRange(int64_t lo, int64_t hi) {
+  lo = std::clamp<int64_t>(lo, 0, 16);
+  hi = std::clamp<int64_t>(hi, 0, 16);
+  if (hi <= lo) return 0;
+  return static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+}
+
+// r[i] lane j -> r[j] lane i, for 16 vectors of 16 32-bit lanes.
+inline void Transpose16x16(__m512i (&r)[16]) {
+  __m512i t[16];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Now r[4i + k] holds, in each 128-bit lane L, rows 4i..4i+3's column 4L + k: the 4x4 blocks.
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x88);
+    t[4 + k] = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xdd);
+    t[8 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xdd);
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    r[12 + k] = _mm512_shuffle_i32x4(t[4 + k], t[12 + k], 0xdd);
+  }
+}
+
+// The step's keys as B tiles of S = Q K^T: tile (c, n) (at kt + (4c + n) * 256 words) holds
+// d [32c, 32c + 32) of keys [16n, 16n + 16) as B[pair][key]. A null row is a zero key.
+inline void PackKeysTransposed(const uint16_t* const* krow, int64_t key_tiles, int64_t D, uint32_t* kt) {
+  for (int64_t n = 0; n < key_tiles; ++n)
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512i r[16];
+#pragma GCC unroll 16
+      for (int j = 0; j < 16; ++j) {
+        const uint16_t* row = krow[16 * n + j];
+        r[j] = row ? _mm512_loadu_si512(row + 32 * c) : _mm512_setzero_si512();
+      }
+      Transpose16x16(r);
+      uint32_t* tile = kt + (4 * c + n) * 256;
+#pragma GCC unroll 16
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(tile + 16 * p, r[p]);
+    }
+}
+
+// The step's values as B tiles of O = P V: tile (c, t) (at vv + (c * D / 16 + t) * 256 words)
+// holds keys [32c, 32c + 32) two by two, d [16t, 16t + 16): B[pair][d] = (V[2 pair][d], V[2 pair + 1][d]).
+inline void PackValuePairs(const uint16_t* const* vrow, int64_t key_chunks, int64_t D, uint32_t* vv) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo_index = _mm512_load_si512(kLo), hi_index = _mm512_load_si512(kHi);
+  const int64_t d_tiles = D / 16;
+  for (int64_t c = 0; c < key_chunks; ++c)
+    for (int64_t p = 0; p < 16; ++p) {
+      const uint16_t *a = vrow[32 * c + 2 * p], *b = vrow[32 * c + 2 * p + 1];
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i x = a ? _mm512_loadu_si512(a + d) : _mm512_setzero_si512();
+        const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+        uint32_t* tile = vv + (c * d_tiles + d / 16) * 256 + 16 * p;
+        _mm512_store_si512(tile, _mm512_permutex2var_epi16(x, lo_index, y));
+        _mm512_store_si512(tile + 256, _mm512_permutex2var_epi16(x, hi_index, y));
+      }
+    }
+}
+
+// AttendTile for a bf16 cache on AMX tiles (D % 32 == 0). Same arguments and result.
+template <typename Q>
+void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* block_table, int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer,
+                   int64_t window, const WorkItem& item, float sm_scale, const SoftCap& cap, Q* out) {
+  const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
+  const int64_t rows = item.tokens * group, chunks = (rows + 15) / 16, padded = 16 * chunks;
+  const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + item.first_token;
+  const int64_t key_end = KeysSeen(kv_len, q_len, item);  // past the tile's last position
+  const int64_t first_key = FirstKeySeen(kv_len, q_len, item.first_token, window);
+  const int64_t d_tiles = D / 16, d_chunks = D / 32;
+
+  // Per-thread scratch, grown once.
+  thread_local std::vector<char> qb_buf, qlo_buf, kt_buf, vv_buf, acc_buf, pv_buf, ml_buf;
+  uint16_t* qb = AlignedScratch<uint16_t>(qb_buf, padded * D);
+  // A float32 q (a float32 model's, or a bf16 model's: its activations are float32) keeps float32
+  // precision: q and P are each split in two bf16 terms, hi + lo (to ~2^-16), both multiplied, so
+  // the result matches the rows path to ~1e-5 as a float32 computation over the bf16 cache must.
+  // Rounding q alone to bf16 moved a score of 10 by ~0.02 (the softmax weights by 2%), rounding P
+  // the output by ~7e-4 of its scale. A bf16 q is exact in hi, and its output is rounded to bf16
+  // anyway: one term each. The second terms cost tile multiplies, which are not the bound.
+  constexpr bool split_q = !std::is_same_v<Q, uint16_t>;
+  uint16_t* qlo = split_q ? AlignedScratch<uint16_t>(qlo_buf, padded * D) : nullptr;
+  uint32_t* kt = AlignedScratch<uint32_t>(kt_buf, d_chunks * 4 * 256);
+  uint32_t* vv = AlignedScratch<uint32_t>(vv_buf, 2 * d_tiles * 256);
+  float* acc = AlignedScratch<float>(acc_buf, padded * D);
+  float* pv = AlignedScratch<float>(pv_buf, 16 * D);
+  // A chunk's scores, its P (and P's second term), each row's correction of its output.
+  alignas(64) float sbuf[16 * kAmxStepKeys];
+  alignas(64) uint16_t pbuf[16 * kAmxStepKeys], plo[16 * kAmxStepKeys];
+  alignas(64) float corr[16];
+  // Each row's running max, then its running sum as 16 lanes (summed across once, at the end).
+  float* l = AlignedScratch<float>(ml_buf, 17 * padded);
+  float* m = l + 16 * padded;
+  std::fill(m, m + padded, -1e30f);
+  std::fill(l, l + 16 * padded, 0.0f);
+  std::fill(acc, acc + padded * D, 0.0f);
+
+  // Q as bf16 rows, unscaled (sm_scale is applied to the fp32 scores: a bf16 q stays exact).
+  for (int64_t row = 0; row < padded; ++row) {
+    uint16_t* dst = qb + row * D;
+    if (row >= rows) {
+      std::fill(dst, dst + D, uint16_t{0});
+      if constexpr (split_q) std::fill(qlo + row * D, qlo + row * D + D, uint16_t{0});
+      continue;
+    }
+    const Q* src = q + ((q_begin + item.first_token + row / group) * s.num_q_heads + item.kv_head * group +
+                        row % group) * D;
+    if constexpr (std::is_same_v<Q, uint16_t>) {
+      std::memcpy(dst, src, D * sizeof(uint16_t));
+    } else {
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 x = _mm512_loadu_ps(src + d);
+        const __m256i hi = ToBf16(x);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), hi);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qlo + row * D + d), ToBf16(_mm512_sub_ps(x, FromBf16(hi))));
+      }
+    }
+  }
+
+  EnsureAmxConfig(kAttentionAmxConfig);
+  const int64_t head_base = (static_cast<int64_t>(layer) * s.num_kv_heads + item.kv_head) * s.num_blocks;
+  const __m512 scale = _mm512_set1_ps(sm_scale), minus_inf = _mm512_set1_ps(-INFINITY);
+  for (int64_t k0 = first_key / BS * BS; k0 < key_end; k0 += kAmxStepKeys) {
+    const int64_t nk = std::min<int64_t>(kAmxStepKeys, key_end - k0);
+    const int64_t key_tiles = (nk + 15) / 16, key_chunks = (nk + 31) / 32;
+    // The step's key and value rows in the cache; null (zeros) where no row of the tile looks.
+    const uint16_t* krow[kAmxStepKeys];
+    const uint16_t* vrow[kAmxStepKeys];
+    for (int64_t j = 0; j < 32 * key_chunks; ++j) {
+      const int64_t key = k0 + j;
+      if (j >= nk || key < first_key) {
+        krow[j] = vrow[j] = nullptr;
+        continue;
+      }
+      const int64_t at = ((head_base + block_table[key / BS]) * BS + key % BS) * D;
+      krow[j] = k_cache + at;
+      vrow[j] = v_cache + at;
+    }
+    PackKeysTransposed(krow, key_tiles, D, kt);
+    PackValuePairs(vrow, key_chunks, D, vv);
+
+    // S = Q K^T for chunk ch's 16 rows x the step's keys, into sb ([16][kAmxStepKeys] floats).
+    auto scores = [&](int64_t ch, float* sb) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0; c < d_chunks; ++c) {
+        _tile_loadd(4, qb + 16 * ch * D + 32 * c, D * sizeof(uint16_t));
+        if constexpr (split_q) _tile_loadd(6, qlo + 16 * ch * D + 32 * c, D * sizeof(uint16_t));
+        const uint32_t* b = kt + 4 * c * 256;
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if constexpr (split_q) _tile_dpbf16ps(0, 6, 5);
+        if (key_tiles > 1) {
+          _tile_loadd(5, b + 256, 64);
+          _tile_dpbf16ps(1, 4, 5);
+          if constexpr (split_q) _tile_dpbf16ps(1, 6, 5);
+        }
+        if (key_tiles > 2) {
+          _tile_loadd(5, b + 512, 64);
+          _tile_dpbf16ps(2, 4, 5);
+          if constexpr (split_q) _tile_dpbf16ps(2, 6, 5);
+        }
+        if (key_tiles > 3) {
+          _tile_loadd(5, b + 768, 64);
+          _tile_dpbf16ps(3, 4, 5);
+          if constexpr (split_q) _tile_dpbf16ps(3, 6, 5);
+        }
+      }
+      constexpr int64_t ld = kAmxStepKeys * sizeof(float);
+      _tile_stored(0, sb, ld);
+      if (key_tiles > 1) _tile_stored(1, sb + 16, ld);
+      if (key_tiles > 2) _tile_stored(2, sb + 32, ld);
+      if (key_tiles > 3) _tile_stored(3, sb + 48, ld);
+    };
+
+    // The online softmax of chunk ch, row by row in float32: its P (bf16, and P's second term for
+    // a float32 q) into pb and pl, each row's running max and sum, and its output's correction.
+    auto softmax = [&](int64_t ch, const float* sb, uint16_t* pb, uint16_t* pl) {
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t row = 16 * ch + r;
+        uint16_t *p_row = pb + r * kAmxStepKeys, *lo_row = pl + r * kAmxStepKeys;
+        const int64_t pos = pos0 + row / group;
+        const int64_t lo = std::max<int64_t>(pos - window + 1, 0) - k0, hi = std::min<int64_t>(pos + 1, key_end) - k0;
+        if (row >= rows || hi <= lo || hi <= 0) {  // nothing to see in this step: P 0, output as it is
+          std::memset(p_row, 0, 32 * key_chunks * sizeof(uint16_t));
+          if constexpr (split_q) std::memset(lo_row, 0, 32 * key_chunks * sizeof(uint16_t));
+          corr[r] = 1.0f;
+          continue;
+        }
+        __m512 sv[4];
+        __m512 mx = minus_inf;
+        const bool masked = lo > 0 || hi < 16 * key_tiles;  // most rows see every key of most steps
+        for (int64_t v = 0; v < key_tiles; ++v) {
+          __m512 x = _mm512_mul_ps(_mm512_load_ps(sb + r * kAmxStepKeys + 16 * v), scale);
+          if (cap.on()) x = cap(x);
+          sv[v] = masked ? _mm512_mask_mov_ps(minus_inf, LaneRange(lo - 16 * v, hi - 16 * v), x) : x;
+          mx = _mm512_max_ps(mx, sv[v]);
+        }
+        const float m_new = std::max(m[row], _mm512_reduce_max_ps(mx));
+        const float correction = m_new == m[row] ? 1.0f : std::exp(m[row] - m_new);  // the max holds: most steps
+        const __m512 shift = _mm512_set1_ps(m_new);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t v = 0; v < key_tiles; ++v) {
+          const __m512 p = jaxcb::Exp16(_mm512_sub_ps(sv[v], shift));
+          const __m256i p_hi = ToBf16(p);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + 16 * v), p_hi);
+          if constexpr (split_q) {
+            _mm256_store_si256(reinterpret_cast<__m256i*>(lo_row + 16 * v), ToBf16(_mm512_sub_ps(p, FromBf16(p_hi))));
+            sum = _mm512_add_ps(sum, p);
+          } else {
+            sum = _mm512_add_ps(sum, FromBf16(p_hi));  // the sum of the P that multiplies V, as rounded
+          }
+        }
+        if (key_tiles & 1) {  // P's last 32-key column: its second half zero
+          _mm256_store_si256(reinterpret_cast<__m256i*>(p_row + 16 * key_tiles), _mm256_setzero_si256());
+          if constexpr (split_q)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(lo_row + 16 * key_tiles), _mm256_setzero_si256());
+        }
+        float* l_row = l + 16 * row;
+        _mm512_store_ps(l_row, _mm512_fmadd_ps(_mm512_load_ps(l_row), _mm512_set1_ps(correction), sum));
+        m[row] = m_new;
+        corr[r] = correction;
+      }
+    };
+
+    // PV = P V for chunk ch (P in pb and pl), four 16-wide d columns at a time, then its rows'
+    // outputs O = O * correction + PV.
+    auto values = [&](int64_t ch, const uint16_t* pb, const uint16_t* pl) {
+      for (int64_t t0 = 0; t0 < d_tiles; t0 += 4) {
+        const int64_t nt = std::min<int64_t>(4, d_tiles - t0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < key_chunks; ++c) {
+          _tile_loadd(4, pb + 32 * c, kAmxStepKeys * sizeof(uint16_t));
+          if constexpr (split_q) _tile_loadd(6, pl + 32 * c, kAmxStepKeys * sizeof(uint16_t));
+          const uint32_t* b = vv + (c * d_tiles + t0) * 256;
+          _tile_loadd(5, b, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          if constexpr (split_q) _tile_dpbf16ps(0, 6, 5);
+          if (nt > 1) {
+            _tile_loadd(5, b + 256, 64);
+            _tile_dpbf16ps(1, 4, 5);
+            if constexpr (split_q) _tile_dpbf16ps(1, 6, 5);
+          }
+          if (nt > 2) {
+            _tile_loadd(5, b + 512, 64);
+            _tile_dpbf16ps(2, 4, 5);
+            if constexpr (split_q) _tile_dpbf16ps(2, 6, 5);
+          }
+          if (nt > 3) {
+            _tile_loadd(5, b + 768, 64);
+            _tile_dpbf16ps(3, 4, 5);
+            if constexpr (split_q) _tile_dpbf16ps(3, 6, 5);
+          }
+        }
+        const int64_t ld = D * sizeof(float);
+        _tile_stored(0, pv + 16 * t0, ld);
+        if (nt > 1) _tile_stored(1, pv + 16 * (t0 + 1), ld);
+        if (nt > 2) _tile_stored(2, pv + 16 * (t0 + 2), ld);
+        if (nt > 3) _tile_stored(3, pv + 16 * (t0 + 3), ld);
+      }
+      const int64_t live = std::min<int64_t>(16, rows - 16 * ch);
+      for (int64_t r = 0; r < live; ++r) {
+        float* o = acc + (16 * ch + r) * D;
+        const __m512 c = _mm512_set1_ps(corr[r]);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_store_ps(o + d, _mm512_fmadd_ps(_mm512_load_ps(o + d), c, _mm512_load_ps(pv + r * D + d)));
+      }
+    };
+
+    // (Multiplying chunk ch + 1's scores between chunk ch's softmax and its P V ran 5% slower.)
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      scores(ch, sbuf);
+      softmax(ch, sbuf, pbuf, plo);
+      values(ch, pbuf, plo);
+    }
+  }
+
+  float normed[kMaxHeadDim];
+  for (int64_t row = 0; row < rows; ++row) {
+    const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * row));
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    for (int64_t d = 0; d < D; ++d) normed[d] = acc[row * D + d] * inv;
+    Q* dst = out + ((q_begin + item.first_token + row / group) * s.num_q_heads + item.kv_head * group + row % group) * D;
+    StoreRow<Q>(normed, dst, D);
+  }
+}
+#endif
+
 template <typename Q, typename C>
 ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
                   const int32_t* kv_lens, const int32_t* block_tables, const int32_t* qsl, int32_t num_seqs,
@@ -491,6 +886,17 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
                                        std::to_string(s.num_layers) + ")");
   if (window < 1)
     return ffi::Error::InvalidArgument("window=" + std::to_string(window) + " must be >= 1 (a token sees itself)");
+  [[maybe_unused]] const int64_t group = s.num_q_heads / s.num_kv_heads;
+  [[maybe_unused]] bool amx = false;
+  int32_t tokens_per_tile = kTokensPerTile;
+#if defined(JAXCB_AMX)
+  // Prefill tiles of a bf16 cache on AMX, once selected (and D a multiple of a tile's 32 bf16).
+  amx = std::is_same_v<C, uint16_t> && g_attention_amx.load(std::memory_order_relaxed) && s.head_dim % 32 == 0;
+  if (amx) {
+    jaxcb::g_amx_call.fetch_add(1, std::memory_order_relaxed);
+    tokens_per_tile = kAmxTokensPerTile;
+  }
+#endif
   std::vector<WorkItem> items;
   for (int32_t r = 0; r < num_seqs; ++r) {
     const int32_t q_begin = qsl[r], q_len = qsl[r + 1] - qsl[r], kv_len = kv_lens[r];
@@ -506,8 +912,9 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
         return ffi::Error::InvalidArgument("sequence " + std::to_string(r) + ": block id " +
                                            std::to_string(table[b]) + " is outside the cache");
     }
-    for (int32_t first = 0; first < q_len; first += kTokensPerTile)
-      for (int32_t h = 0; h < s.num_kv_heads; ++h) items.push_back(WorkItem{r, h, first});
+    for (int32_t first = 0; first < q_len; first += tokens_per_tile)
+      for (int32_t h = 0; h < s.num_kv_heads; ++h)
+        items.push_back(WorkItem{r, h, first, std::min<int32_t>(tokens_per_tile, q_len - first)});
   }
   const int64_t n = static_cast<int64_t>(items.size());
   jaxcb::ParallelFor(pool, n, [&](int64_t i, jaxcb::NextItem& next) {
@@ -519,12 +926,22 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
       const int32_t q_len = qsl[other.seq + 1] - qsl[other.seq];
       const int64_t first = FirstKeySeen(kv_lens[other.seq], q_len, other.first_token, window) / s.block_size;
       const int64_t keys = std::min<int64_t>(
-          s.block_size, KeysSeen(kv_lens[other.seq], q_len, other.first_token) - first * s.block_size);
+          s.block_size, KeysSeen(kv_lens[other.seq], q_len, other) - first * s.block_size);
       const int64_t at = ((static_cast<int64_t>(layer) * s.num_kv_heads + other.kv_head) * s.num_blocks +
                           block_tables[other.seq * s.width + first]) * s.block_size * s.head_dim;
       return {reinterpret_cast<const char*>(k_cache + at), reinterpret_cast<const char*>(v_cache + at),
               keys * s.head_dim * static_cast<int64_t>(sizeof(C))};
     };
+#if defined(JAXCB_AMX)
+    if constexpr (std::is_same_v<C, uint16_t>) {
+      const int32_t q_len = qsl[item.seq + 1] - qsl[item.seq];
+      if (amx && item.tokens * group >= kAmxMinRows) {
+        const jaxcb::AmxScope scope(true);
+        return AttendTileAmx<Q>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq],
+                                qsl[item.seq], q_len, layer, window, item, sm_scale, cap, out);
+      }
+    }
+#endif
     AttendTile<Q, C>(s, q, k_cache, v_cache, block_tables + item.seq * s.width, kv_lens[item.seq], qsl[item.seq],
                      qsl[item.seq + 1] - qsl[item.seq], layer, window, item, sm_scale, cap, out, first_block_of_next);
   });
@@ -597,3 +1014,57 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbRaggedPagedAttention, RaggedPagedAttentionImp
                                   .OptionalArg<ffi::Buffer<ffi::S32>>()  // window: absent, no window
                                   .Attrs()  // sm_scale, and softcap (absent: no capping)
                                   .Ret<ffi::AnyBuffer>());
+
+// The attention paths for a bf16 cache, for the Python side (ctypes): 0, rows (every tile row by
+// row, in fp32); 1, AMX (prefill tiles on AMX tiles, decode tiles row by row).
+extern "C" int JaxcbAttentionPaths() {  // a bit mask of 1 << path: what this build has
+#if defined(JAXCB_AMX)
+  return 0b11;
+#else
+  return 0b01;
+#endif
+}
+
+// 1 when the AMX path computes a prefill tile as the rows path does (to bf16 rounding), 0 when
+// not, -1 when this build lacks it or the kernel refuses AMX. An instruction the CPU cannot run
+// kills the process: call it in a child process first.
+extern "C" int JaxcbProbeAttentionAmx() {
+#if defined(JAXCB_AMX)
+  if (!jaxcb::RequestAmx()) return -1;
+  // One sequence of 40 keys, its last 20 new: 3 query heads over one KV head of 64, blocks of 16.
+  constexpr int64_t D = 64, BS = 16, group = 3, kv_len = 40, q_len = 20, blocks = 3;
+  const Shapes s{q_len, group, D, 1, 1, blocks, BS, 1, blocks};
+  auto value = [](int64_t i) { return static_cast<float>(static_cast<int>((i * 37) % 17) - 8) / 8.0f; };
+  std::vector<uint16_t> q(q_len * group * D), k(blocks * BS * D), v(blocks * BS * D);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = jaxcb::FloatToBf16(value(i));
+  for (size_t i = 0; i < k.size(); ++i) k[i] = jaxcb::FloatToBf16(value(3 * i + 1)), v[i] = jaxcb::FloatToBf16(value(5 * i + 2));
+  const int32_t table[blocks] = {2, 0, 1};
+  std::vector<uint16_t> rows(q.size(), 0), tiles(q.size(), 0);
+  const WorkItem item{0, 0, 0, kTokensPerTile};
+  {
+    const jaxcb::AmxScope scope(true);
+    jaxcb::g_amx_call.fetch_add(1);
+    AttendTileAmx<uint16_t>(s, q.data(), k.data(), v.data(), table, kv_len, 0, q_len, 0, kNoWindow, item, 0.125f,
+                            SoftCap{}, tiles.data());
+  }
+  AttendTile<uint16_t, uint16_t>(s, q.data(), k.data(), v.data(), table, kv_len, 0, q_len, 0, kNoWindow, item, 0.125f,
+                                 SoftCap{}, rows.data(), [] { return BlockFetch{}; });
+  for (int64_t i = 0; i < kTokensPerTile * group * D; ++i)
+    if (!(std::fabs(jaxcb::Bf16ToFloat(tiles[i]) - jaxcb::Bf16ToFloat(rows[i])) <= 0.03f)) return 0;
+  return 1;
+#else
+  return -1;
+#endif
+}
+
+// Selects the path every later call takes for a bf16 cache (one this build has, and for AMX one
+// the kernel allows); returns the path in use.
+extern "C" int JaxcbSelectAttention(int path) {
+#if defined(JAXCB_AMX)
+  if (path == 0 || (path == 1 && jaxcb::RequestAmx())) g_attention_amx.store(path == 1);
+  return g_attention_amx.load() ? 1 : 0;
+#else
+  (void)path;
+  return 0;
+#endif
+}
