@@ -619,6 +619,38 @@ inline void PackKeysTransposed(const uint16_t* const* krow, int64_t key_tiles, i
 
 // The step's values as B tiles of O = P V: tile (c, t) (at vv + (c * D / 16 + t) * 256 words)
 // holds keys [32c, 32c + 32) two by two, d [16t, 16t + 16): B[pair][d] = (V[2 pair][d], V[2 pair + 1][d]).
+// C tiles 0..n-1 (n <= 4) += A x the n B tiles at b, 256 words apart: A is tile 4, plus tile 6 (the
+// operand's second bf16 term) when two_terms. Tile numbers are immediates, hence the unrolled cases.
+template <bool two_terms>
+inline void MultiplyIntoC(const uint32_t* b, int64_t n) {
+  _tile_loadd(5, b, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  if constexpr (two_terms) _tile_dpbf16ps(0, 6, 5);
+  if (n > 1) {
+    _tile_loadd(5, b + 256, 64);
+    _tile_dpbf16ps(1, 4, 5);
+    if constexpr (two_terms) _tile_dpbf16ps(1, 6, 5);
+  }
+  if (n > 2) {
+    _tile_loadd(5, b + 512, 64);
+    _tile_dpbf16ps(2, 4, 5);
+    if constexpr (two_terms) _tile_dpbf16ps(2, 6, 5);
+  }
+  if (n > 3) {
+    _tile_loadd(5, b + 768, 64);
+    _tile_dpbf16ps(3, 4, 5);
+    if constexpr (two_terms) _tile_dpbf16ps(3, 6, 5);
+  }
+}
+
+// C tiles 0..n-1 to dst, tile i at dst + 16 i (16 rows of `ld` bytes each).
+inline void StoreC(float* dst, int64_t n, int64_t ld) {
+  _tile_stored(0, dst, ld);
+  if (n > 1) _tile_stored(1, dst + 16, ld);
+  if (n > 2) _tile_stored(2, dst + 32, ld);
+  if (n > 3) _tile_stored(3, dst + 48, ld);
+}
+
 inline void PackValuePairs(const uint16_t* const* vrow, int64_t key_chunks, int64_t D, uint32_t* vv) {
   alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -730,31 +762,9 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
       for (int64_t c = 0; c < d_chunks; ++c) {
         _tile_loadd(4, qb + 16 * ch * D + 32 * c, D * sizeof(uint16_t));
         if constexpr (split_q) _tile_loadd(6, qlo + 16 * ch * D + 32 * c, D * sizeof(uint16_t));
-        const uint32_t* b = kt + 4 * c * 256;
-        _tile_loadd(5, b, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        if constexpr (split_q) _tile_dpbf16ps(0, 6, 5);
-        if (key_tiles > 1) {
-          _tile_loadd(5, b + 256, 64);
-          _tile_dpbf16ps(1, 4, 5);
-          if constexpr (split_q) _tile_dpbf16ps(1, 6, 5);
-        }
-        if (key_tiles > 2) {
-          _tile_loadd(5, b + 512, 64);
-          _tile_dpbf16ps(2, 4, 5);
-          if constexpr (split_q) _tile_dpbf16ps(2, 6, 5);
-        }
-        if (key_tiles > 3) {
-          _tile_loadd(5, b + 768, 64);
-          _tile_dpbf16ps(3, 4, 5);
-          if constexpr (split_q) _tile_dpbf16ps(3, 6, 5);
-        }
+        MultiplyIntoC<split_q>(kt + 4 * c * 256, key_tiles);
       }
-      constexpr int64_t ld = kAmxStepKeys * sizeof(float);
-      _tile_stored(0, sb, ld);
-      if (key_tiles > 1) _tile_stored(1, sb + 16, ld);
-      if (key_tiles > 2) _tile_stored(2, sb + 32, ld);
-      if (key_tiles > 3) _tile_stored(3, sb + 48, ld);
+      StoreC(sb, key_tiles, kAmxStepKeys * sizeof(float));
     };
 
     // The online softmax of chunk ch, row by row in float32: its P (bf16, and P's second term for
@@ -819,31 +829,9 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
         for (int64_t c = 0; c < key_chunks; ++c) {
           _tile_loadd(4, pb + 32 * c, kAmxStepKeys * sizeof(uint16_t));
           if constexpr (split_q) _tile_loadd(6, pl + 32 * c, kAmxStepKeys * sizeof(uint16_t));
-          const uint32_t* b = vv + (c * d_tiles + t0) * 256;
-          _tile_loadd(5, b, 64);
-          _tile_dpbf16ps(0, 4, 5);
-          if constexpr (split_q) _tile_dpbf16ps(0, 6, 5);
-          if (nt > 1) {
-            _tile_loadd(5, b + 256, 64);
-            _tile_dpbf16ps(1, 4, 5);
-            if constexpr (split_q) _tile_dpbf16ps(1, 6, 5);
-          }
-          if (nt > 2) {
-            _tile_loadd(5, b + 512, 64);
-            _tile_dpbf16ps(2, 4, 5);
-            if constexpr (split_q) _tile_dpbf16ps(2, 6, 5);
-          }
-          if (nt > 3) {
-            _tile_loadd(5, b + 768, 64);
-            _tile_dpbf16ps(3, 4, 5);
-            if constexpr (split_q) _tile_dpbf16ps(3, 6, 5);
-          }
+          MultiplyIntoC<split_q>(vv + (c * d_tiles + t0) * 256, nt);
         }
-        const int64_t ld = D * sizeof(float);
-        _tile_stored(0, pv + 16 * t0, ld);
-        if (nt > 1) _tile_stored(1, pv + 16 * (t0 + 1), ld);
-        if (nt > 2) _tile_stored(2, pv + 16 * (t0 + 2), ld);
-        if (nt > 3) _tile_stored(3, pv + 16 * (t0 + 3), ld);
+        StoreC(pv + 16 * t0, nt, D * sizeof(float));
       }
       const int64_t live = std::min<int64_t>(16, rows - 16 * ch);
       for (int64_t r = 0; r < live; ++r) {
