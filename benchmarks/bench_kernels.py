@@ -70,7 +70,7 @@ from jaxcb.kernels import packed_matmul as pm
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu, write_kv_rows
 from jaxcb.kernels.attention.pallas import ragged_paged_attention
 from jaxcb.kernels.attention.reference import ragged_paged_attention_reference
-from jaxcb.kernels.attention.testing import make_ragged_batch
+from jaxcb.kernels.attention.testing import make_ragged_batch, share_leading_blocks
 from jaxcb.kernels.attention.xla import ragged_paged_attention_xla
 from jaxcb.kernels.packed_matmul import pack_columns, packed_matmul
 from jaxcb.kernels.row_argmax import row_argmax
@@ -336,7 +336,12 @@ BF16_PATH_WORKLOADS = {  # name: (sequences as (new tokens, kv_len), q's dtype)
     "chunk 2 x 16 new @ 1000 prior": ([(16, 1016)] * 2, jnp.float32),
     "chunk 16 x 6 new @ 400 prior": ([(6, 406)] * 16, jnp.float32),
     "decode 64 seqs @ 400 ctx": ([(1, 400)] * 64, jnp.float32),
+    # Eight groups of 8 whose first 384 keys are the same blocks (prefix caching's shared prompts):
+    # on AMX, cascade items attend those once per group (JaxcbSetCascade turns them off for "amx").
+    "decode 64 seqs @ 400 ctx, groups of 8 sharing 384": ([(1, 400)] * 64, jnp.float32),
 }
+SHARED_PREFIX_GROUPS = {"decode 64 seqs @ 400 ctx, groups of 8 sharing 384": [(list(range(g, g + 8)), 24)
+                                                                              for g in range(0, 64, 8)]}
 
 
 def bf16_attention_paths_table(calls: int) -> None:
@@ -353,24 +358,36 @@ def bf16_attention_paths_table(calls: int) -> None:
         ragged_paged_attention_cpu(q, k, v, kv_lens, tables, qsl, num_seqs, jnp.int32(i),
                                    sm_scale=heads["head_dim"] ** -0.5) for i in range(layers)]))
 
-    def on_path(name):
+    lib = cpu_kernels.load_cpu_kernels()
+
+    def on_path(name, cascade=False):
         def run(*args):
             cpu_kernels.select_attention_path(name)
+            lib.JaxcbSetCascade(int(cascade))
             return all_layers(*args)
         return run
 
     print(f"\n| workload (SmolLM2's heads, bf16 cache) | rows (ms / layer) | {chosen} (ms / layer) | "
-          f"rows / {chosen} |")
-    print("|---|---|---|---|")
+          f"rows / {chosen} | {chosen} + cascade (ms / layer) | rows / cascade |")
+    print("|---|---|---|---|---|---|")
     try:
         for name, (seqs, q_dtype) in BF16_PATH_WORKLOADS.items():
-            f32 = make_ragged_batch(seqs, seed=0, **heads).args(jnp)
+            batch = make_ragged_batch(seqs, seed=0, **heads)
+            if name in SHARED_PREFIX_GROUPS:
+                batch = share_leading_blocks(batch, SHARED_PREFIX_GROUPS[name])
+            f32 = batch.args(jnp)
             args = (f32[0].astype(q_dtype), f32[1].astype(jnp.bfloat16), f32[2].astype(jnp.bfloat16), *f32[3:])
-            seconds = alternate({"rows": (on_path("rows"), args), chosen: (on_path(chosen), args)}, calls)
+            runs = {"rows": (on_path("rows"), args), chosen: (on_path(chosen), args)}
+            if name in SHARED_PREFIX_GROUPS:
+                runs["cascade"] = (on_path(chosen, cascade=True), args)
+            seconds = alternate(runs, calls)
             a, b = (1e3 * seconds[k] / layers for k in ("rows", chosen))
-            print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+            cascade = (f"{1e3 * seconds['cascade'] / layers:.2f} | {a / (1e3 * seconds['cascade'] / layers):.2f}x"
+                       if "cascade" in seconds else "- | -")
+            print(f"| {name} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {cascade} |")
     finally:
         cpu_kernels.select_attention_path(chosen)
+        lib.JaxcbSetCascade(1)
 
 
 # Every kernel of the library: the module constant naming its FFI target, and its symbol.

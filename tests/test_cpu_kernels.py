@@ -13,7 +13,7 @@ import pytest
 
 import jaxcb.kernels.cpu as cpu_kernels
 from attention_batches import dense_attention
-from jaxcb.kernels.attention.testing import make_ragged_batch
+from jaxcb.kernels.attention.testing import make_ragged_batch, share_leading_blocks
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
 from jaxcb.kernels.packed_matmul import pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv
 from jaxcb.kernels.row_argmax import row_argmax
@@ -308,6 +308,22 @@ def test_bench_kernels_qkv_table_times_the_one_call_against_the_three_steps_for_
         assert row in table
 
 
+def test_bench_kernels_bf16_attention_table_times_the_cascade_where_sequences_share_blocks(capsys):
+    module = load_bench_kernels()
+    module.BF16_PATH_WORKLOADS = {"decode": ([(1, 80)] * 4, jnp.float32),
+                                  "decode, shared": ([(1, 80)] * 4, jnp.float32)}
+    module.SHARED_PREFIX_GROUPS = {"decode, shared": [([0, 1, 2, 3], 4)]}
+    module.bf16_attention_paths_table(1)
+    table = capsys.readouterr().out
+    if cpu_kernels.attention_path() != "amx":
+        assert "no AMX attention path" in table
+        return
+    assert "| amx + cascade (ms / layer) | rows / cascade |" in table
+    assert "| decode | " in table and table.split("| decode | ")[1].splitlines()[0].endswith("| - | - |")
+    shared = table.split("| decode, shared | ")[1].splitlines()[0]
+    assert not shared.endswith("| - | - |") and shared.endswith("x |")
+
+
 def test_bench_kernels_steps_against_replays_the_recorded_run_with_each_revisions_kernels(capsys):
     module = load_bench_kernels()
     *_, targets = module.register_kernels_at("HEAD")
@@ -368,6 +384,52 @@ def test_bf16_cache_attention_equals_the_float_reference_on_each_path(restore_at
     tol = 1e-5 if q_dtype == jnp.float32 else 5e-3
     err = np.abs(out[:n] - expected[:n]).max() / np.abs(expected[:n]).max()
     assert err <= tol, f"relative error {err:.2e} > {tol}"
+
+
+# Decoding sequences whose block tables start with the same blocks (prefix caching's shared prompts),
+# beside a prefill chunk and decodes that share nothing: (group, head_dim, block_size, groups of
+# (sequences, shared blocks)). A cascade needs ceil(8 / group) members sharing >= 64 keys before each
+# member's new token; the last group of the first case shares too few keys, the group-1 case's
+# second group has too few members.
+CASCADE_SEQS = [(1, 100), (1, 77), (20, 60), (1, 130), (1, 65), (1, 90), (1, 200), (1, 150), (1, 97), (1, 40),
+                (1, 120), (1, 50), (1, 49)]
+CASCADE_CASES = [(3, 64, 16, [([0, 1, 3, 4, 5], 4), ([6, 7, 8, 10], 6), ([9, 11, 12], 2)]),
+                 (1, 64, 16, [([0, 1, 3, 4, 5, 6, 7, 8, 10], 4), ([11, 12], 3)]),
+                 (4, 128, 8, [([0, 1, 3, 5], 8), ([6, 7, 8, 10], 11)])]
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32-q", "bf16-q"])
+@pytest.mark.parametrize("group, head_dim, block_size, groups", CASCADE_CASES, ids=["g3", "g1", "g4-d128-bs8"])
+@pytest.mark.parametrize("window, softcap", [(None, None), (None, 5.0), (7, None)])
+def test_cascade_items_attend_shared_blocks_for_all_their_sequences_and_equal_the_float_reference(
+        restore_attention_path, q_dtype, group, head_dim, block_size, groups, window, softcap):
+    """On AMX, decoding sequences that share leading blocks are attended over those blocks together
+    (one cascade item per group and KV head), then each over its own blocks from that state; with
+    cascades turned off, one by one. Both equal float64 attention; a sliding window takes no
+    cascade. Elsewhere (no AMX) no cascade runs and the rows path gives the same answer."""
+    lib = cpu_kernels.load_cpu_kernels()
+    batch = make_ragged_batch(CASCADE_SEQS, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim,
+                              seed=group + head_dim)
+    batch.q *= 3
+    batch = share_leading_blocks(batch, groups)
+    n = batch.num_real_tokens
+    tol = 1e-5 if q_dtype == jnp.float32 else 5e-3
+    amx = cpu_kernels.attention_path() == "amx"
+    try:
+        for cascade in (1, 0):
+            lib.JaxcbSetCascade(cascade)
+            before = lib.JaxcbCascadeItems()
+            out, expected = bf16_cache_run(batch, "amx", q_dtype, window=window, softcap=softcap)
+            ran = lib.JaxcbCascadeItems() - before
+            expected_items = 2 * 2 if cascade and amx and window is None else 0  # two groups qualify, 2 KV heads
+            if group == 1:
+                expected_items //= 2  # its second group has 2 members: 2 rows, too few for AMX
+            assert ran == expected_items
+            assert np.isfinite(out).all() and np.all(out[n:] == 0)
+            err = np.abs(out[:n] - expected[:n]).max() / np.abs(expected[:n]).max()
+            assert err <= tol, f"cascade={cascade}: relative error {err:.2e} > {tol}"
+    finally:
+        lib.JaxcbSetCascade(1)
 
 
 @pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="AMX only: elsewhere both names select the rows path")

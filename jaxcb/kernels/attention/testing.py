@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -70,6 +71,19 @@ def make_ragged_batch(
     qsl = np.concatenate([[0], np.cumsum([q for q, _ in seqs]), [num_tokens] * pad_seqs]).astype(np.int32)
     kv_lens = np.array([kv for _, kv in seqs] + [0] * pad_seqs, np.int32)
     return RaggedBatch(q, k_cache, v_cache, kv_lens, tables, qsl, len(seqs), layer, list(seqs))
+
+
+def share_leading_blocks(batch: RaggedBatch, groups: list[tuple[list[int], int]]) -> RaggedBatch:
+    """The batch with each group's sequences pointing their first `blocks` block-table entries at
+    the blocks of the group's first sequence, as prefix caching hands one prompt's full blocks to
+    every request that starts with it. `groups`: (sequence indices, shared blocks)."""
+    tables = batch.block_tables.copy()
+    for members, blocks in groups:
+        lead = members[0]
+        for r in members[1:]:
+            assert blocks * batch.k_cache.shape[3] <= min(batch.kv_lens[r], batch.kv_lens[lead])
+            tables[r, :blocks] = tables[lead, :blocks]
+    return dataclasses.replace(batch, block_tables=tables)
 
 
 def random_decode_batch(

@@ -29,8 +29,10 @@
 // step, 32 query tokens a work item; a float32 q keeps float32 precision (q and P in two bf16
 // terms each). Row by row, a prefill tile's float32 FMAs are the bound; on tiles SmolLM2's
 // prefill ran 3.5x faster (benchmarks/bench_kernels.py --kernels cache-dtype; docs/benchmarks.md,
-// bf16 on CPU). Tiles of fewer rows, float32 and int8 caches, and builds or machines without AMX
-// keep the rows path.
+// bf16 on CPU). Decoding sequences whose block tables start with the same blocks (prefix
+// caching's shared prompts) are attended over those blocks together, all their rows in one AMX
+// tile, then each over its own blocks on the rows path (cascade items: FindCascades). Other tiles
+// of fewer rows, float32 and int8 caches, and builds or machines without AMX keep the rows path.
 
 #include <algorithm>
 #include <atomic>
@@ -44,6 +46,7 @@
 #include <string_view>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -155,6 +158,12 @@ struct WorkItem {
   int32_t kv_head;
   int32_t first_token;  // offset of the tile's first query token within the sequence's new tokens
   int32_t tokens;  // the tile's query tokens: up to kTokensPerTile (kAmxTokensPerTile on the AMX path)
+};
+
+// A cascade item's sequences (FindCascades, on AMX builds only).
+struct Cascade {
+  std::vector<int32_t> members;  // decoding sequences
+  int64_t blocks;  // the leading blocks all of them hold
 };
 
 // Gemma 2's logit soft-cap: a score s becomes cap * tanh(s / cap), on one score or a vector of them.
@@ -412,10 +421,20 @@ inline int64_t FirstKeySeen(int32_t kv_len, int32_t q_len, int32_t first_token, 
 // Q: the element type of q and out; C: the cache's (float, or uint16_t holding bf16).
 // first_block_of_next() says what the last block fetches ahead: the first block of the item
 // this thread runs next (claimed then), so that no item starts on a block still in memory.
+// `from`, when given, holds each row's state after the blocks before from->block (a cascade's
+// shared blocks, attended for several sequences at once): the tile goes on from there.
+struct RowsState {
+  const float* m;    // [rows]: running max of the scaled scores
+  const float* l;    // [rows]: running sum
+  const float* acc;  // [rows, D]: unnormalised output
+  int64_t block;     // the first block still to attend
+};
+
 template <typename Q, typename C, typename NextFetch>
 void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache, const int32_t* block_table,
                 int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer, int64_t window, const WorkItem& item,
-                float sm_scale, const SoftCap& cap, Q* out, NextFetch&& first_block_of_next) {
+                float sm_scale, const SoftCap& cap, Q* out, NextFetch&& first_block_of_next,
+                const RowsState* from = nullptr) {
   const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
   const int64_t tile_tokens = item.tokens;
   const int64_t rows = tile_tokens * group;
@@ -426,9 +445,15 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
   // Per-thread scratch, grown once: no allocation per work item.
   thread_local std::vector<float> qf, acc, m, l, kbuf, vbuf;
   qf.resize(rows * D);
-  acc.assign(rows * D, 0.0f);
-  m.assign(rows, -1e30f);
-  l.assign(rows, 0.0f);
+  if (from != nullptr) {
+    acc.assign(from->acc, from->acc + rows * D);
+    m.assign(from->m, from->m + rows);
+    l.assign(from->l, from->l + rows);
+  } else {
+    acc.assign(rows * D, 0.0f);
+    m.assign(rows, -1e30f);
+    l.assign(rows, 0.0f);
+  }
   if (!std::is_same_v<C, float>) {  // bf16 and int8 blocks are converted to floats here
     kbuf.resize(BS * D);
     vbuf.resize(BS * D);
@@ -445,7 +470,8 @@ void AttendTile(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
 
   const int64_t head_base = (static_cast<int64_t>(layer) * s.num_kv_heads + item.kv_head) * s.num_blocks;
   const int64_t num_blocks_seen = last_pos / BS + 1;  // causal: the tile's last token sees up to last_pos
-  const int64_t first_block = FirstKeySeen(kv_len, q_len, item.first_token, window) / BS;
+  const int64_t first_block = std::max<int64_t>(FirstKeySeen(kv_len, q_len, item.first_token, window) / BS,
+                                                from != nullptr ? from->block : 0);
   for (int64_t b = first_block; b < num_blocks_seen; ++b) {
     const int64_t block_start = b * BS;
     const int64_t keys = std::min<int64_t>(BS, last_pos + 1 - block_start);  // <= kv_len - block_start
@@ -671,16 +697,17 @@ inline void PackValuePairs(const uint16_t* const* vrow, int64_t key_chunks, int6
     }
 }
 
-// AttendTile for a bf16 cache on AMX tiles (D % 32 == 0). Same arguments and result.
-template <typename Q>
-void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                   const int32_t* block_table, int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer,
-                   int64_t window, const WorkItem& item, float sm_scale, const SoftCap& cap, Q* out) {
-  const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
-  const int64_t rows = item.tokens * group, chunks = (rows + 15) / 16, padded = 16 * chunks;
-  const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + item.first_token;
-  const int64_t key_end = KeysSeen(kv_len, q_len, item);  // past the tile's last position
-  const int64_t first_key = FirstKeySeen(kv_len, q_len, item.first_token, window);
+// Attention of `rows` query rows of one KV head over keys [first_key, key_end) of one block table
+// (a bf16 cache) on AMX tiles (D % 32 == 0): the rows of one sequence's query tile (AttendTileAmx),
+// or of several decoding sequences over the blocks they share (a cascade: AttendSharedAmx).
+// row_q(row): the row's q (D elements); row_keys(row): the absolute keys [lo, hi) it may see;
+// finish(row, m, l, acc): its running max, sum and unnormalised output once every step is done.
+template <typename Q, typename RowQ, typename RowKeys, typename Finish>
+void AttendRowsAmx(const Shapes& s, const uint16_t* k_cache, const uint16_t* v_cache, const int32_t* block_table,
+                   int32_t layer, int64_t kv_head, int64_t rows, int64_t first_key, int64_t key_end, float sm_scale,
+                   const SoftCap& cap, RowQ&& row_q, RowKeys&& row_keys, Finish&& finish) {
+  const int64_t D = s.head_dim, BS = s.block_size;
+  const int64_t chunks = (rows + 15) / 16, padded = 16 * chunks;
   const int64_t d_tiles = D / 16, d_chunks = D / 32;
 
   // Per-thread scratch, grown once.
@@ -717,8 +744,7 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
       if constexpr (split_q) std::fill(qlo + row * D, qlo + row * D + D, uint16_t{0});
       continue;
     }
-    const Q* src = q + ((q_begin + item.first_token + row / group) * s.num_q_heads + item.kv_head * group +
-                        row % group) * D;
+    const Q* src = row_q(row);
     if constexpr (std::is_same_v<Q, uint16_t>) {
       std::memcpy(dst, src, D * sizeof(uint16_t));
     } else {
@@ -732,7 +758,7 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
   }
 
   EnsureAmxConfig(kAttentionAmxConfig);
-  const int64_t head_base = (static_cast<int64_t>(layer) * s.num_kv_heads + item.kv_head) * s.num_blocks;
+  const int64_t head_base = (static_cast<int64_t>(layer) * s.num_kv_heads + kv_head) * s.num_blocks;
   const __m512 scale = _mm512_set1_ps(sm_scale), minus_inf = _mm512_set1_ps(-INFINITY);
   for (int64_t k0 = first_key / BS * BS; k0 < key_end; k0 += kAmxStepKeys) {
     const int64_t nk = std::min<int64_t>(kAmxStepKeys, key_end - k0);
@@ -773,8 +799,8 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t row = 16 * ch + r;
         uint16_t *p_row = pb + r * kAmxStepKeys, *lo_row = pl + r * kAmxStepKeys;
-        const int64_t pos = pos0 + row / group;
-        const int64_t lo = std::max<int64_t>(pos - window + 1, 0) - k0, hi = std::min<int64_t>(pos + 1, key_end) - k0;
+        const auto [row_lo, row_hi] = row < rows ? row_keys(row) : std::pair<int64_t, int64_t>{0, 0};
+        const int64_t lo = std::max<int64_t>(row_lo, 0) - k0, hi = std::min<int64_t>(row_hi, key_end) - k0;
         if (row >= rows || hi <= lo || hi <= 0) {  // nothing to see in this step: P 0, output as it is
           std::memset(p_row, 0, 32 * key_chunks * sizeof(uint16_t));
           if constexpr (split_q) std::memset(lo_row, 0, 32 * key_chunks * sizeof(uint16_t));
@@ -850,13 +876,113 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
     }
   }
 
-  float normed[kMaxHeadDim];
-  for (int64_t row = 0; row < rows; ++row) {
-    const float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * row));
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-    for (int64_t d = 0; d < D; ++d) normed[d] = acc[row * D + d] * inv;
-    Q* dst = out + ((q_begin + item.first_token + row / group) * s.num_q_heads + item.kv_head * group + row % group) * D;
-    StoreRow<Q>(normed, dst, D);
+  for (int64_t row = 0; row < rows; ++row) finish(row, m[row], _mm512_reduce_add_ps(_mm512_load_ps(l + 16 * row)), acc + row * D);
+}
+
+// AttendTile for a bf16 cache on AMX tiles (D % 32 == 0). Same arguments and result.
+template <typename Q>
+void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                   const int32_t* block_table, int32_t kv_len, int32_t q_begin, int32_t q_len, int32_t layer,
+                   int64_t window, const WorkItem& item, float sm_scale, const SoftCap& cap, Q* out) {
+  const int64_t D = s.head_dim, group = s.num_q_heads / s.num_kv_heads;
+  const int64_t pos0 = static_cast<int64_t>(kv_len) - q_len + item.first_token;
+  // Row `row` is query token row / group's head row % group of the KV head's group.
+  auto at = [&](int64_t row) {
+    return ((q_begin + item.first_token + row / group) * s.num_q_heads + item.kv_head * group + row % group) * D;
+  };
+  auto row_keys = [&](int64_t row) {
+    const int64_t pos = pos0 + row / group;
+    return std::pair<int64_t, int64_t>{pos - window + 1, pos + 1};
+  };
+  AttendRowsAmx<Q>(s, k_cache, v_cache, block_table, layer, item.kv_head, item.tokens * group,
+                   FirstKeySeen(kv_len, q_len, item.first_token, window), KeysSeen(kv_len, q_len, item), sm_scale,
+                   cap, [&](int64_t row) { return q + at(row); }, row_keys,
+                   [&](int64_t row, float, float l, const float* acc) {
+                     float normed[kMaxHeadDim];
+                     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                     for (int64_t d = 0; d < D; ++d) normed[d] = acc[d] * inv;
+                     StoreRow<Q>(normed, out + at(row), D);
+                   });
+}
+
+// Cascade attention for decoding sequences that share leading blocks (prefix caching hands one
+// prompt's full blocks to every request that starts with it: a system prompt, few-shot examples,
+// a document asked about many times). Attended one sequence at a time, each reads every shared
+// block and each KV head's tile has group rows (3 for SmolLM2), too few for AMX. A cascade item
+// takes up to kCascadeMaxMembers such sequences and one KV head, attends the shared keys once for
+// all their rows on AMX tiles (each shared block packed once, not once per sequence), then goes on
+// sequence by sequence over each one's own blocks on the rows path from that state (AttendTile's
+// `from`). Only decode rows (one new token, which sits past the shared blocks: every shared key
+// is visible to every row) and no sliding window.
+constexpr int64_t kCascadeMinKeys = 64;  // shared keys worth it: one AMX step
+constexpr int64_t kCascadeMaxMembers = 16;  // sequences per cascade item: rows = members x group
+std::atomic<bool> g_cascade{true};  // JaxcbSetCascade: off only to compare against
+std::atomic<int64_t> g_cascade_items{0};  // cascade items run (JaxcbCascadeItems: for the tests)
+
+// Groups the decoding sequences whose block tables start with the same block ids; each group of
+// at least `min_members`, sharing at least kCascadeMinKeys keys before every member's new token,
+// is a cascade (groups past kCascadeMaxMembers are split).
+std::vector<Cascade> FindCascades(const Shapes& s, const int32_t* kv_lens, const int32_t* block_tables,
+                                  const int32_t* qsl, int32_t num_seqs, int64_t min_members) {
+  const int64_t BS = s.block_size, min_blocks = (kCascadeMinKeys + BS - 1) / BS;
+  std::vector<std::pair<int32_t, int32_t>> firsts;  // (first block, sequence) of each candidate
+  for (int32_t r = 0; r < num_seqs; ++r)
+    if (qsl[r + 1] - qsl[r] == 1 && (kv_lens[r] - 1) / BS >= min_blocks)
+      firsts.emplace_back(block_tables[r * s.width], r);
+  std::sort(firsts.begin(), firsts.end());
+  std::vector<Cascade> cascades;
+  for (size_t i = 0; i < firsts.size();) {
+    size_t end = i;
+    while (end < firsts.size() && firsts[end].first == firsts[i].first &&
+           end - i < static_cast<size_t>(kCascadeMaxMembers))
+      ++end;
+    if (static_cast<int64_t>(end - i) >= min_members) {
+      Cascade c{{}, std::numeric_limits<int64_t>::max()};
+      const int32_t* lead = block_tables + firsts[i].second * s.width;
+      for (size_t j = i; j < end; ++j) {
+        const int32_t r = firsts[j].second;
+        const int32_t* table = block_tables + r * s.width;
+        int64_t common = 0;  // full blocks before the sequence's new token that the lead holds too
+        const int64_t full = (kv_lens[r] - 1) / BS;
+        while (common < std::min(full, c.blocks) && table[common] == lead[common]) ++common;
+        c.blocks = common;
+        c.members.push_back(r);
+      }
+      if (c.blocks >= min_blocks) cascades.push_back(std::move(c));
+    }
+    i = end;
+  }
+  return cascades;
+}
+
+// One cascade item: the shared blocks for all the members' rows of KV head kv_head on AMX, then
+// each member's own blocks row by row (AttendTile from that state), its output normalised there.
+template <typename Q>
+void AttendSharedAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                     const int32_t* kv_lens, const int32_t* block_tables, const int32_t* qsl, int32_t layer,
+                     const Cascade& c, int64_t kv_head, float sm_scale, const SoftCap& cap, Q* out) {
+  const int64_t D = s.head_dim, group = s.num_q_heads / s.num_kv_heads;
+  const int64_t rows = static_cast<int64_t>(c.members.size()) * group, keys = c.blocks * s.block_size;
+  thread_local std::vector<float> m, l, acc;
+  m.resize(rows);
+  l.resize(rows);
+  acc.resize(rows * D);
+  auto row_q = [&](int64_t row) {
+    return q + (static_cast<int64_t>(qsl[c.members[row / group]]) * s.num_q_heads + kv_head * group + row % group) * D;
+  };
+  AttendRowsAmx<Q>(s, k_cache, v_cache, block_tables + c.members[0] * s.width, layer, kv_head, rows, 0, keys,
+                   sm_scale, cap, row_q, [&](int64_t) { return std::pair<int64_t, int64_t>{0, keys}; },
+                   [&](int64_t row, float row_m, float row_l, const float* row_acc) {
+                     m[row] = row_m;
+                     l[row] = row_l;
+                     std::memcpy(&acc[row * D], row_acc, D * sizeof(float));
+                   });
+  for (size_t j = 0; j < c.members.size(); ++j) {
+    const int32_t r = c.members[j];
+    const RowsState from{&m[j * group], &l[j * group], &acc[j * group * D], c.blocks};
+    AttendTile<Q, uint16_t>(s, q, k_cache, v_cache, block_tables + r * s.width, kv_lens[r], qsl[r], 1, layer,
+                            kNoWindow, WorkItem{r, static_cast<int32_t>(kv_head), 0, 1}, sm_scale, cap, out,
+                            [] { return BlockFetch{}; }, &from);
   }
 }
 #endif
@@ -904,13 +1030,41 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
       for (int32_t h = 0; h < s.num_kv_heads; ++h)
         items.push_back(WorkItem{r, h, first, std::min<int32_t>(tokens_per_tile, q_len - first)});
   }
-  const int64_t n = static_cast<int64_t>(items.size());
+  // Cascade items first (the largest), then the others.
+  [[maybe_unused]] std::vector<Cascade> cascades;
+#if defined(JAXCB_AMX)
+  if constexpr (std::is_same_v<C, uint16_t>) {
+    if (amx && window == kNoWindow && g_cascade.load(std::memory_order_relaxed)) {
+      cascades = FindCascades(s, kv_lens, block_tables, qsl, num_seqs, (kAmxMinRows + group - 1) / group);
+      if (!cascades.empty()) {
+        std::vector<char> member(num_seqs, 0);
+        for (const Cascade& c : cascades)
+          for (int32_t r : c.members) member[r] = 1;
+        items.erase(std::remove_if(items.begin(), items.end(),
+                                   [&](const WorkItem& item) { return member[item.seq] != 0; }),
+                    items.end());
+        g_cascade_items.fetch_add(static_cast<int64_t>(cascades.size()) * s.num_kv_heads, std::memory_order_relaxed);
+      }
+    }
+  }
+#endif
+  const int64_t nc = static_cast<int64_t>(cascades.size()) * s.num_kv_heads;
+  const int64_t n = nc + static_cast<int64_t>(items.size());
   jaxcb::ParallelFor(pool, n, [&](int64_t i, jaxcb::NextItem& next) {
-    const WorkItem& item = items[i];
+#if defined(JAXCB_AMX)
+    if constexpr (std::is_same_v<C, uint16_t>) {
+      if (i < nc) {
+        const jaxcb::AmxScope scope(true);
+        return AttendSharedAmx<Q>(s, q, k_cache, v_cache, kv_lens, block_tables, qsl, layer,
+                                  cascades[i / s.num_kv_heads], i % s.num_kv_heads, sm_scale, cap, out);
+      }
+    }
+#endif
+    const WorkItem& item = items[i - nc];
     auto first_block_of_next = [&]() -> BlockFetch {
       const int64_t j = next.Claim();
-      if (j >= n) return {};
-      const WorkItem& other = items[j];
+      if (j >= n || j < nc) return {};
+      const WorkItem& other = items[j - nc];
       const int32_t q_len = qsl[other.seq + 1] - qsl[other.seq];
       const int64_t first = FirstKeySeen(kv_lens[other.seq], q_len, other.first_token, window) / s.block_size;
       const int64_t keys = std::min<int64_t>(
@@ -1042,6 +1196,25 @@ extern "C" int JaxcbProbeAttentionAmx() {
   return 1;
 #else
   return -1;
+#endif
+}
+
+// Cascade items (shared blocks of decoding sequences on AMX; see FindCascades): on (1) or off (0),
+// for A/B comparisons and tests; returns the previous setting. JaxcbCascadeItems: how many ran.
+extern "C" int JaxcbSetCascade(int on) {
+#if defined(JAXCB_AMX)
+  return g_cascade.exchange(on != 0) ? 1 : 0;
+#else
+  (void)on;
+  return 0;
+#endif
+}
+
+extern "C" int64_t JaxcbCascadeItems() {
+#if defined(JAXCB_AMX)
+  return g_cascade_items.load();
+#else
+  return 0;
 #endif
 }
 
