@@ -215,7 +215,8 @@ ATTENTION_PATHS = {0: "rows", 1: "amx"}
 ATTENTION_DESCRIPTIONS = {
     "rows": "every tile row by row in float32",
     "amx": "tiles of 8 or more query rows (prefill) on AMX tiles (tdpbf16ps, float32 sums and softmax), "
-           "fewer rows (decode) row by row in float32",
+           "and decoding sequences' shared leading blocks for all of them at once (cascade items); "
+           "other tiles of fewer rows (decode) row by row in float32",
 }
 _ATTENTION_PROBE = """
 import ctypes, sys

@@ -92,13 +92,6 @@ ffi::Error LazyZerosImpl(ffi::Result<ffi::AnyBuffer> out) {
     std::memset(begin, 0, size);
     return ffi::Error::Success();
   }
-  // Transparent huge pages where the system grants them on request: a first touch then faults in
-  // 2 MiB, not 4 KiB, so a cache being filled takes 512 times fewer faults (in a VM each costs
-  // microseconds: ~5% of a shared-prefix run went to them), and attention's reads of scattered
-  // blocks miss the TLB less. Refused (no THP, or `never`): small pages, as before.
-#if defined(MADV_HUGEPAGE)
-  madvise(first, last - first, MADV_HUGEPAGE);
-#endif
   std::memset(begin, 0, first - begin);
   std::memset(last, 0, begin + size - last);
   return ffi::Error::Success();
