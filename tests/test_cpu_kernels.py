@@ -318,10 +318,10 @@ def test_bench_kernels_bf16_attention_table_times_the_cascade_where_sequences_sh
     if cpu_kernels.attention_path() != "amx":
         assert "no AMX attention path" in table
         return
-    assert "| amx + cascade (ms / layer) | rows / cascade |" in table
-    assert "| decode | " in table and table.split("| decode | ")[1].splitlines()[0].endswith("| - | - |")
+    assert "| rows + cascade (ms / layer) | amx + cascade (ms / layer) | rows / amx + cascade |" in table
+    assert "| decode | " in table and table.split("| decode | ")[1].splitlines()[0].endswith("| - | - | - |")
     shared = table.split("| decode, shared | ")[1].splitlines()[0]
-    assert not shared.endswith("| - | - |") and shared.endswith("x |")
+    assert not shared.endswith("| - |") and shared.endswith("x |")
 
 
 def test_bench_kernels_steps_against_replays_the_recorded_run_with_each_revisions_kernels(capsys):
@@ -388,25 +388,35 @@ def test_bf16_cache_attention_equals_the_float_reference_on_each_path(restore_at
 
 # Decoding sequences whose block tables start with the same blocks (prefix caching's shared prompts),
 # beside a prefill chunk and decodes that share nothing: (group, head_dim, block_size, groups of
-# (sequences, shared blocks)). A cascade needs ceil(8 / group) members sharing >= 64 keys before each
-# member's new token; the last group of the first case shares too few keys, the group-1 case's
-# second group has too few members.
+# (sequences, shared blocks)). A cascade needs 2 members sharing >= 64 keys before each member's new
+# token; its shared phase runs on AMX (bf16 cache, AMX path) once it has >= 8 rows, else row by row.
+# The first case's second and third groups have 6 rows; its last group, like the group-1 case's
+# second, shares too few keys.
 CASCADE_SEQS = [(1, 100), (1, 77), (20, 60), (1, 130), (1, 65), (1, 90), (1, 200), (1, 150), (1, 97), (1, 40),
                 (1, 120), (1, 50), (1, 49)]
-CASCADE_CASES = [(3, 64, 16, [([0, 1, 3, 4, 5], 4), ([6, 7, 8, 10], 6), ([9, 11, 12], 2)]),
-                 (1, 64, 16, [([0, 1, 3, 4, 5, 6, 7, 8, 10], 4), ([11, 12], 3)]),
-                 (4, 128, 8, [([0, 1, 3, 5], 8), ([6, 7, 8, 10], 11)])]
+CASCADE_CASES = {  # id: (group, head_dim, block_size, groups, cascades with >= 8 rows, cascades with fewer)
+    "g3": (3, 64, 16, [([0, 1, 3, 4, 5], 4), ([6, 7], 6), ([8, 10], 5), ([9, 11, 12], 2)], 1, 2),
+    "g1": (1, 64, 16, [([0, 1, 3, 4, 5, 6, 7, 8, 10], 4), ([11, 12], 3)], 1, 0),
+    "g4-d128-bs8": (4, 128, 8, [([0, 1, 3, 5], 8), ([6, 7, 8, 10], 11)], 2, 0),
+}
 
 
+def cascade_items(lib) -> tuple[int, int]:
+    """(cascade items whose shared phase ran on AMX, row by row) so far."""
+    return lib.JaxcbCascadeItems(1), lib.JaxcbCascadeItems(0)
+
+
+@pytest.mark.parametrize("path", ["amx", "rows"])
 @pytest.mark.parametrize("q_dtype", [jnp.float32, jnp.bfloat16], ids=["f32-q", "bf16-q"])
-@pytest.mark.parametrize("group, head_dim, block_size, groups", CASCADE_CASES, ids=["g3", "g1", "g4-d128-bs8"])
+@pytest.mark.parametrize("case", list(CASCADE_CASES))
 @pytest.mark.parametrize("window, softcap", [(None, None), (None, 5.0), (7, None)])
 def test_cascade_items_attend_shared_blocks_for_all_their_sequences_and_equal_the_float_reference(
-        restore_attention_path, q_dtype, group, head_dim, block_size, groups, window, softcap):
-    """On AMX, decoding sequences that share leading blocks are attended over those blocks together
-    (one cascade item per group and KV head), then each over its own blocks from that state; with
-    cascades turned off, one by one. Both equal float64 attention; a sliding window takes no
-    cascade. Elsewhere (no AMX) no cascade runs and the rows path gives the same answer."""
+        restore_attention_path, path, q_dtype, case, window, softcap):
+    """Decoding sequences that share leading blocks are attended over those blocks together (one
+    cascade item per group and KV head: on AMX tiles where the path has them and the item has 8 rows,
+    else row by row), then each over its own blocks from that state; with cascades turned off, one by
+    one. Both equal float64 attention; a sliding window takes no cascade."""
+    group, head_dim, block_size, groups, big, small = CASCADE_CASES[case]
     lib = cpu_kernels.load_cpu_kernels()
     batch = make_ragged_batch(CASCADE_SEQS, block_size=block_size, num_kv_heads=2, group=group, head_dim=head_dim,
                               seed=group + head_dim)
@@ -414,22 +424,35 @@ def test_cascade_items_attend_shared_blocks_for_all_their_sequences_and_equal_th
     batch = share_leading_blocks(batch, groups)
     n = batch.num_real_tokens
     tol = 1e-5 if q_dtype == jnp.float32 else 5e-3
-    amx = cpu_kernels.attention_path() == "amx"
+    on_amx = path == "amx" and cpu_kernels.attention_path() == "amx"
     try:
         for cascade in (1, 0):
             lib.JaxcbSetCascade(cascade)
-            before = lib.JaxcbCascadeItems()
-            out, expected = bf16_cache_run(batch, "amx", q_dtype, window=window, softcap=softcap)
-            ran = lib.JaxcbCascadeItems() - before
-            expected_items = 2 * 2 if cascade and amx and window is None else 0  # two groups qualify, 2 KV heads
-            if group == 1:
-                expected_items //= 2  # its second group has 2 members: 2 rows, too few for AMX
-            assert ran == expected_items
+            before = cascade_items(lib)
+            out, expected = bf16_cache_run(batch, path, q_dtype, window=window, softcap=softcap)
+            ran = tuple(after - b for after, b in zip(cascade_items(lib), before))
+            heads = 2 if cascade and window is None else 0  # an item per cascade and KV head
+            assert ran == ((heads * big, heads * small) if on_amx else (0, heads * (big + small)))
             assert np.isfinite(out).all() and np.all(out[n:] == 0)
             err = np.abs(out[:n] - expected[:n]).max() / np.abs(expected[:n]).max()
             assert err <= tol, f"cascade={cascade}: relative error {err:.2e} > {tol}"
     finally:
         lib.JaxcbSetCascade(1)
+
+
+@pytest.mark.parametrize("case", list(CASCADE_CASES))
+def test_cascade_items_over_a_float32_cache_run_row_by_row_and_equal_the_float_reference(case):
+    group, head_dim, block_size, groups, big, small = CASCADE_CASES[case]
+    lib = cpu_kernels.load_cpu_kernels()
+    batch = share_leading_blocks(make_ragged_batch(CASCADE_SEQS, block_size=block_size, num_kv_heads=2, group=group,
+                                                   head_dim=head_dim, seed=7), groups)
+    n = batch.num_real_tokens
+    before = cascade_items(lib)
+    out = np.asarray(ragged_paged_attention_cpu(*batch.args(jnp)[:7], jnp.int32(batch.layer), sm_scale=0.3))
+    assert tuple(after - b for after, b in zip(cascade_items(lib), before)) == (0, 2 * (big + small))
+    expected = dense_attention(batch, 0.3)
+    assert np.isfinite(out).all()
+    assert np.abs(out[:n] - expected[:n]).max() <= 1e-5 * np.abs(expected[:n]).max()
 
 
 @pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="AMX only: elsewhere both names select the rows path")

@@ -29,10 +29,13 @@
 // step, 32 query tokens a work item; a float32 q keeps float32 precision (q and P in two bf16
 // terms each). Row by row, a prefill tile's float32 FMAs are the bound; on tiles SmolLM2's
 // prefill ran 3.5x faster (benchmarks/bench_kernels.py --kernels cache-dtype; docs/benchmarks.md,
-// bf16 on CPU). Decoding sequences whose block tables start with the same blocks (prefix
-// caching's shared prompts) are attended over those blocks together, all their rows in one AMX
-// tile, then each over its own blocks on the rows path (cascade items: FindCascades). Other tiles
-// of fewer rows, float32 and int8 caches, and builds or machines without AMX keep the rows path.
+// bf16 on CPU). Tiles of fewer rows, float32 and int8 caches, and builds or machines without AMX
+// keep the rows path.
+//
+// On every path, decoding sequences whose block tables start with the same blocks (prefix
+// caching's shared prompts) are attended over those blocks together -- all their rows in AMX
+// tiles where the AMX path has them, else row by row with each block read once -- then each over
+// its own blocks on the rows path (cascade items: FindCascades).
 
 #include <algorithm>
 #include <atomic>
@@ -905,6 +908,27 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
                    });
 }
 
+// A cascade's shared blocks for all the members' rows of KV head kv_head on AMX: each row's state
+// (running max, sum, unnormalised output) into m, l and acc.
+template <typename Q>
+void AttendSharedAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                     const int32_t* block_tables, const int32_t* qsl, int32_t layer, const Cascade& c, int64_t kv_head,
+                     float sm_scale, const SoftCap& cap, float* m, float* l, float* acc) {
+  const int64_t D = s.head_dim, group = s.num_q_heads / s.num_kv_heads;
+  const int64_t rows = static_cast<int64_t>(c.members.size()) * group, keys = c.blocks * s.block_size;
+  auto row_q = [&](int64_t row) {
+    return q + (static_cast<int64_t>(qsl[c.members[row / group]]) * s.num_q_heads + kv_head * group + row % group) * D;
+  };
+  AttendRowsAmx<Q>(s, k_cache, v_cache, block_tables + c.members[0] * s.width, layer, kv_head, rows, 0, keys,
+                   sm_scale, cap, row_q, [&](int64_t) { return std::pair<int64_t, int64_t>{0, keys}; },
+                   [&](int64_t row, float row_m, float row_l, const float* row_acc) {
+                     m[row] = row_m;
+                     l[row] = row_l;
+                     std::memcpy(&acc[row * D], row_acc, D * sizeof(float));
+                   });
+}
+#endif
+
 // Cascade attention for decoding sequences that share leading blocks (prefix caching hands one
 // prompt's full blocks to every request that starts with it: a system prompt, few-shot examples,
 // a document asked about many times). Attended one sequence at a time, each reads every shared
@@ -913,11 +937,14 @@ void AttendTileAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const u
 // all their rows on AMX tiles (each shared block packed once, not once per sequence), then goes on
 // sequence by sequence over each one's own blocks on the rows path from that state (AttendTile's
 // `from`). Only decode rows (one new token, which sits past the shared blocks: every shared key
-// is visible to every row) and no sliding window.
+// is visible to every row) and no sliding window. Without AMX (another CPU, or a float32 or int8
+// cache), or with too few rows for a tile, the shared phase runs on the rows path: each shared
+// block is still read (and converted to floats) once for all the members' rows.
 constexpr int64_t kCascadeMinKeys = 64;  // shared keys worth it: one AMX step
+constexpr int64_t kCascadeMinMembers = 2;
 constexpr int64_t kCascadeMaxMembers = 16;  // sequences per cascade item: rows = members x group
 std::atomic<bool> g_cascade{true};  // JaxcbSetCascade: off only to compare against
-std::atomic<int64_t> g_cascade_items{0};  // cascade items run (JaxcbCascadeItems: for the tests)
+std::atomic<int64_t> g_cascade_items[2] = {0, 0};  // cascade items run, shared phase on rows / on AMX (tests)
 
 // Groups the decoding sequences whose block tables start with the same block ids; each group of
 // at least `min_members`, sharing at least kCascadeMinKeys keys before every member's new token,
@@ -955,37 +982,84 @@ std::vector<Cascade> FindCascades(const Shapes& s, const int32_t* kv_lens, const
   return cascades;
 }
 
-// One cascade item: the shared blocks for all the members' rows of KV head kv_head on AMX, then
-// each member's own blocks row by row (AttendTile from that state), its output normalised there.
-template <typename Q>
-void AttendSharedAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const uint16_t* v_cache,
-                     const int32_t* kv_lens, const int32_t* block_tables, const int32_t* qsl, int32_t layer,
-                     const Cascade& c, int64_t kv_head, float sm_scale, const SoftCap& cap, Q* out) {
+
+// A cascade's shared blocks for all the members' rows of KV head kv_head, row by row: each block
+// read (converted to floats) once; each row's state into m, l and acc.
+template <typename Q, typename C>
+void AttendSharedRows(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache, const int32_t* block_tables,
+                      const int32_t* qsl, int32_t layer, const Cascade& c, int64_t kv_head, float sm_scale,
+                      const SoftCap& cap, float* m, float* l, float* acc) {
+  const int64_t D = s.head_dim, BS = s.block_size, group = s.num_q_heads / s.num_kv_heads;
+  const int64_t rows = static_cast<int64_t>(c.members.size()) * group;
+  thread_local std::vector<float> qf, kbuf, vbuf;
+  qf.resize(rows * D);
+  if (!std::is_same_v<C, float>) {
+    kbuf.resize(BS * D);
+    vbuf.resize(BS * D);
+  }
+  for (int64_t row = 0; row < rows; ++row) {
+    const Q* src = q + (static_cast<int64_t>(qsl[c.members[row / group]]) * s.num_q_heads + kv_head * group +
+                        row % group) * D;
+    LoadRow<Q>(src, &qf[row * D], D);
+    for (int64_t d = 0; d < D; ++d) qf[row * D + d] *= sm_scale;
+  }
+  std::fill(m, m + rows, -1e30f);
+  std::fill(l, l + rows, 0.0f);
+  std::fill(acc, acc + rows * D, 0.0f);
+  alignas(32) float sc[kMaxBlockSize];
+  const int32_t* table = block_tables + c.members[0] * s.width;
+  const int64_t head_base = (static_cast<int64_t>(layer) * s.num_kv_heads + kv_head) * s.num_blocks;
+  for (int64_t b = 0; b < c.blocks; ++b) {
+    if (b + 1 < c.blocks) {  // the next shared block, fetched while this one is attended by every row
+      const int64_t next = (head_base + table[b + 1]) * BS * D;
+      PrefetchBlock(k_cache + next, BS * D * static_cast<int64_t>(sizeof(C)));
+      PrefetchBlock(v_cache + next, BS * D * static_cast<int64_t>(sizeof(C)));
+    }
+    const int64_t offset = (head_base + table[b]) * BS * D;
+    const float* kb = BlockAsFloat(k_cache + offset, kbuf.data(), BS * D);
+    const float* vb = BlockAsFloat(v_cache + offset, vbuf.data(), BS * D);
+    for (int64_t row = 0; row < rows; ++row)
+      AttendRow(&qf[row * D], kb, vb, BS, 0, BS, D, cap, m[row], l[row], &acc[row * D], sc);
+  }
+}
+
+// One cascade item: the shared blocks for all the members' rows of KV head kv_head (on AMX where
+// the build, the cache and the row count allow), then each member's own blocks row by row
+// (AttendTile from that state), its output normalised there.
+template <typename Q, typename C>
+void AttendCascade(const Shapes& s, const Q* q, const C* k_cache, const C* v_cache, const int32_t* kv_lens,
+                   const int32_t* block_tables, const int32_t* qsl, int32_t layer, const Cascade& c, int64_t kv_head,
+                   float sm_scale, const SoftCap& cap, bool amx, Q* out) {
   const int64_t D = s.head_dim, group = s.num_q_heads / s.num_kv_heads;
-  const int64_t rows = static_cast<int64_t>(c.members.size()) * group, keys = c.blocks * s.block_size;
+  const int64_t rows = static_cast<int64_t>(c.members.size()) * group;
   thread_local std::vector<float> m, l, acc;
   m.resize(rows);
   l.resize(rows);
   acc.resize(rows * D);
-  auto row_q = [&](int64_t row) {
-    return q + (static_cast<int64_t>(qsl[c.members[row / group]]) * s.num_q_heads + kv_head * group + row % group) * D;
-  };
-  AttendRowsAmx<Q>(s, k_cache, v_cache, block_tables + c.members[0] * s.width, layer, kv_head, rows, 0, keys,
-                   sm_scale, cap, row_q, [&](int64_t) { return std::pair<int64_t, int64_t>{0, keys}; },
-                   [&](int64_t row, float row_m, float row_l, const float* row_acc) {
-                     m[row] = row_m;
-                     l[row] = row_l;
-                     std::memcpy(&acc[row * D], row_acc, D * sizeof(float));
-                   });
+  bool on_amx = false;
+#if defined(JAXCB_AMX)
+  if constexpr (std::is_same_v<C, uint16_t>) {
+    if (amx && rows >= kAmxMinRows) {
+      const jaxcb::AmxScope scope(true);
+      AttendSharedAmx<Q>(s, q, k_cache, v_cache, block_tables, qsl, layer, c, kv_head, sm_scale, cap, m.data(),
+                         l.data(), acc.data());
+      on_amx = true;
+    }
+  }
+#endif
+  (void)amx;
+  if (!on_amx)
+    AttendSharedRows<Q, C>(s, q, k_cache, v_cache, block_tables, qsl, layer, c, kv_head, sm_scale, cap, m.data(),
+                           l.data(), acc.data());
+  g_cascade_items[on_amx ? 1 : 0].fetch_add(1, std::memory_order_relaxed);
   for (size_t j = 0; j < c.members.size(); ++j) {
     const int32_t r = c.members[j];
     const RowsState from{&m[j * group], &l[j * group], &acc[j * group * D], c.blocks};
-    AttendTile<Q, uint16_t>(s, q, k_cache, v_cache, block_tables + r * s.width, kv_lens[r], qsl[r], 1, layer,
-                            kNoWindow, WorkItem{r, static_cast<int32_t>(kv_head), 0, 1}, sm_scale, cap, out,
-                            [] { return BlockFetch{}; }, &from);
+    AttendTile<Q, C>(s, q, k_cache, v_cache, block_tables + r * s.width, kv_lens[r], qsl[r], 1, layer, kNoWindow,
+                     WorkItem{r, static_cast<int32_t>(kv_head), 0, 1}, sm_scale, cap, out,
+                     [] { return BlockFetch{}; }, &from);
   }
 }
-#endif
 
 template <typename Q, typename C>
 ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_cache, const C* v_cache,
@@ -1031,35 +1105,24 @@ ffi::Error Attend(ffi::ThreadPool pool, const Shapes& s, const Q* q, const C* k_
         items.push_back(WorkItem{r, h, first, std::min<int32_t>(tokens_per_tile, q_len - first)});
   }
   // Cascade items first (the largest), then the others.
-  [[maybe_unused]] std::vector<Cascade> cascades;
-#if defined(JAXCB_AMX)
-  if constexpr (std::is_same_v<C, uint16_t>) {
-    if (amx && window == kNoWindow && g_cascade.load(std::memory_order_relaxed)) {
-      cascades = FindCascades(s, kv_lens, block_tables, qsl, num_seqs, (kAmxMinRows + group - 1) / group);
-      if (!cascades.empty()) {
-        std::vector<char> member(num_seqs, 0);
-        for (const Cascade& c : cascades)
-          for (int32_t r : c.members) member[r] = 1;
-        items.erase(std::remove_if(items.begin(), items.end(),
-                                   [&](const WorkItem& item) { return member[item.seq] != 0; }),
-                    items.end());
-        g_cascade_items.fetch_add(static_cast<int64_t>(cascades.size()) * s.num_kv_heads, std::memory_order_relaxed);
-      }
+  std::vector<Cascade> cascades;
+  if (window == kNoWindow && g_cascade.load(std::memory_order_relaxed)) {
+    cascades = FindCascades(s, kv_lens, block_tables, qsl, num_seqs, kCascadeMinMembers);
+    if (!cascades.empty()) {
+      std::vector<char> member(num_seqs, 0);
+      for (const Cascade& c : cascades)
+        for (int32_t r : c.members) member[r] = 1;
+      items.erase(std::remove_if(items.begin(), items.end(),
+                                 [&](const WorkItem& item) { return member[item.seq] != 0; }),
+                  items.end());
     }
   }
-#endif
   const int64_t nc = static_cast<int64_t>(cascades.size()) * s.num_kv_heads;
   const int64_t n = nc + static_cast<int64_t>(items.size());
   jaxcb::ParallelFor(pool, n, [&](int64_t i, jaxcb::NextItem& next) {
-#if defined(JAXCB_AMX)
-    if constexpr (std::is_same_v<C, uint16_t>) {
-      if (i < nc) {
-        const jaxcb::AmxScope scope(true);
-        return AttendSharedAmx<Q>(s, q, k_cache, v_cache, kv_lens, block_tables, qsl, layer,
-                                  cascades[i / s.num_kv_heads], i % s.num_kv_heads, sm_scale, cap, out);
-      }
-    }
-#endif
+    if (i < nc)
+      return AttendCascade<Q, C>(s, q, k_cache, v_cache, kv_lens, block_tables, qsl, layer,
+                                 cascades[i / s.num_kv_heads], i % s.num_kv_heads, sm_scale, cap, amx, out);
     const WorkItem& item = items[i - nc];
     auto first_block_of_next = [&]() -> BlockFetch {
       const int64_t j = next.Claim();
@@ -1199,24 +1262,12 @@ extern "C" int JaxcbProbeAttentionAmx() {
 #endif
 }
 
-// Cascade items (shared blocks of decoding sequences on AMX; see FindCascades): on (1) or off (0),
-// for A/B comparisons and tests; returns the previous setting. JaxcbCascadeItems: how many ran.
-extern "C" int JaxcbSetCascade(int on) {
-#if defined(JAXCB_AMX)
-  return g_cascade.exchange(on != 0) ? 1 : 0;
-#else
-  (void)on;
-  return 0;
-#endif
-}
+// Cascade items (decoding sequences' shared blocks attended for all of them at once; see
+// FindCascades): on (1) or off (0), for A/B comparisons and tests; returns the previous setting.
+extern "C" int JaxcbSetCascade(int on) { return g_cascade.exchange(on != 0) ? 1 : 0; }
 
-extern "C" int64_t JaxcbCascadeItems() {
-#if defined(JAXCB_AMX)
-  return g_cascade_items.load();
-#else
-  return 0;
-#endif
-}
+// How many cascade items ran: with their shared phase on AMX tiles (amx 1) or row by row (0).
+extern "C" int64_t JaxcbCascadeItems(int amx) { return g_cascade_items[amx ? 1 : 0].load(); }
 
 // Selects the path every later call takes for a bf16 cache (one this build has, and for AMX one
 // the kernel allows); returns the path in use.
