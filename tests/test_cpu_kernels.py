@@ -440,15 +440,24 @@ def test_cascade_items_attend_shared_blocks_for_all_their_sequences_and_equal_th
         lib.JaxcbSetCascade(1)
 
 
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.int8], ids=["f32-cache", "int8-cache"])
 @pytest.mark.parametrize("case", list(CASCADE_CASES))
-def test_cascade_items_over_a_float32_cache_run_row_by_row_and_equal_the_float_reference(case):
+def test_cascade_items_over_float32_and_int8_caches_run_row_by_row_and_equal_the_float_reference(case, cache_dtype):
+    """An int8 cache is read as its integer values (the caller scales q and the output): here the
+    reference attends the same integers as floats."""
     group, head_dim, block_size, groups, big, small = CASCADE_CASES[case]
     lib = cpu_kernels.load_cpu_kernels()
     batch = share_leading_blocks(make_ragged_batch(CASCADE_SEQS, block_size=block_size, num_kv_heads=2, group=group,
                                                    head_dim=head_dim, seed=7), groups)
+    if cache_dtype == jnp.int8:  # small integers; the slots no sequence owns hold stale values, not NaN
+        batch = dataclasses.replace(batch, **{name: np.nan_to_num(np.clip(np.round(getattr(batch, name) * 8), -127, 127),
+                                                                  nan=100.0) for name in ("k_cache", "v_cache")})
+        batch.q /= 8
     n = batch.num_real_tokens
+    q, k, v, *rest = batch.args(jnp)[:7]
     before = cascade_items(lib)
-    out = np.asarray(ragged_paged_attention_cpu(*batch.args(jnp)[:7], jnp.int32(batch.layer), sm_scale=0.3))
+    out = np.asarray(ragged_paged_attention_cpu(q, k.astype(cache_dtype), v.astype(cache_dtype), *rest,
+                                                jnp.int32(batch.layer), sm_scale=0.3))
     assert tuple(after - b for after, b in zip(cascade_items(lib), before)) == (0, 2 * (big + small))
     expected = dense_attention(batch, 0.3)
     assert np.isfinite(out).all()
