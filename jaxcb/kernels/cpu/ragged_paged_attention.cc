@@ -163,10 +163,18 @@ struct WorkItem {
   int32_t tokens;  // the tile's query tokens: up to kTokensPerTile (kAmxTokensPerTile on the AMX path)
 };
 
-// A cascade item's sequences (FindCascades, on AMX builds only).
+// A cascade item's sequences (FindCascades).
 struct Cascade {
   std::vector<int32_t> members;  // decoding sequences
   int64_t blocks;  // the leading blocks all of them hold
+
+  // Where row `row` of the item's KV head kv_head reads its q: member row / group's one new token,
+  // query head row % group of the KV head's group.
+  int64_t QueryOffset(const Shapes& s, const int32_t* qsl, int64_t kv_head, int64_t row) const {
+    const int64_t group = s.num_q_heads / s.num_kv_heads;
+    return (static_cast<int64_t>(qsl[members[row / group]]) * s.num_q_heads + kv_head * group + row % group) *
+           s.head_dim;
+  }
 };
 
 // Gemma 2's logit soft-cap: a score s becomes cap * tanh(s / cap), on one score or a vector of them.
@@ -916,11 +924,8 @@ void AttendSharedAmx(const Shapes& s, const Q* q, const uint16_t* k_cache, const
                      float sm_scale, const SoftCap& cap, float* m, float* l, float* acc) {
   const int64_t D = s.head_dim, group = s.num_q_heads / s.num_kv_heads;
   const int64_t rows = static_cast<int64_t>(c.members.size()) * group, keys = c.blocks * s.block_size;
-  auto row_q = [&](int64_t row) {
-    return q + (static_cast<int64_t>(qsl[c.members[row / group]]) * s.num_q_heads + kv_head * group + row % group) * D;
-  };
   AttendRowsAmx<Q>(s, k_cache, v_cache, block_tables + c.members[0] * s.width, layer, kv_head, rows, 0, keys,
-                   sm_scale, cap, row_q, [&](int64_t) { return std::pair<int64_t, int64_t>{0, keys}; },
+                   sm_scale, cap, [&](int64_t row) { return q + c.QueryOffset(s, qsl, kv_head, row); }, [&](int64_t) { return std::pair<int64_t, int64_t>{0, keys}; },
                    [&](int64_t row, float row_m, float row_l, const float* row_acc) {
                      m[row] = row_m;
                      l[row] = row_l;
@@ -982,7 +987,6 @@ std::vector<Cascade> FindCascades(const Shapes& s, const int32_t* kv_lens, const
   return cascades;
 }
 
-
 // A cascade's shared blocks for all the members' rows of KV head kv_head, row by row: each block
 // read (converted to floats) once; each row's state into m, l and acc.
 template <typename Q, typename C>
@@ -998,9 +1002,7 @@ void AttendSharedRows(const Shapes& s, const Q* q, const C* k_cache, const C* v_
     vbuf.resize(BS * D);
   }
   for (int64_t row = 0; row < rows; ++row) {
-    const Q* src = q + (static_cast<int64_t>(qsl[c.members[row / group]]) * s.num_q_heads + kv_head * group +
-                        row % group) * D;
-    LoadRow<Q>(src, &qf[row * D], D);
+    LoadRow<Q>(q + c.QueryOffset(s, qsl, kv_head, row), &qf[row * D], D);
     for (int64_t d = 0; d < D; ++d) qf[row * D + d] *= sm_scale;
   }
   std::fill(m, m + rows, -1e30f);
