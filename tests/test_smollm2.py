@@ -322,30 +322,48 @@ def test_a_tool_call_cut_by_max_tokens_leaves_no_markup_in_content(llm):
     assert "<tool" not in streamed and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm):
-    """80 requests (or JAXCB_SMOLLM2_SPEC_REQUESTS) -- text that repeats, so proposals are accepted, and text that does not -- with
-    preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without speculation."""
-    # 11 blocks of 16 tokens for 8 sequences of ~36 tokens: preemption.
-    overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
-                                   "speculative.method=ngram", "cache.num_blocks=12")
-    spec = LLM(compose_config(overrides), progress=False)
-    lines = ["red green blue red green blue red green", "one, two, three; one, two, three; one, two,",
-             "The cat sat on the mat. The dog sat on the log. The cat sat on"] + PROMPTS
-    num = SPEC_REQUESTS or 80
-    prompts = [f"{lines[i % len(lines)]}" + " and" * (i % 4) for i in range(num)]
+# The speculation tests' requests: text that repeats, so proposals are accepted, and text that does not;
+# repeated prompts (prefix-cache hits), n = 2 on every ninth, and outputs of 6-16 tokens.
+SPEC_LINES = ["red green blue red green blue red green", "The cat sat on the mat. The dog sat on the log."] + PROMPTS
+
+
+@pytest.fixture(scope="module")
+def spec_requests(llm):
+    """60 requests (or JAXCB_SMOLLM2_SPEC_REQUESTS), and each one's tokens from `llm`, without speculation:
+    what every speculating engine must give, on all of them or on the first few."""
+    num = SPEC_REQUESTS or 60
+    prompts = [f"{SPEC_LINES[i % len(SPEC_LINES)]}" + " and" * (i % 4) for i in range(num)]
     params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, n=2 if i % 9 == 0 else 1) for i in range(num)]
     theirs = llm.generate(prompts, params, use_tqdm=False)
+    return prompts, params, [[c.token_ids for c in o.outputs] for o in theirs]
+
+
+def speculating_engine_gives_the_same_tokens(spec_requests, num: int, *speculative: str):
+    """SmolLM2 with these speculative.* overrides, on a cache of 11 blocks of 16 tokens (and the null block)
+    for 8 sequences of ~36 tokens (preemption), run on the first `num` of `spec_requests`: the same tokens as without
+    speculation, no recompile and no block left held. Returns its engine, for the method's own checks."""
+    prompts, params, theirs = (column[:num] for column in spec_requests)
+    overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128", "cache.num_blocks=12")
+    spec = LLM(compose_config(overrides + speculative), progress=False)
     ours = spec.generate(prompts, params, use_tqdm=False)
-    assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in theirs]
+    assert [[c.token_ids for c in o.outputs] for o in ours] == theirs
     engine = spec.engine
-    assert engine.speculation.stats.num_accepted_tokens > 0 and engine.scheduler.num_preemptions > 0
-    assert engine.scheduler.prefix_cache_hits > 0 and engine.num_recompiles == 0
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache_hits > 0
+    assert engine.num_recompiles == 0
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+    return engine
+
+
+def test_ngram_speculation_gives_the_same_greedy_tokens_on_the_real_model(spec_requests):
+    """With preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without speculation,
+    proposals accepted."""
+    engine = speculating_engine_gives_the_same_tokens(spec_requests, SPEC_REQUESTS or 60, "speculative.method=ngram")
+    assert engine.speculation.stats.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("draft", ["self", "random_small"])
-def test_draft_model_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm, draft, tmp_path):
-    """Requests with preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without
+def test_draft_model_speculation_gives_the_same_greedy_tokens_on_the_real_model(llm, spec_requests, draft, tmp_path):
+    """With preemption (a small cache), prefix-cache hits and n = 2: the same tokens as without
     speculation, with SmolLM2 drafting for itself (nearly every draft accepted: the two compute the same
     logits but for float rounding across batch shapes) or a small random model (few accepted)."""
     if draft == "self":
@@ -353,22 +371,10 @@ def test_draft_model_speculation_gives_the_same_greedy_tokens_on_the_real_model(
     else:  # a random tiny-shaped model with SmolLM2's vocabulary and tokenizer
         llm.engine.tokenizer.save(str(tmp_path))
         draft_model = f"speculative.draft_model={{name:tiny,vocab_size:49152,tokenizer:'{tmp_path}'}}"
-    overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
-                                   "speculative.method=draft", draft_model, "cache.num_blocks=12")
-    spec = LLM(compose_config(overrides), progress=False)
-    lines = ["red green blue red green blue red green", "The cat sat on the mat. The dog sat on the log."] + PROMPTS
     num = SPEC_REQUESTS or (60 if draft == "random_small" else 40)
-    prompts = [f"{lines[i % len(lines)]}" + " and" * (i % 4) for i in range(num)]
-    params = [SamplingParams(temperature=0, max_tokens=6 + i % 11, n=2 if i % 9 == 0 else 1) for i in range(num)]
-    theirs = llm.generate(prompts, params, use_tqdm=False)
-    ours = spec.generate(prompts, params, use_tqdm=False)
-    assert [[c.token_ids for c in o.outputs] for o in ours] == [[c.token_ids for c in o.outputs] for o in theirs]
-    engine = spec.engine
+    engine = speculating_engine_gives_the_same_tokens(spec_requests, num, "speculative.method=draft", draft_model)
     stats = engine.speculation.stats
     if draft == "random_small":
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens / 2
     else:
         assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
-    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache_hits > 0
-    assert engine.num_recompiles == 0
-    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
