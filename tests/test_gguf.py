@@ -1,5 +1,6 @@
 """GGUF files load as the same model as their HF directory, with the tokenizer inside them, or say why not."""
 
+import copy
 import importlib.util
 import json
 import os
@@ -18,6 +19,8 @@ from gguf_checkpoints import (
     llama3_rope_divisors,
     round_trip,
     smollm2_gguf,
+    smollm2_transformers,
+    smollm2_transformers_tokenizer,
     tiny_byte_level_vocab,
     write_gguf,
 )
@@ -350,10 +353,8 @@ def test_smollm2_metadata_reads_as_llama_cpps_reader_reads_it():
 
 @needs_smollm2
 def test_smollm2_tokenizer_encodes_and_decodes_like_transformers():
-    from transformers import AutoTokenizer
-
     ours = load_tokenizer(SMOLLM2)
-    theirs = AutoTokenizer.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2))
+    theirs = smollm2_transformers_tokenizer()
     for text in SAMPLE_TEXTS:
         ids = ours.encode(text)
         assert ids == theirs.encode(text), text
@@ -376,16 +377,16 @@ def test_smollm2_splits_digits_before_bpe_as_llama_cpp_does():
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="transformers loads a GGUF model only with accelerate")
 def test_smollm2_greedy_tokens_match_transformers_on_the_same_gguf():
     import torch
-    from transformers import AutoModelForCausalLM
 
     engine = make_engine("model=hf", f"model.checkpoint={SMOLLM2}", "model.dtype=float32", "cache.num_blocks=32")
     prompt = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "Write a haiku about the sea."}])
     [ours] = generate_first_completions(engine, [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2),
-                                              dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # decode through EOS, as ignore_eos does
+    hf = smollm2_transformers()  # shared: its own generation config is left as it is
+    config = copy.deepcopy(hf.generation_config)
+    config.eos_token_id = None  # decode through EOS, as ignore_eos does
     with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, pad_token_id=0)
+        theirs = hf.generate(torch.tensor([prompt]), generation_config=config, do_sample=False, max_new_tokens=16,
+                             pad_token_id=0)
     assert ours.token_ids == theirs[0, len(prompt):].tolist()
 
 

@@ -4,12 +4,11 @@ the GGUF) and the base, mixed in one batch, equal transformers with each adapter
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
 from engine_factory import BASE
-from gguf_checkpoints import smollm2_gguf
+from gguf_checkpoints import smollm2_gguf, smollm2_transformers
 from lora_adapters import ALL_MODULES, greedy_tokens, logprobs, make_peft_adapter
 from jaxcb.config import compose_config
 from jaxcb.engine import LLM
@@ -25,11 +24,7 @@ NUM_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2),
-                                                dtype=torch.float32).eval()
+    base = smollm2_transformers()  # shared: each adapter is made and merged on a copy
     root = tmp_path_factory.mktemp("smollm2-lora")
     adapters, merged = {}, {None: base}
     specs = (("a1", dict(r=8, lora_alpha=16, target_modules=ALL_MODULES), 1),

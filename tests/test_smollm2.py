@@ -8,6 +8,7 @@ saved by transformers (chat template in chat_template.jinja) serving the same to
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -16,7 +17,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from engine_factory import BASE, VARIANTS
-from gguf_checkpoints import smollm2_gguf
+from gguf_checkpoints import smollm2_gguf, smollm2_transformers, smollm2_transformers_tokenizer
 from jaxcb.config import compose_config
 from jaxcb.engine import LLM
 from jaxcb.jobs import generate_results, read_input
@@ -92,31 +93,28 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf_tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2))
+    return smollm2_transformers_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def hf_model():
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(SMOLLM2), gguf_file=os.path.basename(SMOLLM2), dtype=torch.float32
-    ).eval()
-    return model
+    return smollm2_transformers()
 
 
 def transformers_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool) -> list[int]:
+    """transformers' greedy tokens after `prompt_ids`; generated once per prompt, which several tests compare with."""
+    return list(_transformers_greedy(model, tuple(prompt_ids), max_new_tokens, stop_at_eos))
+
+
+@functools.lru_cache(maxsize=None)
+def _transformers_greedy(model, prompt_ids: tuple[int, ...], max_new_tokens: int, stop_at_eos: bool) -> tuple[int, ...]:
     import torch
 
     eos = model.generation_config.eos_token_id if stop_at_eos else None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
                              eos_token_id=eos, pad_token_id=0)
-    tokens = out[0, len(prompt_ids):].tolist()
-    return tokens
+    return tuple(out[0, len(prompt_ids):].tolist())
 
 
 def template_ids(hf_tokenizer, messages, **kwargs) -> list[int]:
