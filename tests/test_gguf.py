@@ -1,6 +1,5 @@
 """GGUF files load as the same model as their HF directory, with the tokenizer inside them, or say why not."""
 
-import copy
 import importlib.util
 import json
 import os
@@ -381,11 +380,9 @@ def test_smollm2_greedy_tokens_match_transformers_on_the_same_gguf():
     engine = make_engine("model=hf", f"model.checkpoint={SMOLLM2}", "model.dtype=float32", "cache.num_blocks=32")
     prompt = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": "Write a haiku about the sea."}])
     [ours] = generate_first_completions(engine, [prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    hf = smollm2_transformers()  # shared: its own generation config is left as it is
-    config = copy.deepcopy(hf.generation_config)
-    config.eos_token_id = None  # decode through EOS, as ignore_eos does
-    with torch.no_grad():
-        theirs = hf.generate(torch.tensor([prompt]), generation_config=config, do_sample=False, max_new_tokens=16,
+    hf = smollm2_transformers()  # shared: left as it is
+    with torch.no_grad():  # eos_token_id=None: decode through EOS, as ignore_eos does
+        theirs = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16, eos_token_id=None,
                              pad_token_id=0)
     assert ours.token_ids == theirs[0, len(prompt):].tolist()
 
