@@ -400,6 +400,9 @@ KERNEL_SYMBOLS = {
 }
 
 
+REV_LIBRARIES: dict[str, ctypes.CDLL] = {}  # revision -> its kernels, loaded by register_kernels_at
+
+
 def register_kernels_at(rev: str) -> tuple[str, str, bool, dict[str, str]]:
     """Builds revision `rev`'s CPU kernels and registers them under their own names: (attention
     target, matmul target, whether that matmul takes the optional norm and residual, and every
@@ -416,7 +419,7 @@ def register_kernels_at(rev: str) -> tuple[str, str, bool, dict[str, str]]:
                 raise SystemExit(f"--against {rev}: cannot read {f.name} there: {done.stderr.strip()}")
             if done.returncode == 0:  # a kernel or header added since `rev` is left out of its build
                 (Path(tmp) / f.name).write_text(done.stdout)
-        lib = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library(Path(tmp))))
+        lib = REV_LIBRARIES[rev] = ctypes.cdll.LoadLibrary(str(cpu_kernels.build_library(Path(tmp))))
         fused = '.Attr<float>("eps")' in (Path(tmp) / "packed_matmul.cc").read_text()
     targets = {}
     for const, symbol in KERNEL_SYMBOLS.items():
@@ -441,6 +444,26 @@ def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def bf16_against(rev: str, fns: dict, calls: int) -> None:
+    """The same chain with bf16 weights, both revisions on the bf16 path this CPU chose (where `rev`
+    has that path)."""
+    chosen = cpu_kernels.bf16_matmul_path()
+    code = {v: k for k, v in cpu_kernels.BF16_MATMUL_PATHS.items()}[chosen]
+    lib = REV_LIBRARIES[rev]
+    if not hasattr(lib, "JaxcbSelectBf16Matmul") or lib.JaxcbSelectBf16Matmul(code) != code:
+        print(f"\n({rev} has no {chosen} bf16 matmul: no bf16 A/B)")
+        return
+    rng = np.random.default_rng(0)
+    packed = [pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, jnp.bfloat16))
+              for shape in SMALL_LINEARS]
+    print(f"\n| small's chain, bf16 weights ({chosen}), tokens | this checkout (ms) | {rev} (ms) | {rev} / this |")
+    print("|---|---|---|---|")
+    for m in MATMUL_TOKENS:
+        x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
+        ms = alternate({k: (fn, (x, packed)) for k, fn in fns.items()}, calls if m <= 64 else max(3, calls // 5))
+        print(f"| {m} | {1e3 * ms['this checkout']:.1f} | {1e3 * ms[rev]:.1f} | {ms[rev] / ms['this checkout']:.2f}x |")
+
+
 def against_table(rev: str, calls: int, step_rounds: int) -> None:
     attention_target, matmul_target, fused, targets = register_kernels_at(rev)
     cpu_kernels.load_cpu_kernels()
@@ -460,6 +483,7 @@ def against_table(rev: str, calls: int, step_rounds: int) -> None:
         x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
         ms = alternate({k: (fn, (x, packed)) for k, fn in fns.items()}, calls if m <= 64 else max(3, calls // 5))
         print(f"| {m} | {1e3 * ms['this checkout']:.1f} | {1e3 * ms[rev]:.1f} | {ms[rev] / ms['this checkout']:.2f}x |")
+    bf16_against(rev, fns, calls)
 
     layers = SMALL_HEADS["num_layers"]
 
@@ -470,6 +494,11 @@ def against_table(rev: str, calls: int, step_rounds: int) -> None:
 
     fns = {"this checkout": small_attention_all_layers(ragged_paged_attention_cpu),
            rev: small_attention_all_layers(attention_at_rev)}
+    # Both on the bf16-cache path this CPU chose (a library starts on the rows path until told).
+    chosen = {v: k for k, v in cpu_kernels.ATTENTION_PATHS.items()}[cpu_kernels.attention_path()]
+    lib = REV_LIBRARIES[rev]
+    if hasattr(lib, "JaxcbSelectAttention") and lib.JaxcbSelectAttention(chosen) != chosen:
+        print(f"({rev} has no {cpu_kernels.attention_path()} attention path: its bf16-cache rows take the rows path)")
     print(f"\n| attention, small's heads | this checkout (ms / layer) | {rev} (ms / layer) | {rev} / this |")
     print("|---|---|---|---|")
     cases = []

@@ -8,7 +8,8 @@
 // contiguous streams. The tile is 12 rows x 2 panels where the CPU has AVX-512 (twice the
 // FMA width of AVX2: an AVX2-only kernel ran at half of XLA's dot there) and 6 rows x 1 panel
 // with AVX2; the packed layout is the same for both. Per call only x is packed (chunks of the
-// tile's rows, k-major), which is cheap next to the weights. Work items are (block of rows,
+// tile's rows, k-major; bf16 weights on AMX: chunks of 16 rows, row-major, multiplied two
+// chunks at a time), which is cheap next to the weights. Work items are (block of rows,
 // group of panel strips), spread over XLA's intra-op thread pool. Within an item each strip
 // is read from memory once and then from L2 by every row chunk; each tile runs over all of K,
 // so its outputs stay in registers and are stored once, and the next strip is prefetched a
@@ -66,8 +67,10 @@ constexpr int64_t kTileRows = 12, kTilePanels = 2;
 #else
 constexpr int64_t kTileRows = 6, kTilePanels = 1;
 #endif
-// Row chunks per work item: their packed x (96 rows x 768 f32: 288 KiB) stays in L2.
-constexpr int64_t kChunksPerItem = 96 / kTileRows;
+// Rows of x per chunk on AMX (bf16 weights): an AMX tile's 16.
+constexpr int64_t kAmxRows = 16;
+// Rows of x per work item: their packed x (96 rows x 768 f32: 288 KiB) stays in L2.
+constexpr int64_t kItemRows = 96;
 #if defined(__AVX2__) && defined(__FMA__)
 // The next strip's weights are fetched into L2, not L1: a strip (2 panels x K rows) is larger
 // than L1, so its tiles read it from L2 either way, and an L1 prefetch holds one of the core's
@@ -231,8 +234,8 @@ constexpr TileTable kTiles = MakeTable<F32Tile>();
 // - kBf16Widen: any other CPU: the pairs are widened to floats (a bf16 is the top half of its
 //   float) and multiplied with float FMAs. Half the weight bytes of float32 either way.
 // - kBf16Amx: AMX's tile multiply (tdpbf16ps), where the CPU and the kernel allow it. Its A tile
-//   reads x's rows as they are, so x's chunks are packed row-major instead ([kTileRows][2 depth]
-//   bf16; `RowMajor`); a B tile is 16 pair-rows of one panel, 1 KiB in a row. A bf16 matrix's K
+//   reads x's rows as they are, so x's chunks are packed row-major instead, kAmxRows rows of
+//   them ([kAmxRows][2 depth] bf16; `RowMajor`); a B tile is 16 pair-rows of one panel, 1 KiB in a row. A bf16 matrix's K
 //   is padded to a multiple of 32 (16 pairs, a B tile's rows) for every path, so all paths read
 //   the same weights. On a CPU with AMX, vdpbf16ps ran no faster than float FMAs (both ~190
 //   GFLOP/s a core on a 12 x 32 tile), so only AMX makes a compute-bound bf16 product faster.
@@ -354,49 +357,80 @@ using jaxcb::AmxScope;
 using jaxcb::EnsureAmxConfig;
 using jaxcb::g_amx_call;
 using jaxcb::RequestAmx;
-// The tile configuration every AMX tile call uses: C tiles 0 and 1 (kTileRows rows of 16
-// floats), A tile 2 (kTileRows rows of 32 bf16), B tiles 3 and 4 (16 pair-rows of 16 columns).
-// A chunk of fewer rows loads and multiplies all kTileRows; the rows past it are dropped.
-const jaxcb::AmxConfig kAmxConfig = [] {
-  jaxcb::AmxConfig config;
-  for (int t : {0, 1, 2}) config.bytes_per_row[t] = 64, config.rows[t] = kTileRows;
-  for (int t : {3, 4}) config.bytes_per_row[t] = 64, config.rows[t] = 16;
-  return config;
+// The tile configuration of a call whose chunks have `rows` rows (at most kAmxRows; a chunk of
+// fewer loads and multiplies all of them, the rows past it dropped): C tiles 0-3 (rows of 16
+// floats: chunk 0's two panels, then chunk 1's), A tiles 4 and 5 (rows of 32 bf16: chunk 0's,
+// chunk 1's) and B tiles 6 and 7 (16 pair-rows of one panel's 16 columns). A tile multiply
+// costs about its rows (tdpbf16ps of 8, 12 and 16 rows: 5.8, 7.4 and 11.4 ns with every operand
+// in L1), so a call's tiles are as tall as its chunks, and all of one call share one
+// configuration: reloading it between tiles would cost more than the rows it saves.
+const std::array<jaxcb::AmxConfig, kAmxRows + 1> kAmxConfigs = [] {
+  std::array<jaxcb::AmxConfig, kAmxRows + 1> configs;
+  for (int rows = 1; rows <= kAmxRows; ++rows) {
+    for (int t : {0, 1, 2, 3, 4, 5}) configs[rows].bytes_per_row[t] = 64, configs[rows].rows[t] = rows;
+    for (int t : {6, 7}) configs[rows].bytes_per_row[t] = 64, configs[rows].rows[t] = 16;
+  }
+  return configs;
 }();
 #endif
 #if defined(JAXCB_BF16_AMX)
 
-template <int R, int NP>
-void TileBf16Amx(const float* a_, const float* b_, int64_t depth, float* c, int64_t ldc, int64_t nv,
-                 const char* prefetch, int64_t lines) {
-  EnsureAmxConfig(kAmxConfig);
-  const char* a = reinterpret_cast<const char*>(a_);  // kTileRows rows of 4 * depth bytes
-  const char* b = reinterpret_cast<const char*>(b_);  // NP panels of depth rows of 64 bytes
+// One or two row chunks (a0, and a1 when kPair; rows of 4 * depth bytes, `tile_rows` of them
+// read) by NP panels of w (b: depth pair-rows of 64 bytes each) into c0 (and c1): rows0 (rows1)
+// rows of nv valid columns, row stride ldc. Two chunks at once is the 2 x 2 blocking the eight
+// tiles allow: each B tile loaded serves two multiplies, each A tile two, where one chunk at a
+// time loads an A and two Bs for every two. 1.3x the rows per ns of one 12-row chunk at a time
+// with the weights in L2 (16-row chunks, a standalone loop).
+template <bool kPair, int NP>
+void AmxTiles(const char* a0, const char* a1, int64_t rows0, int64_t rows1, int64_t tile_rows, const char* b,
+              int64_t depth, float* c0, float* c1, int64_t ldc, int64_t nv, const char* prefetch, int64_t lines) {
+  EnsureAmxConfig(kAmxConfigs[tile_rows]);
   const int64_t a_stride = 4 * depth, panel = 64 * depth;
   _tile_zero(0);
   if (NP == 2) _tile_zero(1);
+  if (kPair) _tile_zero(2);
+  if (kPair && NP == 2) _tile_zero(3);
   const int64_t steps = depth / 16;
   int64_t fetched = 0;
   for (int64_t s = 0; s < steps; ++s) {
     while (fetched < lines && fetched * steps < (s + 1) * lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T1);
-    _tile_loadd(2, a + 64 * s, a_stride);
-    _tile_loadd(3, b + 1024 * s, 64);
-    _tile_dpbf16ps(0, 2, 3);
+    _tile_loadd(4, a0 + 64 * s, a_stride);
+    _tile_loadd(6, b + 1024 * s, 64);
+    _tile_dpbf16ps(0, 4, 6);
     if (NP == 2) {
-      _tile_loadd(4, b + panel + 1024 * s, 64);
-      _tile_dpbf16ps(1, 2, 4);
+      _tile_loadd(7, b + panel + 1024 * s, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (kPair) {
+      _tile_loadd(5, a1 + 64 * s, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NP == 2) _tile_dpbf16ps(3, 5, 7);
     }
   }
   while (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T1);
-  alignas(64) float out[NP][kTileRows][kPanel];
-  _tile_stored(0, out[0], 64);
-  if (NP == 2) _tile_stored(1, out[NP - 1], 64);
+  alignas(64) float out[2][NP][kAmxRows][kPanel];
+  _tile_stored(0, out[0][0], 64);
+  if (NP == 2) _tile_stored(1, out[0][NP - 1], 64);
+  if (kPair) _tile_stored(2, out[1][0], 64);
+  if (kPair && NP == 2) _tile_stored(3, out[1][NP - 1], 64);
+  for (int g = 0; g < (kPair ? 2 : 1); ++g) {
+    float* c = g ? c1 : c0;
+    const int64_t rows = g ? rows1 : rows0;
 #pragma GCC unroll 2
-  for (int j = 0; j < NP; ++j) {
-    const int64_t cols = std::clamp<int64_t>(nv - j * kPanel, 0, kPanel);
-    const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(c + r * ldc + j * kPanel, mask, _mm512_load_ps(out[j][r]));
+    for (int j = 0; j < NP; ++j) {
+      const int64_t cols = std::clamp<int64_t>(nv - j * kPanel, 0, kPanel);
+      const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+      for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(c + r * ldc + j * kPanel, mask, _mm512_load_ps(out[g][j][r]));
+    }
   }
+}
+
+// One chunk of R rows as a register tile is called (the probe and the timing at start-up).
+template <int R, int NP>
+void TileBf16Amx(const float* a, const float* b, int64_t depth, float* c, int64_t ldc, int64_t nv,
+                 const char* prefetch, int64_t lines) {
+  AmxTiles<false, NP>(reinterpret_cast<const char*>(a), nullptr, R, 0, R, reinterpret_cast<const char*>(b), depth, c,
+                      nullptr, ldc, nv, prefetch, lines);
 }
 template <int R, int NP>
 struct AmxTile {
@@ -518,17 +552,19 @@ void PackChunk(const float* x, int64_t K, int64_t rows, float* dst, const float*
   }
 }
 
-// x's M rows in chunks of at most kTileRows, as even as they go: 64 rows are chunks of 11, 11,
-// 11, 11, 10 and 10, not five of 12 and one of 4. A short chunk's tile loads as many weights as
-// a full one and has too few accumulators to hide the FMA latency: the 4-row tail cost as much
-// as 6 full rows (64 rows took longer than 66). Chunk i is packed at i * kTileRows * K whatever
-// its rows, so the packed layout is the same.
+// x's M rows in chunks of at most `slot` rows (kTileRows, or kAmxRows), as even as they go: 64
+// rows are chunks of 11, 11, 11, 11, 10 and 10, not five of 12 and one of 4. A short chunk's
+// tile loads as many weights as a full one and has too few accumulators to hide the FMA latency:
+// the 4-row tail cost as much as 6 full rows (64 rows took longer than 66). Chunk i is packed at
+// i * slot * depth whatever its rows, so the packed layout is the same.
 struct RowChunks {
-  int64_t count, base, extra;  // `extra` chunks of base + 1 rows, then chunks of base rows
-  explicit RowChunks(int64_t M)
-      : count((M + kTileRows - 1) / kTileRows), base(count ? M / count : 0), extra(count ? M % count : 0) {}
+  int64_t slot, count, base, extra;  // `extra` chunks of base + 1 rows, then chunks of base rows
+  RowChunks(int64_t M, int64_t slot_)
+      : slot(slot_), count((M + slot - 1) / slot), base(count ? M / count : 0), extra(count ? M % count : 0) {}
   int64_t first_row(int64_t i) const { return i * base + std::min(i, extra); }
   int64_t rows(int64_t i) const { return base + (i < extra ? 1 : 0); }
+  int64_t most_rows() const { return base + (extra ? 1 : 0); }  // the tallest chunk's rows
+  int64_t offset(int64_t i, int64_t depth) const { return i * slot * depth; }  // chunk i in packed x, in floats
 };
 
 // Weights to fetch ahead: `lines` 64-byte lines from `at` (none when lines is 0).
@@ -551,10 +587,11 @@ inline Ahead FirstStrip(const float* w, int64_t K, int64_t P, int64_t p) {
 // down). The full-batch decode step: 1.04-1.11x, the most when the machine is busy and one
 // thread falls behind.
 struct Split {
-  int64_t chunks, strips, group, groups, items;
+  int64_t chunks, per_item, strips, group, groups, items;  // per_item: row chunks per item (kItemRows rows)
   std::vector<int64_t> starts;  // one block of rows: group g is strips [starts[g], starts[g + 1])
-  Split(int64_t chunks_, int64_t strips_, int64_t threads) : chunks(chunks_), strips(strips_) {
-    const int64_t row_blocks = (chunks + kChunksPerItem - 1) / kChunksPerItem;
+  Split(const RowChunks& rows, int64_t strips_, int64_t threads)
+      : chunks(rows.count), per_item(kItemRows / rows.slot), strips(strips_) {
+    const int64_t row_blocks = (chunks + per_item - 1) / per_item;
     group = std::clamp<int64_t>(strips * row_blocks / (4 * threads), 1, 16 / kTilePanels);
     groups = (strips + group - 1) / group;
     if (row_blocks == 1) {
@@ -568,8 +605,8 @@ struct Split {
     }
     items = row_blocks * groups;
   }
-  int64_t first_chunk(int64_t item) const { return (item / groups) * kChunksPerItem; }
-  int64_t end_chunk(int64_t item) const { return std::min(chunks, first_chunk(item) + kChunksPerItem); }
+  int64_t first_chunk(int64_t item) const { return (item / groups) * per_item; }
+  int64_t end_chunk(int64_t item) const { return std::min(chunks, first_chunk(item) + per_item); }
   int64_t first_strip(int64_t item) const { return starts.empty() ? (item % groups) * group : starts[item % groups]; }
   int64_t end_strip(int64_t item) const {
     return starts.empty() ? std::min(strips, first_strip(item) + group) : starts[item % groups + 1];
@@ -580,16 +617,49 @@ struct Split {
   }
 };
 
-// Calls tile(i, l0, lines) for each row chunk i in [c0, c1): the `next_lines` lines of the strip
-// after this one are prefetched a share [l0, l0 + lines) per chunk.
+// Calls tile(i, n, l0, lines) for the row chunks [c0, c1) in groups of `group`, chunks [i, i + n)
+// (the last group may have fewer): the `next_lines` lines of the strip after this one are
+// prefetched a share [l0, l0 + lines) per group.
 template <typename TileCall>
-inline void ForEachRowChunk(int64_t c0, int64_t c1, int64_t next_lines, TileCall&& tile) {
-  const int64_t lines_per_chunk = (next_lines + (c1 - c0) - 1) / (c1 - c0);
-  for (int64_t i = c0; i < c1; ++i) {
-    const int64_t l0 = std::min(next_lines, (i - c0) * lines_per_chunk);
-    tile(i, l0, std::min(next_lines, l0 + lines_per_chunk) - l0);
+inline void ForEachRowChunk(int64_t c0, int64_t c1, int64_t group, int64_t next_lines, TileCall&& tile) {
+  const int64_t groups = (c1 - c0 + group - 1) / group;
+  const int64_t lines_per_group = (next_lines + groups - 1) / groups;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t i = c0 + g * group, l0 = std::min(next_lines, g * lines_per_group);
+    tile(i, std::min(group, c1 - i), l0, std::min(next_lines, l0 + lines_per_group) - l0);
   }
 }
+
+// The tiles a multiply runs on: the register tiles of `table`, one row chunk at a time, or (amx)
+// AMX's, two at a time.
+struct TilePath {
+  const TileTable* table;
+  bool amx;
+  int64_t group() const { return amx ? 2 : 1; }
+  // Chunks [i, i + n) of x (packed at a, `depth` deep) by `panels` panels of w at b: chunk i + g
+  // into c[g] (row stride ldc, nv valid columns), prefetch[0, lines) fetched on the way.
+  void Run(const RowChunks& chunks, const float* a, int64_t i, int64_t n, const float* b, int64_t depth,
+           int64_t panels, float* const* c, int64_t ldc, int64_t nv, const char* prefetch, int64_t lines) const {
+    (void)n;  // 1 but on AMX
+#if defined(JAXCB_BF16_AMX)
+    if (amx) {
+      const auto* a0 = reinterpret_cast<const char*>(a + chunks.offset(i, depth));
+      const auto* bb = reinterpret_cast<const char*>(b);
+      if (n == 2) {
+        const auto* a1 = reinterpret_cast<const char*>(a + chunks.offset(i + 1, depth));
+        (panels == 2 ? AmxTiles<true, 2> : AmxTiles<true, 1>)(a0, a1, chunks.rows(i), chunks.rows(i + 1),
+                                                              chunks.most_rows(), bb, depth, c[0], c[1], ldc, nv,
+                                                              prefetch, lines);
+      } else {
+        (panels == 2 ? AmxTiles<false, 2> : AmxTiles<false, 1>)(a0, nullptr, chunks.rows(i), 0, chunks.most_rows(), bb,
+                                                                depth, c[0], nullptr, ldc, nv, prefetch, lines);
+      }
+      return;
+    }
+#endif
+    (*table)[panels][chunks.rows(i)](a + chunks.offset(i, depth), b, depth, c[0], ldc, nv, prefetch, lines);
+  }
+};
 
 // One work item of c[M, N] = x @ w: row chunks [c0, c1) x strips [s0, s1) of w's P panels, x
 // packed in a. With `residual` ([M, N], or null) the item adds it to its outputs, tile by tile
@@ -681,26 +751,31 @@ struct TileSink {
 // which lies right after it. A strip group ends where another thread's begins, so without this
 // the first strip of every item came cold from memory: a third of the strips for o and down.
 template <typename AfterLast>
-void MultiplyItem(const TileTable& tiles, const float* a, const float* b, int64_t K, int64_t P, int64_t N,
+void MultiplyItem(const TilePath& path, const float* a, const float* b, int64_t K, int64_t P, int64_t N,
                   const RowChunks& chunks,
                   int64_t c0, int64_t c1, int64_t s0, int64_t s1, const TileSink& sink, AfterLast&& after_last) {
-  alignas(64) float scratch[kTileRows * kTilePanels * kPanel];
+  alignas(64) float scratch[2][kAmxRows * kTilePanels * kPanel];
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t p = s * kTilePanels, panels = std::min(kTilePanels, P - p);
     const float* bp = b + p * K * kPanel;
     const Ahead next = s + 1 < s1 ? FirstStrip(b, K, P, p + panels) : after_last();
     const int64_t nv = std::min(panels * kPanel, N - p * kPanel);
-    ForEachRowChunk(c0, c1, next.lines, [&](int64_t i, int64_t l0, int64_t lines) {
-      const int64_t m = chunks.first_row(i), rows = chunks.rows(i);
-      float* tile = sink.write_output ? sink.c + m * N + p * kPanel : scratch;
-      const int64_t ld = sink.write_output ? N : kTilePanels * kPanel;
-      tiles[panels][rows](a + i * kTileRows * K, bp, K, tile, ld, nv, next.at + 64 * l0, lines);
-      if (sink.residual)
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < nv; ++j) tile[r * ld + j] += sink.residual[(m + r) * N + p * kPanel + j];
-      if (sink.argmax)
-        for (int64_t r = 0; r < rows; ++r)
-          sink.argmax[m + r - chunks.first_row(c0)].Fold(tile + r * ld, nv, p * kPanel);
+    const int64_t ld = sink.write_output ? N : kTilePanels * kPanel;
+    ForEachRowChunk(c0, c1, path.group(), next.lines, [&](int64_t i, int64_t n, int64_t l0, int64_t lines) {
+      float* tiles[2];
+      for (int64_t g = 0; g < n; ++g)
+        tiles[g] = sink.write_output ? sink.c + chunks.first_row(i + g) * N + p * kPanel : scratch[g];
+      path.Run(chunks, a, i, n, bp, K, panels, tiles, ld, nv, next.at + 64 * l0, lines);
+      for (int64_t g = 0; g < n; ++g) {
+        const int64_t m = chunks.first_row(i + g), rows = chunks.rows(i + g);
+        float* tile = tiles[g];
+        if (sink.residual)
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < nv; ++j) tile[r * ld + j] += sink.residual[(m + r) * N + p * kPanel + j];
+        if (sink.argmax)
+          for (int64_t r = 0; r < rows; ++r)
+            sink.argmax[m + r - chunks.first_row(c0)].Fold(tile + r * ld, nv, p * kPanel);
+      }
     });
   }
 }
@@ -841,17 +916,17 @@ struct PackedRows {
   const TileTable* table;
   PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_,
              bool pairs_ = false)
-      : x(x_), K(K_), chunks(M_), norm(norm_), eps(eps_), pairs(pairs_), depth(PackedDepth(K_, pairs_)),
-        row_major(RowMajor(pairs_)), table(&TilesFor(pairs_)) {
+      : x(x_), K(K_), chunks(M_, RowMajor(pairs_) ? kAmxRows : kTileRows), norm(norm_), eps(eps_), pairs(pairs_),
+        depth(PackedDepth(K_, pairs_)), row_major(RowMajor(pairs_)), table(&TilesFor(pairs_)) {
 #if defined(JAXCB_BF16_AMX)
     if (row_major) g_amx_call.fetch_add(1, std::memory_order_relaxed);
 #endif
     // One buffer per calling thread, grown once: no page faults from a fresh allocation per call.
-    const size_t size = chunks.count * kTileRows * depth;
+    const size_t size = chunks.count * chunks.slot * depth;
     a = Aligned(buffer, size);
   }
   void Pack(int64_t i) const {
-    float* dst = a + i * kTileRows * depth;
+    float* dst = a + chunks.offset(i, depth);
     if (!pairs) return PackChunk(x + chunks.first_row(i) * K, K, chunks.rows(i), dst, norm, eps);
     if (row_major)
       return PackChunkRowMajor(x + chunks.first_row(i) * K, K, chunks.rows(i), depth, reinterpret_cast<uint16_t*>(dst),
@@ -861,7 +936,7 @@ struct PackedRows {
     PackChunk(x + chunks.first_row(i) * K, K, chunks.rows(i), chunk.data(), norm, eps);
     PairChunk(chunk.data(), K, depth, reinterpret_cast<uint32_t*>(dst));
   }
-  const TileTable& tiles() const { return *table; }
+  TilePath path() const { return {table, row_major}; }
 };
 
 // The optional inputs: an rms-norm weight [K] and a residual [M, N], each empty when not used.
@@ -962,11 +1037,11 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   thread_local std::vector<float> buffer;
   const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps, pairs);
-  const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
+  const Split split(rows.chunks, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
   const float* wp = WeightData(w);
   const int64_t depth = rows.depth;
   PackThenMultiply(pool, rows, split.items, [&](int64_t item, auto&& next_item) {
-    MultiplyItem(rows.tiles(), rows.a, wp, depth, P, N, rows.chunks, split.first_chunk(item), split.end_chunk(item),
+    MultiplyItem(rows.path(), rows.a, wp, depth, P, N, rows.chunks, split.first_chunk(item), split.end_chunk(item),
                  split.first_strip(item), split.end_strip(item), TileSink{c, res},
                  [&] { return split.FirstWeights(wp, depth, P, next_item()); });
   });
@@ -1071,7 +1146,7 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   float* y = y_buffer.data();  // items reach the caller's buffer through this local
   // (K = 0 needs no case of its own: the tiles run over no k and store zeros.)
   const PackedRows rows(x.typed_data(), M, K, buffer, norm, eps, pairs);
-  const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
+  const Split split(rows.chunks, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
   const float* wp = WeightData(w);
   const int64_t depth = rows.depth;
   const int64_t layer_offset = lyr * H * num_slots * D;  // the layer's first row, in elements
@@ -1087,7 +1162,7 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   PackThenMultiply(
       pool, rows, split.items,
       [&](int64_t item, auto&& next_item) {
-        MultiplyItem(rows.tiles(), rows.a, wp, depth, P, N, rows.chunks, split.first_chunk(item),
+        MultiplyItem(rows.path(), rows.a, wp, depth, P, N, rows.chunks, split.first_chunk(item),
                      split.end_chunk(item), split.first_strip(item), split.end_strip(item), TileSink{y},
                      [&] { return split.FirstWeights(wp, depth, P, next_item()); });
       },
@@ -1141,11 +1216,12 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   thread_local std::vector<float> x_buffer, h_buffer;
   const PackedRows rows(x.typed_data(), M, K, x_buffer, norm, eps, bf16);
   const int64_t depth = rows.depth;
-  float* h = Aligned(h_buffer, rows.chunks.count * kTileRows * h_depth);  // down's input, packed as x is: floats, or bf16 pairs
-  const TileTable& tiles = rows.tiles();
+  // down's input, packed as x is: floats, or bf16 pairs (k-major), or bf16 rows (AMX)
+  float* h = Aligned(h_buffer, rows.chunks.count * rows.chunks.slot * h_depth);
+  const TilePath path = rows.path();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // A gate/up strip is one pair of panels, whatever the tile's width.
-  const Split pairs(rows.chunks.count, Q, threads), out(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, threads);
+  const Split pairs(rows.chunks, Q, threads), out(rows.chunks, (P + kTilePanels - 1) / kTilePanels, threads);
   const int64_t items = rows.chunks.count + pairs.items + out.items;
   std::atomic<int64_t> packed{0}, paired{0};
   const float* gu = WeightData(gate_up);
@@ -1177,47 +1253,52 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
         const int64_t cols = std::min(kPanel, F - q * kPanel);
         // The next pair, right after this one, or the first weights of this thread's next item.
         const Ahead ahead = q + 1 < pairs.end_strip(item) ? pair_weights(q + 1) : first_weights(next_item.Claim());
-        ForEachRowChunk(pairs.first_chunk(item), pairs.end_chunk(item), ahead.lines,
-                        [&](int64_t i, int64_t l0, int64_t lines) {
-          const int64_t r = rows.chunks.rows(i);
-          alignas(64) float both[kTileRows][2 * kPanel];  // gate's 16 columns, then up's
-          for (int64_t j = 0; j < 2; j += kTilePanels)  // the pair in one tile, or two
-            tiles[kTilePanels][r](rows.a + i * kTileRows * depth, bq + j * depth * kPanel, depth, &both[0][j * kPanel],
-                                  2 * kPanel, kTilePanels * kPanel, ahead.at + 64 * l0, j == 0 ? lines : 0);
-          // Chunk i of h, k-major: columns [16q, 16q + cols) of the activation are its k-rows
-          // there (or its pair-rows [8q, 8q + ceil(cols / 2)), an odd last one's high half 0).
-          float* hc = h + i * kTileRows * h_depth + q * kPanel * kTileRows / (bf16 ? 2 : 1);
-          auto* hp = reinterpret_cast<uint32_t*>(hc);
-#if defined(JAXCB_BF16_AMX)
-          if (rows.row_major) {  // row by row, bf16: columns [16q, 16q + 16) of each
-            auto* h_rows = reinterpret_cast<uint16_t*>(h + i * kTileRows * h_depth) + q * kPanel;
-            for (int64_t row = 0; row < r; ++row)
-              StoreBf16(h_rows + row * 2 * h_depth, SiluTimes16(both[row], both[row] + kPanel, cols), kPanel);
-            return;
+        ForEachRowChunk(pairs.first_chunk(item), pairs.end_chunk(item), path.group(), ahead.lines,
+                        [&](int64_t i0, int64_t n, int64_t l0, int64_t lines) {
+          alignas(64) float both[2][kAmxRows][2 * kPanel];  // a chunk's gate columns, then its up columns
+          for (int64_t j = 0; j < 2; j += kTilePanels) {  // the pair in one tile, or two
+            float* outs[2] = {&both[0][0][j * kPanel], &both[1][0][j * kPanel]};
+            path.Run(rows.chunks, rows.a, i0, n, bq + j * depth * kPanel, depth, kTilePanels, outs, 2 * kPanel,
+                     kTilePanels * kPanel, ahead.at + 64 * l0, j == 0 ? lines : 0);
           }
+          for (int64_t g = 0; g < n; ++g) {
+            const int64_t i = i0 + g, r = rows.chunks.rows(i);
+            const float(*act_in)[2 * kPanel] = both[g];
+            // Chunk i of h, k-major: columns [16q, 16q + cols) of the activation are its k-rows
+            // there (or its pair-rows [8q, 8q + ceil(cols / 2)), an odd last one's high half 0).
+            float* hc = h + rows.chunks.offset(i, h_depth) + q * kPanel * kTileRows / (bf16 ? 2 : 1);
+            auto* hp = reinterpret_cast<uint32_t*>(hc);
+#if defined(JAXCB_BF16_AMX)
+            if (rows.row_major) {  // row by row, bf16: columns [16q, 16q + 16) of each
+              auto* h_rows = reinterpret_cast<uint16_t*>(h + rows.chunks.offset(i, h_depth)) + q * kPanel;
+              for (int64_t row = 0; row < r; ++row)
+                StoreBf16(h_rows + row * 2 * h_depth, SiluTimes16(act_in[row], act_in[row] + kPanel, cols), kPanel);
+              continue;
+            }
 #endif
 #if defined(__AVX512F__)
-          __m512 act[16];
-          for (int64_t row = 0; row < 16; ++row)
-            act[row] = row < r ? SiluTimes16(both[row], both[row] + kPanel, cols) : _mm512_setzero_ps();
-          Transpose16x16(act);  // act[j] past cols: 0
-          if (bf16)
-            for (int64_t j = 0; j < cols; j += 2)
-              _mm512_mask_storeu_epi32(hp + (j / 2) * kTileRows, kTileRowLanes, Bf16Pairs(act[j], act[j + 1]));
-          else
-            for (int64_t j = 0; j < cols; ++j) _mm512_mask_storeu_ps(hc + j * kTileRows, kTileRowLanes, act[j]);
-#else
-          for (int64_t row = 0; row < r; ++row) {
-            alignas(64) float act[kPanel + 1] = {};
-            SiluTimes(both[row], both[row] + kPanel, cols, act);
+            __m512 act[16];
+            for (int64_t row = 0; row < 16; ++row)
+              act[row] = row < r ? SiluTimes16(act_in[row], act_in[row] + kPanel, cols) : _mm512_setzero_ps();
+            Transpose16x16(act);  // act[j] past cols: 0
             if (bf16)
               for (int64_t j = 0; j < cols; j += 2)
-                hp[(j / 2) * kTileRows + row] = jaxcb::FloatToBf16(act[j]) |
-                                                static_cast<uint32_t>(jaxcb::FloatToBf16(act[j + 1])) << 16;
+                _mm512_mask_storeu_epi32(hp + (j / 2) * kTileRows, kTileRowLanes, Bf16Pairs(act[j], act[j + 1]));
             else
-              for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + row] = act[j];
-          }
+              for (int64_t j = 0; j < cols; ++j) _mm512_mask_storeu_ps(hc + j * kTileRows, kTileRowLanes, act[j]);
+#else
+            for (int64_t row = 0; row < r; ++row) {
+              alignas(64) float act[kPanel + 1] = {};
+              SiluTimes(act_in[row], act_in[row] + kPanel, cols, act);
+              if (bf16)
+                for (int64_t j = 0; j < cols; j += 2)
+                  hp[(j / 2) * kTileRows + row] = jaxcb::FloatToBf16(act[j]) |
+                                                  static_cast<uint32_t>(jaxcb::FloatToBf16(act[j + 1])) << 16;
+              else
+                for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + row] = act[j];
+            }
 #endif
+          }
         });
       }
       paired.fetch_add(1, std::memory_order_release);
@@ -1225,7 +1306,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     }
     WaitFor(paired, pairs.items);
     item -= pairs.items;
-    MultiplyItem(tiles, h, dw, h_depth, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item),
+    MultiplyItem(path, h, dw, h_depth, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item),
                  out.first_strip(item), out.end_strip(item), TileSink{c, res},
                  [&] { return first_weights(next_item.Claim()); });
   });
@@ -1263,7 +1344,7 @@ ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   thread_local std::vector<float> buffer;
   const PackedRows rows(x.typed_data(), M, K, buffer, nullptr, 0.0f, pairs);
-  const Split split(rows.chunks.count, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
+  const Split split(rows.chunks, (P + kTilePanels - 1) / kTilePanels, std::max<int64_t>(pool.num_threads(), 1));
   // One RowBest per (strip group, row): each is written by the one item of that group and row
   // block, then the groups are folded in column order.
   std::vector<RowBest> best(split.groups * M);
@@ -1272,12 +1353,12 @@ ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   PackThenMultiply(pool, rows, split.items, [&](int64_t item, auto&& next_item) {
     const int64_t c0 = split.first_chunk(item), c1 = split.end_chunk(item);
     const int64_t m0 = rows.chunks.first_row(c0), m1 = rows.chunks.first_row(c1 - 1) + rows.chunks.rows(c1 - 1);
-    RowArgmaxLanes lanes[kChunksPerItem * kTileRows];
+    RowArgmaxLanes lanes[kItemRows];
     for (int64_t r = m0; r < m1; ++r) lanes[r - m0].Reset();
     TileSink sink{c};
     sink.argmax = lanes;
     sink.write_output = write_y;
-    MultiplyItem(rows.tiles(), rows.a, wp, depth, P, N, rows.chunks, c0, c1, split.first_strip(item),
+    MultiplyItem(rows.path(), rows.a, wp, depth, P, N, rows.chunks, c0, c1, split.first_strip(item),
                  split.end_strip(item), sink, [&] { return split.FirstWeights(wp, depth, P, next_item()); });
     const int64_t g = item % split.groups;
     const auto first_column = static_cast<int32_t>(split.first_strip(item) * kTilePanels * kPanel);
@@ -1399,11 +1480,21 @@ extern "C" int JaxcbProbeBf16Matmul(int path) {
   std::vector<float> c(kTileRows * N);
   (*table)[kTilePanels][kTileRows](reinterpret_cast<const float*>(a.data()), reinterpret_cast<const float*>(b.data()),
                                    depth, c.data(), N, N, nullptr, 0);
+  std::vector<float> c1 = c;  // a pair's second chunk, on a path that multiplies chunks in pairs
+#if defined(JAXCB_BF16_AMX)
+  if (path == kBf16Amx) {  // two chunks at once (the same x twice), as the multiplies run them
+    std::vector<float> c0(kTileRows * N);
+    const auto* ab = reinterpret_cast<const char*>(a.data());
+    AmxTiles<true, kTilePanels>(ab, ab, kTileRows, kTileRows, kTileRows, reinterpret_cast<const char*>(b.data()), depth,
+                                c0.data(), c1.data(), N, N, nullptr, 0);
+    if (c0 != c) return 0;
+  }
+#endif
   for (int64_t r = 0; r < kTileRows; ++r)
     for (int64_t n = 0; n < N; ++n) {
       float want = 0.0f;  // small multiples of 1/64: exact in float32 whatever the order
       for (int64_t k = 0; k < K; ++k) want += value(r * K + k) * value(7 + k * N + n);
-      if (c[r * N + n] != want) return 0;
+      if (c[r * N + n] != want || c1[r * N + n] != want) return 0;
     }
   return 1;
 }
