@@ -15,7 +15,8 @@ this CPU takes for a bf16 cache (AMX prefill tiles where it has AMX) against eve
 
 --against REV: the kernels of this checkout against those of git revision REV, built side by
 side from REV's C++ sources (`jaxcb/kernels/cpu/`) and timed alternately in one process: small's matmul
-chain by step size, and attention over small's heads. The A/B behind a kernel change. With
+chain by step size, with float32 and with bf16 weights (both on the bf16 path this CPU chose), and
+attention over small's heads (both on this CPU's bf16-cache path). The A/B behind a kernel change. With
 --steps ROUNDS, also the engine's own compiled steps: the full-batch run of docs/benchmarks.md
 (64 requests, 40 prompt + 100 output tokens each, on `small`) recorded once and replayed whole
 with each revision's kernels in turn (REV's kernels must take this checkout's arguments).
@@ -453,10 +454,16 @@ def bf16_against(rev: str, fns: dict, calls: int) -> None:
     if not hasattr(lib, "JaxcbSelectBf16Matmul") or lib.JaxcbSelectBf16Matmul(code) != code:
         print(f"\n({rev} has no {chosen} bf16 matmul: no bf16 A/B)")
         return
+    print()
+    chain_against(rev, fns, jnp.bfloat16, calls, f"small's chain, bf16 weights ({chosen})")
+
+
+def chain_against(rev: str, fns: dict, dtype, calls: int, title: str) -> None:
+    """A row per step size: small's chain with random weights in `dtype`, this checkout's kernels
+    and `rev`'s (`fns`) called in turns."""
     rng = np.random.default_rng(0)
-    packed = [pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, jnp.bfloat16))
-              for shape in SMALL_LINEARS]
-    print(f"\n| small's chain, bf16 weights ({chosen}), tokens | this checkout (ms) | {rev} (ms) | {rev} / this |")
+    packed = [pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)) for shape in SMALL_LINEARS]
+    print(f"| {title}, tokens | this checkout (ms) | {rev} (ms) | {rev} / this |")
     print("|---|---|---|---|")
     for m in MATMUL_TOKENS:
         x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
@@ -474,15 +481,8 @@ def against_table(rev: str, calls: int, step_rounds: int) -> None:
             return call(x, packed, jnp.zeros((0,), jnp.float32), jnp.zeros((0, n), jnp.float32), eps=np.float32(0))
         return call(x, packed)
 
-    rng = np.random.default_rng(0)
-    packed = [pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02)) for shape in SMALL_LINEARS]
     fns = {"this checkout": small_matmul_chain(packed_matmul), rev: small_matmul_chain(matmul_at_rev)}
-    print(f"| small's matmul chain, tokens | this checkout (ms) | {rev} (ms) | {rev} / this |")
-    print("|---|---|---|---|")
-    for m in MATMUL_TOKENS:
-        x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
-        ms = alternate({k: (fn, (x, packed)) for k, fn in fns.items()}, calls if m <= 64 else max(3, calls // 5))
-        print(f"| {m} | {1e3 * ms['this checkout']:.1f} | {1e3 * ms[rev]:.1f} | {ms[rev] / ms['this checkout']:.2f}x |")
+    chain_against(rev, fns, jnp.float32, calls, "small's matmul chain")
     bf16_against(rev, fns, calls)
 
     layers = SMALL_HEADS["num_layers"]
