@@ -100,7 +100,9 @@ def test_each_line_of_a_batch_is_one_span(traced):
     url, exporter = traced
     client = OpenAI(base_url=url + "/v1", api_key="unused")
     lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 2 + i}} for i in range(3)]
+              # ignore_eos: a sampled EOS would end a line early and change its count
+              "body": {"model": "tiny", "prompt": f"line {i}", "max_tokens": 2 + i, "ignore_eos": True}}
+             for i in range(3)]
 
     def send():
         upload = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
