@@ -362,8 +362,8 @@ using jaxcb::RequestAmx;
 // floats: chunk 0's two panels, then chunk 1's), A tiles 4 and 5 (rows of 32 bf16: chunk 0's,
 // chunk 1's) and B tiles 6 and 7 (16 pair-rows of one panel's 16 columns). A tile multiply
 // costs about its rows (tdpbf16ps of 8, 12 and 16 rows: 5.8, 7.4 and 11.4 ns with every operand
-// in L1), so a call's tiles are as tall as its chunks, and all of one call share one
-// configuration: reloading it between tiles would cost more than the rows it saves.
+// in L1), so a call's tiles are as tall as its tallest chunk: one configuration for all of a
+// call's tiles, none reloaded between them.
 const std::array<jaxcb::AmxConfig, kAmxRows + 1> kAmxConfigs = [] {
   std::array<jaxcb::AmxConfig, kAmxRows + 1> configs;
   for (int rows = 1; rows <= kAmxRows; ++rows) {
