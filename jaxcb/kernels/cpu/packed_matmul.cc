@@ -361,8 +361,8 @@ using jaxcb::RequestAmx;
 // fewer loads and multiplies all of them, the rows past it dropped): C tiles 0-3 (rows of 16
 // floats: chunk 0's two panels, then chunk 1's), A tiles 4 and 5 (rows of 32 bf16: chunk 0's,
 // chunk 1's) and B tiles 6 and 7 (16 pair-rows of one panel's 16 columns). A tile multiply
-// costs about its rows (tdpbf16ps of 8, 12 and 16 rows: 5.8, 7.4 and 11.4 ns with every operand
-// in L1), so a call's tiles are as tall as its tallest chunk: one configuration for all of a
+// costs about its rows (tdpbf16ps of 8, 12 and 16 rows: 5.3, 6.8 and 10.4 ns in a loop with every
+// operand in L1), so a call's tiles are as tall as its tallest chunk: one configuration for all of a
 // call's tiles, none reloaded between them.
 const std::array<jaxcb::AmxConfig, kAmxRows + 1> kAmxConfigs = [] {
   std::array<jaxcb::AmxConfig, kAmxRows + 1> configs;
