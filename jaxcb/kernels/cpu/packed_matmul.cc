@@ -449,9 +449,12 @@ constexpr TileTable kTilesBf16Dot = MakeTable<DotTile>();
 // Widening until the Python side has probed and chosen (JaxcbSelectBf16Matmul): it runs anywhere.
 std::atomic<int> g_bf16_matmul{kBf16Widen};
 
-// The tiles for float32 weights, or for bf16 pairs on the selected path.
-inline const TileTable& TilesFor(bool pairs) {
-  const int path = g_bf16_matmul.load(std::memory_order_relaxed);
+// The selected bf16 path, read once per call: a call's chunk slots, layout and tiles all follow
+// the same read, even if a test switches paths while it runs.
+inline int Bf16MatmulPath() { return g_bf16_matmul.load(std::memory_order_relaxed); }
+
+// The tiles for float32 weights, or for bf16 pairs on the given path.
+inline const TileTable& TilesFor(bool pairs, int path) {
 #if defined(JAXCB_BF16_AMX)
   if (pairs && path == kBf16Amx) return kTilesBf16Amx;
 #endif
@@ -463,11 +466,12 @@ inline const TileTable& TilesFor(bool pairs) {
 }
 
 // Whether x's chunks are packed row-major (the AMX tiles) rather than k-major.
-inline bool RowMajor(bool pairs) {
+inline bool RowMajor(bool pairs, int path) {
 #if defined(JAXCB_BF16_AMX)
-  return pairs && g_bf16_matmul.load(std::memory_order_relaxed) == kBf16Amx;
+  return pairs && path == kBf16Amx;
 #else
   (void)pairs;
+  (void)path;
   return false;
 #endif
 }
@@ -916,8 +920,12 @@ struct PackedRows {
   const TileTable* table;
   PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_,
              bool pairs_ = false)
-      : x(x_), K(K_), chunks(M_, RowMajor(pairs_) ? kAmxRows : kTileRows), norm(norm_), eps(eps_), pairs(pairs_),
-        depth(PackedDepth(K_, pairs_)), row_major(RowMajor(pairs_)), table(&TilesFor(pairs_)) {
+      : PackedRows(x_, M_, K_, buffer, norm_, eps_, pairs_, Bf16MatmulPath()) {}
+  PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_,
+             bool pairs_, int path)
+      : x(x_), K(K_), chunks(M_, RowMajor(pairs_, path) ? kAmxRows : kTileRows), norm(norm_), eps(eps_),
+        pairs(pairs_), depth(PackedDepth(K_, pairs_)), row_major(RowMajor(pairs_, path)),
+        table(&TilesFor(pairs_, path)) {
 #if defined(JAXCB_BF16_AMX)
     if (row_major) g_amx_call.fetch_add(1, std::memory_order_relaxed);
 #endif
@@ -1266,8 +1274,6 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
             const float(*act_in)[2 * kPanel] = both[g];
             // Chunk i of h, k-major: columns [16q, 16q + cols) of the activation are its k-rows
             // there (or its pair-rows [8q, 8q + ceil(cols / 2)), an odd last one's high half 0).
-            float* hc = h + rows.chunks.offset(i, h_depth) + q * kPanel * kTileRows / (bf16 ? 2 : 1);
-            auto* hp = reinterpret_cast<uint32_t*>(hc);
 #if defined(JAXCB_BF16_AMX)
             if (rows.row_major) {  // row by row, bf16: columns [16q, 16q + 16) of each
               auto* h_rows = reinterpret_cast<uint16_t*>(h + rows.chunks.offset(i, h_depth)) + q * kPanel;
@@ -1276,6 +1282,8 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
               continue;
             }
 #endif
+            float* hc = h + rows.chunks.offset(i, h_depth) + q * kPanel * kTileRows / (bf16 ? 2 : 1);
+            auto* hp = reinterpret_cast<uint32_t*>(hc);
 #if defined(__AVX512F__)
             __m512 act[16];
             for (int64_t row = 0; row < 16; ++row)
