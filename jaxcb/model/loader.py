@@ -12,6 +12,7 @@ for one device is never whole on one.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -337,13 +338,22 @@ def save_orbax_params(model: Llama, directory: str) -> None:
     checkpointer.wait_until_finished()
 
 
-def build_sharded_random_model(cfg: LlamaConfig, seed: int, tp: TensorParallel) -> Llama:
-    """The random model, each parameter created in its shards (the same values as `build_random_model`:
-    JAX's random bits do not depend on how the output is split)."""
+@functools.lru_cache(maxsize=8)
+def _sharded_random_init(cfg: LlamaConfig, seed: int, tp: TensorParallel) -> tuple[nnx.GraphDef, Callable]:
+    """The model's graph and a jitted function that creates its random state in shards. Cached, so
+    that engines built alike (a sweep, a test session) compile the initialisation once: each call
+    of the function still returns fresh buffers."""
     graphdef, abstract_state = nnx.split(build_abstract_model(cfg))
     init = jax.jit(
         lambda: nnx.split(build_random_model(cfg, seed))[1], out_shardings=tp.params(abstract_state)
     )
+    return graphdef, init
+
+
+def build_sharded_random_model(cfg: LlamaConfig, seed: int, tp: TensorParallel) -> Llama:
+    """The random model, each parameter created in its shards (the same values as `build_random_model`:
+    JAX's random bits do not depend on how the output is split)."""
+    graphdef, init = _sharded_random_init(cfg, seed, tp)
     return nnx.merge(graphdef, init())
 
 

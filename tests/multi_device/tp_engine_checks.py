@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from engine_factory import BASE, VARIANTS
@@ -20,6 +21,9 @@ from jaxcb.kernels.attention import AttentionMetadata
 from jaxcb.config import compose_config
 from jaxcb.engine import LLM, Engine
 from jaxcb.kv_cache import allocate_kv_cache
+from jaxcb.model.config import resolve_llama_config
+from jaxcb.model.loader import _sharded_random_init, build_sharded_random_model
+from jaxcb.sharding import make_tensor_parallel
 from benchmarks.reference_generate import forward_step
 from jaxcb.runner.buckets import ModelKey, SamplerKey
 from jaxcb.sampling_params import SamplingParams
@@ -117,6 +121,22 @@ LAYER_SPECS = {  # one layer's weights as the xla backend prepares them (fused),
     "attn_norm": P(),
     "mlp_norm": P(),
 }
+
+
+def test_models_built_alike_compile_their_sharded_init_once_and_own_their_buffers():
+    cfg = resolve_llama_config(tp_config(2).model)
+    tp = make_tensor_parallel(2, cfg)
+    first = build_sharded_random_model(cfg, 7, tp)
+    before = _sharded_random_init.cache_info()
+    second = build_sharded_random_model(cfg, 7, tp)
+    after = _sharded_random_init.cache_info()
+    assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+    firsts, seconds = jax.tree.leaves(nnx.state(first)), jax.tree.leaves(nnx.state(second))
+    expected = [np.asarray(x) for x in firsts]
+    for x in firsts:
+        x.delete()  # the second model's arrays are its own, not views of the first's
+    for x, y in zip(expected, seconds, strict=True):
+        np.testing.assert_array_equal(np.asarray(y), x)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
