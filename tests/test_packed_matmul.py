@@ -257,11 +257,12 @@ def bf16_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return 2.0 ** -20 * (np.abs(x) @ np.abs(w)) * max(8, np.sqrt(x.shape[-1])) + 1e-30
 
 
-# Rows past one 12-row tile (AMX: 16) and one 96-row block, in pairs of AMX chunks and one left
-# over (33: 11 + 11 and 11; 64: two pairs of 16), K off the 32 rows of a pair panel (odd too), N off
-# the panels (a last strip of one panel).
+# Rows past one 12-row tile (AMX: 16) and one 96-row block (AMX: 384, so 400 rows make a block of
+# 24 chunks and one of 1), in pairs of AMX chunks and one left over (33: 11 + 11 and 11; 64: two
+# pairs of 16), K off the 32 rows of a pair panel (odd too), N off the panels (a last strip of one
+# panel).
 @pytest.mark.parametrize("m,k,n", [(1, 8, 16), (5, 7, 5), (13, 70, 33), (29, 576, 130), (33, 64, 48), (64, 96, 160),
-                                   (100, 129, 20)])
+                                   (100, 129, 20), (400, 40, 50)])
 def test_bf16_weights_multiply_as_a_float32_sum_of_bf16_products_on_every_path(bf16_path, m, k, n):
     rng = np.random.default_rng(m + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
@@ -279,7 +280,7 @@ def test_bf16_weights_multiply_as_a_float32_sum_of_bf16_products_on_every_path(b
 
 
 @pytest.mark.parametrize("m,k,f,n", [(1, 8, 16, 16), (5, 7, 5, 3), (13, 64, 40, 33), (30, 100, 70, 40),
-                                     (100, 64, 48, 40)])
+                                     (100, 64, 48, 40), (400, 32, 40, 24)])
 def test_bf16_mlp_is_silu_gate_times_up_rounded_to_bf16_then_down_on_every_path(bf16_path, m, k, f, n):
     rng = np.random.default_rng(m + k + f + n)
     x = rng.standard_normal((m, k), np.float32)

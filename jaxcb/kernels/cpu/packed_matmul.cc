@@ -71,6 +71,12 @@ constexpr int64_t kTileRows = 6, kTilePanels = 1;
 constexpr int64_t kAmxRows = 16;
 // Rows of x per work item: their packed x (96 rows x 768 f32: 288 KiB) stays in L2.
 constexpr int64_t kItemRows = 96;
+// On AMX, bf16 x is half the bytes and a strip's weights (read from L3 or memory once per item)
+// are the multiply's bound: 384 rows (24 chunks) an item share each strip among 12 pairs of
+// chunks, where 96 rows shared it among 3. 1.14x at 256 rows, 1.01-1.03x at 2,048 (small's bf16
+// chain); their packed x (384 x 1,536 bf16: 1.2 MiB at the widest K) still fits L2.
+constexpr int64_t kAmxItemRows = 384;
+inline int64_t ItemRows(int64_t slot) { return slot == kAmxRows ? kAmxItemRows : kItemRows; }
 #if defined(__AVX2__) && defined(__FMA__)
 // The next strip's weights are fetched into L2, not L1: a strip (2 panels x K rows) is larger
 // than L1, so its tiles read it from L2 either way, and an L1 prefetch holds one of the core's
@@ -591,10 +597,10 @@ inline Ahead FirstStrip(const float* w, int64_t K, int64_t P, int64_t p) {
 // down). The full-batch decode step: 1.04-1.11x, the most when the machine is busy and one
 // thread falls behind.
 struct Split {
-  int64_t chunks, per_item, strips, group, groups, items;  // per_item: row chunks per item (kItemRows rows)
+  int64_t chunks, per_item, strips, group, groups, items;  // per_item: row chunks per item (ItemRows rows)
   std::vector<int64_t> starts;  // one block of rows: group g is strips [starts[g], starts[g + 1])
   Split(const RowChunks& rows, int64_t strips_, int64_t threads)
-      : chunks(rows.count), per_item(kItemRows / rows.slot), strips(strips_) {
+      : chunks(rows.count), per_item(ItemRows(rows.slot) / rows.slot), strips(strips_) {
     const int64_t row_blocks = (chunks + per_item - 1) / per_item;
     group = std::clamp<int64_t>(strips * row_blocks / (4 * threads), 1, 16 / kTilePanels);
     groups = (strips + group - 1) / group;
@@ -1361,10 +1367,10 @@ ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   PackThenMultiply(pool, rows, split.items, [&](int64_t item, auto&& next_item) {
     const int64_t c0 = split.first_chunk(item), c1 = split.end_chunk(item);
     const int64_t m0 = rows.chunks.first_row(c0), m1 = rows.chunks.first_row(c1 - 1) + rows.chunks.rows(c1 - 1);
-    RowArgmaxLanes lanes[kItemRows];
+    thread_local std::vector<RowArgmaxLanes> lanes(std::max(kItemRows, kAmxItemRows));  // an item's rows
     for (int64_t r = m0; r < m1; ++r) lanes[r - m0].Reset();
     TileSink sink{c};
-    sink.argmax = lanes;
+    sink.argmax = lanes.data();
     sink.write_output = write_y;
     MultiplyItem(rows.path(), rows.a, wp, depth, P, N, rows.chunks, c0, c1, split.first_strip(item),
                  split.end_strip(item), sink, [&] { return split.FirstWeights(wp, depth, P, next_item()); });
