@@ -1,7 +1,7 @@
 """Micro-benchmark of the CPU kernels on this machine (CPU by default).
 
     python benchmarks/bench_kernels.py                    # both markdown tables; see docs/benchmarks.md
-    python benchmarks/bench_kernels.py --kernels matmul   # attention, bf16-matmul, cache-dtype, matmul, lm-head, qkv
+    python benchmarks/bench_kernels.py --kernels matmul   # attention, bf16-matmul, cache-dtype, huge-pages, matmul, lm-head, qkv
 
 attention: on the same random ragged batches, the C++ CPU kernel (`attention.impl=cpu`, the
 CPU default) against the plain-XLA path, the reference, and the Pallas kernel run in the
@@ -26,6 +26,10 @@ AVX512-BF16 dot products, widening to float32; `jaxcb.kernels.cpu.bf16_matmul_pa
 XLA's own bf16 dot (jaxlib's default library, YNNPACK, which takes AMX where the CPU has it; x in
 bf16, float32 accumulation) and the packed float32 chain. The rule the hand-written path keeps
 its place by: >= 1.2x the best library at the step sizes a decode runs.
+
+huge-pages: small's chain with bf16 weights and with float32 weights, each in two copies: one left
+on the pages it was allocated on (4 KiB), one moved onto 2 MiB pages as the engine does at start-up
+(`engine.huge_pages=auto`, jaxcb/huge_pages.py), the two copies timed alternately.
 
 lm-head: small's LM head (768 -> 32,000) at 64 rows and the greedy tokens of a step: the packed
 matmul followed by the row argmax (the logits written, then read back), against the matmul with
@@ -67,6 +71,7 @@ if __package__ in (None, ""):  # run as `python benchmarks/bench_kernels.py`: th
 import jaxcb.kernels.cpu as cpu_kernels  # noqa: E402
 from benchmarks.step_replay import record_steps, replay
 from benchmarks.timing import time_calls
+from jaxcb.huge_pages import collapse_onto_huge_pages
 from jaxcb.kernels import packed_matmul as pm
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu, write_kv_rows
 from jaxcb.kernels.attention.pallas import ragged_paged_attention
@@ -162,7 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--kernels", default="attention,matmul",
-                        help="comma-separated: attention, bf16-matmul, cache-dtype, matmul, lm-head, qkv")
+                        help="comma-separated: attention, bf16-matmul, cache-dtype, huge-pages, matmul, lm-head, qkv")
     parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
     parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
                         help="with --against: also replay the engine's whole full-batch run with each, ROUNDS times")
@@ -172,8 +177,9 @@ def main() -> None:
         against_table(args.against, args.calls, args.steps)
         return
     kernels = set(args.kernels.split(","))
-    if kernels - {"attention", "bf16-matmul", "cache-dtype", "matmul", "lm-head", "qkv"}:
-        parser.error(f"--kernels {args.kernels}: each must be attention, bf16-matmul, cache-dtype, matmul, lm-head or qkv")
+    if kernels - {"attention", "bf16-matmul", "cache-dtype", "huge-pages", "matmul", "lm-head", "qkv"}:
+        parser.error(f"--kernels {args.kernels}: each must be attention, bf16-matmul, cache-dtype, huge-pages, matmul, "
+                     f"lm-head or qkv")
     if "attention" in kernels:
         attention_table(args.calls)
     if "cache-dtype" in kernels:
@@ -185,6 +191,9 @@ def main() -> None:
     if "bf16-matmul" in kernels:
         print()
         bf16_matmul_table(args.calls)
+    if "huge-pages" in kernels:
+        print()
+        huge_pages_table(args.calls)
     if "lm-head" in kernels:
         print()
         lm_head_table(args.calls)
@@ -428,6 +437,30 @@ def register_kernels_at(rev: str) -> tuple[str, str, bool, dict[str, str]]:
             targets[const] = f"{getattr(cpu_kernels, const)}_{rev}"
             jax.ffi.register_ffi_target(targets[const], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return targets["ATTENTION_TARGET"], targets["MATMUL_TARGET"], fused, targets
+
+
+def huge_pages_table(calls: int) -> None:
+    rng = np.random.default_rng(0)
+    chain = small_matmul_chain(packed_matmul)
+    print("| weights, tokens | 4 KiB pages (ms) | 2 MiB pages (ms) | 4 KiB / 2 MiB |")
+    print("|---|---|---|---|")
+    for dtype in (jnp.bfloat16, jnp.float32):
+        def weights():
+            return [jax.block_until_ready(pack_columns(jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02, dtype)))
+                    for shape in SMALL_LINEARS]
+
+        small_pages, huge = weights(), weights()
+        moved = collapse_onto_huge_pages(huge, "auto")
+        if moved is None or not moved.collapsed:
+            print(f"\n(no weights moved onto 2 MiB pages here: {moved.failure if moved else 'not Linux'})")
+            return
+        for m in (1, 16, 32, 64, 256):
+            x = jnp.asarray(rng.standard_normal((m, 768), np.float32))
+            ms = alternate({"4k": (chain, (x, small_pages)), "2m": (chain, (x, huge))},
+                           calls if m <= 64 else max(3, calls // 5))
+            print(f"| {jnp.dtype(dtype).name} ({moved.collapsed} of {moved.regions} regions moved), {m} | "
+                  f"{1e3 * ms['4k']:.1f} | {1e3 * ms['2m']:.1f} | {ms['4k'] / ms['2m']:.2f}x |")
+        del small_pages, huge
 
 
 def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:

@@ -237,6 +237,9 @@ class EngineConfig:
     max_grammar_compile_s: float = 10.0  # a schema or grammar that compiles for longer is refused (400)
     grammar_cache_size: int = 128  # compiled grammars kept (by schema text), least recently used dropped
     tensor_parallel_size: int = 1  # devices each weight and the KV cache are split over (by head / MLP column)
+    # On a CPU host: the prepared weights moved onto 2 MiB pages (madvise MADV_COLLAPSE, Linux 6.1+)
+    # after start-up prepares them, so that the matmul streams them with fewer TLB misses; off: left as allocated.
+    huge_pages: str = "auto"
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-host; null: one host
 
 

@@ -55,6 +55,7 @@ from jaxcb.kernels.attention.quantization import is_quantized
 from jaxcb.kv_scales import KVScales, calibrated_kv_scales, checkpoint_has_kv_scales, resolve_kv_scales
 from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer, weights_fingerprint
+from jaxcb.huge_pages import collapse_onto_huge_pages
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
 from jaxcb.core.sequence import Sequence, SequenceId
@@ -206,6 +207,9 @@ class Engine:
             # speculative.method=draft: the draft model, loaded and prepared the same way (its tokenizer checked).
             draft = (load_draft_model(cfg, model_cfg, self.tokenizer, self.max_model_len)
                      if cfg.speculative.method == "draft" else None)
+            # After the checkpoint layout's arrays are gone: only the prepared weights' pages move.
+            self.huge_pages = collapse_onto_huge_pages(
+                jax.tree.leaves((weights, draft.weights if draft is not None else None)), cfg.engine.huge_pages)
         with self.startup.phase("plan"):
             memory = read_device_memory()
             limits = resolve_batch_limits(cfg.scheduler, model_cfg, memory, memory_fraction=cfg.cache.memory_fraction,

@@ -163,6 +163,7 @@ def test_the_8_bit_kv_cache_dtypes_are_accepted(dtype):
             ["engine.max_model_len=4096"],
             r"engine\.max_model_len=4096 must be <= model\.max_position_embeddings=2048",
         ),
+        (["engine.huge_pages=always"], r"engine\.huge_pages='always' must be auto .* or off"),
     ],
 )
 def test_bad_values_fail_with_a_sentence_naming_the_fields(overrides, message):
