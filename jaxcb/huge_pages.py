@@ -3,8 +3,8 @@
 A decode step on CPU streams every weight once, and at a few dozen rows the packed matmul is
 bound by how fast one core pulls a weight strip in. On 4 KiB pages each strip crosses a page
 every 64 lines: a TLB miss, and the hardware prefetcher, which never crosses a page, starts
-over. On 2 MiB pages a 16-row bf16 tile multiply over a streamed weight ran 1.24x faster, and
-1.23x at 64 rows (a stand-alone loop of the kernel's tile multiplies; docs/perf-notes.md).
+over. On 2 MiB pages small's chain of packed matmuls ran 1.03-1.12x faster at 1-64 tokens
+(`benchmarks/bench_kernels.py --kernels huge-pages`; docs/perf-notes.md).
 
 XLA allocates the buffers, so they cannot be asked for on huge pages; Linux 6.1+ can move pages
 already in use onto them: madvise(MADV_COLLAPSE), synchronous, and whatever the transparent
