@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import sys
+import time
 from typing import Callable, Iterable, Optional
 
 import jax
@@ -109,16 +110,19 @@ def collapse_onto_huge_pages(arrays: Iterable[jax.Array], setting: str,
     if not ranges:
         return None
     regions = huge_page_regions(ranges)
+    start = time.perf_counter()  # synchronous: on a host short of free huge pages it compacts memory first
     collapsed, failure = collapse_regions(regions, madvise)
+    seconds = time.perf_counter() - start
     result = HugePageResult(len(regions), collapsed, sum(size for _, size in ranges), failure)
     mib = result.weight_bytes / 2**20
     if not regions:
         log.info("weights: %.1f MiB, in no whole 2 MiB region: left on 4 KiB pages", mib)
     elif collapsed == len(regions):
-        log.info("weights: %.0f MiB on 2 MiB pages (%d regions; engine.huge_pages=auto)", mib, collapsed)
+        log.info("weights: %.0f MiB on 2 MiB pages (%d regions in %.2f s; engine.huge_pages=auto)", mib, collapsed,
+                 seconds)
     elif collapsed:
-        log.info("weights: %.0f MiB, %d of %d 2 MiB regions on huge pages (the others: %s; engine.huge_pages=auto)",
-                 mib, collapsed, len(regions), failure)
+        log.info("weights: %.0f MiB, %d of %d 2 MiB regions on huge pages in %.2f s (the others: %s; "
+                 "engine.huge_pages=auto)", mib, collapsed, len(regions), seconds, failure)
     else:
         log.info("weights: %.0f MiB stay on 4 KiB pages: madvise(MADV_COLLAPSE) failed with %s (it needs Linux 6.1+ "
                  "and transparent huge pages not 'never'; engine.huge_pages=off skips the attempt)", mib, failure)

@@ -35,8 +35,8 @@ def test_each_region_is_collapsed_alone_and_the_first_failure_is_named(caplog):
                for address, size, advice in calls)
     assert result.regions == len(calls) >= 2 and result.collapsed == result.regions - 1
     assert result.weight_bytes == 3 * HUGE_PAGE + 4000 and result.failure.startswith("ENOMEM")
-    assert re.search(rf"{result.regions - 1} of {result.regions} 2 MiB regions on huge pages \(the others: ENOMEM",
-                     caplog.text)
+    assert re.search(rf"{result.regions - 1} of {result.regions} 2 MiB regions on huge pages in [0-9.]+ s \(the "
+                     rf"others: ENOMEM", caplog.text)
 
 
 def test_a_kernel_that_refuses_leaves_the_pages_and_says_how_to_skip_the_attempt(caplog):
