@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25  # <linux/mman.h>, Linux 6.1
-HUGE_PAGE_SETTINGS = ("auto", "off")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -73,8 +73,8 @@ constexpr int64_t kAmxRows = 16;
 constexpr int64_t kItemRows = 96;
 // On AMX, bf16 x is half the bytes and a strip's weights (read from L3 or memory once per item)
 // are the multiply's bound: 384 rows (24 chunks) an item share each strip among 12 pairs of
-// chunks, where 96 rows shared it among 3. 1.14x at 256 rows, 1.01-1.03x at 2,048 (small's bf16
-// chain); their packed x (384 x 1,536 bf16: 1.2 MiB at the widest K) still fits L2.
+// chunks, where 96 rows shared it among 3. 1.06-1.15x at 256 rows, 1.01-1.03x at 2,048 (small's
+// bf16 chain); their packed x (384 x 1,536 bf16: 1.2 MiB at the widest K) still fits L2.
 constexpr int64_t kAmxItemRows = 384;
 inline int64_t ItemRows(int64_t slot) { return slot == kAmxRows ? kAmxItemRows : kItemRows; }
 #if defined(__AVX2__) && defined(__FMA__)
@@ -924,11 +924,9 @@ struct PackedRows {
   int64_t depth;  // rows of a packed chunk: PackedDepth(K, pairs)
   bool row_major;  // the AMX tiles' layout (RowMajor)
   const TileTable* table;
+  // `path`: the selected bf16 path, read once for the whole call (the default argument).
   PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_,
-             bool pairs_ = false)
-      : PackedRows(x_, M_, K_, buffer, norm_, eps_, pairs_, Bf16MatmulPath()) {}
-  PackedRows(const float* x_, int64_t M_, int64_t K_, std::vector<float>& buffer, const float* norm_, float eps_,
-             bool pairs_, int path)
+             bool pairs_ = false, int path = Bf16MatmulPath())
       : x(x_), K(K_), chunks(M_, RowMajor(pairs_, path) ? kAmxRows : kTileRows), norm(norm_), eps(eps_),
         pairs(pairs_), depth(PackedDepth(K_, pairs_)), row_major(RowMajor(pairs_, path)),
         table(&TilesFor(pairs_, path)) {
