@@ -317,3 +317,53 @@ def test_widening_runs_on_any_cpu_and_is_timed_in_a_child_process():
     assert "widen" in cpu_kernels.bf16_matmul_paths_built()
     assert cpu_kernels._time_path(library, 1) > 0 and cpu_kernels._time_path(library, 0) > 0  # 0: float32's tile
     assert cpu_kernels._time_path(library, 7) is None  # no such path: the child says so, the parent carries on
+
+
+def pairs_of(gate_cols: np.ndarray, up_cols: np.ndarray, num_pairs: int) -> np.ndarray:
+    """[m, f] x 2 -> [m, 2 num_pairs 16] in `pack_gate_up`'s pairs of panels (gate's 16, up's 16, ...)."""
+    m, f = gate_cols.shape
+    out = np.zeros((m, num_pairs, 2, 16), np.float32)
+    for c, cols in enumerate((gate_cols, up_cols)):
+        padded = np.zeros((m, num_pairs * 16), np.float32)
+        padded[:, :f] = cols
+        out[:, :, c] = padded.reshape(m, num_pairs, 16)
+    return out.reshape(m, -1)
+
+
+# Multi-LoRA's extras: the gate/up updates go in before the activation, and the activation comes back
+# (float32, as the down projection's update reads it). F off the panels; rows past a tile and an AMX chunk.
+@pytest.mark.parametrize("m,k,f,n", [(1, 8, 16, 16), (13, 64, 40, 33), (100, 70, 48, 20)])
+def test_the_mlp_adds_an_addend_before_its_activation_and_hands_the_activation_back(bf16_path, m, k, f, n):
+    rng = np.random.default_rng(m + k + f)
+    x = rng.standard_normal((m, k), np.float32)
+    gate, up, down = (rng.standard_normal(shape, np.float32) for shape in ((k, f), (k, f), (f, n)))
+    add_g, add_u = rng.standard_normal((m, f), np.float32), rng.standard_normal((m, f), np.float32)
+    residual = rng.standard_normal((m, n), np.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        gate_up = pack_pairs(gate.astype(dtype), up.astype(dtype))
+        addend = jnp.asarray(pairs_of(add_g, add_u, gate_up.shape[0] // 2))
+        y, hidden = packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n, residual=jnp.asarray(residual),
+                               gate_up_addend=addend, hidden_width=f)
+        round_ = to_bf16 if dtype == jnp.bfloat16 else (lambda a: np.asarray(a, np.float64))  # noqa: E731
+        xb, gb, ub, db = map(round_, (x, gate, up, down))
+        g, u = xb @ gb + add_g, xb @ ub + add_u
+        h = g / (1.0 + np.exp(-g)) * u
+        tol = 1e-4 * (np.abs(xb) @ (np.abs(gb) + np.abs(ub)) + 1) * (1 + np.abs(g))
+        assert hidden.shape == (m, f) and np.all(np.abs(np.asarray(hidden) - h) <= tol + 1e-4 * np.abs(u))
+        # y from the activation as down reads it (bf16: rounded), the residual added
+        expected = round_(np.asarray(hidden)) @ db + residual
+        np.testing.assert_allclose(np.asarray(y), expected, rtol=2e-3, atol=2e-3 * np.sqrt(f) * np.abs(h).max())
+        # without the extras: the plain call's result, bit for bit, where the addend is zero
+        zero = jnp.zeros_like(addend)
+        np.testing.assert_array_equal(
+            np.asarray(packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n, gate_up_addend=zero)),
+            np.asarray(packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n)))
+
+
+def test_the_mlp_refuses_an_addend_or_hidden_width_that_does_not_fit():
+    x = jnp.ones((3, 8), jnp.float32)
+    gate_up, down = pack_pairs(jnp.ones((8, 20)), jnp.ones((8, 20))), pack(jnp.ones((20, 4)))
+    with pytest.raises(ValueError, match="addend must be float32"):
+        packed_mlp(x, gate_up, down, 4, gate_up_addend=jnp.zeros((3, 40)))
+    with pytest.raises(ValueError, match="hidden_width=33"):
+        packed_mlp(x, gate_up, down, 4, hidden_width=33)

@@ -30,7 +30,8 @@ from jaxcb.kernels.packed_matmul import (
     PANEL, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
 )
 from jaxcb.model.llama import LayerWeights, Llama
-from jaxcb.backends.cpu_lora import PackedLoraLayer, expand, pack_lora_layers, shrink
+from jaxcb.backends.cpu_lora import PackedLoraLayer, gate_up_pair_count, pack_lora_layers
+from jaxcb.kernels.batched_lora import batched_lora
 from jaxcb.model.lora import LoraLayerWeights, LoraRows
 
 
@@ -65,11 +66,11 @@ class PackedLayerWeights(NamedTuple):
 
 
 def when_any_row_has_an_adapter(lora: LoraRows, with_lora, without, *operands):
-    """`with_lora(*operands)` in a step where some row has an adapter, else `without(*operands)`: the
-    updates' calls are skipped, not multiplied by a zero mask, in the steps that serve the base model
-    alone. (A conditional is a branch on the CPU; on a GPU it would make the device wait for the host,
-    which is why only this backend takes it.)"""
-    return jax.lax.cond(jnp.any(lora.mask != 0), with_lora, without, *operands)
+    """`with_lora(*operands)` in a step where some row has an adapter, else `without(*operands)`: a step
+    that serves the base model alone keeps the fused kernels (q/k/v with rope and the cache write; the
+    MLP), which leave no place for an update. (A conditional is a branch on the CPU; on a GPU it would
+    make the device wait for the host, which is why only this backend takes it.)"""
+    return jax.lax.cond(jnp.any(lora.slots >= 0), with_lora, without, *operands)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +119,9 @@ class CpuBackend(Backend):
         qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
+        if lora is not None:  # each row's updates of q, k and v in one call, from the same normed input
+            qkv = batched_lora(h, lora.weights.qkv, lora.slots, qkv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
         q_, k_, v_ = qkv[:, :q], qkv[:, q : q + kv], qkv[:, q + kv :]
-        if lora is not None:  # A of q/k/v in one call from the same normed input, then each B
-            lw: PackedLoraLayer = lora.weights
-
-            def add_updates(q_, k_, v_):
-                sq, sk, sv = shrink(h, lw.qkv_a, lora.mask, 3, norm=w.attn_norm, eps=cfg.rms_norm_eps)
-                return expand(sq, lw.q_b, q, q_), expand(sk, lw.k_b, kv, k_), expand(sv, lw.v_b, kv, v_)
-
-            q_, k_, v_ = when_any_row_has_an_adapter(lora, add_updates, lambda *x: x, q_, k_, v_)
         q_, k_, v_ = (q_.reshape(-1, cfg.num_heads, cfg.head_dim), k_.reshape(-1, cfg.num_kv_heads, cfg.head_dim),
                       v_.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
@@ -134,12 +129,8 @@ class CpuBackend(Backend):
     def add_attention_output(self, w: PackedLayerWeights, h, attn, lora: Optional[LoraRows] = None):
         attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
         residual = h.astype(jnp.float32)
-        if lora is not None:  # folded into the residual the kernel adds
-            def add_update(residual):
-                [s] = shrink(attn, lora.weights.o_a, lora.mask)
-                return expand(s, lora.weights.o_b, self.cfg.hidden_size, residual)
-
-            residual = when_any_row_has_an_adapter(lora, add_update, lambda x: x, residual)
+        if lora is not None:  # folded into the residual the kernel adds (a base row's is left as it is)
+            residual = batched_lora(attn, lora.weights.o, lora.slots, residual)
         return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual)
 
     def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None):
@@ -154,25 +145,21 @@ class CpuBackend(Backend):
                                            h.astype(jnp.float32))
 
     def _mlp_with_lora(self, w: PackedLayerWeights, h, lora: LoraRows):
-        # With LoRA gate and up need their updates before the activation: the fused MLP kernel is split
-        # into its two matmuls. gate_up's panels come in (gate, up) pairs of 16 columns (`pack_gate_up`).
+        # The fused MLP kernel with the updates of gate and up added before its activation (in its own
+        # pairs of panels, `pack_gate_up`), and the activation handed back for down's update after it.
         h = h.astype(jnp.float32)
-        lw: PackedLoraLayer = lora.weights
-        num_panels, f, eps = w.gate_up_proj.shape[0] // 2, self.cfg.intermediate_size, self.cfg.rms_norm_eps
-        pairs = packed_matmul(h, w.gate_up_proj, 2 * num_panels * PANEL, norm=w.mlp_norm, eps=eps)
-        pairs = pairs.reshape(-1, num_panels, 2, PANEL)
-        gate, up = (pairs[:, :, c].reshape(-1, num_panels * PANEL)[:, :f] for c in (0, 1))
-        # A of gate/up in one call from the same normed input, then each B
-        sg, su = shrink(h, lw.gate_up_a, lora.mask, 2, norm=w.mlp_norm, eps=eps)
-        hidden = jax.nn.silu(expand(sg, lw.gate_b, f, gate)) * expand(su, lw.up_b, f, up)
-        [sd] = shrink(hidden, lw.down_a, lora.mask)
-        residual = expand(sd, lw.down_b, self.cfg.hidden_size, h)
-        return packed_matmul(hidden, w.down_proj, self.cfg.hidden_size, residual=residual)
+        num_pairs, f, eps = w.gate_up_proj.shape[0] // 2, self.cfg.intermediate_size, self.cfg.rms_norm_eps
+        assert num_pairs == gate_up_pair_count(f, self.lora_dtype), (num_pairs, f, self.lora_dtype)
+        addend = batched_lora(h, lora.weights.gate_up, lora.slots, jnp.zeros((h.shape[0], 2 * num_pairs * PANEL)),
+                              norm=w.mlp_norm, eps=eps)
+        y, hidden = packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm, eps=eps,
+                               residual=h, gate_up_addend=addend, hidden_width=f)
+        return batched_lora(hidden, lora.weights.down, lora.slots, y)
 
     def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
-        """The slot buffers packed for `packed_matmul`, the projections that share an input side by side
-        (`cpu_lora.pack_lora_layers`): a layer's updates are 11 kernel calls beside its own, not 14, and
-        not XLA:CPU dots (~10x the time at these thin shapes). In the model's dtype (`lora_dtype`)."""
+        """The slot buffers packed for the batched LoRA kernel, one group per shared input
+        (`cpu_lora.pack_lora_layers`): a layer's updates are 4 kernel calls beside its own, each row
+        multiplying its own slot's A and B alone. In the model's dtype (`lora_dtype`)."""
         return pack_lora_layers(buffers)
 
     def logits(self, w, hidden):

@@ -1,77 +1,57 @@
-"""LoRA on the `cpu` backend: the slots packed for the C++ matmul, the A sides of the projections
-that share an input side by side, so that a layer's low-rank updates cost 11 kernel calls (not 14,
-nor 14 XLA:CPU dots, which take several times as long at these thin shapes):
+"""LoRA on the `cpu` backend: the slots packed for the batched LoRA kernel (`jaxcb.kernels.batched_lora`),
+one group per input the projections share, each added in one call into the output its base
+projection writes:
 
-    qkv      x @ [A_q | A_k | A_v] (one call, the layer's norm in the kernel) -> masked ->
-             @ B_q, @ B_k, @ B_v (three calls), added to q, k and v
-    o        attn @ A_o -> masked -> @ B_o, added to the residual the o matmul adds
-    gate/up  x @ [A_gate | A_up] (one call, normed in the kernel) -> masked -> @ B_gate, @ B_up
-    down     hidden @ A_down -> masked -> @ B_down, added to the residual
+    qkv      normed x -> q, k and v side by side (the packed q/k/v projection's columns)
+    o        attn -> the residual the o matmul adds
+    gate/up  normed x -> gate's and up's pairs of panels (`pack_gate_up`'s columns)
+    down     hidden -> the residual the down matmul adds
 
-The B sides stay apart: one block-diagonal B for q/k/v (or gate/up) saved two calls but multiplied
-by the zero blocks too, 3x (2x) the B side's work, which cost more than the calls on a float32
-`small` (docs/benchmarks.md, "Multi-LoRA"). The masks zero every column outside a row's slot
-(`jaxcb.model.lora.lora_row_mask`). Packed once per slot write (`pack_lora_layers`, one compiled
-program) in the model's dtype: a bf16 model's adapters run on the bf16 matmul path as its layers do
-(x rounded to bf16 at each product).
+Each row multiplies only its own slot's A and B (the rows grouped by slot inside the kernel), so a
+layer's updates cost each row 2 R (in + out) multiply-adds a projection and 4 calls, whatever the
+mix. Packed once per slot write (`pack_lora_layers`, one compiled program) in the model's dtype; the
+products accumulate in float32 from float32 x.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxcb.kernels.packed_matmul import pack_columns, packed_matmul
-from jaxcb.model.lora import LoraLayerWeights, LoraModule
+from jaxcb.kernels.batched_lora import BatchedLoraWeights, gate_up_pairs, pack_lora_group, side_by_side
+from jaxcb.kernels.packed_matmul import PANEL
+from jaxcb.model.lora import LoraLayerWeights
 
 
 class PackedLoraLayer(NamedTuple):
-    """One layer's slots as `packed_matmul` reads them (`pack_columns` panels); S R = slots x rank."""
+    """One layer's slots as `batched_lora` reads them."""
 
-    qkv_a: jax.Array  # panels of [D, 3 S R]
-    q_b: jax.Array  # panels of [S R, Hq K]
-    k_b: jax.Array  # panels of [S R, Hkv K]
-    v_b: jax.Array  # panels of [S R, Hkv K]
-    o_a: jax.Array  # panels of [Hq K, S R]
-    o_b: jax.Array  # panels of [S R, D]
-    gate_up_a: jax.Array  # panels of [D, 2 S R]
-    gate_b: jax.Array  # panels of [S R, F]
-    up_b: jax.Array  # panels of [S R, F]
-    down_a: jax.Array  # panels of [F, S R]
-    down_b: jax.Array  # panels of [S R, D]
+    qkv: BatchedLoraWeights  # into q, k and v side by side
+    o: BatchedLoraWeights
+    gate_up: BatchedLoraWeights  # into gate's and up's pairs of panels
+    down: BatchedLoraWeights
 
 
-def _flat(m: LoraModule) -> tuple[jax.Array, jax.Array]:
-    d_in, num_slots, rank = m.a.shape
-    return m.a.reshape(d_in, num_slots * rank), m.b.reshape(num_slots * rank, -1)
+def gate_up_pair_count(f: int, dtype) -> int:
+    """The pairs of panels `pack_gate_up` makes for intermediate size f (bf16: f padded to 32 columns)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        f += -f % 32
+    return -(-f // PANEL)
 
 
 @jax.jit
 def pack_lora_layers(buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
     out = []
     for layer in buffers:
-        (qa, qb), (ka, kb), (va, vb), (oa, ob), (ga, gb), (ua, ub), (da, db) = (_flat(m) for m in layer)
+        q, k, v, o, gate, up, down = layer
+        f = gate.b.shape[-1]
         out.append(PackedLoraLayer(
-            pack_columns(jnp.concatenate([qa, ka, va], axis=1)), pack_columns(qb), pack_columns(kb), pack_columns(vb),
-            pack_columns(oa), pack_columns(ob),
-            pack_columns(jnp.concatenate([ga, ua], axis=1)), pack_columns(gb), pack_columns(ub),
-            pack_columns(da), pack_columns(db),
+            pack_lora_group([q.a, k.a, v.a], [q.b, k.b, v.b], side_by_side([q.b.shape[-1], k.b.shape[-1],
+                                                                             v.b.shape[-1]])),
+            pack_lora_group([o.a], [o.b], side_by_side([o.b.shape[-1]])),
+            pack_lora_group([gate.a, up.a], [gate.b, up.b], gate_up_pairs(f, gate_up_pair_count(f, gate.b.dtype))),
+            pack_lora_group([down.a], [down.b], side_by_side([down.b.shape[-1]])),
         ))
     return out
-
-
-def shrink(x: jax.Array, a: jax.Array, mask: jax.Array, copies: int = 1, *, norm: Optional[jax.Array] = None,
-           eps: float = 0.0) -> list[jax.Array]:
-    """(x' @ A) * mask for float32 x [T, in], A holding `copies` projections' [in, S R] side by side, x'
-    x RMS-normed by `norm` where given (in the kernel, as the layer's own projection norms it): one
-    [T, S R] per projection."""
-    sr = mask.shape[1]
-    shrunk = packed_matmul(x, a, copies * sr, norm=norm, eps=eps)
-    return [shrunk[:, i * sr : (i + 1) * sr] * mask for i in range(copies)]
-
-
-def expand(shrunk: jax.Array, b: jax.Array, n: int, residual: jax.Array) -> jax.Array:
-    """residual + shrunk @ B: [T, S R] -> [T, n]."""
-    return packed_matmul(shrunk, b, n, residual=residual)

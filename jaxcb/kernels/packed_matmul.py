@@ -170,10 +170,14 @@ def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> 
 
 
 def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
-               eps: float = 0.0, residual: jax.Array | None = None) -> jax.Array:  # [..., K] -> [..., n]
+               eps: float = 0.0, residual: jax.Array | None = None, gate_up_addend: jax.Array | None = None,
+               hidden_width: int = 0):  # [..., K] -> [..., n], or ([..., n], [..., hidden_width])
     """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
     `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
-    `residual` as in `packed_matmul`."""
+    `residual` as in `packed_matmul`. Multi-LoRA's extras: `gate_up_addend` ([..., 2 Q 16], in the
+    gate/up product's pairs of panels, Q = gate_up.shape[0] // 2) is added to x @ [gate | up] before
+    the activation; with `hidden_width` (<= Q 16) the activation's first hidden_width columns come back
+    too, in float32: (y, hidden)."""
     if x.dtype != jnp.float32 or gate_up.dtype != down.dtype or down.dtype not in (jnp.float32, jnp.uint32):
         raise ValueError(f"the CPU MLP takes float32 x and weights packed alike from float32 or bfloat16, got x "
                          f"{x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; use model.backend=xla")
@@ -184,8 +188,20 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
             or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):
         raise ValueError(f"packed gate/up {gate_up.shape} and down {down.shape} do not match x {x.shape} and n={n}")
     norm, residual = _optional_inputs(x, n, norm, residual)
+    pairs_width = gate_up.shape[0] * PANEL
+    if gate_up_addend is not None and (gate_up_addend.shape != (*x.shape[:-1], pairs_width)
+                                       or gate_up_addend.dtype != jnp.float32):
+        raise ValueError(f"the gate/up addend must be float32 {(*x.shape[:-1], pairs_width)}, got "
+                         f"{gate_up_addend.dtype} {gate_up_addend.shape}")
+    if not 0 <= hidden_width <= gate_up.shape[0] // 2 * PANEL:
+        raise ValueError(f"hidden_width={hidden_width} is outside [0, {gate_up.shape[0] // 2 * PANEL}]")
     _load_for(gate_up, down)
     rows = x.reshape(-1, x.shape[-1])
-    y = jax.ffi.ffi_call(MLP_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
-        rows, gate_up, down, norm, residual, eps=np.float32(eps))
-    return y.reshape(*x.shape[:-1], n)
+    m = rows.shape[0]
+    addend = jnp.zeros((0, pairs_width), jnp.float32) if gate_up_addend is None else gate_up_addend.reshape(m, -1)
+    y, hidden = jax.ffi.ffi_call(MLP_TARGET, (jax.ShapeDtypeStruct((m, n), jnp.float32),
+                                              jax.ShapeDtypeStruct((m if hidden_width else 0, hidden_width),
+                                                                   jnp.float32)))(
+        rows, gate_up, down, norm, residual, addend, eps=np.float32(eps))
+    y = y.reshape(*x.shape[:-1], n)
+    return (y, hidden.reshape(*x.shape[:-1], hidden_width)) if hidden_width else y

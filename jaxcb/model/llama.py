@@ -295,6 +295,7 @@ def forward(
     cache: KVCache,
     md: AttentionMetadata,
     lora_mask: Optional[jax.Array] = None,  # f32[T, S R]: each token row's LoRA slot columns (w.lora set; lora_row_mask)
+    lora_ids: Optional[jax.Array] = None,  # i32[T]: each token row's LoRA slot, -1 for the base (w.lora set)
 ) -> tuple[jax.Array, KVCache]:  # ([T, hidden] final-normed, updated cache)
     cfg = ops.cfg
     # Clipped: padding tokens may carry any position.
@@ -307,7 +308,7 @@ def forward(
 
     def layer_step(carry, xs):
         (h, cache), (layer, window, is_local, lw, ll) = carry, xs
-        lora = None if ll is None else LoraRows(ll, lora_mask)
+        lora = None if ll is None else LoraRows(ll, lora_mask, lora_ids)
         return decoder_layer(ops, lw, h, cos_sin, is_local, cache, layer, md, window, lora), None
 
     # What attention derives from the step's metadata (the kernel's tile table) is built once, here.
@@ -321,7 +322,7 @@ def forward(
     if isinstance(w.layers, list):
         for i, lw in enumerate(w.layers):
             window = None if windows is None else windows[i]
-            lora = None if w.lora is None else LoraRows(w.lora[i], lora_mask)
+            lora = None if w.lora is None else LoraRows(w.lora[i], lora_mask, lora_ids)
             h, cache = _decoder_layer_traced_once(ops, lw, h, cos_sin, None if local is None else local[i], cache,
                                                   jnp.int32(i), md, window, lora)
     else:

@@ -51,10 +51,12 @@ class LoraLayerWeights(NamedTuple):
 
 class LoraRows(NamedTuple):
     """What a layer's operations need to add each row's adapter: its slots (as the backend prepared
-    them, `Backend.prepare_lora`) and each row's mask over the slots' rank columns."""
+    them, `Backend.prepare_lora`), each row's slot, and each row's mask over the slots' rank columns
+    (what a backend does not read, XLA drops)."""
 
     weights: LoraLayerWeights
     mask: jax.Array  # f32[T, S R]: 1 on the R columns of each token row's slot, all 0 for the base
+    slots: jax.Array  # i32[T]: each token row's slot, -1 for the base (and padding)
 
 
 LoraWeights = Union[LoraLayerWeights, list]  # stacked (scanned layers) or one per layer (unrolled)

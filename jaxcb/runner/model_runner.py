@@ -210,7 +210,7 @@ class ModelRunner:
             block_tables = tables[x.row_slots, : key.table_width]  # i32[R, W]
             md = AttentionMetadata(x.slot_mapping, x.query_start_loc, x.kv_lens, block_tables, x.num_seqs)
             lora_mask = lora_row_mask(x.lora_ids, *lora_shape) if lora else None  # f32[T, S R]
-            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md, lora_mask)
+            hidden, kv_cache = forward(backend, weights, token_ids, x.positions, kv_cache, md, lora_mask, x.lora_ids)
             # The penalties' counts: this step's tokens recorded (padding tokens dropped), whatever the
             # variant, so that one model executable serves them all (`BucketKey.model`).
             pad = jnp.array([num_slots], jnp.int32)

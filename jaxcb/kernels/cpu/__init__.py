@@ -7,8 +7,8 @@ compiler, the CPU and jaxlib, so a changed kernel or a different machine rebuild
 is no compiler or the build fails; the backends then fall back to XLA.
 
 The jax-facing wrappers live by concept: `jaxcb.kernels.attention.cpu` (attention and the
-K/V write), `jaxcb.kernels.packed_matmul` (the linear layers and the LM head) and
-`jaxcb.kernels.row_argmax`. Only those modules and `jaxcb.backends.cpu` import this package.
+K/V write), `jaxcb.kernels.packed_matmul` (the linear layers and the LM head), `jaxcb.kernels.batched_lora`
+(multi-LoRA's updates) and `jaxcb.kernels.row_argmax`. Only those modules and `jaxcb.backends.cpu` import this package.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (
     HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc", HERE / "kv_cache_write.cc",
+    HERE / "batched_lora.cc",
 )
 HEADERS = (HERE / "amx.h", HERE / "bf16.h", HERE / "parallel_for.h", HERE / "vector_exp.h", HERE / "vector_tanh.h")
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
@@ -40,6 +41,7 @@ QKV_TARGET = "jaxcb_packed_qkv"
 ARGMAX_TARGET = "jaxcb_row_argmax"
 KV_WRITE_TARGET = "jaxcb_kv_cache_write"
 LAZY_ZEROS_TARGET = "jaxcb_lazy_zeros"
+BATCHED_LORA_TARGET = "jaxcb_batched_lora"
 PANEL = 16  # columns per packed panel (packed_matmul.cc)
 ATTENTION_DTYPES = ("float32", "bfloat16")  # of q and of an unquantized cache, each (ragged_paged_attention.cc)
 CACHE_DTYPES = (*ATTENTION_DTYPES, "int8")  # the caches the attention kernel reads (int8: scaled outside it)
@@ -128,6 +130,7 @@ def load_cpu_kernels() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.JaxcbRowArgmax), platform="cpu")
     jax.ffi.register_ffi_target(KV_WRITE_TARGET, jax.ffi.pycapsule(lib.JaxcbKvCacheWrite), platform="cpu")
     jax.ffi.register_ffi_target(LAZY_ZEROS_TARGET, jax.ffi.pycapsule(lib.JaxcbLazyZeros), platform="cpu")
+    jax.ffi.register_ffi_target(BATCHED_LORA_TARGET, jax.ffi.pycapsule(lib.JaxcbBatchedLora), platform="cpu")
     return lib
 
 

@@ -1194,12 +1194,21 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // Against two matmuls and XLA's SwiGLU in between, this saves packing h (K = F, the largest
 // x of the layer), writing and reading the [M, 2F] gate/up product, and one pool wake-up.
 // With the optional rms-norm weight and residual of PackedMatmulImpl: y = residual + mlp(rms_norm(x)).
-ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate_up, ffi::AnyBuffer down, ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
-                         float eps, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || gd.size() != 3 || dd.size() != 3 || yd.size() != 2)
+// Multi-LoRA's two optional extras (empty when not used): `gate_up_addend` [M, 2Q 16], added to the
+// gate/up product before the activation, in the product's own pairs of panels (gate's 16 columns,
+// then up's, pair by pair: what batched_lora.cc adds into); and `hidden` [M, Fh], where the
+// activation silu(gate) * up of columns [0, Fh) is written out in float32, for the down
+// projection's update after this call.
+ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
+                         ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
+                         ffi::Buffer<ffi::F32> gate_up_addend, float eps, ffi::ResultBuffer<ffi::F32> y,
+                         ffi::ResultBuffer<ffi::F32> hidden) {
+  const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions(),
+             ad = gate_up_addend.dimensions(), hd = hidden->dimensions();
+  if (xd.size() != 2 || gd.size() != 3 || dd.size() != 3 || yd.size() != 2 || ad.size() != 2 || hd.size() != 2)
     return ffi::Error::InvalidArgument(
-        "packed mlp expects x [M, K], packed gate/up pairs [2Q, K, 16], packed down [P, F, 16] and y [M, N]");
+        "packed mlp expects x [M, K], packed gate/up pairs [2Q, K, 16], packed down [P, F, 16], an addend [M, 2Q 16] "
+        "or empty, y [M, N] and hidden [M, Fh] or empty");
   bool bf16, down_bf16;
   if (auto error = PairsOf(gate_up, "the gate/up weight", &bf16); error.failure()) return error;
   if (auto error = PairsOf(down, "the down weight", &down_bf16); error.failure()) return error;
@@ -1219,10 +1228,17 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                                        std::to_string(N) + " do not agree");
   const float *norm = nullptr, *res = nullptr;
   if (auto error = OptionalInputs(norm_weight, residual, M, K, N, &norm, &res); error.failure()) return error;
+  const float* addend = gate_up_addend.element_count() > 0 ? gate_up_addend.typed_data() : nullptr;
+  const int64_t Fh = hd[1];
+  float* hidden_out = hidden->element_count() > 0 ? hidden->typed_data() : nullptr;
+  if ((addend && (ad[0] != M || ad[1] != 2 * Q * kPanel)) || (hidden_out && (hd[0] != M || Fh > F)))
+    return ffi::Error::InvalidArgument("packed mlp: the gate/up addend must be [M, " + std::to_string(2 * Q * kPanel) +
+                                       "] and hidden [M, <= " + std::to_string(F) + "]");
   float* c = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0 || F == 0) {  // silu(0) * 0 = 0
     ResidualOnly(res, M, N, c);
+    if (hidden_out) std::memset(hidden_out, 0, M * Fh * sizeof(float));
     return ffi::Error::Success();
   }
   thread_local std::vector<float> x_buffer, h_buffer;
@@ -1274,15 +1290,30 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                      kTilePanels * kPanel, ahead.at + 64 * l0, j == 0 ? lines : 0);
           }
           for (int64_t g = 0; g < n; ++g) {
-            const int64_t i = i0 + g, r = rows.chunks.rows(i);
+            const int64_t i = i0 + g, r = rows.chunks.rows(i), m0 = rows.chunks.first_row(i);
+            if (addend)
+              for (int64_t row = 0; row < r; ++row)
+                for (int64_t j = 0; j < 2 * kPanel; ++j) both[g][row][j] += addend[(m0 + row) * 2 * Q * kPanel + 2 * q * kPanel + j];
             const float(*act_in)[2 * kPanel] = both[g];
+            // The activation's columns [16q, 16q + 16) of a row, for `hidden` where it is asked for.
+            const int64_t hidden_cols = hidden_out ? std::clamp<int64_t>(Fh - q * kPanel, 0, kPanel) : 0;
+            auto keep = [&](int64_t row, const float* act) {
+              if (hidden_cols > 0) std::memcpy(hidden_out + (m0 + row) * Fh + q * kPanel, act, hidden_cols * sizeof(float));
+            };
             // Chunk i of h, k-major: columns [16q, 16q + cols) of the activation are its k-rows
             // there (or its pair-rows [8q, 8q + ceil(cols / 2)), an odd last one's high half 0).
 #if defined(JAXCB_BF16_AMX)
             if (rows.row_major) {  // row by row, bf16: columns [16q, 16q + 16) of each
               auto* h_rows = reinterpret_cast<uint16_t*>(h + rows.chunks.offset(i, h_depth)) + q * kPanel;
-              for (int64_t row = 0; row < r; ++row)
-                StoreBf16(h_rows + row * 2 * h_depth, SiluTimes16(act_in[row], act_in[row] + kPanel, cols), kPanel);
+              for (int64_t row = 0; row < r; ++row) {
+                const __m512 act = SiluTimes16(act_in[row], act_in[row] + kPanel, cols);
+                if (hidden_cols > 0) {
+                  alignas(64) float kept[kPanel];
+                  _mm512_store_ps(kept, act);
+                  keep(row, kept);
+                }
+                StoreBf16(h_rows + row * 2 * h_depth, act, kPanel);
+              }
               continue;
             }
 #endif
@@ -1292,6 +1323,12 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
             __m512 act[16];
             for (int64_t row = 0; row < 16; ++row)
               act[row] = row < r ? SiluTimes16(act_in[row], act_in[row] + kPanel, cols) : _mm512_setzero_ps();
+            if (hidden_cols > 0)
+              for (int64_t row = 0; row < r; ++row) {
+                alignas(64) float kept[kPanel];
+                _mm512_store_ps(kept, act[row]);
+                keep(row, kept);
+              }
             Transpose16x16(act);  // act[j] past cols: 0
             if (bf16)
               for (int64_t j = 0; j < cols; j += 2)
@@ -1302,6 +1339,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
             for (int64_t row = 0; row < r; ++row) {
               alignas(64) float act[kPanel + 1] = {};
               SiluTimes(act_in[row], act_in[row] + kPanel, cols, act);
+              keep(row, act);
               if (bf16)
                 for (int64_t j = 0; j < cols; j += 2)
                   hp[(j / 2) * kTileRows + row] = jaxcb::FloatToBf16(act[j]) |
@@ -1434,7 +1472,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // The bf16 matmul paths, for the Python side (ctypes): which ones this build has (a bit mask of

@@ -1,0 +1,95 @@
+"""Multi-LoRA's updates on CPU (`jaxcb.kernels.cpu`, batched_lora.cc): residual + each row's own
+adapter's x @ A @ B, the rows grouped by slot, for a group of projections that read one input.
+
+`pack_lora_group` lays out one group's slot buffers (q/k/v, o, gate/up or down; `LoraModule`s A
+[in, S, R] and B [S, R, out]) for the kernel, given where each projection's columns sit in the
+output the call adds to (`side_by_side`, or `gate_up_pairs` for `pack_gate_up`'s interleaved
+panels). `batched_lora` adds the updates into that output in one call: a row's work is its own
+slot's R columns, a base row's (slot -1) nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcb.kernels.cpu import BATCHED_LORA_TARGET, PANEL, load_cpu_kernels
+
+
+class BatchedLoraWeights(NamedTuple):
+    """One group's slots as `batched_lora` reads them; S slots, G projections of rank R."""
+
+    a: jax.Array  # [S, in, C]: per slot the G A sides side by side, C = G R padded to 16 columns
+    b: jax.Array  # [S, E, R, 16]: per slot entry e's block of a B side (`entries`)
+    entries: jax.Array  # i32[E, 2]: (output panel, projection), by panel: B_g's R x 16 block for the
+    # panel's 16 output columns, zero on the columns that are not g's
+
+
+def side_by_side(widths: Sequence[int]) -> np.ndarray:
+    """The output columns of projections laid side by side (q, k, v: the packed q/k/v projection's):
+    i32[sum(widths), 2] of (projection, its column)."""
+    return np.concatenate([np.stack([np.full(w, g), np.arange(w)], axis=1) for g, w in enumerate(widths)]).astype(
+        np.int32)
+
+
+def gate_up_pairs(f: int, num_pairs: int) -> np.ndarray:
+    """The output columns of `pack_gate_up`'s panels (gate's 16 columns, up's 16, gate's next 16, ...),
+    num_pairs pairs for an intermediate size f: i32[2 num_pairs 16, 2] of (0 gate or 1 up, its column),
+    (-1, -1) for padding past f."""
+    j = np.arange(2 * num_pairs * PANEL)
+    panel, lane = j // PANEL, j % PANEL
+    col = panel // 2 * PANEL + lane
+    group = np.where(col < f, panel % 2, -1)
+    return np.stack([group, np.where(col < f, col, -1)], axis=1).astype(np.int32)
+
+
+def _entries(columns: np.ndarray) -> np.ndarray:
+    """i32[E, 2]: (panel, projection) for each projection with a column in each 16-column panel."""
+    n = columns.shape[0]
+    out = [(p, g) for p in range(-(-n // PANEL)) for g in sorted(set(columns[p * PANEL : (p + 1) * PANEL, 0].tolist()))
+           if g >= 0]
+    return np.asarray(out, np.int32).reshape(-1, 2)
+
+
+def pack_lora_group(a_sides: Sequence[jax.Array], b_sides: Sequence[jax.Array], columns: np.ndarray
+                    ) -> BatchedLoraWeights:
+    """A group's slots for `batched_lora`: `a_sides` [in, S, R] and `b_sides` [S, R, out_g] of its G
+    projections, `columns` where each output column comes from (`side_by_side`, `gate_up_pairs`).
+    Traceable (the slot buffers are packed under jit after every slot write)."""
+    rank = a_sides[0].shape[-1]
+    a = jnp.concatenate([m.transpose(1, 0, 2) for m in a_sides], axis=2)  # [S, in, G R]
+    a = jnp.pad(a, ((0, 0), (0, 0), (0, -a.shape[2] % PANEL)))
+    entries = _entries(columns)
+    offsets = np.cumsum([0] + [b.shape[2] for b in b_sides])
+    zero = offsets[-1]  # the index of a zero column appended to the B sides
+    index = np.full((entries.shape[0], PANEL), zero, np.int32)
+    for e, (p, g) in enumerate(entries):
+        cols = columns[p * PANEL : (p + 1) * PANEL]
+        mine = cols[:, 0] == g
+        index[e, : len(cols)][mine] = offsets[g] + cols[mine, 1]
+    b_all = jnp.concatenate([*b_sides, jnp.zeros((*b_sides[0].shape[:2], 1), b_sides[0].dtype)], axis=2)
+    b = b_all[:, :, index.reshape(-1)].reshape(b_all.shape[0], rank, *index.shape).transpose(0, 2, 1, 3)
+    return BatchedLoraWeights(a, b, jnp.asarray(entries))
+
+
+def batched_lora(x: jax.Array, w: BatchedLoraWeights, slots: jax.Array, residual: jax.Array, *,
+                 norm: Optional[jax.Array] = None, eps: float = 0.0) -> jax.Array:
+    """residual [T, N] + for each row t with slots[t] = s >= 0 its update rms_norm(x[t]) @ A_s @ B_s,
+    per projection into its columns (x [T, in] float32; normed by `norm` [in] where given, as the
+    packed matmul norms); rows with slot -1 get nothing. Float32 out."""
+    t, k = x.shape
+    if x.dtype != jnp.float32 or residual.dtype != jnp.float32 or residual.shape[0] != t or slots.shape != (t,):
+        raise ValueError(f"batched LoRA takes float32 x [T, K] and residual [T, N] and slots [T], got x {x.dtype} "
+                         f"{x.shape}, residual {residual.dtype} {residual.shape}, slots {slots.shape}")
+    if w.a.shape[1] != k or w.a.dtype != w.b.dtype:
+        raise ValueError(f"LoRA A {w.a.dtype} {w.a.shape} and B {w.b.dtype} {w.b.shape} do not match x {x.shape}")
+    if norm is not None and (norm.shape != (k,) or norm.dtype != jnp.float32):
+        raise ValueError(f"the rms-norm weight must be float32 [{k}], got {norm.dtype} {norm.shape}")
+    load_cpu_kernels()
+    call = jax.ffi.ffi_call(BATCHED_LORA_TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32),
+                            input_output_aliases={2: 0})
+    return call(x, jnp.zeros((0,), jnp.float32) if norm is None else norm, residual, slots.astype(jnp.int32), w.a,
+                w.b, w.entries, eps=np.float32(eps))

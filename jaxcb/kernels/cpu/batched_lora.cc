@@ -1,0 +1,306 @@
+// Multi-LoRA for the `cpu` backend: y = residual + each row's own adapter's low-rank update, with
+// the rows grouped by their adapter's slot (Punica's BGMV, as S-LoRA and vLLM batch adapters), as
+// an XLA FFI custom call (JaxcbBatchedLora).
+//
+// A group of G projections that read the same input (q/k/v: 3; gate/up: 2; o, down: 1) is one
+// call. Per slot s its A sides sit side by side, a[s] = [A_1 | ... | A_G] ([K, C], C = G R padded
+// to 16 columns), so a row's shrink is one pass over K: u = x @ a[s] ([C]). Its B sides are kept
+// as 16-column panels of the output the call adds to, the layout the base projection writes
+// (q, k and v side by side; gate and up in pairs of panels): entry e = (panel p, group g) holds
+// B_g's R x 16 block for output columns [16p, 16p + 16), zero where a column is not g's. The
+// expand adds u[g R : g R + R] @ b[s, e] to those columns; a panel that straddles two groups has
+// two entries.
+//
+// Why not the packed matmul over every slot, masked: a row meets only its own slot's A and B here,
+// so a step's work is each row's R columns, not all S R of every slot; and one call replaces the
+// matmul's 2 to 4 per group (shrink, then each B) and XLA's masks between them. A base row (slot
+// -1) costs nothing: the output aliases the residual.
+//
+// Arithmetic: float32 x (RMS-normalised on the way in where `norm` is given, as the packed matmul
+// does), bf16 weights widened to float32, float32 sums. Written with GCC's vector extensions: 16
+// floats are one AVX-512 register or two AVX2 ones, whichever this machine's build has.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float F16 __attribute__((vector_size(64)));  // 16 floats
+typedef uint16_t H16 __attribute__((vector_size(32)));  // 16 bf16
+typedef uint32_t W16 __attribute__((vector_size(64)));
+
+constexpr int64_t kPanel = 16;  // output columns per B panel
+constexpr int64_t kItemRows = 32;  // rows of one slot per work item
+// Shrink tiles: up to 8 rows x 48 columns (24 accumulators of AVX-512's 32).
+constexpr int kShrinkRows = 8, kShrinkVectors = 3;
+constexpr int kExpandRows = 8;  // expand tile: 8 rows x one panel
+// An item of this many rows or more widens its slot's bf16 A and B to float32 once, into L2, and
+// multiplies from there; fewer rows (a decode step's) read each weight about once, as bf16.
+constexpr int64_t kWidenRows = 4;
+
+inline F16 Load(const float* p) {
+  F16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline F16 Load(const uint16_t* p) {  // bf16 -> float: the bf16 is the float's top half
+#if defined(__AVX512F__)
+  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<F16>(_mm512_castsi512_ps(w));
+#else
+  H16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const W16 w = __builtin_convertvector(h, W16) << 16;
+  F16 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+#endif
+}
+
+inline void Store(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// dst[:n] = src[:n] as float32 (n a multiple of 16).
+void Widen(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; i += kPanel) Store(dst + i, Load(src + i));
+}
+
+// u[r][c0 + :16 NV] = sum_k xs[r][k] * a[k][c0 + :16 NV] for RB rows of xs (row stride K); a has C
+// columns; u's row stride is C.
+template <int RB, int NV, typename W>
+void ShrinkTile(const float* xs, int64_t K, const W* a, int64_t C, float* u) {
+  F16 acc[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = F16{};
+  for (int64_t k = 0; k < K; ++k) {
+    F16 w[NV];
+    for (int j = 0; j < NV; ++j) w[j] = Load(a + k * C + kPanel * j);
+    for (int r = 0; r < RB; ++r) {
+      const float xv = xs[r * K + k];
+      for (int j = 0; j < NV; ++j) acc[r][j] += xv * w[j];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < NV; ++j) Store(u + r * C + kPanel * j, acc[r][j]);
+}
+
+template <typename W, int RB>
+void ShrinkRows(const float* xs, int64_t K, const W* a, int64_t C, float* u) {
+  for (int64_t c = 0; c < C; c += kPanel * kShrinkVectors) {
+    switch (std::min<int64_t>(kShrinkVectors, (C - c) / kPanel)) {
+      case 1: ShrinkTile<RB, 1>(xs, K, a + c, C, u + c); break;
+      case 2: ShrinkTile<RB, 2>(xs, K, a + c, C, u + c); break;
+      default: ShrinkTile<RB, 3>(xs, K, a + c, C, u + c); break;
+    }
+  }
+}
+
+// u [m, C] = xs [m, K] @ a [K, C].
+template <typename W>
+void Shrink(const float* xs, int64_t m, int64_t K, const W* a, int64_t C, float* u) {
+  int64_t r = 0;
+  for (; r + kShrinkRows <= m; r += kShrinkRows) ShrinkRows<W, kShrinkRows>(xs + r * K, K, a, C, u + r * C);
+  const float* x = xs + r * K;
+  float* ur = u + r * C;
+  switch (m - r) {
+    case 1: ShrinkRows<W, 1>(x, K, a, C, ur); break;
+    case 2: ShrinkRows<W, 2>(x, K, a, C, ur); break;
+    case 3: ShrinkRows<W, 3>(x, K, a, C, ur); break;
+    case 4: ShrinkRows<W, 4>(x, K, a, C, ur); break;
+    case 5: ShrinkRows<W, 5>(x, K, a, C, ur); break;
+    case 6: ShrinkRows<W, 6>(x, K, a, C, ur); break;
+    case 7: ShrinkRows<W, 7>(x, K, a, C, ur); break;
+    default: break;
+  }
+}
+
+// For RB rows: y[row i][panel columns] += sum over the panel's entries of u[i][g R : g R + R] @ b[e].
+// u: [RB, C] (row stride C); b: one slot's [E, R, 16]; entries: [E, 2] (panel, group), by panel;
+// y[i]: row i of the output (N columns; a last panel may be partial).
+template <int RB, typename W>
+void ExpandRows(const float* u, int64_t C, int64_t R, const W* b, const int32_t* entries, int64_t E,
+                float* const* y, int64_t N) {
+  F16 acc[RB];
+  auto flush = [&](int64_t panel) {
+    const int64_t col = panel * kPanel, cols = std::min<int64_t>(kPanel, N - col);
+    for (int i = 0; i < RB; ++i) {
+      if (cols == kPanel) {
+        Store(y[i] + col, Load(y[i] + col) + acc[i]);
+      } else {
+        float part[kPanel];
+        Store(part, acc[i]);
+        for (int64_t c = 0; c < cols; ++c) y[i][col + c] += part[c];
+      }
+    }
+  };
+  int64_t panel = -1;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t p = entries[2 * e], g = entries[2 * e + 1];
+    if (p != panel) {
+      if (panel >= 0) flush(panel);
+      for (int i = 0; i < RB; ++i) acc[i] = F16{};
+      panel = p;
+    }
+    const W* be = b + e * R * kPanel;
+    const float* ug = u + g * R;
+    for (int64_t r = 0; r < R; ++r) {
+      const F16 w = Load(be + r * kPanel);
+      for (int i = 0; i < RB; ++i) acc[i] += ug[i * C + r] * w;
+    }
+  }
+  if (panel >= 0) flush(panel);
+}
+
+template <typename W>
+void Expand(const float* u, int64_t m, int64_t C, int64_t R, const W* b, const int32_t* entries, int64_t E,
+            float* const* y, int64_t N) {
+  int64_t i = 0;
+  for (; i + kExpandRows <= m; i += kExpandRows) ExpandRows<kExpandRows>(u + i * C, C, R, b, entries, E, y + i, N);
+  switch (m - i) {
+    case 1: ExpandRows<1>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    case 2: ExpandRows<2>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    case 3: ExpandRows<3>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    case 4: ExpandRows<4>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    case 5: ExpandRows<5>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    case 6: ExpandRows<6>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    case 7: ExpandRows<7>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    default: break;
+  }
+}
+
+// Row x, RMS-normalised by `norm` where given (norm[k] * (x[k] * (1 / sqrt(mean(x * x) + eps)))),
+// into dst.
+void NormRow(const float* x, int64_t K, const float* norm, float eps, float* dst) {
+  if (!norm) {
+    std::memcpy(dst, x, K * sizeof(float));
+    return;
+  }
+  float sum = 0.0f;
+  for (int64_t k = 0; k < K; ++k) sum += x[k] * x[k];
+  const float scale = 1.0f / std::sqrt(sum / static_cast<float>(K) + eps);
+  for (int64_t k = 0; k < K; ++k) dst[k] = norm[k] * (x[k] * scale);
+}
+
+template <typename W>
+void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* norm, float eps,
+         const int32_t* slots, int64_t S, const W* a, int64_t C, const W* b, int64_t E, int64_t R,
+         const int32_t* entries, float* y, int64_t N) {
+  // The rows of each slot, in order (a counting sort); base and padding rows (slot < 0) take no part.
+  std::vector<int64_t> start(S + 1, 0), order;
+  for (int64_t t = 0; t < T; ++t)
+    if (slots[t] >= 0) ++start[slots[t] + 1];
+  for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
+  order.resize(start[S]);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t t = 0; t < T; ++t)
+      if (slots[t] >= 0) order[fill[slots[t]]++] = t;
+  }
+  struct Item {
+    int64_t slot, first, rows;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t i = start[s]; i < start[s + 1]; i += kItemRows)
+      items.push_back({s, i, std::min<int64_t>(kItemRows, start[s + 1] - i)});
+  if (items.empty()) return;
+  jaxcb::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t n) {
+    const Item& item = items[n];
+    thread_local std::vector<float> xs, u;
+    xs.resize(item.rows * K);
+    u.resize(item.rows * C);
+    float* rows[kItemRows];
+    for (int64_t i = 0; i < item.rows; ++i) {
+      const int64_t t = order[item.first + i];
+      NormRow(x + t * K, K, norm, eps, xs.data() + i * K);
+      rows[i] = y + t * N;
+    }
+    const W* as = a + item.slot * K * C;
+    const W* bs = b + item.slot * E * R * kPanel;
+    if constexpr (std::is_same_v<W, uint16_t>) {
+      if (item.rows >= kWidenRows) {
+        thread_local std::vector<float> aw, bw;
+        aw.resize(K * C);
+        bw.resize(E * R * kPanel);
+        Widen(as, K * C, aw.data());
+        Widen(bs, E * R * kPanel, bw.data());
+        Shrink(xs.data(), item.rows, K, aw.data(), C, u.data());
+        Expand(u.data(), item.rows, C, R, bw.data(), entries, E, rows, N);
+        return;
+      }
+    }
+    Shrink(xs.data(), item.rows, K, as, C, u.data());
+    Expand(u.data(), item.rows, C, R, bs, entries, E, rows, N);
+  });
+}
+
+ffi::Error BatchedLoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_weight,
+                           ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
+                           ffi::AnyBuffer b, ffi::Buffer<ffi::S32> entries, float eps,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), rd = residual.dimensions(), ad = a.dimensions(), bd = b.dimensions(),
+             ed = entries.dimensions();
+  if (xd.size() != 2 || rd.size() != 2 || ad.size() != 3 || bd.size() != 4 || ed.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "batched LoRA expects x [T, K], residual [T, N], a [S, K, C], b [S, E, R, 16] and entries [E, 2]");
+  const int64_t T = xd[0], K = xd[1], N = rd[1], S = ad[0], C = ad[2], E = bd[1], R = bd[2];
+  if (rd[0] != T || slots.element_count() != T || ad[1] != K || bd[0] != S || bd[3] != kPanel || ed[0] != E ||
+      ed[1] != 2 || C % kPanel != 0 || (norm_weight.element_count() != 0 && norm_weight.element_count() != K))
+    return ffi::Error::InvalidArgument("batched LoRA: x [" + std::to_string(T) + ", " + std::to_string(K) +
+                                       "], residual, slots, a, b, entries and norm do not match");
+  if (a.element_type() != b.element_type() ||
+      (a.element_type() != ffi::DataType::F32 && a.element_type() != ffi::DataType::BF16))
+    return ffi::Error::InvalidArgument("batched LoRA: a and b must both be float32 or both bfloat16");
+  const int32_t* ent = entries.typed_data();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t p = ent[2 * e], g = ent[2 * e + 1];
+    if (p < 0 || p * kPanel >= N || (e > 0 && p < ent[2 * e - 2]) || g < 0 || (g + 1) * R > C)
+      return ffi::Error::InvalidArgument("batched LoRA: entry " + std::to_string(e) + " (panel " + std::to_string(p) +
+                                         ", group " + std::to_string(g) + ") is out of range or out of order");
+  }
+  const int32_t* slot = slots.typed_data();
+  for (int64_t t = 0; t < T; ++t)
+    if (slot[t] >= S)
+      return ffi::Error::InvalidArgument("batched LoRA: row " + std::to_string(t) + " names slot " +
+                                         std::to_string(slot[t]) + " of " + std::to_string(S));
+  float* out = y->typed_data();
+  // The output aliases the residual (base rows are then left as they are); copied where XLA did not.
+  if (out != residual.typed_data()) std::memcpy(out, residual.typed_data(), T * N * sizeof(float));
+  const float* norm = norm_weight.element_count() ? norm_weight.typed_data() : nullptr;
+  if (a.element_type() == ffi::DataType::F32)
+    Run(pool, x.typed_data(), T, K, norm, eps, slot, S, static_cast<const float*>(a.untyped_data()), C,
+        static_cast<const float*>(b.untyped_data()), E, R, ent, out, N);
+  else
+    Run(pool, x.typed_data(), T, K, norm, eps, slot, S, static_cast<const uint16_t*>(a.untyped_data()), C,
+        static_cast<const uint16_t*>(b.untyped_data()), E, R, ent, out, N);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbBatchedLora, BatchedLoraImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("eps")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
