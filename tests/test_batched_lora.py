@@ -78,6 +78,24 @@ def test_gate_and_up_go_into_the_mlps_pairs_of_panels():
         assert not cols[:, f:].any()
 
 
+def test_without_a_residual_the_rows_with_a_slot_get_their_update_alone():
+    """The addend form (for the fused q/k/v and MLP kernels): each row with a slot holds its update, zero
+    on the columns no projection reaches (the MLP's padding past F); base rows are not read after."""
+    rng = np.random.default_rng(3)
+    k, f, slots, rank, rows = 24, 40, 3, 8, 21
+    a, b = group(rng, k, (f, f), slots, rank, jnp.bfloat16)
+    x = rng.standard_normal((rows, k), np.float32)
+    row_slots = np.arange(rows, dtype=np.int32) % (slots + 1) - 1
+    columns = gate_up_pairs(f, 3)
+    got = np.asarray(batched_lora(jnp.asarray(x), pack(a, b, columns), jnp.asarray(row_slots), None, width=96))
+    want = np.asarray(batched_lora(jnp.asarray(x), pack(a, b, columns), jnp.asarray(row_slots), jnp.zeros((rows, 96))))
+    mine = row_slots >= 0
+    np.testing.assert_array_equal(got[mine], want[mine])
+    assert not got[mine][:, columns[:, 0] < 0].any()
+    with pytest.raises(ValueError, match="needs the output's width"):
+        batched_lora(jnp.asarray(x), pack(a, b, columns), jnp.asarray(row_slots), None)
+
+
 def test_a_step_with_no_adapter_row_leaves_the_residual_as_it_is():
     rng = np.random.default_rng(1)
     a, b = group(rng, 16, (32,), 2, 8, jnp.bfloat16)

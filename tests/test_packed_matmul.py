@@ -114,7 +114,11 @@ def test_packed_mlp_normalises_x_and_adds_the_residual_when_asked():
                                           (13, 40, 6, 2, 10), (1, 16, 2, 2, 8)])
 @pytest.mark.parametrize("cache_dtype,weight_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
                                                       (jnp.bfloat16, jnp.bfloat16)])
-def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq, hkv, d, cache_dtype, weight_dtype):
+@pytest.mark.parametrize("with_addend", [False, True])
+def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq, hkv, d, cache_dtype, weight_dtype,
+                                                                       with_addend):
+    """With an addend (multi-LoRA's updates), it is added to the projection on the rows it names, before
+    rope and the write; the other rows' addend is never read (NaN here)."""
     rng = np.random.default_rng(t + k + d)
     n = (hq + 2 * hkv) * d
     h = jnp.asarray(rng.standard_normal((t, k), np.float32))
@@ -129,15 +133,20 @@ def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq,
     slots[0] = -1 if t > 1 else slots[0]  # padding: never written
     slots[-1] = 160 if t > 2 else slots[-1]
     slots, layer, packed = jnp.asarray(slots), jnp.int32(1), pack_columns(w)
+    rows = np.where(np.arange(t) % 2 == 0, 3, -1).astype(np.int32)
+    addend = np.where(rows[:, None] >= 0, rng.standard_normal((t, n)), np.nan).astype(np.float32)
+    addend, rows = (jnp.asarray(addend), jnp.asarray(rows)) if with_addend else (None, None)
 
     def separately(h, k_cache, v_cache):
         y = packed_matmul(h, packed, n, norm=norm, eps=1e-5)
+        if with_addend:
+            y = jnp.where(rows[:, None] >= 0, y + addend, y)
         q, kk, v = y[:, : hq * d], y[:, hq * d : (hq + hkv) * d], y[:, (hq + hkv) * d :]
         q, kk = llama.apply_rope(q.reshape(t, hq, d), cos, sin), llama.apply_rope(kk.reshape(t, hkv, d), cos, sin)
         return (q, *write_kv_rows(k_cache, v_cache, layer, kk, v.reshape(t, hkv, d), slots))
 
     def in_one_call(h, k_cache, v_cache):
-        return packed_qkv(h, packed, norm, 1e-5, cos, sin, k_cache, v_cache, layer, slots, hq)
+        return packed_qkv(h, packed, norm, 1e-5, cos, sin, k_cache, v_cache, layer, slots, hq, addend, rows)
 
     want = jax.jit(separately)(h, k_cache, v_cache)
     got = jax.jit(in_one_call)(h, k_cache, v_cache)
@@ -342,21 +351,24 @@ def test_the_mlp_adds_an_addend_before_its_activation_and_hands_the_activation_b
     for dtype in (jnp.float32, jnp.bfloat16):
         gate_up = pack_pairs(gate.astype(dtype), up.astype(dtype))
         addend = jnp.asarray(pairs_of(add_g, add_u, gate_up.shape[0] // 2))
+        rows = np.where(np.arange(m) % 3 == 1, -1, 0).astype(np.int32)  # every third row without an adapter
         y, hidden = packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n, residual=jnp.asarray(residual),
-                               gate_up_addend=addend, hidden_width=f)
+                               gate_up_addend=addend, addend_rows=jnp.asarray(rows), hidden_width=f)
+        add_g, add_u = add_g * (rows >= 0)[:, None], add_u * (rows >= 0)[:, None]  # those rows' addend unread
         round_ = to_bf16 if dtype == jnp.bfloat16 else (lambda a: np.asarray(a, np.float64))  # noqa: E731
         xb, gb, ub, db = map(round_, (x, gate, up, down))
         g, u = xb @ gb + add_g, xb @ ub + add_u
         h = g / (1.0 + np.exp(-g)) * u
         tol = 1e-4 * (np.abs(xb) @ (np.abs(gb) + np.abs(ub)) + 1) * (1 + np.abs(g))
-        assert hidden.shape == (m, f) and np.all(np.abs(np.asarray(hidden) - h) <= tol + 1e-4 * np.abs(u))
+        hidden, kept = np.asarray(hidden), rows >= 0  # the activation of the rows with an addend
+        assert hidden.shape == (m, f) and np.all(np.abs(hidden[kept] - h[kept]) <= (tol + 1e-4 * np.abs(u))[kept])
         # y from the activation as down reads it (bf16: rounded), the residual added
-        expected = round_(np.asarray(hidden)) @ db + residual
+        expected = round_(h if dtype == jnp.float32 else to_bf16(h)) @ db + residual
         np.testing.assert_allclose(np.asarray(y), expected, rtol=2e-3, atol=2e-3 * np.sqrt(f) * np.abs(h).max())
-        # without the extras: the plain call's result, bit for bit, where the addend is zero
-        zero = jnp.zeros_like(addend)
+        # no row with an addend: the plain call's result, bit for bit, whatever the addend holds
         np.testing.assert_array_equal(
-            np.asarray(packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n, gate_up_addend=zero)),
+            np.asarray(packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n, gate_up_addend=addend * np.nan,
+                                  addend_rows=jnp.full((m,), -1, jnp.int32))),
             np.asarray(packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n)))
 
 
@@ -364,6 +376,8 @@ def test_the_mlp_refuses_an_addend_or_hidden_width_that_does_not_fit():
     x = jnp.ones((3, 8), jnp.float32)
     gate_up, down = pack_pairs(jnp.ones((8, 20)), jnp.ones((8, 20))), pack(jnp.ones((20, 4)))
     with pytest.raises(ValueError, match="addend must be float32"):
-        packed_mlp(x, gate_up, down, 4, gate_up_addend=jnp.zeros((3, 40)))
+        packed_mlp(x, gate_up, down, 4, gate_up_addend=jnp.zeros((3, 40)), addend_rows=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="with its rows"):
+        packed_mlp(x, gate_up, down, 4, gate_up_addend=jnp.zeros((3, 64)))
     with pytest.raises(ValueError, match="hidden_width=33"):
         packed_mlp(x, gate_up, down, 4, hidden_width=33)

@@ -65,14 +65,6 @@ class PackedLayerWeights(NamedTuple):
         )
 
 
-def when_any_row_has_an_adapter(lora: LoraRows, with_lora, without, *operands):
-    """`with_lora(*operands)` in a step where some row has an adapter, else `without(*operands)`: a step
-    that serves the base model alone keeps the fused kernels (q/k/v with rope and the cache write; the
-    MLP), which leave no place for an update. (A conditional is a branch on the CPU; on a GPU it would
-    make the device wait for the host, which is why only this backend takes it.)"""
-    return jax.lax.cond(jnp.any(lora.slots >= 0), with_lora, without, *operands)
-
-
 @dataclasses.dataclass(frozen=True)
 class CpuBackend(Backend):
     unroll_layers: bool = True
@@ -108,14 +100,19 @@ class CpuBackend(Backend):
         h = h.astype(jnp.float32)  # a bf16 model's embeddings: the stream is float32 from here
         llama_attention = w.qkv_bias is None and w.q_norm is None
         fused = self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES and llama_attention
-        if fused and lora is None:
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if fused:
             # q/k/v, rope and the cache write in one kernel call, then attention over the cache. (A
             # family with q/k/v biases or q/k norms takes the path below: its projections, then XLA.)
+            # LoRA: the rows' updates of q, k and v (one call, from the same normed input) go in
+            # before rope, on the rows with an adapter.
+            addend = None if lora is None else batched_lora(h, lora.weights.qkv, lora.slots, None, width=q + 2 * kv,
+                                                            norm=w.attn_norm, eps=cfg.rms_norm_eps)
             q, k_cache, v_cache = packed_qkv(h, w.qkv_proj, w.attn_norm, cfg.rms_norm_eps, *rope, cache.k, cache.v,
-                                             layer, md.slot_mapping, cfg.num_heads)
+                                             layer, md.slot_mapping, cfg.num_heads, addend,
+                                             None if lora is None else lora.slots)
             cache = KVCache(k_cache, v_cache)
             return self.attention.attend(q, cache, layer, md, self.sm_scale, window), cache
-        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
@@ -134,26 +131,20 @@ class CpuBackend(Backend):
         return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual)
 
     def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None):
-        def fused(h):
-            return packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm,
-                              eps=self.cfg.rms_norm_eps, residual=h)
-
-        if lora is None:
-            return fused(h)
-        # A step in which no row has an adapter runs the fused MLP kernel, as without LoRA.
-        return when_any_row_has_an_adapter(lora, functools.partial(self._mlp_with_lora, w, lora=lora), fused,
-                                           h.astype(jnp.float32))
-
-    def _mlp_with_lora(self, w: PackedLayerWeights, h, lora: LoraRows):
-        # The fused MLP kernel with the updates of gate and up added before its activation (in its own
-        # pairs of panels, `pack_gate_up`), and the activation handed back for down's update after it.
         h = h.astype(jnp.float32)
-        num_pairs, f, eps = w.gate_up_proj.shape[0] // 2, self.cfg.intermediate_size, self.cfg.rms_norm_eps
+        cfg = self.cfg
+        if lora is None:
+            return packed_mlp(h, w.gate_up_proj, w.down_proj, cfg.hidden_size, norm=w.mlp_norm, eps=cfg.rms_norm_eps,
+                              residual=h)
+        # LoRA: the fused kernel adds the rows' gate/up updates before its activation (in its own pairs of
+        # panels, `pack_gate_up`) and hands their activation back for down's update after it. A row
+        # without an adapter costs no update; a step without one, no more than four empty calls.
+        num_pairs, f, eps = w.gate_up_proj.shape[0] // 2, cfg.intermediate_size, cfg.rms_norm_eps
         assert num_pairs == gate_up_pair_count(f, self.lora_dtype), (num_pairs, f, self.lora_dtype)
-        addend = batched_lora(h, lora.weights.gate_up, lora.slots, jnp.zeros((h.shape[0], 2 * num_pairs * PANEL)),
+        addend = batched_lora(h, lora.weights.gate_up, lora.slots, None, width=2 * num_pairs * PANEL,
                               norm=w.mlp_norm, eps=eps)
-        y, hidden = packed_mlp(h, w.gate_up_proj, w.down_proj, self.cfg.hidden_size, norm=w.mlp_norm, eps=eps,
-                               residual=h, gate_up_addend=addend, hidden_width=f)
+        y, hidden = packed_mlp(h, w.gate_up_proj, w.down_proj, cfg.hidden_size, norm=w.mlp_norm, eps=eps,
+                               residual=h, gate_up_addend=addend, addend_rows=lora.slots, hidden_width=f)
         return batched_lora(hidden, lora.weights.down, lora.slots, y)
 
     def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:

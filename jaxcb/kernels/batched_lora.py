@@ -4,8 +4,8 @@ adapter's x @ A @ B, the rows grouped by slot, for a group of projections that r
 `pack_lora_group` lays out one group's slot buffers (q/k/v, o, gate/up or down; `LoraModule`s A
 [in, S, R] and B [S, R, out]) for the kernel, given where each projection's columns sit in the
 output the call adds to (`side_by_side`, or `gate_up_pairs` for `pack_gate_up`'s interleaved
-panels). `batched_lora` adds the updates into that output in one call: a row's work is its own
-slot's R columns, a base row's (slot -1) nothing.
+panels). `batched_lora` adds the updates into that output in one call (or writes them alone, for a
+fused kernel to add): a row's work is its own slot's R columns, a base row's (slot -1) nothing.
 """
 
 from __future__ import annotations
@@ -75,21 +75,31 @@ def pack_lora_group(a_sides: Sequence[jax.Array], b_sides: Sequence[jax.Array], 
     return BatchedLoraWeights(a, b, jnp.asarray(entries))
 
 
-def batched_lora(x: jax.Array, w: BatchedLoraWeights, slots: jax.Array, residual: jax.Array, *,
-                 norm: Optional[jax.Array] = None, eps: float = 0.0) -> jax.Array:
+def batched_lora(x: jax.Array, w: BatchedLoraWeights, slots: jax.Array, residual: Optional[jax.Array], *,
+                 width: Optional[int] = None, norm: Optional[jax.Array] = None, eps: float = 0.0) -> jax.Array:
     """residual [T, N] + for each row t with slots[t] = s >= 0 its update rms_norm(x[t]) @ A_s @ B_s,
     per projection into its columns (x [T, in] float32; normed by `norm` [in] where given, as the
-    packed matmul norms); rows with slot -1 get nothing. Float32 out."""
+    packed matmul norms); rows with slot -1 get nothing. Float32 out.
+
+    With `residual=None` (and `width` = N): the updates alone, as an addend for `packed_qkv` or
+    `packed_mlp`, which add it on the rows with a slot only: a base row's is left unwritten
+    (undefined), so a step with few adapter rows writes few rows."""
     t, k = x.shape
-    if x.dtype != jnp.float32 or residual.dtype != jnp.float32 or residual.shape[0] != t or slots.shape != (t,):
+    n = residual.shape[-1] if residual is not None else width
+    if n is None:
+        raise ValueError("batched LoRA without a residual needs the output's width")
+    if x.dtype != jnp.float32 or slots.shape != (t,) or (
+            residual is not None and (residual.dtype != jnp.float32 or residual.shape != (t, n))):
         raise ValueError(f"batched LoRA takes float32 x [T, K] and residual [T, N] and slots [T], got x {x.dtype} "
-                         f"{x.shape}, residual {residual.dtype} {residual.shape}, slots {slots.shape}")
+                         f"{x.shape}, residual {None if residual is None else (residual.dtype, residual.shape)}, "
+                         f"slots {slots.shape}")
     if w.a.shape[1] != k or w.a.dtype != w.b.dtype:
         raise ValueError(f"LoRA A {w.a.dtype} {w.a.shape} and B {w.b.dtype} {w.b.shape} do not match x {x.shape}")
     if norm is not None and (norm.shape != (k,) or norm.dtype != jnp.float32):
         raise ValueError(f"the rms-norm weight must be float32 [{k}], got {norm.dtype} {norm.shape}")
     load_cpu_kernels()
-    call = jax.ffi.ffi_call(BATCHED_LORA_TARGET, jax.ShapeDtypeStruct(residual.shape, jnp.float32),
-                            input_output_aliases={2: 0})
-    return call(x, jnp.zeros((0,), jnp.float32) if norm is None else norm, residual, slots.astype(jnp.int32), w.a,
-                w.b, w.entries, eps=np.float32(eps))
+    out = jax.ShapeDtypeStruct((t, n), jnp.float32)
+    call = jax.ffi.ffi_call(BATCHED_LORA_TARGET, out, input_output_aliases={2: 0} if residual is not None else None)
+    return call(x, jnp.zeros((0,), jnp.float32) if norm is None else norm,
+                jnp.zeros((0, n), jnp.float32) if residual is None else residual, slots.astype(jnp.int32), w.a, w.b,
+                w.entries, eps=np.float32(eps))

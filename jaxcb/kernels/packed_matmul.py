@@ -114,6 +114,8 @@ def packed_qkv(
     slots: jax.Array,  # i32[T]: block * block_size + offset; outside the cache -> not written; rows
     # sharing a slot (the engine's padding, in the null block): any one of them lands there, as with XLA's scatter
     num_q_heads: int,
+    addend: jax.Array | None = None,  # f32[T, (Hq + 2 Hkv) D]: added to the projection before rope and the write,
+    addend_rows: jax.Array | None = None,  # i32[T]: on the rows where this is >= 0 (others' addend rows never read)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (q f32[T, Hq, D], k_cache, v_cache)
     """q = rope(rms_norm(h) @ w_q), and rope(rms_norm(h) @ w_k) and rms_norm(h) @ w_v written at
     `slots` of `layer` into the caches (in place when they are donated), in one call: what
@@ -133,13 +135,24 @@ def packed_qkv(
         raise ValueError(f"caches {k_cache.dtype} {k_cache.shape} / {v_cache.dtype} {v_cache.shape}: the CPU q/k/v "
                          f"projection writes two caches of one shape, in one of {ATTENTION_DTYPES}")
     norm, _ = _optional_inputs(h, 1, norm, None)
+    addend, addend_rows = _addend(addend, addend_rows, t, (num_q_heads + 2 * num_kv_heads) * head_dim)
     _load_for(packed)
     call = jax.ffi.ffi_call(QKV_TARGET, (jax.ShapeDtypeStruct((t, num_q_heads, head_dim), jnp.float32),
                                          jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                                          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
                             input_output_aliases={5: 1, 6: 2})
     return call(h, packed, norm, cos, sin, k_cache, v_cache, slots.astype(jnp.int32),
-                jnp.reshape(layer, ()).astype(jnp.int32), eps=np.float32(eps))
+                jnp.reshape(layer, ()).astype(jnp.int32), addend, addend_rows, eps=np.float32(eps))
+
+
+def _addend(addend: jax.Array | None, rows: jax.Array | None, t: int, n: int) -> tuple[jax.Array, jax.Array]:
+    """A kernel's optional addend [t, n] and its rows [t] (i32; >= 0: added), empty when not given."""
+    if addend is None:
+        return jnp.zeros((0, n), jnp.float32), jnp.zeros((0,), jnp.int32)
+    if addend.shape != (t, n) or addend.dtype != jnp.float32 or rows is None or rows.shape != (t,):
+        raise ValueError(f"the addend must be float32 {(t, n)} with its rows [{t}], got {addend.dtype} {addend.shape} "
+                         f"and rows {None if rows is None else rows.shape}")
+    return addend, rows.astype(jnp.int32)
 
 
 def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -171,13 +184,15 @@ def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> 
 
 def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
                eps: float = 0.0, residual: jax.Array | None = None, gate_up_addend: jax.Array | None = None,
-               hidden_width: int = 0):  # [..., K] -> [..., n], or ([..., n], [..., hidden_width])
+               addend_rows: jax.Array | None = None, hidden_width: int = 0):
+    # [..., K] -> [..., n], or ([..., n], [..., hidden_width])
     """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
     `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
-    `residual` as in `packed_matmul`. Multi-LoRA's extras: `gate_up_addend` ([..., 2 Q 16], in the
-    gate/up product's pairs of panels, Q = gate_up.shape[0] // 2) is added to x @ [gate | up] before
-    the activation; with `hidden_width` (<= Q 16) the activation's first hidden_width columns come back
-    too, in float32: (y, hidden)."""
+    `residual` as in `packed_matmul`. Multi-LoRA's extras: `gate_up_addend` ([M, 2 Q 16] for the M rows
+    of x, in the gate/up product's pairs of panels, Q = gate_up.shape[0] // 2) is added to
+    x @ [gate | up] before the activation on the rows where `addend_rows` (i32[M]) is >= 0; with
+    `hidden_width` (<= Q 16) the activation's first hidden_width columns come back too, in float32:
+    (y, hidden), with an addend on its rows only (the others' undefined)."""
     if x.dtype != jnp.float32 or gate_up.dtype != down.dtype or down.dtype not in (jnp.float32, jnp.uint32):
         raise ValueError(f"the CPU MLP takes float32 x and weights packed alike from float32 or bfloat16, got x "
                          f"{x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; use model.backend=xla")
@@ -188,20 +203,15 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
             or down.ndim != 3 or down.shape[2] != PANEL or down.shape[0] != -(-n // PANEL)):
         raise ValueError(f"packed gate/up {gate_up.shape} and down {down.shape} do not match x {x.shape} and n={n}")
     norm, residual = _optional_inputs(x, n, norm, residual)
-    pairs_width = gate_up.shape[0] * PANEL
-    if gate_up_addend is not None and (gate_up_addend.shape != (*x.shape[:-1], pairs_width)
-                                       or gate_up_addend.dtype != jnp.float32):
-        raise ValueError(f"the gate/up addend must be float32 {(*x.shape[:-1], pairs_width)}, got "
-                         f"{gate_up_addend.dtype} {gate_up_addend.shape}")
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    addend, addend_rows = _addend(gate_up_addend, addend_rows, m, gate_up.shape[0] * PANEL)
     if not 0 <= hidden_width <= gate_up.shape[0] // 2 * PANEL:
         raise ValueError(f"hidden_width={hidden_width} is outside [0, {gate_up.shape[0] // 2 * PANEL}]")
     _load_for(gate_up, down)
-    rows = x.reshape(-1, x.shape[-1])
-    m = rows.shape[0]
-    addend = jnp.zeros((0, pairs_width), jnp.float32) if gate_up_addend is None else gate_up_addend.reshape(m, -1)
     y, hidden = jax.ffi.ffi_call(MLP_TARGET, (jax.ShapeDtypeStruct((m, n), jnp.float32),
                                               jax.ShapeDtypeStruct((m if hidden_width else 0, hidden_width),
                                                                    jnp.float32)))(
-        rows, gate_up, down, norm, residual, addend, eps=np.float32(eps))
+        rows, gate_up, down, norm, residual, addend, addend_rows, eps=np.float32(eps))
     y = y.reshape(*x.shape[:-1], n)
     return (y, hidden.reshape(*x.shape[:-1], hidden_width)) if hidden_width else y

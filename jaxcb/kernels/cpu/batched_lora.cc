@@ -9,7 +9,9 @@
 // (q, k and v side by side; gate and up in pairs of panels): entry e = (panel p, group g) holds
 // B_g's R x 16 block for output columns [16p, 16p + 16), zero where a column is not g's. The
 // expand adds u[g R : g R + R] @ b[s, e] to those columns; a panel that straddles two groups has
-// two entries.
+// two entries. With no residual (empty) the call writes the updates alone: the rows with a slot get
+// theirs (zeros where no entry reaches), and base rows are left unwritten, for a kernel that adds
+// the rows with a slot and never reads the others (packed_matmul.cc's q/k/v and MLP addends).
 //
 // Why not the packed matmul over every slot, masked: a row meets only its own slot's A and B here,
 // so a step's work is each row's R columns, not all S R of every slot; and one call replaces the
@@ -48,6 +50,7 @@ constexpr int64_t kItemRows = 32;  // rows of one slot per work item
 // Shrink tiles: up to 8 rows x 48 columns (24 accumulators of AVX-512's 32).
 constexpr int kShrinkRows = 8, kShrinkVectors = 3;
 constexpr int kExpandRows = 8;  // expand tile: 8 rows x one panel
+constexpr int64_t kAhead = 1024;  // bytes of a weight stream fetched ahead of its reads
 // An item of this many rows or more widens its slot's bf16 A and B to float32 once, into L2, and
 // multiplies from there; fewer rows (a decode step's) read each weight about once, as bf16.
 constexpr int64_t kWidenRows = 4;
@@ -87,6 +90,9 @@ void ShrinkTile(const float* xs, int64_t K, const W* a, int64_t C, float* u) {
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < NV; ++j) acc[r][j] = F16{};
   for (int64_t k = 0; k < K; ++k) {
+    // A's rows stream from memory (a decode step reads each slot's once): fetched kAhead bytes early,
+    // so that the stream crosses 4 KiB pages without the hardware prefetcher's restart.
+    __builtin_prefetch(reinterpret_cast<const char*>(a + k * C) + kAhead);
     F16 w[NV];
     for (int j = 0; j < NV; ++j) w[j] = Load(a + k * C + kPanel * j);
     for (int r = 0; r < RB; ++r) {
@@ -158,6 +164,7 @@ void ExpandRows(const float* u, int64_t C, int64_t R, const W* b, const int32_t*
     const W* be = b + e * R * kPanel;
     const float* ug = u + g * R;
     for (int64_t r = 0; r < R; ++r) {
+      __builtin_prefetch(reinterpret_cast<const char*>(be + r * kPanel) + kAhead);
       const F16 w = Load(be + r * kPanel);
       for (int i = 0; i < RB; ++i) acc[i] += ug[i * C + r] * w;
     }
@@ -196,7 +203,7 @@ void NormRow(const float* x, int64_t K, const float* norm, float eps, float* dst
 }
 
 template <typename W>
-void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* norm, float eps,
+void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* norm, float eps, const float* residual,
          const int32_t* slots, int64_t S, const W* a, int64_t C, const W* b, int64_t E, int64_t R,
          const int32_t* entries, float* y, int64_t N) {
   // The rows of each slot, in order (a counting sort); base and padding rows (slot < 0) take no part.
@@ -213,6 +220,7 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const floa
   struct Item {
     int64_t slot, first, rows;
   };
+  const bool fresh = !residual;
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = start[s]; i < start[s + 1]; i += kItemRows)
@@ -228,6 +236,7 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const floa
       const int64_t t = order[item.first + i];
       NormRow(x + t * K, K, norm, eps, xs.data() + i * K);
       rows[i] = y + t * N;
+      if (fresh) std::memset(rows[i], 0, N * sizeof(float));
     }
     const W* as = a + item.slot * K * C;
     const W* bs = b + item.slot * E * R * kPanel;
@@ -252,13 +261,15 @@ ffi::Error BatchedLoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                            ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
                            ffi::AnyBuffer b, ffi::Buffer<ffi::S32> entries, float eps,
                            ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), rd = residual.dimensions(), ad = a.dimensions(), bd = b.dimensions(),
+  const auto xd = x.dimensions(), yd = y->dimensions(), ad = a.dimensions(), bd = b.dimensions(),
              ed = entries.dimensions();
-  if (xd.size() != 2 || rd.size() != 2 || ad.size() != 3 || bd.size() != 4 || ed.size() != 2)
+  if (xd.size() != 2 || yd.size() != 2 || ad.size() != 3 || bd.size() != 4 || ed.size() != 2)
     return ffi::Error::InvalidArgument(
-        "batched LoRA expects x [T, K], residual [T, N], a [S, K, C], b [S, E, R, 16] and entries [E, 2]");
-  const int64_t T = xd[0], K = xd[1], N = rd[1], S = ad[0], C = ad[2], E = bd[1], R = bd[2];
-  if (rd[0] != T || slots.element_count() != T || ad[1] != K || bd[0] != S || bd[3] != kPanel || ed[0] != E ||
+        "batched LoRA expects x [T, K], y [T, N], a [S, K, C], b [S, E, R, 16] and entries [E, 2]");
+  const int64_t T = xd[0], K = xd[1], N = yd[1], S = ad[0], C = ad[2], E = bd[1], R = bd[2];
+  const bool has_residual = residual.element_count() > 0 || T * N == 0;
+  if ((has_residual && (residual.dimensions().size() != 2 || residual.dimensions()[0] != T ||
+                        residual.dimensions()[1] != N)) || yd[0] != T || slots.element_count() != T || ad[1] != K || bd[0] != S || bd[3] != kPanel || ed[0] != E ||
       ed[1] != 2 || C % kPanel != 0 || (norm_weight.element_count() != 0 && norm_weight.element_count() != K))
     return ffi::Error::InvalidArgument("batched LoRA: x [" + std::to_string(T) + ", " + std::to_string(K) +
                                        "], residual, slots, a, b, entries and norm do not match");
@@ -279,13 +290,14 @@ ffi::Error BatchedLoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                                          std::to_string(slot[t]) + " of " + std::to_string(S));
   float* out = y->typed_data();
   // The output aliases the residual (base rows are then left as they are); copied where XLA did not.
-  if (out != residual.typed_data()) std::memcpy(out, residual.typed_data(), T * N * sizeof(float));
+  const float* res = has_residual ? residual.typed_data() : nullptr;
+  if (res && out != res) std::memcpy(out, res, T * N * sizeof(float));
   const float* norm = norm_weight.element_count() ? norm_weight.typed_data() : nullptr;
   if (a.element_type() == ffi::DataType::F32)
-    Run(pool, x.typed_data(), T, K, norm, eps, slot, S, static_cast<const float*>(a.untyped_data()), C,
+    Run(pool, x.typed_data(), T, K, norm, eps, res, slot, S, static_cast<const float*>(a.untyped_data()), C,
         static_cast<const float*>(b.untyped_data()), E, R, ent, out, N);
   else
-    Run(pool, x.typed_data(), T, K, norm, eps, slot, S, static_cast<const uint16_t*>(a.untyped_data()), C,
+    Run(pool, x.typed_data(), T, K, norm, eps, res, slot, S, static_cast<const uint16_t*>(a.untyped_data()), C,
         static_cast<const uint16_t*>(b.untyped_data()), E, R, ent, out, N);
   return ffi::Error::Success();
 }

@@ -1111,10 +1111,15 @@ void RopeAndWriteRows(const float* y, int64_t m0, int64_t m1, int64_t num_q_head
 // `slots` [M] of layer `layer`. The caches are aliased to the last two outputs. One call
 // where the model had a matmul, two rotary fusions and a cache write: the attention call
 // that follows comes right after this one, and finds the pool thread awake.
+//
+// Multi-LoRA's optional addend (empty when not used): `addend` [M, (Hq + 2 Hkv) D] is added to the
+// projection before rope and the cache write, on the rows whose `addend_rows` entry is >= 0 (the
+// rows with an adapter; the others' addend rows are never read, so need not be written).
 ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                          ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots,
-                         ffi::Buffer<ffi::S32> layer, float eps, ffi::ResultBuffer<ffi::F32> q,
+                         ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> addend_buffer,
+                         ffi::Buffer<ffi::S32> addend_rows_buffer, float eps, ffi::ResultBuffer<ffi::F32> q,
                          ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   const auto xd = x.dimensions(), wd = w.dimensions(), qd = q->dimensions(), cd = k_cache.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || qd.size() != 3 || cd.size() != 5)
@@ -1152,6 +1157,12 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
       return ffi::Error::InvalidArgument("the rms-norm weight must be [K=" + std::to_string(K) + "] or empty");
     norm = norm_weight.typed_data();
   }
+  const float* addend = addend_buffer.element_count() > 0 ? addend_buffer.typed_data() : nullptr;
+  const int32_t* addend_rows = addend_rows_buffer.typed_data();
+  if (addend && (addend_buffer.dimensions().size() != 2 || addend_buffer.dimensions()[0] != M ||
+                 addend_buffer.dimensions()[1] != N || addend_rows_buffer.element_count() != M))
+    return ffi::Error::InvalidArgument("packed qkv: the addend must be [M, " + std::to_string(N) +
+                                       "] with addend rows [M], or empty");
   if (M == 0 || N == 0) return ffi::Error::Success();
   thread_local std::vector<float> buffer, y_buffer;
   if (y_buffer.size() < static_cast<size_t>(M * N)) y_buffer.resize(M * N);
@@ -1168,6 +1179,10 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     const LayerCache<C> layer_cache{static_cast<C*>(k_out->untyped_data()) + layer_offset,
                                     static_cast<C*>(v_out->untyped_data()) + layer_offset, H, num_slots, D};
     const int64_t m0 = rows.chunks.first_row(i);
+    if (addend)
+      for (int64_t m = m0; m < m0 + rows.chunks.rows(i); ++m)
+        if (addend_rows[m] >= 0)
+          for (int64_t j = 0; j < N; ++j) y[m * N + j] += addend[m * N + j];
     RopeAndWriteRows(y, m0, m0 + rows.chunks.rows(i), Hq, cos.typed_data(), sin.typed_data(), slots.typed_data(),
                      layer_cache, q->typed_data());
   };
@@ -1196,12 +1211,14 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // With the optional rms-norm weight and residual of PackedMatmulImpl: y = residual + mlp(rms_norm(x)).
 // Multi-LoRA's two optional extras (empty when not used): `gate_up_addend` [M, 2Q 16], added to the
 // gate/up product before the activation, in the product's own pairs of panels (gate's 16 columns,
-// then up's, pair by pair: what batched_lora.cc adds into); and `hidden` [M, Fh], where the
+// then up's, pair by pair: what batched_lora.cc writes), on the rows whose `addend_rows` entry is
+// >= 0 (the others' are never read); and `hidden` [M, Fh], where the
 // activation silu(gate) * up of columns [0, Fh) is written out in float32, for the down
-// projection's update after this call.
+// projection's update after this call (with an addend: on its rows only, the others unwritten).
 ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                          ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
-                         ffi::Buffer<ffi::F32> gate_up_addend, float eps, ffi::ResultBuffer<ffi::F32> y,
+                         ffi::Buffer<ffi::F32> gate_up_addend, ffi::Buffer<ffi::S32> addend_rows_buffer, float eps,
+                         ffi::ResultBuffer<ffi::F32> y,
                          ffi::ResultBuffer<ffi::F32> hidden) {
   const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions(),
              ad = gate_up_addend.dimensions(), hd = hidden->dimensions();
@@ -1231,9 +1248,11 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   const float* addend = gate_up_addend.element_count() > 0 ? gate_up_addend.typed_data() : nullptr;
   const int64_t Fh = hd[1];
   float* hidden_out = hidden->element_count() > 0 ? hidden->typed_data() : nullptr;
-  if ((addend && (ad[0] != M || ad[1] != 2 * Q * kPanel)) || (hidden_out && (hd[0] != M || Fh > F)))
+  const int32_t* addend_rows = addend_rows_buffer.typed_data();
+  if ((addend && (ad[0] != M || ad[1] != 2 * Q * kPanel || addend_rows_buffer.element_count() != M)) ||
+      (hidden_out && (hd[0] != M || Fh > F)))
     return ffi::Error::InvalidArgument("packed mlp: the gate/up addend must be [M, " + std::to_string(2 * Q * kPanel) +
-                                       "] and hidden [M, <= " + std::to_string(F) + "]");
+                                       "] with addend rows [M], and hidden [M, <= " + std::to_string(F) + "]");
   float* c = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0 || F == 0) {  // silu(0) * 0 = 0
@@ -1293,12 +1312,15 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
             const int64_t i = i0 + g, r = rows.chunks.rows(i), m0 = rows.chunks.first_row(i);
             if (addend)
               for (int64_t row = 0; row < r; ++row)
-                for (int64_t j = 0; j < 2 * kPanel; ++j) both[g][row][j] += addend[(m0 + row) * 2 * Q * kPanel + 2 * q * kPanel + j];
+                if (addend_rows[m0 + row] >= 0)
+                  for (int64_t j = 0; j < 2 * kPanel; ++j)
+                    both[g][row][j] += addend[(m0 + row) * 2 * Q * kPanel + 2 * q * kPanel + j];
             const float(*act_in)[2 * kPanel] = both[g];
             // The activation's columns [16q, 16q + 16) of a row, for `hidden` where it is asked for.
             const int64_t hidden_cols = hidden_out ? std::clamp<int64_t>(Fh - q * kPanel, 0, kPanel) : 0;
             auto keep = [&](int64_t row, const float* act) {
-              if (hidden_cols > 0) std::memcpy(hidden_out + (m0 + row) * Fh + q * kPanel, act, hidden_cols * sizeof(float));
+              if (hidden_cols > 0 && (!addend || addend_rows[m0 + row] >= 0))
+                std::memcpy(hidden_out + (m0 + row) * Fh + q * kPanel, act, hidden_cols * sizeof(float));
             };
             // Chunk i of h, k-major: columns [16q, 16q + cols) of the activation are its k-rows
             // there (or its pair-rows [8q, 8q + ceil(cols / 2)), an odd last one's high half 0).
@@ -1459,6 +1481,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedQkv, PackedQkvImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
@@ -1473,6 +1497,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
