@@ -36,6 +36,20 @@ LONGEST_FIRST = ("test_gpu_check.py", "test_tensor_parallel.py", "test_smollm2.p
                  "test_draft_speculation.py", "test_gguf.py", "test_ray_jobs.py", "test_prefix_routing_ray.py")
 
 
+def pytest_sessionstart(session):
+    """JAXCB_FAULT_LOG=DIR: each test process writes the Python stacks of all its threads to
+    DIR/<worker>-<pid>.log on a fatal signal. Under pytest-xdist a crashed worker's own stderr is
+    lost ("node down: Not properly terminated"); this keeps where it died."""
+    directory = os.environ.get("JAXCB_FAULT_LOG")
+    if directory:
+        import faulthandler
+
+        os.makedirs(directory, exist_ok=True)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        session.config._jaxcb_fault_log = open(os.path.join(directory, f"{worker}-{os.getpid()}.log"), "w")
+        faulthandler.enable(file=session.config._jaxcb_fault_log, all_threads=True)
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: every other order kept

@@ -15,6 +15,7 @@ import jaxcb.kernels.cpu as cpu_kernels
 from attention_batches import dense_attention
 from jaxcb.kernels.attention.testing import make_ragged_batch, share_leading_blocks
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
+from jaxcb.kernels.batched_lora import batched_lora, pack_lora_group, side_by_side
 from jaxcb.kernels.packed_matmul import pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv
 from jaxcb.kernels.row_argmax import row_argmax
 from jaxcb.config import AttentionConfig, ConfigError
@@ -204,12 +205,19 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     monkeypatch.undo()
     assert lib.JaxcbAttentionPaths() == 1 and lib.JaxcbSelectAttention(1) == 0  # no AMX: the rows path only
     names = {"JaxcbPackedMatmul": "matmul", "JaxcbPackedMlp": "mlp", "JaxcbRaggedPagedAttention": "attention",
-             "JaxcbRowArgmax": "argmax", "JaxcbPackedMatmulArgmax": "matmul_argmax", "JaxcbPackedQkv": "qkv"}
+             "JaxcbRowArgmax": "argmax", "JaxcbPackedMatmulArgmax": "matmul_argmax", "JaxcbPackedQkv": "qkv",
+             "JaxcbBatchedLora": "lora"}
     for symbol, target in names.items():
         jax.ffi.register_ffi_target(f"jaxcb_test_avx2_{target}", jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
     def avx2(target, shape, dtype, *args, **attrs):
         return jax.ffi.ffi_call(f"jaxcb_test_avx2_{target}", jax.ShapeDtypeStruct(shape, dtype))(*args, **attrs)
+
+    def avx2_mlp(x, gate_up, down, norm, residual):  # (y, no hidden), with no addend
+        no_addend = (jnp.zeros((0, gate_up.shape[0] * 16), jnp.float32), jnp.zeros((0,), jnp.int32))
+        return jax.ffi.ffi_call("jaxcb_test_avx2_mlp", (jax.ShapeDtypeStruct((m, n), jnp.float32),
+                                                        jax.ShapeDtypeStruct((0, 0), jnp.float32)))(
+            x, gate_up, down, norm, residual, *no_addend, eps=np.float32(1e-5))[0]
 
     rng = np.random.default_rng(0)
     m, k, f, n = 29, 70, 36, 33  # rows past two 12-row tiles, F and N off the 16-column panels
@@ -227,8 +235,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     native = packed_matmul(x, packed16, n, norm=norm, eps=1e-5, residual=residual)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-4, atol=1e-3)
     gate16, up16, down16 = (jnp.asarray(rng.standard_normal(s, np.float32), jnp.bfloat16) for s in ((k, f), (k, f), (f, n)))
-    ours = avx2("mlp", (m, n), jnp.float32, x, pack_gate_up(gate16, up16), pack_columns(down16), norm, residual,
-                eps=np.float32(1e-5))
+    ours = avx2_mlp(x, pack_gate_up(gate16, up16), pack_columns(down16), norm, residual)
     native = packed_mlp(x, pack_gate_up(gate16, up16), pack_columns(down16), n, norm=norm, eps=1e-5, residual=residual)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=2e-2, atol=2e-2 * np.abs(native).max())
 
@@ -236,7 +243,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     down = pack_columns(jnp.asarray(rng.standard_normal((f, n), np.float32)))
     x3 = x * 3  # gates of both signs and beyond the sigmoid's flat ends
     native = packed_mlp(x3, gate_up, down, n, norm=norm, eps=1e-5, residual=residual)
-    ours = avx2("mlp", (m, n), jnp.float32, x3, gate_up, down, norm, residual, eps=np.float32(1e-5))
+    ours = avx2_mlp(x3, gate_up, down, norm, residual)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-3)
 
     cache = jnp.asarray(rng.standard_normal((2, 1, 8, 4, 16)), jnp.float32)  # 1 KV head of 16 for 2 q heads
@@ -244,7 +251,8 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     angles = jnp.asarray(rng.standard_normal((m, 8)), jnp.float32)
     # A slot each (two rows aiming at one slot, from two chunks, may land in either order), and one dropped.
     slots = jnp.asarray(np.r_[rng.permutation(32)[: m - 1], -1], jnp.int32)
-    args = (x, qkv, norm, jnp.cos(angles), jnp.sin(angles), cache, cache + 1, slots, jnp.int32(1))
+    args = (x, qkv, norm, jnp.cos(angles), jnp.sin(angles), cache, cache + 1, slots, jnp.int32(1),
+            jnp.zeros((0, 64), jnp.float32), jnp.zeros((0,), jnp.int32))
     native = packed_qkv(*args[:2], norm, 1e-5, *args[3:7], jnp.int32(1), slots, 2)
     call = jax.ffi.ffi_call("jaxcb_test_avx2_qkv", (jax.ShapeDtypeStruct((m, 2, 16), jnp.float32),
                                                     *(jax.ShapeDtypeStruct(cache.shape, jnp.float32),) * 2),
@@ -267,6 +275,18 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
             tol = 1e-5 if dtype == jnp.float32 else 1e-2
             np.testing.assert_allclose(np.asarray(ours, np.float32), np.asarray(native, np.float32), rtol=tol,
                                        atol=tol)
+
+    # Multi-LoRA's batched kernel: bf16 slots, 5 rows of slot 0 (widened first), 2 of slot 2 (read as
+    # bf16), base rows; q/k/v-like widths off the panels.
+    widths, lora_slots = (40, 12, 12), np.r_[[0] * 5, [2] * 2, [-1] * (m - 7)].astype(np.int32)
+    lora = pack_lora_group([jnp.asarray(rng.standard_normal((k, 3, 8)), jnp.bfloat16) for _ in widths],
+                           [jnp.asarray(rng.standard_normal((3, 8, wd)), jnp.bfloat16) for wd in widths],
+                           side_by_side(widths))
+    base = jnp.asarray(rng.standard_normal((m, 64)), jnp.float32)
+    native = batched_lora(x, lora, jnp.asarray(lora_slots), base, norm=norm, eps=1e-5)
+    ours = avx2("lora", (m, 64), jnp.float32, x, norm, base, jnp.asarray(lora_slots), lora.a, lora.b, lora.entries,
+                eps=np.float32(1e-5))
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-4)
 
     logits = jnp.asarray(rng.standard_normal((5, 1000), np.float32))
     np.testing.assert_array_equal(np.asarray(avx2("argmax", (5,), jnp.int32, logits)), np.asarray(jnp.argmax(logits, -1)))
