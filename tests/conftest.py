@@ -50,6 +50,17 @@ def pytest_sessionstart(session):
         faulthandler.enable(file=session.config._jaxcb_fault_log, all_threads=True)
 
 
+def pytest_runtest_setup(item):
+    """Re-installed before every test: a handler installed later (XLA's, when its CPU client starts)
+    would otherwise take the signal first. A worker that died in libgcc's unwinder left an empty log
+    with the handler installed once."""
+    log = getattr(item.config, "_jaxcb_fault_log", None)
+    if log is not None:
+        import faulthandler
+
+        faulthandler.enable(file=log, all_threads=True)
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable: every other order kept

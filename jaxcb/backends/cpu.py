@@ -17,7 +17,6 @@ bf16 weights (and x rounded to bf16 at each product), not bf16 arithmetic.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple, Optional
 
 import jax
