@@ -86,9 +86,10 @@ def test_without_a_residual_the_rows_with_a_slot_get_their_update_alone():
     a, b = group(rng, k, (f, f), slots, rank, jnp.bfloat16)
     x = rng.standard_normal((rows, k), np.float32)
     row_slots = np.arange(rows, dtype=np.int32) % (slots + 1) - 1
-    columns = gate_up_pairs(f, 3)
-    got = np.asarray(batched_lora(jnp.asarray(x), pack(a, b, columns), jnp.asarray(row_slots), None, width=96))
-    want = np.asarray(batched_lora(jnp.asarray(x), pack(a, b, columns), jnp.asarray(row_slots), jnp.zeros((rows, 96))))
+    columns = gate_up_pairs(f, 4)  # a last pair past F: two panels no entry reaches, zeroed
+    got = np.asarray(batched_lora(jnp.asarray(x), pack(a, b, columns), jnp.asarray(row_slots), None, width=128))
+    want = np.asarray(batched_lora(jnp.asarray(x), pack(a, b, columns), jnp.asarray(row_slots),
+                                   jnp.zeros((rows, 128))))
     mine = row_slots >= 0
     np.testing.assert_array_equal(got[mine], want[mine])
     assert not got[mine][:, columns[:, 0] < 0].any()

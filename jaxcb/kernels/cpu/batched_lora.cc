@@ -141,17 +141,17 @@ void Shrink(const float* xs, int64_t m, int64_t K, const W* a, int64_t C, float*
 // y[i]: row i of the output (N columns; a last panel may be partial).
 template <int RB, typename W>
 void ExpandRows(const float* u, int64_t C, int64_t R, const W* b, const int32_t* entries, int64_t E,
-                float* const* y, int64_t N) {
+                float* const* y, int64_t N, bool set) {
   F16 acc[RB];
-  auto flush = [&](int64_t panel) {
+  auto flush = [&](int64_t panel) {  // added to y's panel, or (set) stored over it
     const int64_t col = panel * kPanel, cols = std::min<int64_t>(kPanel, N - col);
     for (int i = 0; i < RB; ++i) {
       if (cols == kPanel) {
-        Store(y[i] + col, Load(y[i] + col) + acc[i]);
+        Store(y[i] + col, set ? acc[i] : Load(y[i] + col) + acc[i]);
       } else {
         float part[kPanel];
         Store(part, acc[i]);
-        for (int64_t c = 0; c < cols; ++c) y[i][col + c] += part[c];
+        for (int64_t c = 0; c < cols; ++c) y[i][col + c] = set ? part[c] : y[i][col + c] + part[c];
       }
     }
   };
@@ -176,17 +176,20 @@ void ExpandRows(const float* u, int64_t C, int64_t R, const W* b, const int32_t*
 
 template <typename W>
 void Expand(const float* u, int64_t m, int64_t C, int64_t R, const W* b, const int32_t* entries, int64_t E,
-            float* const* y, int64_t N) {
+            float* const* y, int64_t N, bool set) {
   int64_t i = 0;
-  for (; i + kExpandRows <= m; i += kExpandRows) ExpandRows<kExpandRows>(u + i * C, C, R, b, entries, E, y + i, N);
+  for (; i + kExpandRows <= m; i += kExpandRows)
+    ExpandRows<kExpandRows>(u + i * C, C, R, b, entries, E, y + i, N, set);
+  const float* ui = u + i * C;
+  float* const* yi = y + i;
   switch (m - i) {
-    case 1: ExpandRows<1>(u + i * C, C, R, b, entries, E, y + i, N); break;
-    case 2: ExpandRows<2>(u + i * C, C, R, b, entries, E, y + i, N); break;
-    case 3: ExpandRows<3>(u + i * C, C, R, b, entries, E, y + i, N); break;
-    case 4: ExpandRows<4>(u + i * C, C, R, b, entries, E, y + i, N); break;
-    case 5: ExpandRows<5>(u + i * C, C, R, b, entries, E, y + i, N); break;
-    case 6: ExpandRows<6>(u + i * C, C, R, b, entries, E, y + i, N); break;
-    case 7: ExpandRows<7>(u + i * C, C, R, b, entries, E, y + i, N); break;
+    case 1: ExpandRows<1>(ui, C, R, b, entries, E, yi, N, set); break;
+    case 2: ExpandRows<2>(ui, C, R, b, entries, E, yi, N, set); break;
+    case 3: ExpandRows<3>(ui, C, R, b, entries, E, yi, N, set); break;
+    case 4: ExpandRows<4>(ui, C, R, b, entries, E, yi, N, set); break;
+    case 5: ExpandRows<5>(ui, C, R, b, entries, E, yi, N, set); break;
+    case 6: ExpandRows<6>(ui, C, R, b, entries, E, yi, N, set); break;
+    case 7: ExpandRows<7>(ui, C, R, b, entries, E, yi, N, set); break;
     default: break;
   }
 }
@@ -222,7 +225,16 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const floa
   struct Item {
     int64_t slot, first, rows;
   };
+  // Without a residual each panel an entry reaches is stored whole by the expand; the others (the
+  // MLP's padding past F) are zeroed.
   const bool fresh = !residual;
+  std::vector<int64_t> unreached;
+  if (fresh) {
+    std::vector<char> reached((N + kPanel - 1) / kPanel, 0);
+    for (int64_t e = 0; e < E; ++e) reached[entries[2 * e]] = 1;
+    for (int64_t p = 0; p < static_cast<int64_t>(reached.size()); ++p)
+      if (!reached[p]) unreached.push_back(p);
+  }
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t i = start[s]; i < start[s + 1]; i += kItemRows)
@@ -238,7 +250,8 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const floa
       const int64_t t = order[item.first + i];
       NormRow(x + t * K, K, norm, eps, xs.data() + i * K);
       rows[i] = y + t * N;
-      if (fresh) std::memset(rows[i], 0, N * sizeof(float));
+      for (int64_t p : unreached)
+        std::memset(rows[i] + p * kPanel, 0, std::min<int64_t>(kPanel, N - p * kPanel) * sizeof(float));
     }
     const W* as = a + item.slot * K * C;
     const W* bs = b + item.slot * E * R * kPanel;
@@ -250,12 +263,12 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const floa
         Widen(as, K * C, aw.data());
         Widen(bs, E * R * kPanel, bw.data());
         Shrink(xs.data(), item.rows, K, aw.data(), C, u.data());
-        Expand(u.data(), item.rows, C, R, bw.data(), entries, E, rows, N);
+        Expand(u.data(), item.rows, C, R, bw.data(), entries, E, rows, N, fresh);
         return;
       }
     }
     Shrink(xs.data(), item.rows, K, as, C, u.data());
-    Expand(u.data(), item.rows, C, R, bs, entries, E, rows, N);
+    Expand(u.data(), item.rows, C, R, bs, entries, E, rows, N, fresh);
   });
 }
 
