@@ -15,8 +15,10 @@ of a projection over the flat batch is grouped by slot with it:
     x [T, in] @ A [in, S R] -> [T, S R], times the rows' masks [T, S R] -> @ B [S R, out]
 
 so each row meets only its own slot's A and B, and a base row's update is exactly zero. Its cost
-is the same for any mix (2 S R (in + out) multiply-adds a token and projection); `benchmarks/lora.py`
-measures it against the base.
+is the same for any mix (2 S R (in + out) multiply-adds a token and projection): the xla backend's
+form (one program for any mix, on any device). The cpu backend groups the rows by slot in a kernel
+of its own instead (`jaxcb.kernels.batched_lora`: 2 R (in + out) a token with an adapter, nothing for
+a base row). `benchmarks/lora.py` measures both against the base.
 """
 
 from __future__ import annotations
