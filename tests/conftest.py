@@ -51,9 +51,9 @@ def pytest_sessionstart(session):
 
 
 def pytest_runtest_setup(item):
-    """Re-installed before every test: a handler installed later (XLA's, when its CPU client starts)
-    would otherwise take the signal first. A worker that died in libgcc's unwinder left an empty log
-    with the handler installed once."""
+    """Re-installed before every test, in case a library imported since installed a handler of its
+    own. (The known worker crash, a SIGSEGV in libgcc's unwinder, still leaves an empty log: its
+    stacks are not Python's to show; `dmesg` names the faulting library and offset.)"""
     log = getattr(item.config, "_jaxcb_fault_log", None)
     if log is not None:
         import faulthandler
