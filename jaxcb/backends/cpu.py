@@ -26,10 +26,11 @@ from jaxcb.backends.base import Backend
 from jaxcb.kernels.attention import AttentionMetadata, KVCache
 from jaxcb.kernels.cpu import ATTENTION_DTYPES
 from jaxcb.kernels.packed_matmul import (
-    PANEL, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
+    PANEL, gate_up_pair_count, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp,
+    packed_qkv,
 )
 from jaxcb.model.llama import LayerWeights, Llama
-from jaxcb.backends.cpu_lora import PackedLoraLayer, gate_up_pair_count, pack_lora_layers
+from jaxcb.backends.cpu_lora import PackedLoraLayer, pack_lora_layers
 from jaxcb.kernels.batched_lora import batched_lora
 from jaxcb.model.lora import LoraLayerWeights, LoraRows
 

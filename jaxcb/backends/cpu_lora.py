@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jaxcb.kernels.batched_lora import BatchedLoraWeights, gate_up_pairs, pack_lora_group, side_by_side
-from jaxcb.kernels.packed_matmul import PANEL
+from jaxcb.kernels.packed_matmul import gate_up_pair_count
 from jaxcb.model.lora import LoraLayerWeights
 
 
@@ -32,13 +31,6 @@ class PackedLoraLayer(NamedTuple):
     o: BatchedLoraWeights
     gate_up: BatchedLoraWeights  # into gate's and up's pairs of panels
     down: BatchedLoraWeights
-
-
-def gate_up_pair_count(f: int, dtype) -> int:
-    """The pairs of panels `pack_gate_up` makes for intermediate size f (bf16: f padded to 32 columns)."""
-    if jnp.dtype(dtype) == jnp.bfloat16:
-        f += -f % 32
-    return -(-f // PANEL)
 
 
 @jax.jit

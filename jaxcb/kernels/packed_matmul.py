@@ -170,14 +170,21 @@ def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Ar
     return jax.ffi.ffi_call(MATMUL_ARGMAX_TARGET, out)(x, packed, jnp.asarray(want_y, jnp.int32).reshape(()))
 
 
-def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> [2 ceil(F / 16), K, 16]
+def gate_up_pair_count(f: int, dtype) -> int:
+    """Q, the pairs of panels `pack_gate_up` makes of gate and up [K, f] in `dtype`: ceil(f / 16), f first
+    padded to whole 32-column blocks in bf16 (down's bf16 rows come in 32s, `packed_mlp`)."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        f += -f % 32
+    return -(-f // PANEL)
+
+
+def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> [2 Q, K, 16]
     """The layout `packed_mlp` reads: gate's and up's panels (`pack_columns`) in pairs, gate's first,
-    so that one tile sees the same 16 columns of both."""
+    so that one tile sees the same 16 columns of both; Q = `gate_up_pair_count`."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {gate.shape} and up {up.shape} must have the same shape")
-    if gate.dtype == jnp.bfloat16:  # whole 32-column blocks: down's bf16 rows come in 32s (packed_mlp)
-        pad = ((0, 0), (0, -gate.shape[1] % 32))
-        gate, up = jnp.pad(gate, pad), jnp.pad(up, pad)
+    pad = ((0, 0), (0, gate_up_pair_count(gate.shape[1], gate.dtype) * PANEL - gate.shape[1]))
+    gate, up = jnp.pad(gate, pad), jnp.pad(up, pad)
     pairs = jnp.stack([pack_columns(gate), pack_columns(up)], axis=1)  # [Q, 2, K, 16]
     return pairs.reshape(-1, *pairs.shape[2:])
 

@@ -283,9 +283,11 @@ ffi::Error BatchedLoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
         "batched LoRA expects x [T, K], y [T, N], a [S, K, C], b [S, E, R, 16] and entries [E, 2]");
   const int64_t T = xd[0], K = xd[1], N = yd[1], S = ad[0], C = ad[2], E = bd[1], R = bd[2];
   const bool has_residual = residual.element_count() > 0 || T * N == 0;
-  if ((has_residual && (residual.dimensions().size() != 2 || residual.dimensions()[0] != T ||
-                        residual.dimensions()[1] != N)) || yd[0] != T || slots.element_count() != T || ad[1] != K || bd[0] != S || bd[3] != kPanel || ed[0] != E ||
-      ed[1] != 2 || C % kPanel != 0 || (norm_weight.element_count() != 0 && norm_weight.element_count() != K))
+  const auto rd = residual.dimensions();
+  const bool residual_fits = !has_residual || (rd.size() == 2 && rd[0] == T && rd[1] == N);
+  if (!residual_fits || yd[0] != T || slots.element_count() != T || ad[1] != K || bd[0] != S || bd[3] != kPanel ||
+      ed[0] != E || ed[1] != 2 || C % kPanel != 0 ||
+      (norm_weight.element_count() != 0 && norm_weight.element_count() != K))
     return ffi::Error::InvalidArgument("batched LoRA: x [" + std::to_string(T) + ", " + std::to_string(K) +
                                        "], residual, slots, a, b, entries and norm do not match");
   if (a.element_type() != b.element_type() ||
