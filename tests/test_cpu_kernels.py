@@ -16,7 +16,9 @@ from attention_batches import dense_attention
 from jaxcb.kernels.attention.testing import make_ragged_batch, share_leading_blocks
 from jaxcb.kernels.attention.cpu import ragged_paged_attention_cpu
 from jaxcb.kernels.batched_lora import batched_lora, pack_lora_group, side_by_side
-from jaxcb.kernels.packed_matmul import pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv
+from jaxcb.kernels.packed_matmul import (
+    MlpLora, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv,
+)
 from jaxcb.kernels.row_argmax import row_argmax
 from jaxcb.config import AttentionConfig, ConfigError
 from jaxcb.kernels.attention import select_attention
@@ -213,11 +215,14 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     def avx2(target, shape, dtype, *args, **attrs):
         return jax.ffi.ffi_call(f"jaxcb_test_avx2_{target}", jax.ShapeDtypeStruct(shape, dtype))(*args, **attrs)
 
-    def avx2_mlp(x, gate_up, down, norm, residual):  # (y, no hidden), with no addend
-        no_addend = (jnp.zeros((0, gate_up.shape[0] * 16), jnp.float32), jnp.zeros((0,), jnp.int32))
-        return jax.ffi.ffi_call("jaxcb_test_avx2_mlp", (jax.ShapeDtypeStruct((m, n), jnp.float32),
-                                                        jax.ShapeDtypeStruct((0, 0), jnp.float32)))(
-            x, gate_up, down, norm, residual, *no_addend, eps=np.float32(1e-5))[0]
+    def avx2_mlp(x, gate_up, down, norm, residual, lora=None):  # y, or (y, down's u) with LoRA's operands
+        no_lora = (jnp.zeros((0,), jnp.int32), jnp.zeros((0, 0), jnp.float32), jnp.zeros((0, 0, 0, 16), jnp.float32),
+                   jnp.zeros((0, 0, 0), jnp.float32))
+        cd = 0 if lora is None else lora.down_a.shape[2]
+        y, d = jax.ffi.ffi_call("jaxcb_test_avx2_mlp", (jax.ShapeDtypeStruct((m, n), jnp.float32),
+                                                        jax.ShapeDtypeStruct((m if cd else 0, cd), jnp.float32)))(
+            x, gate_up, down, norm, residual, *(no_lora if lora is None else lora), eps=np.float32(1e-5))
+        return y if lora is None else (y, d)
 
     rng = np.random.default_rng(0)
     m, k, f, n = 29, 70, 36, 33  # rows past two 12-row tiles, F and N off the 16-column panels
@@ -238,6 +243,17 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     ours = avx2_mlp(x, pack_gate_up(gate16, up16), pack_columns(down16), norm, residual)
     native = packed_mlp(x, pack_gate_up(gate16, up16), pack_columns(down16), n, norm=norm, eps=1e-5, residual=residual)
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=2e-2, atol=2e-2 * np.abs(native).max())
+    # with LoRA inside (bf16 blocks; rows of two slots and base rows)
+    num_panels = pack_gate_up(gate16, up16).shape[0]
+    lora = MlpLora(jnp.asarray(np.arange(m) % 3 - 1, jnp.int32), jnp.asarray(rng.standard_normal((m, 16)), jnp.float32),
+                   jnp.asarray(rng.standard_normal((2, num_panels, 8, 16)), jnp.bfloat16),
+                   jnp.asarray(rng.standard_normal((2, f, 16)), jnp.bfloat16))
+    ours = avx2_mlp(x, pack_gate_up(gate16, up16), pack_columns(down16), norm, residual, lora)
+    native = packed_mlp(x, pack_gate_up(gate16, up16), pack_columns(down16), n, norm=norm, eps=1e-5, residual=residual,
+                        lora=lora)
+    rows = np.arange(m) % 3 != 0  # down's u: the rows with a slot only
+    for got, want in ((ours[0], native[0]), (np.asarray(ours[1])[rows], np.asarray(native[1])[rows])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
     gate_up = pack_gate_up(*(jnp.asarray(rng.standard_normal((k, f), np.float32)) for _ in range(2)))
     down = pack_columns(jnp.asarray(rng.standard_normal((f, n), np.float32)))
@@ -285,7 +301,7 @@ def test_the_avx2_build_computes_what_the_native_one_does(monkeypatch):
     base = jnp.asarray(rng.standard_normal((m, 64)), jnp.float32)
     native = batched_lora(x, lora, jnp.asarray(lora_slots), base, norm=norm, eps=1e-5)
     ours = avx2("lora", (m, 64), jnp.float32, x, norm, base, jnp.asarray(lora_slots), lora.a, lora.b, lora.entries,
-                eps=np.float32(1e-5))
+                eps=np.float32(1e-5), mode=np.int32(0))
     np.testing.assert_allclose(np.asarray(ours), np.asarray(native), rtol=1e-5, atol=1e-4)
 
     logits = jnp.asarray(rng.standard_normal((5, 1000), np.float32))

@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 
 import jaxcb.model.llama as llama
 from jaxcb.kernels.attention.cpu import write_kv_rows
-from jaxcb.kernels.packed_matmul import pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv
+from jaxcb.kernels.packed_matmul import MlpLora, pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv
 
 matmul = jax.jit(packed_matmul, static_argnums=2)
 mlp = jax.jit(packed_mlp, static_argnums=3)
@@ -328,56 +328,67 @@ def test_widening_runs_on_any_cpu_and_is_timed_in_a_child_process():
     assert cpu_kernels._time_path(library, 7) is None  # no such path: the child says so, the parent carries on
 
 
-def pairs_of(gate_cols: np.ndarray, up_cols: np.ndarray, num_pairs: int) -> np.ndarray:
-    """[m, f] x 2 -> [m, 2 num_pairs 16] in `pack_gate_up`'s pairs of panels (gate's 16, up's 16, ...)."""
-    m, f = gate_cols.shape
-    out = np.zeros((m, num_pairs, 2, 16), np.float32)
-    for c, cols in enumerate((gate_cols, up_cols)):
-        padded = np.zeros((m, num_pairs * 16), np.float32)
-        padded[:, :f] = cols
-        out[:, :, c] = padded.reshape(m, num_pairs, 16)
-    return out.reshape(m, -1)
+def panel_blocks(b_side: np.ndarray, num_pairs: int) -> np.ndarray:
+    """[S, R, f] -> [S, num_pairs, R, 16]: a gate or up B side cut into its panels, zero past f."""
+    s, r, f = b_side.shape
+    padded = np.zeros((s, r, num_pairs * 16), b_side.dtype)
+    padded[:, :, :f] = b_side
+    return padded.reshape(s, r, num_pairs, 16).transpose(0, 2, 1, 3)
 
 
-# Multi-LoRA's extras: the gate/up updates go in before the activation, and the activation comes back
-# (float32, as the down projection's update reads it). F off the panels; rows past a tile and an AMX chunk.
+# Multi-LoRA inside the MLP: each row's gate/up update before the activation (its own slot's B blocks
+# from its shrink u), down's shrink taken from the float32 activation. F off the panels; rows past a
+# tile and an AMX chunk; rows of several slots in one tile; base rows exactly the plain call's.
 @pytest.mark.parametrize("m,k,f,n", [(1, 8, 16, 16), (13, 64, 40, 33), (100, 70, 48, 20)])
-def test_the_mlp_adds_an_addend_before_its_activation_and_hands_the_activation_back(bf16_path, m, k, f, n):
+def test_the_mlp_adds_each_rows_lora_update_before_its_activation_and_shrinks_it_for_down(bf16_path, m, k, f, n):
     rng = np.random.default_rng(m + k + f)
+    slots, rank = 3, 5
     x = rng.standard_normal((m, k), np.float32)
     gate, up, down = (rng.standard_normal(shape, np.float32) for shape in ((k, f), (k, f), (f, n)))
-    add_g, add_u = rng.standard_normal((m, f), np.float32), rng.standard_normal((m, f), np.float32)
     residual = rng.standard_normal((m, n), np.float32)
+    b_gate, b_up = (rng.standard_normal((slots, rank, f)).astype(np.float32) * 0.5 for _ in range(2))
+    a_down = rng.standard_normal((slots, f, 16)).astype(np.float32) * 0.3
+    u = rng.standard_normal((m, 16)).astype(np.float32)  # gate's shrink in [:5], up's in [5:10]
+    row_slots = np.where(np.arange(m) % 3 == 1, -1, rng.integers(0, slots, m)).astype(np.int32)
     for dtype in (jnp.float32, jnp.bfloat16):
-        gate_up = pack_pairs(gate.astype(dtype), up.astype(dtype))
-        addend = jnp.asarray(pairs_of(add_g, add_u, gate_up.shape[0] // 2))
-        rows = np.where(np.arange(m) % 3 == 1, -1, 0).astype(np.int32)  # every third row without an adapter
-        y, hidden = packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n, residual=jnp.asarray(residual),
-                               gate_up_addend=addend, addend_rows=jnp.asarray(rows), hidden_width=f)
-        add_g, add_u = add_g * (rows >= 0)[:, None], add_u * (rows >= 0)[:, None]  # those rows' addend unread
+        gate_up, packed_down = pack_pairs(gate.astype(dtype), up.astype(dtype)), pack(down.astype(dtype))
+        q = gate_up.shape[0] // 2
+        blocks = np.stack([panel_blocks(b_gate, q), panel_blocks(b_up, q)], axis=2)
+        blocks = blocks.reshape(slots, 2 * q, rank, 16)  # gate's panel q at 2q, up's at 2q + 1
+        lora = MlpLora(jnp.asarray(row_slots), jnp.asarray(u), jnp.asarray(blocks, dtype), jnp.asarray(a_down, dtype))
+        y, down_u = packed_mlp(jnp.asarray(x), gate_up, packed_down, n, residual=jnp.asarray(residual), lora=lora)
+        assert down_u.shape == (m, 16)
         round_ = to_bf16 if dtype == jnp.bfloat16 else (lambda a: np.asarray(a, np.float64))  # noqa: E731
         xb, gb, ub, db = map(round_, (x, gate, up, down))
-        g, u = xb @ gb + add_g, xb @ ub + add_u
-        h = g / (1.0 + np.exp(-g)) * u
+        bg, bu, ad = round_(b_gate), round_(b_up), round_(a_down)
+        mine = row_slots >= 0
+        s_ = np.maximum(row_slots, 0)
+        add_g = np.einsum("tr,trf->tf", u[:, :rank], bg[s_]) * mine[:, None]
+        add_u = np.einsum("tr,trf->tf", u[:, rank : 2 * rank], bu[s_]) * mine[:, None]
+        g, v = xb @ gb + add_g, xb @ ub + add_u
+        h = g / (1.0 + np.exp(-g)) * v
         tol = 1e-4 * (np.abs(xb) @ (np.abs(gb) + np.abs(ub)) + 1) * (1 + np.abs(g))
-        hidden, kept = np.asarray(hidden), rows >= 0  # the activation of the rows with an addend
-        assert hidden.shape == (m, f) and np.all(np.abs(hidden[kept] - h[kept]) <= (tol + 1e-4 * np.abs(u))[kept])
+        want_d = np.einsum("tf,tfc->tc", h, ad[s_])
+        bound = (np.abs(tol) + 1e-4 * np.abs(v)) @ np.abs(ad).max(0) + 1e-4 * np.abs(h) @ np.abs(ad).max(0)
+        assert np.all(np.abs(np.asarray(down_u) - want_d)[mine] <= bound[mine] + 1e-4)
         # y from the activation as down reads it (bf16: rounded), the residual added
         expected = round_(h if dtype == jnp.float32 else to_bf16(h)) @ db + residual
         np.testing.assert_allclose(np.asarray(y), expected, rtol=2e-3, atol=2e-3 * np.sqrt(f) * np.abs(h).max())
-        # no row with an addend: the plain call's result, bit for bit, whatever the addend holds
-        np.testing.assert_array_equal(
-            np.asarray(packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n, gate_up_addend=addend * np.nan,
-                                  addend_rows=jnp.full((m,), -1, jnp.int32))),
-            np.asarray(packed_mlp(jnp.asarray(x), gate_up, pack(down.astype(dtype)), n)))
+        # a base row gets the plain call's result, bit for bit
+        plain = np.asarray(packed_mlp(jnp.asarray(x), gate_up, packed_down, n, residual=jnp.asarray(residual)))
+        np.testing.assert_array_equal(np.asarray(y)[~mine], plain[~mine])
 
 
-def test_the_mlp_refuses_an_addend_or_hidden_width_that_does_not_fit():
+def test_the_mlp_refuses_lora_operands_that_do_not_fit():
     x = jnp.ones((3, 8), jnp.float32)
     gate_up, down = pack_pairs(jnp.ones((8, 20)), jnp.ones((8, 20))), pack(jnp.ones((20, 4)))
-    with pytest.raises(ValueError, match="addend must be float32"):
-        packed_mlp(x, gate_up, down, 4, gate_up_addend=jnp.zeros((3, 40)), addend_rows=jnp.zeros((3,), jnp.int32))
-    with pytest.raises(ValueError, match="with its rows"):
-        packed_mlp(x, gate_up, down, 4, gate_up_addend=jnp.zeros((3, 64)))
-    with pytest.raises(ValueError, match="hidden_width=33"):
-        packed_mlp(x, gate_up, down, 4, hidden_width=33)
+    ok = MlpLora(jnp.zeros((3,), jnp.int32), jnp.zeros((3, 16)), jnp.zeros((2, 4, 5, 16)), jnp.zeros((2, 20, 16)))
+    assert packed_mlp(x, gate_up, down, 4, lora=ok)[1].shape == (3, 16)
+    with pytest.raises(ValueError, match="do not fit 3 rows, 4 gate/up panels and F=20"):
+        packed_mlp(x, gate_up, down, 4, lora=ok._replace(gate_up_b=jnp.zeros((2, 6, 5, 16))))
+    with pytest.raises(ValueError, match="do not fit"):
+        packed_mlp(x, gate_up, down, 4, lora=ok._replace(down_a=jnp.zeros((2, 24, 16))))
+    with pytest.raises(ValueError, match="do not fit"):
+        packed_mlp(x, gate_up, down, 4, lora=ok._replace(gate_up_u=jnp.zeros((3, 8))))
+    with pytest.raises(Exception, match="names LoRA slot 2 of 2"):
+        jax.block_until_ready(packed_mlp(x, gate_up, down, 4, lora=ok._replace(slots=jnp.asarray([0, 2, -1]))))

@@ -26,12 +26,12 @@ from jaxcb.backends.base import Backend
 from jaxcb.kernels.attention import AttentionMetadata, KVCache
 from jaxcb.kernels.cpu import ATTENTION_DTYPES
 from jaxcb.kernels.packed_matmul import (
-    PANEL, gate_up_pair_count, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp,
+    MlpLora, gate_up_pair_count, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp,
     packed_qkv,
 )
 from jaxcb.model.llama import LayerWeights, Llama
 from jaxcb.backends.cpu_lora import PackedLoraLayer, pack_lora_layers
-from jaxcb.kernels.batched_lora import batched_lora
+from jaxcb.kernels.batched_lora import batched_lora, lora_expand, lora_shrink
 from jaxcb.model.lora import LoraLayerWeights, LoraRows
 
 
@@ -136,16 +136,18 @@ class CpuBackend(Backend):
         if lora is None:
             return packed_mlp(h, w.gate_up_proj, w.down_proj, cfg.hidden_size, norm=w.mlp_norm, eps=cfg.rms_norm_eps,
                               residual=h)
-        # LoRA: the fused kernel adds the rows' gate/up updates before its activation (in its own pairs of
-        # panels, `pack_gate_up`) and hands their activation back for down's update after it. A row
-        # without an adapter costs no update; a step without one, no more than four empty calls.
+        # LoRA: each row's gate/up shrink in one call (from the same normed input); the fused kernel then
+        # adds its B side inside its tiles before the activation and takes down's shrink from the
+        # activation as it goes (no [T, 2F] update or [T, F] activation written out); down's B side
+        # last, into the residual. A row without an adapter costs nothing; a step without one, the
+        # two empty calls and the kernel's check of the slots.
         num_pairs, f, eps = w.gate_up_proj.shape[0] // 2, cfg.intermediate_size, cfg.rms_norm_eps
-        assert num_pairs == gate_up_pair_count(f, self.lora_dtype), (num_pairs, f, self.lora_dtype)
-        addend = batched_lora(h, lora.weights.gate_up, lora.slots, None, width=2 * num_pairs * PANEL,
-                              norm=w.mlp_norm, eps=eps)
-        y, hidden = packed_mlp(h, w.gate_up_proj, w.down_proj, cfg.hidden_size, norm=w.mlp_norm, eps=eps,
-                               residual=h, gate_up_addend=addend, addend_rows=lora.slots, hidden_width=f)
-        return batched_lora(hidden, lora.weights.down, lora.slots, y)
+        assert lora.weights.gate_up.b.shape[1] == 2 * num_pairs == 2 * gate_up_pair_count(f, self.lora_dtype), (
+            lora.weights.gate_up.b.shape, num_pairs, f, self.lora_dtype)
+        u = lora_shrink(h, lora.weights.gate_up, lora.slots, norm=w.mlp_norm, eps=eps)
+        y, down_u = packed_mlp(h, w.gate_up_proj, w.down_proj, cfg.hidden_size, norm=w.mlp_norm, eps=eps, residual=h,
+                               lora=MlpLora(lora.slots, u, lora.weights.gate_up.b, lora.weights.down.a))
+        return lora_expand(down_u, lora.weights.down, lora.slots, y)
 
     def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
         """The slot buffers packed for the batched LoRA kernel, one group per shared input

@@ -46,23 +46,30 @@ def gate_up_pairs(f: int, num_pairs: int) -> np.ndarray:
     return np.stack([group, np.where(col < f, col, -1)], axis=1).astype(np.int32)
 
 
-def _entries(columns: np.ndarray) -> np.ndarray:
-    """i32[E, 2]: (panel, projection) for each projection with a column in each 16-column panel."""
+def _entries(columns: np.ndarray, every_panel: bool) -> np.ndarray:
+    """i32[E, 2]: (panel, projection) for each projection with a column in each 16-column panel; with
+    `every_panel`, exactly one entry a panel (a panel with no column: projection 0, its block zero)."""
     n = columns.shape[0]
-    out = [(p, g) for p in range(-(-n // PANEL)) for g in sorted(set(columns[p * PANEL : (p + 1) * PANEL, 0].tolist()))
-           if g >= 0]
+    out = []
+    for p in range(-(-n // PANEL)):
+        groups = sorted(g for g in set(columns[p * PANEL : (p + 1) * PANEL, 0].tolist()) if g >= 0)
+        if every_panel and len(groups) > 1:
+            raise ValueError(f"panel {p} holds columns of projections {groups}: one entry a panel holds one")
+        out += [(p, g) for g in (groups or ([0] if every_panel else []))]
     return np.asarray(out, np.int32).reshape(-1, 2)
 
 
-def pack_lora_group(a_sides: Sequence[jax.Array], b_sides: Sequence[jax.Array], columns: np.ndarray
-                    ) -> BatchedLoraWeights:
+def pack_lora_group(a_sides: Sequence[jax.Array], b_sides: Sequence[jax.Array], columns: np.ndarray, *,
+                    every_panel: bool = False) -> BatchedLoraWeights:
     """A group's slots for `batched_lora`: `a_sides` [in, S, R] and `b_sides` [S, R, out_g] of its G
     projections, `columns` where each output column comes from (`side_by_side`, `gate_up_pairs`).
-    Traceable (the slot buffers are packed under jit after every slot write)."""
+    With `every_panel` (gate/up, whose panels are each gate's or up's) entry e is panel e's block, the
+    layout `packed_mlp`'s LoRA reads. Traceable (the slot buffers are packed under jit after every
+    slot write)."""
     rank = a_sides[0].shape[-1]
     a = jnp.concatenate([m.transpose(1, 0, 2) for m in a_sides], axis=2)  # [S, in, G R]
     a = jnp.pad(a, ((0, 0), (0, 0), (0, -a.shape[2] % PANEL)))
-    entries = _entries(columns)
+    entries = _entries(columns, every_panel)
     offsets = np.cumsum([0] + [b.shape[2] for b in b_sides])
     zero = offsets[-1]  # the index of a zero column appended to the B sides
     index = np.full((entries.shape[0], PANEL), zero, np.int32)
@@ -97,9 +104,42 @@ def batched_lora(x: jax.Array, w: BatchedLoraWeights, slots: jax.Array, residual
         raise ValueError(f"LoRA A {w.a.dtype} {w.a.shape} and B {w.b.dtype} {w.b.shape} do not match x {x.shape}")
     if norm is not None and (norm.shape != (k,) or norm.dtype != jnp.float32):
         raise ValueError(f"the rms-norm weight must be float32 [{k}], got {norm.dtype} {norm.shape}")
+    return _call(SHRINK_EXPAND, x, w, slots, residual, n, norm, eps)
+
+
+# The kernel's modes (batched_lora.cc): both halves; the shrink alone; the expand alone.
+SHRINK_EXPAND, SHRINK, EXPAND = 0, 1, 2
+
+
+def _call(mode: int, x, w: BatchedLoraWeights, slots, residual, n: int, norm, eps: float) -> jax.Array:
     load_cpu_kernels()
-    out = jax.ShapeDtypeStruct((t, n), jnp.float32)
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     call = jax.ffi.ffi_call(BATCHED_LORA_TARGET, out, input_output_aliases={2: 0} if residual is not None else None)
     return call(x, jnp.zeros((0,), jnp.float32) if norm is None else norm,
                 jnp.zeros((0, n), jnp.float32) if residual is None else residual, slots.astype(jnp.int32), w.a, w.b,
-                w.entries, eps=np.float32(eps))
+                w.entries, eps=np.float32(eps), mode=np.int32(mode))
+
+
+def lora_shrink(x: jax.Array, w: BatchedLoraWeights, slots: jax.Array, *, norm: Optional[jax.Array] = None,
+                eps: float = 0.0) -> jax.Array:
+    """u [T, C] = rms_norm(x[t]) @ A_s for each row t with slots[t] = s >= 0 (the G A sides' columns
+    side by side, as `w.a` holds them); a base row's u is left unwritten (undefined). For a fused
+    kernel that adds u @ B inside its own tiles (`packed_mlp`'s gate/up)."""
+    t, k = x.shape
+    if x.dtype != jnp.float32 or slots.shape != (t,) or w.a.shape[1] != k:
+        raise ValueError(f"the LoRA shrink takes float32 x [T, {w.a.shape[1]}] and slots [T], got x {x.dtype} "
+                         f"{x.shape} and slots {slots.shape}")
+    if norm is not None and (norm.shape != (k,) or norm.dtype != jnp.float32):
+        raise ValueError(f"the rms-norm weight must be float32 [{k}], got {norm.dtype} {norm.shape}")
+    return _call(SHRINK, x, w, slots, None, w.a.shape[2], norm, eps)
+
+
+def lora_expand(u: jax.Array, w: BatchedLoraWeights, slots: jax.Array, residual: jax.Array) -> jax.Array:
+    """residual [T, N] + u[t] @ B_s for each row t with slots[t] = s >= 0, u [T, C] a shrink's result
+    (`lora_shrink`, or `packed_mlp`'s down shrink); rows with slot -1 keep the residual's."""
+    t, c = u.shape
+    if (u.dtype != jnp.float32 or c != w.a.shape[2] or slots.shape != (t,) or residual.dtype != jnp.float32
+            or residual.ndim != 2 or residual.shape[0] != t):
+        raise ValueError(f"the LoRA expand takes float32 u [T, {w.a.shape[2]}], slots [T] and residual [T, N], got "
+                         f"u {u.dtype} {u.shape}, slots {slots.shape} and residual {residual.dtype} {residual.shape}")
+    return _call(EXPAND, u, w, slots, residual, residual.shape[1], None, 0.0)

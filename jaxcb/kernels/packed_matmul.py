@@ -21,6 +21,8 @@ decode step's few rows, where the packed kernel runs near the machine's matmul p
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,17 +191,24 @@ def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> 
     return pairs.reshape(-1, *pairs.shape[2:])
 
 
+class MlpLora(NamedTuple):
+    """Multi-LoRA's gate/up and down updates, done inside `packed_mlp`'s tiles (the `cpu` backend)."""
+
+    slots: jax.Array  # i32[M]: each row's slot, -1 for none
+    gate_up_u: jax.Array  # f32[M, Cu]: the rows' gate/up shrink (`batched_lora.lora_shrink`): gate's R, then up's
+    gate_up_b: jax.Array  # [S, 2Q, R, 16]: the B block of every gate/up panel (`pack_lora_group`, every_panel)
+    down_a: jax.Array  # [S, Fd, Cd]: down's A sides (its group's `a`)
+
+
 def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
-               eps: float = 0.0, residual: jax.Array | None = None, gate_up_addend: jax.Array | None = None,
-               addend_rows: jax.Array | None = None, hidden_width: int = 0):
-    # [..., K] -> [..., n], or ([..., n], [..., hidden_width])
+               eps: float = 0.0, residual: jax.Array | None = None, lora: MlpLora | None = None):
+    # [..., K] -> [..., n], or ([..., n], [..., Cd]) with lora
     """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
     `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
-    `residual` as in `packed_matmul`. Multi-LoRA's extras: `gate_up_addend` ([M, 2 Q 16] for the M rows
-    of x, in the gate/up product's pairs of panels, Q = gate_up.shape[0] // 2) is added to
-    x @ [gate | up] before the activation on the rows where `addend_rows` (i32[M]) is >= 0; with
-    `hidden_width` (<= Q 16) the activation's first hidden_width columns come back too, in float32:
-    (y, hidden), with an addend on its rows only (the others' undefined)."""
+    `residual` as in `packed_matmul`. With `lora` each row with a slot s gets its adapter's gate/up
+    update before the activation (gate's columns + u[:R] @ B_gate, up's + u[R:2R] @ B_up, from
+    `gate_up_b[s]`), and the call also returns down's shrink of its activation (float32
+    [M, Cd]: act[:, :Fd] @ down_a[s]; a base row's undefined), for `lora_expand` to add after."""
     if x.dtype != jnp.float32 or gate_up.dtype != down.dtype or down.dtype not in (jnp.float32, jnp.uint32):
         raise ValueError(f"the CPU MLP takes float32 x and weights packed alike from float32 or bfloat16, got x "
                          f"{x.dtype}, gate/up {gate_up.dtype} and down {down.dtype}; use model.backend=xla")
@@ -212,13 +221,24 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
     norm, residual = _optional_inputs(x, n, norm, residual)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    addend, addend_rows = _addend(gate_up_addend, addend_rows, m, gate_up.shape[0] * PANEL)
-    if not 0 <= hidden_width <= gate_up.shape[0] // 2 * PANEL:
-        raise ValueError(f"hidden_width={hidden_width} is outside [0, {gate_up.shape[0] // 2 * PANEL}]")
+    if lora is None:
+        cd = 0
+        operands = (jnp.zeros((0,), jnp.int32), jnp.zeros((0, 0), jnp.float32),
+                    jnp.zeros((0, 0, 0, PANEL), jnp.float32), jnp.zeros((0, 0, 0), jnp.float32))
+    else:
+        s, panels, r, _ = lora.gate_up_b.shape
+        cd = lora.down_a.shape[2]
+        if (lora.slots.shape != (m,) or lora.gate_up_u.shape[0] != m or lora.gate_up_u.shape[1] < 2 * r
+                or lora.gate_up_u.dtype != jnp.float32 or panels != gate_up.shape[0] or lora.down_a.shape[0] != s
+                or lora.down_a.shape[1] > f or cd % PANEL or cd == 0 or lora.gate_up_b.dtype != lora.down_a.dtype):
+            raise ValueError(f"the MLP's LoRA operands do not fit {m} rows, {gate_up.shape[0]} gate/up panels and "
+                             f"F={f}: slots {lora.slots.shape}, u {lora.gate_up_u.dtype} {lora.gate_up_u.shape}, b "
+                             f"{lora.gate_up_b.dtype} {lora.gate_up_b.shape}, down's a {lora.down_a.dtype} "
+                             f"{lora.down_a.shape}")
+        operands = (lora.slots.astype(jnp.int32), lora.gate_up_u, lora.gate_up_b, lora.down_a)
     _load_for(gate_up, down)
-    y, hidden = jax.ffi.ffi_call(MLP_TARGET, (jax.ShapeDtypeStruct((m, n), jnp.float32),
-                                              jax.ShapeDtypeStruct((m if hidden_width else 0, hidden_width),
-                                                                   jnp.float32)))(
-        rows, gate_up, down, norm, residual, addend, addend_rows, eps=np.float32(eps))
+    y, down_u = jax.ffi.ffi_call(MLP_TARGET, (jax.ShapeDtypeStruct((m, n), jnp.float32),
+                                              jax.ShapeDtypeStruct((m if cd else 0, cd), jnp.float32)))(
+        rows, gate_up, down, norm, residual, *operands, eps=np.float32(eps))
     y = y.reshape(*x.shape[:-1], n)
-    return (y, hidden.reshape(*x.shape[:-1], hidden_width)) if hidden_width else y
+    return (y, down_u.reshape(*x.shape[:-1], cd)) if lora is not None else y

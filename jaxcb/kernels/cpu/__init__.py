@@ -32,7 +32,8 @@ SOURCES = (
     HERE / "ragged_paged_attention.cc", HERE / "packed_matmul.cc", HERE / "row_argmax.cc", HERE / "kv_cache_write.cc",
     HERE / "batched_lora.cc",
 )
-HEADERS = (HERE / "amx.h", HERE / "bf16.h", HERE / "parallel_for.h", HERE / "vector_exp.h", HERE / "vector_tanh.h")
+HEADERS = (HERE / "amx.h", HERE / "bf16.h", HERE / "parallel_for.h", HERE / "vector_exp.h", HERE / "vector_tanh.h",
+           HERE / "vec16.h")
 ATTENTION_TARGET = "jaxcb_ragged_paged_attention"
 MATMUL_TARGET = "jaxcb_packed_matmul"
 MATMUL_ARGMAX_TARGET = "jaxcb_packed_matmul_argmax"

@@ -13,14 +13,18 @@
 // theirs (zeros where no entry reaches), and base rows are left unwritten, for a kernel that adds
 // the rows with a slot and never reads the others (packed_matmul.cc's q/k/v and MLP addends).
 //
+// Two halves alone (`mode`), for a fused kernel that does the rest inside its own tiles
+// (packed_matmul.cc's MLP: gate/up's expand before the activation, down's shrink after it):
+// kShrink writes u = x @ a[s] ([T, C]) on the rows with a slot; kExpand reads such a u as its x
+// and adds u @ b[s] into the residual.
+//
 // Why not the packed matmul over every slot, masked: a row meets only its own slot's A and B here,
 // so a step's work is each row's R columns, not all S R of every slot; and one call replaces the
 // matmul's 2 to 4 per group (shrink, then each B) and XLA's masks between them. A base row (slot
 // -1) costs nothing: the output aliases the residual.
 //
 // Arithmetic: float32 x (RMS-normalised on the way in where `norm` is given, as the packed matmul
-// does), bf16 weights widened to float32, float32 sums. Written with GCC's vector extensions: 16
-// floats are one AVX-512 register or two AVX2 ones, whichever this machine's build has.
+// does), bf16 weights widened to float32, float32 sums, in vec16.h's 16-float vectors.
 
 #include <algorithm>
 #include <cmath>
@@ -30,23 +34,21 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "parallel_for.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float F16 __attribute__((vector_size(64)));  // 16 floats
-typedef uint16_t H16 __attribute__((vector_size(32)));  // 16 bf16
-typedef uint32_t W16 __attribute__((vector_size(64)));
+using jaxcb::vec16::F16;
+using jaxcb::vec16::Load;
+using jaxcb::vec16::Store;
 
 constexpr int64_t kPanel = 16;  // output columns per B panel
-constexpr int64_t kItemRows = 32;  // rows of one slot per work item
+constexpr int64_t kItemRows = 32;  // rows of one slot per work item (a decode step's few, read as bf16)
+constexpr int64_t kWideItemRows = 128;  // the same, where the rows widen their slot's weights first
 // Shrink tiles: up to 8 rows x 48 columns (24 accumulators of AVX-512's 32).
 constexpr int kShrinkRows = 8, kShrinkVectors = 3;
 constexpr int kExpandRows = 8;  // expand tile: 8 rows x one panel
@@ -55,27 +57,7 @@ constexpr int64_t kAhead = 8192;  // bytes of a weight stream fetched ahead of i
 // multiplies from there; fewer rows (a decode step's) read each weight about once, as bf16.
 constexpr int64_t kWidenRows = 4;
 
-inline F16 Load(const float* p) {
-  F16 v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline F16 Load(const uint16_t* p) {  // bf16 -> float: the bf16 is the float's top half
-#if defined(__AVX512F__)
-  const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-  return reinterpret_cast<F16>(_mm512_castsi512_ps(w));
-#else
-  H16 h;
-  std::memcpy(&h, p, sizeof(h));
-  const W16 w = __builtin_convertvector(h, W16) << 16;
-  F16 v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-#endif
-}
-
-inline void Store(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
+enum Mode : int32_t { kShrinkExpand = 0, kShrink = 1, kExpand = 2 };
 
 // dst[:n] = src[:n] as float32 (n a multiple of 16).
 void Widen(const uint16_t* src, int64_t n, float* dst) {
@@ -208,9 +190,9 @@ void NormRow(const float* x, int64_t K, const float* norm, float eps, float* dst
 }
 
 template <typename W>
-void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const float* norm, float eps, const float* residual,
-         const int32_t* slots, int64_t S, const W* a, int64_t C, const W* b, int64_t E, int64_t R,
-         const int32_t* entries, float* y, int64_t N) {
+void Run(ffi::ThreadPool& pool, Mode mode, const float* x, int64_t T, int64_t K, const float* norm, float eps,
+         const float* residual, const int32_t* slots, int64_t S, const W* a, int64_t C, const W* b, int64_t E,
+         int64_t R, const int32_t* entries, float* y, int64_t N) {
   // The rows of each slot, in order (a counting sort); base and padding rows (slot < 0) take no part.
   std::vector<int64_t> start(S + 1, 0), order;
   for (int64_t t = 0; t < T; ++t)
@@ -225,9 +207,10 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const floa
   struct Item {
     int64_t slot, first, rows;
   };
+  const bool shrink = mode != kExpand, expand = mode != kShrink;
   // Without a residual each panel an entry reaches is stored whole by the expand; the others (the
   // MLP's padding past F) are zeroed.
-  const bool fresh = !residual;
+  const bool fresh = expand && !residual;
   std::vector<int64_t> unreached;
   if (fresh) {
     std::vector<char> reached((N + kPanel - 1) / kPanel, 0);
@@ -237,64 +220,76 @@ void Run(ffi::ThreadPool& pool, const float* x, int64_t T, int64_t K, const floa
   }
   std::vector<Item> items;
   for (int64_t s = 0; s < S; ++s)
-    for (int64_t i = start[s]; i < start[s + 1]; i += kItemRows)
-      items.push_back({s, i, std::min<int64_t>(kItemRows, start[s + 1] - i)});
+    for (int64_t i = start[s], n = start[s + 1] - i >= kWidenRows ? kWideItemRows : kItemRows; i < start[s + 1]; i += n)
+      items.push_back({s, i, std::min<int64_t>(n, start[s + 1] - i)});
   if (items.empty()) return;
   jaxcb::ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t n) {
     const Item& item = items[n];
     thread_local std::vector<float> xs, u;
-    xs.resize(item.rows * K);
+    float* rows[kWideItemRows];
     u.resize(item.rows * C);
-    float* rows[kItemRows];
+    if (shrink) xs.resize(item.rows * K);
     for (int64_t i = 0; i < item.rows; ++i) {
       const int64_t t = order[item.first + i];
-      NormRow(x + t * K, K, norm, eps, xs.data() + i * K);
+      if (shrink) NormRow(x + t * K, K, norm, eps, xs.data() + i * K);
+      else std::memcpy(u.data() + i * C, x + t * C, C * sizeof(float));  // x is u
       rows[i] = y + t * N;
       for (int64_t p : unreached)
         std::memset(rows[i] + p * kPanel, 0, std::min<int64_t>(kPanel, N - p * kPanel) * sizeof(float));
     }
     const W* as = a + item.slot * K * C;
     const W* bs = b + item.slot * E * R * kPanel;
+    auto run = [&](const auto* a_slot, const auto* b_slot) {
+      if (shrink) Shrink(xs.data(), item.rows, K, a_slot, C, u.data());
+      if (expand) Expand(u.data(), item.rows, C, R, b_slot, entries, E, rows, N, fresh);
+      else
+        for (int64_t i = 0; i < item.rows; ++i) std::memcpy(rows[i], u.data() + i * C, C * sizeof(float));
+    };
     if constexpr (std::is_same_v<W, uint16_t>) {
-      if (item.rows >= kWidenRows) {
+      if (item.rows >= kWidenRows) {  // the half this mode reads, widened once
         thread_local std::vector<float> aw, bw;
-        aw.resize(K * C);
-        bw.resize(E * R * kPanel);
-        Widen(as, K * C, aw.data());
-        Widen(bs, E * R * kPanel, bw.data());
-        Shrink(xs.data(), item.rows, K, aw.data(), C, u.data());
-        Expand(u.data(), item.rows, C, R, bw.data(), entries, E, rows, N, fresh);
+        aw.resize(shrink ? K * C : 0);
+        bw.resize(expand ? E * R * kPanel : 0);
+        Widen(as, static_cast<int64_t>(aw.size()), aw.data());
+        Widen(bs, static_cast<int64_t>(bw.size()), bw.data());
+        run(aw.data(), bw.data());
         return;
       }
     }
-    Shrink(xs.data(), item.rows, K, as, C, u.data());
-    Expand(u.data(), item.rows, C, R, bs, entries, E, rows, N, fresh);
+    run(as, bs);
   });
 }
 
 ffi::Error BatchedLoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_weight,
                            ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
-                           ffi::AnyBuffer b, ffi::Buffer<ffi::S32> entries, float eps,
+                           ffi::AnyBuffer b, ffi::Buffer<ffi::S32> entries, float eps, int32_t mode_attr,
                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), yd = y->dimensions(), ad = a.dimensions(), bd = b.dimensions(),
              ed = entries.dimensions();
   if (xd.size() != 2 || yd.size() != 2 || ad.size() != 3 || bd.size() != 4 || ed.size() != 2)
     return ffi::Error::InvalidArgument(
         "batched LoRA expects x [T, K], y [T, N], a [S, K, C], b [S, E, R, 16] and entries [E, 2]");
+  if (mode_attr < kShrinkExpand || mode_attr > kExpand)
+    return ffi::Error::InvalidArgument("batched LoRA: mode " + std::to_string(mode_attr) + " is not 0, 1 or 2");
+  const Mode mode = static_cast<Mode>(mode_attr);
   const int64_t T = xd[0], K = xd[1], N = yd[1], S = ad[0], C = ad[2], E = bd[1], R = bd[2];
   const bool has_residual = residual.element_count() > 0 || T * N == 0;
   const auto rd = residual.dimensions();
   const bool residual_fits = !has_residual || (rd.size() == 2 && rd[0] == T && rd[1] == N);
-  if (!residual_fits || yd[0] != T || slots.element_count() != T || ad[1] != K || bd[0] != S || bd[3] != kPanel ||
+  // kShrink writes u [T, C]; kExpand reads u [T, C] as its x (a's K is then not read).
+  const bool shapes_fit = mode == kShrink ? N == C && ad[1] == K && !(has_residual && T * N > 0)
+                                          : mode == kExpand ? K == C : ad[1] == K;
+  if (!shapes_fit || !residual_fits || yd[0] != T || slots.element_count() != T || bd[0] != S || bd[3] != kPanel ||
       ed[0] != E || ed[1] != 2 || C % kPanel != 0 ||
-      (norm_weight.element_count() != 0 && norm_weight.element_count() != K))
+      (norm_weight.element_count() != 0 && (norm_weight.element_count() != K || mode == kExpand)))
     return ffi::Error::InvalidArgument("batched LoRA: x [" + std::to_string(T) + ", " + std::to_string(K) +
-                                       "], residual, slots, a, b, entries and norm do not match");
+                                       "], residual, slots, a, b, entries and norm do not match (mode " +
+                                       std::to_string(mode_attr) + ")");
   if (a.element_type() != b.element_type() ||
       (a.element_type() != ffi::DataType::F32 && a.element_type() != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("batched LoRA: a and b must both be float32 or both bfloat16");
   const int32_t* ent = entries.typed_data();
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E && mode != kShrink; ++e) {
     const int64_t p = ent[2 * e], g = ent[2 * e + 1];
     if (p < 0 || p * kPanel >= N || (e > 0 && p < ent[2 * e - 2]) || g < 0 || (g + 1) * R > C)
       return ffi::Error::InvalidArgument("batched LoRA: entry " + std::to_string(e) + " (panel " + std::to_string(p) +
@@ -307,14 +302,14 @@ ffi::Error BatchedLoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
                                          std::to_string(slot[t]) + " of " + std::to_string(S));
   float* out = y->typed_data();
   // The output aliases the residual (base rows are then left as they are); copied where XLA did not.
-  const float* res = has_residual ? residual.typed_data() : nullptr;
+  const float* res = has_residual && T * N > 0 ? residual.typed_data() : nullptr;
   if (res && out != res) std::memcpy(out, res, T * N * sizeof(float));
   const float* norm = norm_weight.element_count() ? norm_weight.typed_data() : nullptr;
   if (a.element_type() == ffi::DataType::F32)
-    Run(pool, x.typed_data(), T, K, norm, eps, res, slot, S, static_cast<const float*>(a.untyped_data()), C,
+    Run(pool, mode, x.typed_data(), T, K, norm, eps, res, slot, S, static_cast<const float*>(a.untyped_data()), C,
         static_cast<const float*>(b.untyped_data()), E, R, ent, out, N);
   else
-    Run(pool, x.typed_data(), T, K, norm, eps, res, slot, S, static_cast<const uint16_t*>(a.untyped_data()), C,
+    Run(pool, mode, x.typed_data(), T, K, norm, eps, res, slot, S, static_cast<const uint16_t*>(a.untyped_data()), C,
         static_cast<const uint16_t*>(b.untyped_data()), E, R, ent, out, N);
   return ffi::Error::Success();
 }
@@ -332,4 +327,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbBatchedLora, BatchedLoraImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("eps")
+                                  .Attr<int32_t>("mode")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -39,6 +40,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "parallel_for.h"
+#include "vec16.h"
 #include "vector_exp.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -1201,6 +1203,49 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   return ffi::Error::Success();
 }
 
+// Multi-LoRA inside the MLP (the `cpu` backend's gate/up and down updates; batched_lora.cc has
+// the other projections'). A row with slot s gets its gate/up update in its tile, before the
+// activation: the gate columns of pair q add u[:R] @ b[s, 2q], the up columns u[R:2R] @ b[s, 2q + 1]
+// (u: the row's shrink, from batched_lora.cc's kShrink; b [S, 2Q, R, 16]: each panel's block). Its
+// activation's columns go into down's shrink there and then, d += act[16q : 16q + 16] @ a[s, 16q:]
+// (a [S, Fd, Cd]), each strip group's sum in its own partial, added up once every pair is done.
+// Neither the [M, 2F] update nor the [M, F] activation is written out: in a 512-token step those
+// two were most of the MLP's cost under LoRA (written once, read back once, row by row).
+struct MlpLora {
+  const int32_t* slots;  // [M]: each row's slot, -1 none
+  const float* u;  // [M, Cu]: the gate/up shrink
+  int64_t Cu, R, num_panels;  // num_panels = 2Q
+  const void* b;  // [S, 2Q, R, 16]
+  const void* down_a;  // [S, Fd, Cd]
+  int64_t Fd, Cd;
+  bool bf16;  // b and down_a in bf16, else float32
+};
+
+template <typename W>
+void AddPairUpdate(const float* u, int64_t R, const W* gate, const W* up, float* both_row) {
+  using jaxcb::vec16::F16;
+  using jaxcb::vec16::Load;
+  F16 g = Load(both_row), v = Load(both_row + kPanel);
+  for (int64_t r = 0; r < R; ++r) {
+    g += u[r] * Load(gate + r * kPanel);
+    v += u[R + r] * Load(up + r * kPanel);
+  }
+  jaxcb::vec16::Store(both_row, g);
+  jaxcb::vec16::Store(both_row + kPanel, v);
+}
+
+// d[:Cd] += act[:cols] @ a[:cols, :Cd] (a's rows Cd wide).
+template <typename W>
+void AddDownShrink(const float* act, int64_t cols, const W* a, int64_t Cd, float* d) {
+  using jaxcb::vec16::F16;
+  using jaxcb::vec16::Load;
+  for (int64_t c = 0; c < Cd; c += kPanel) {
+    F16 sum = Load(d + c);
+    for (int64_t j = 0; j < cols; ++j) sum += act[j] * Load(a + j * Cd + c);
+    jaxcb::vec16::Store(d + c, sum);
+  }
+}
+
 // y [M, N] = (silu(x @ gate) * (x @ up)) @ down in one call: the SwiGLU MLP. gate_up holds
 // gate's and up's panels in pairs [2Q, K, 16] (gate's panel q at 2q, up's at 2q + 1), down
 // is packed [P, F, 16]. Three rounds of items in one ParallelFor, each waiting for the one
@@ -1209,23 +1254,21 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // Against two matmuls and XLA's SwiGLU in between, this saves packing h (K = F, the largest
 // x of the layer), writing and reading the [M, 2F] gate/up product, and one pool wake-up.
 // With the optional rms-norm weight and residual of PackedMatmulImpl: y = residual + mlp(rms_norm(x)).
-// Multi-LoRA's two optional extras (empty when not used): `gate_up_addend` [M, 2Q 16], added to the
-// gate/up product before the activation, in the product's own pairs of panels (gate's 16 columns,
-// then up's, pair by pair: what batched_lora.cc writes), on the rows whose `addend_rows` entry is
-// >= 0 (the others' are never read); and `hidden` [M, Fh], where the
-// activation silu(gate) * up of columns [0, Fh) is written out in float32, for the down
-// projection's update after this call (with an addend: on its rows only, the others unwritten).
+// Multi-LoRA's gate/up and down updates: with `lora_slots` and the rest (MlpLora, above), down_u [M, Cd]
+// holds down's shrink of each row with a slot; every LoRA operand and result empty otherwise.
 ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                          ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
-                         ffi::Buffer<ffi::F32> gate_up_addend, ffi::Buffer<ffi::S32> addend_rows_buffer, float eps,
-                         ffi::ResultBuffer<ffi::F32> y,
-                         ffi::ResultBuffer<ffi::F32> hidden) {
+                         ffi::Buffer<ffi::S32> lora_slots, ffi::Buffer<ffi::F32> gate_up_u, ffi::AnyBuffer gate_up_b,
+                         ffi::AnyBuffer down_a, float eps, ffi::ResultBuffer<ffi::F32> y,
+                         ffi::ResultBuffer<ffi::F32> down_u) {
   const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions(),
-             ad = gate_up_addend.dimensions(), hd = hidden->dimensions();
-  if (xd.size() != 2 || gd.size() != 3 || dd.size() != 3 || yd.size() != 2 || ad.size() != 2 || hd.size() != 2)
+             ud = gate_up_u.dimensions(), bd = gate_up_b.dimensions(), ad = down_a.dimensions(),
+             dud = down_u->dimensions();
+  if (xd.size() != 2 || gd.size() != 3 || dd.size() != 3 || yd.size() != 2 || ud.size() != 2 || bd.size() != 4 ||
+      ad.size() != 3 || dud.size() != 2)
     return ffi::Error::InvalidArgument(
-        "packed mlp expects x [M, K], packed gate/up pairs [2Q, K, 16], packed down [P, F, 16], an addend [M, 2Q 16] "
-        "or empty, y [M, N] and hidden [M, Fh] or empty");
+        "packed mlp expects x [M, K], packed gate/up pairs [2Q, K, 16], packed down [P, F, 16], y [M, N], and for "
+        "LoRA (else empty) slots [M], u [M, Cu], b [S, 2Q, R, 16], down's a [S, Fd, Cd] and down's u [M, Cd]");
   bool bf16, down_bf16;
   if (auto error = PairsOf(gate_up, "the gate/up weight", &bf16); error.failure()) return error;
   if (auto error = PairsOf(down, "the down weight", &down_bf16); error.failure()) return error;
@@ -1245,19 +1288,38 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                                        std::to_string(N) + " do not agree");
   const float *norm = nullptr, *res = nullptr;
   if (auto error = OptionalInputs(norm_weight, residual, M, K, N, &norm, &res); error.failure()) return error;
-  const float* addend = gate_up_addend.element_count() > 0 ? gate_up_addend.typed_data() : nullptr;
-  const int64_t Fh = hd[1];
-  float* hidden_out = hidden->element_count() > 0 ? hidden->typed_data() : nullptr;
-  const int32_t* addend_rows = addend_rows_buffer.typed_data();
-  if ((addend && (ad[0] != M || ad[1] != 2 * Q * kPanel || addend_rows_buffer.element_count() != M)) ||
-      (hidden_out && (hd[0] != M || Fh > F)))
-    return ffi::Error::InvalidArgument("packed mlp: the gate/up addend must be [M, " + std::to_string(2 * Q * kPanel) +
-                                       "] with addend rows [M], and hidden [M, <= " + std::to_string(F) + "]");
+  std::optional<MlpLora> lora;
+  if (dud[1] > 0) {  // down's u has columns: LoRA (without, every LoRA operand and result is empty)
+    const int64_t S = bd[0], R = bd[2], Cu = ud[1], Fd = ad[1], Cd = ad[2];
+    const auto type = gate_up_b.element_type();
+    if (type != down_a.element_type() || (type != ffi::DataType::F32 && type != ffi::DataType::BF16))
+      return ffi::Error::InvalidArgument("packed mlp: LoRA's b and down's a must both be float32 or both bfloat16");
+    if (lora_slots.element_count() != M || ud[0] != M || Cu < 2 * R || bd[1] != 2 * Q || bd[3] != kPanel ||
+        ad[0] != S || Fd > F || Cd % kPanel != 0 || dud[0] != M || dud[1] != Cd)
+      return ffi::Error::InvalidArgument(
+          "packed mlp: LoRA's slots [" + std::to_string(lora_slots.element_count()) + "], u [" +
+          std::to_string(ud[0]) + ", " + std::to_string(Cu) + "], b [" + std::to_string(S) + ", " +
+          std::to_string(bd[1]) + ", " + std::to_string(R) + ", " + std::to_string(bd[3]) + "], down's a [" +
+          std::to_string(ad[0]) + ", " + std::to_string(Fd) + ", " + std::to_string(Cd) + "] and down's u [" +
+          std::to_string(dud[0]) + ", " + std::to_string(dud[1]) + "] do not fit M=" + std::to_string(M) +
+          ", 2Q=" + std::to_string(2 * Q) + " and F=" + std::to_string(F));
+    const int32_t* slot = lora_slots.typed_data();
+    for (int64_t m = 0; m < M; ++m)
+      if (slot[m] >= S)
+        return ffi::Error::InvalidArgument("packed mlp: row " + std::to_string(m) + " names LoRA slot " +
+                                           std::to_string(slot[m]) + " of " + std::to_string(S));
+    lora = MlpLora{slot, gate_up_u.typed_data(), Cu, R, 2 * Q, gate_up_b.untyped_data(), down_a.untyped_data(), Fd, Cd,
+                   type == ffi::DataType::BF16};
+  } else if (lora_slots.element_count() + gate_up_u.element_count() + gate_up_b.element_count() +
+                 down_a.element_count() != 0) {
+    return ffi::Error::InvalidArgument("packed mlp: LoRA's operands come with down's u [M, Cd], Cd > 0");
+  }
   float* c = y->typed_data();
   if (M == 0 || N == 0) return ffi::Error::Success();
+  float* d_out = lora ? down_u->typed_data() : nullptr;
   if (K == 0 || F == 0) {  // silu(0) * 0 = 0
     ResidualOnly(res, M, N, c);
-    if (hidden_out) std::memset(hidden_out, 0, M * Fh * sizeof(float));
+    if (d_out) std::memset(d_out, 0, M * lora->Cd * sizeof(float));
     return ffi::Error::Success();
   }
   thread_local std::vector<float> x_buffer, h_buffer;
@@ -1271,6 +1333,9 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   const Split pairs(rows.chunks, Q, threads), out(rows.chunks, (P + kTilePanels - 1) / kTilePanels, threads);
   const int64_t items = rows.chunks.count + pairs.items + out.items;
   std::atomic<int64_t> packed{0}, paired{0};
+  // Down's LoRA shrink: each strip group of gate/up pairs sums its columns' share into its own partial.
+  thread_local std::vector<float> partial_buffer;
+  float* partial = lora ? Aligned(partial_buffer, pairs.groups * M * lora->Cd) : nullptr;
   const float* gu = WeightData(gate_up);
   const float* dw = WeightData(down);
   // Gate's and up's panels of pair q, side by side.
@@ -1295,6 +1360,12 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     item -= rows.chunks.count;
     if (item < pairs.items) {
       WaitFor(packed, rows.chunks.count);
+      const int64_t group = item % pairs.groups;  // this item's partial of down's LoRA shrink
+      if (lora) {
+        const int64_t m0 = rows.chunks.first_row(pairs.first_chunk(item));
+        const int64_t m1 = pairs.end_chunk(item) < rows.chunks.count ? rows.chunks.first_row(pairs.end_chunk(item)) : M;
+        std::memset(partial + (group * M + m0) * lora->Cd, 0, (m1 - m0) * lora->Cd * sizeof(float));
+      }
       for (int64_t q = pairs.first_strip(item); q < pairs.end_strip(item); ++q) {
         const float* bq = gu + 2 * q * depth * kPanel;
         const int64_t cols = std::min(kPanel, F - q * kPanel);
@@ -1310,17 +1381,31 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
           }
           for (int64_t g = 0; g < n; ++g) {
             const int64_t i = i0 + g, r = rows.chunks.rows(i), m0 = rows.chunks.first_row(i);
-            if (addend)
+            if (lora)
               for (int64_t row = 0; row < r; ++row)
-                if (addend_rows[m0 + row] >= 0)
-                  for (int64_t j = 0; j < 2 * kPanel; ++j)
-                    both[g][row][j] += addend[(m0 + row) * 2 * Q * kPanel + 2 * q * kPanel + j];
+                if (const int64_t s = lora->slots[m0 + row]; s >= 0) {
+                  const int64_t at = (s * lora->num_panels + 2 * q) * lora->R * kPanel;
+                  const float* u = lora->u + (m0 + row) * lora->Cu;
+                  if (lora->bf16) {
+                    const auto* b = static_cast<const uint16_t*>(lora->b) + at;
+                    AddPairUpdate(u, lora->R, b, b + lora->R * kPanel, both[g][row]);
+                  } else {
+                    const auto* b = static_cast<const float*>(lora->b) + at;
+                    AddPairUpdate(u, lora->R, b, b + lora->R * kPanel, both[g][row]);
+                  }
+                }
             const float(*act_in)[2 * kPanel] = both[g];
-            // The activation's columns [16q, 16q + 16) of a row, for `hidden` where it is asked for.
-            const int64_t hidden_cols = hidden_out ? std::clamp<int64_t>(Fh - q * kPanel, 0, kPanel) : 0;
+            // The activation's columns [16q, 16q + 16) of a row into down's LoRA shrink (its first Fd columns).
+            const int64_t down_cols = lora ? std::clamp<int64_t>(lora->Fd - q * kPanel, 0, kPanel) : 0;
             auto keep = [&](int64_t row, const float* act) {
-              if (hidden_cols > 0 && (!addend || addend_rows[m0 + row] >= 0))
-                std::memcpy(hidden_out + (m0 + row) * Fh + q * kPanel, act, hidden_cols * sizeof(float));
+              const int64_t s = down_cols > 0 ? lora->slots[m0 + row] : -1;
+              if (s < 0) return;
+              float* d = partial + (group * M + m0 + row) * lora->Cd;
+              const int64_t at = (s * lora->Fd + q * kPanel) * lora->Cd;
+              if (lora->bf16)
+                AddDownShrink(act, down_cols, static_cast<const uint16_t*>(lora->down_a) + at, lora->Cd, d);
+              else
+                AddDownShrink(act, down_cols, static_cast<const float*>(lora->down_a) + at, lora->Cd, d);
             };
             // Chunk i of h, k-major: columns [16q, 16q + cols) of the activation are its k-rows
             // there (or its pair-rows [8q, 8q + ceil(cols / 2)), an odd last one's high half 0).
@@ -1329,7 +1414,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
               auto* h_rows = reinterpret_cast<uint16_t*>(h + rows.chunks.offset(i, h_depth)) + q * kPanel;
               for (int64_t row = 0; row < r; ++row) {
                 const __m512 act = SiluTimes16(act_in[row], act_in[row] + kPanel, cols);
-                if (hidden_cols > 0) {
+                if (down_cols > 0) {
                   alignas(64) float kept[kPanel];
                   _mm512_store_ps(kept, act);
                   keep(row, kept);
@@ -1345,7 +1430,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
             __m512 act[16];
             for (int64_t row = 0; row < 16; ++row)
               act[row] = row < r ? SiluTimes16(act_in[row], act_in[row] + kPanel, cols) : _mm512_setzero_ps();
-            if (hidden_cols > 0)
+            if (down_cols > 0)
               for (int64_t row = 0; row < r; ++row) {
                 alignas(64) float kept[kPanel];
                 _mm512_store_ps(kept, act[row]);
@@ -1378,6 +1463,17 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     }
     WaitFor(paired, pairs.items);
     item -= pairs.items;
+    if (lora && item % out.groups == 0) {  // down's LoRA shrink of this block of rows: its partials added up
+      const int64_t m0 = rows.chunks.first_row(out.first_chunk(item));
+      const int64_t m1 = out.end_chunk(item) < rows.chunks.count ? rows.chunks.first_row(out.end_chunk(item)) : M;
+      for (int64_t m = m0; m < m1; ++m) {
+        if (lora->slots[m] < 0) continue;
+        float* d = d_out + m * lora->Cd;
+        std::memcpy(d, partial + m * lora->Cd, lora->Cd * sizeof(float));
+        for (int64_t p = 1; p < pairs.groups; ++p)
+          for (int64_t j = 0; j < lora->Cd; ++j) d[j] += partial[(p * M + m) * lora->Cd + j];
+      }
+    }
     MultiplyItem(path, h, dw, h_depth, P, N, rows.chunks, out.first_chunk(item), out.end_chunk(item),
                  out.first_strip(item), out.end_strip(item), TileSink{c, res},
                  [&] { return first_weights(next_item.Claim()); });
@@ -1496,8 +1592,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
