@@ -1221,28 +1221,69 @@ struct MlpLora {
   bool bf16;  // b and down_a in bf16, else float32
 };
 
-template <typename W>
-void AddPairUpdate(const float* u, int64_t R, const W* gate, const W* up, float* both_row) {
-  using jaxcb::vec16::F16;
-  using jaxcb::vec16::Load;
-  F16 g = Load(both_row), v = Load(both_row + kPanel);
-  for (int64_t r = 0; r < R; ++r) {
-    g += u[r] * Load(gate + r * kPanel);
-    v += u[R + r] * Load(up + r * kPanel);
+// The rows [0, r) of a chunk that have a slot, in runs of one slot of at most kLoraRows: fn(slot,
+// rows, n). A run's rows share each B (or down's A) vector loaded and widened, where row by row
+// each row of a slot loaded its own (a decode step's 2 rows a slot, a prefill chunk's 16).
+constexpr int kLoraRows = 4;
+template <typename Fn>
+inline void ForEachSlotRun(const int32_t* slots, int64_t r, Fn&& fn) {
+  uint32_t left = 0;  // r <= 16
+  for (int64_t row = 0; row < r; ++row)
+    if (slots[row] >= 0) left |= 1u << row;
+  while (left) {
+    const int first = __builtin_ctz(left);
+    const int32_t s = slots[first];
+    int run[kLoraRows], n = 0;
+    for (int64_t row = first; row < r && n < kLoraRows; ++row)
+      if ((left >> row & 1u) && slots[row] == s) {
+        run[n++] = static_cast<int>(row);
+        left &= ~(1u << row);
+      }
+    fn(s, run, n);
   }
-  jaxcb::vec16::Store(both_row, g);
-  jaxcb::vec16::Store(both_row + kPanel, v);
 }
 
-// d[:Cd] += act[:cols] @ a[:cols, :Cd] (a's rows Cd wide).
-template <typename W>
-void AddDownShrink(const float* act, int64_t cols, const W* a, int64_t Cd, float* d) {
+// f(std::integral_constant<int, n>) for n in [1, kLoraRows]: a run's length as a template argument.
+template <typename F>
+inline void WithRunLength(int n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// For N rows of one slot: both[i][:16] += u[i][:R] @ gate, both[i][16:32] += u[i][R:2R] @ up.
+template <int N, typename W>
+void AddPairUpdates(const float* const* u, int64_t R, const W* gate, const W* up, float* const* both) {
+  using jaxcb::vec16::F16;
+  using jaxcb::vec16::Load;
+  F16 g[N], v[N];
+  for (int i = 0; i < N; ++i) g[i] = Load(both[i]), v[i] = Load(both[i] + kPanel);
+  for (int64_t r = 0; r < R; ++r) {
+    const F16 gw = Load(gate + r * kPanel), uw = Load(up + r * kPanel);
+    for (int i = 0; i < N; ++i) {
+      g[i] += u[i][r] * gw;
+      v[i] += u[i][R + r] * uw;
+    }
+  }
+  for (int i = 0; i < N; ++i) jaxcb::vec16::Store(both[i], g[i]), jaxcb::vec16::Store(both[i] + kPanel, v[i]);
+}
+
+// For N rows of one slot: d[i][:Cd] += act[i][:cols] @ a[:cols, :Cd] (a's rows Cd wide).
+template <int N, typename W>
+void AddDownShrinks(const float* const* act, int64_t cols, const W* a, int64_t Cd, float* const* d) {
   using jaxcb::vec16::F16;
   using jaxcb::vec16::Load;
   for (int64_t c = 0; c < Cd; c += kPanel) {
-    F16 sum = Load(d + c);
-    for (int64_t j = 0; j < cols; ++j) sum += act[j] * Load(a + j * Cd + c);
-    jaxcb::vec16::Store(d + c, sum);
+    F16 sum[N];
+    for (int i = 0; i < N; ++i) sum[i] = Load(d[i] + c);
+    for (int64_t j = 0; j < cols; ++j) {
+      const F16 w = Load(a + j * Cd + c);
+      for (int i = 0; i < N; ++i) sum[i] += act[i][j] * w;
+    }
+    for (int i = 0; i < N; ++i) jaxcb::vec16::Store(d[i] + c, sum[i]);
   }
 }
 
@@ -1382,30 +1423,44 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
           for (int64_t g = 0; g < n; ++g) {
             const int64_t i = i0 + g, r = rows.chunks.rows(i), m0 = rows.chunks.first_row(i);
             if (lora)
-              for (int64_t row = 0; row < r; ++row)
-                if (const int64_t s = lora->slots[m0 + row]; s >= 0) {
-                  const int64_t at = (s * lora->num_panels + 2 * q) * lora->R * kPanel;
-                  const float* u = lora->u + (m0 + row) * lora->Cu;
+              ForEachSlotRun(lora->slots + m0, r, [&](int32_t s, const int* run, int nr) {
+                const float* u[kLoraRows];
+                float* out[kLoraRows];
+                for (int k = 0; k < nr; ++k) u[k] = lora->u + (m0 + run[k]) * lora->Cu, out[k] = both[g][run[k]];
+                const int64_t at = (s * lora->num_panels + 2 * q) * lora->R * kPanel;
+                WithRunLength(nr, [&](auto N) {
                   if (lora->bf16) {
                     const auto* b = static_cast<const uint16_t*>(lora->b) + at;
-                    AddPairUpdate(u, lora->R, b, b + lora->R * kPanel, both[g][row]);
+                    AddPairUpdates<N.value>(u, lora->R, b, b + lora->R * kPanel, out);
                   } else {
                     const auto* b = static_cast<const float*>(lora->b) + at;
-                    AddPairUpdate(u, lora->R, b, b + lora->R * kPanel, both[g][row]);
+                    AddPairUpdates<N.value>(u, lora->R, b, b + lora->R * kPanel, out);
                   }
-                }
+                });
+              });
             const float(*act_in)[2 * kPanel] = both[g];
-            // The activation's columns [16q, 16q + 16) of a row into down's LoRA shrink (its first Fd columns).
+            // The activation's columns [16q, 16q + 16) of the chunk's rows (kept as each branch
+            // computes them) into down's LoRA shrink (its first Fd columns).
             const int64_t down_cols = lora ? std::clamp<int64_t>(lora->Fd - q * kPanel, 0, kPanel) : 0;
-            auto keep = [&](int64_t row, const float* act) {
-              const int64_t s = down_cols > 0 ? lora->slots[m0 + row] : -1;
-              if (s < 0) return;
-              float* d = partial + (group * M + m0 + row) * lora->Cd;
-              const int64_t at = (s * lora->Fd + q * kPanel) * lora->Cd;
-              if (lora->bf16)
-                AddDownShrink(act, down_cols, static_cast<const uint16_t*>(lora->down_a) + at, lora->Cd, d);
-              else
-                AddDownShrink(act, down_cols, static_cast<const float*>(lora->down_a) + at, lora->Cd, d);
+            alignas(64) float acts[kAmxRows][kPanel];
+            auto keep = [&](int64_t row, const float* act) { std::memcpy(acts[row], act, sizeof(acts[row])); };
+            auto down_shrink = [&] {
+              if (down_cols == 0) return;
+              ForEachSlotRun(lora->slots + m0, r, [&](int32_t s, const int* run, int nr) {
+                const float* act[kLoraRows];
+                float* d[kLoraRows];
+                for (int k = 0; k < nr; ++k)
+                  act[k] = acts[run[k]], d[k] = partial + (group * M + m0 + run[k]) * lora->Cd;
+                const int64_t at = (s * lora->Fd + q * kPanel) * lora->Cd;
+                WithRunLength(nr, [&](auto N) {
+                  if (lora->bf16)
+                    AddDownShrinks<N.value>(act, down_cols, static_cast<const uint16_t*>(lora->down_a) + at,
+                                            lora->Cd, d);
+                  else
+                    AddDownShrinks<N.value>(act, down_cols, static_cast<const float*>(lora->down_a) + at, lora->Cd,
+                                            d);
+                });
+              });
             };
             // Chunk i of h, k-major: columns [16q, 16q + cols) of the activation are its k-rows
             // there (or its pair-rows [8q, 8q + ceil(cols / 2)), an odd last one's high half 0).
@@ -1421,6 +1476,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                 }
                 StoreBf16(h_rows + row * 2 * h_depth, act, kPanel);
               }
+              down_shrink();
               continue;
             }
 #endif
@@ -1436,6 +1492,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                 _mm512_store_ps(kept, act[row]);
                 keep(row, kept);
               }
+            down_shrink();
             Transpose16x16(act);  // act[j] past cols: 0
             if (bf16)
               for (int64_t j = 0; j < cols; j += 2)
@@ -1454,6 +1511,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
               else
                 for (int64_t j = 0; j < cols; ++j) hc[j * kTileRows + row] = act[j];
             }
+            down_shrink();
 #endif
           }
         });
