@@ -1407,7 +1407,31 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
         const int64_t m1 = pairs.end_chunk(item) < rows.chunks.count ? rows.chunks.first_row(pairs.end_chunk(item)) : M;
         std::memset(partial + (group * M + m0) * lora->Cd, 0, (m1 - m0) * lora->Cd * sizeof(float));
       }
+      // The slots of the item's rows: their LoRA blocks of the next pair (gate/up's B, down's A) are
+      // fetched while this pair is multiplied, as the base weights are. A decode step's 8 slots are
+      // 16 streams of 1 KiB and 512 bytes a pair, which the hardware prefetcher did not keep ahead of:
+      // its decode steps 1.05x faster (SmolLM2, 8 adapters mixed).
+      std::vector<int32_t> item_slots;
+      if (lora) {
+        const int64_t m0 = rows.chunks.first_row(pairs.first_chunk(item));
+        const int64_t m1 = pairs.end_chunk(item) < rows.chunks.count ? rows.chunks.first_row(pairs.end_chunk(item)) : M;
+        for (int64_t m = m0; m < m1; ++m)
+          if (const int32_t s = lora->slots[m]; s >= 0 && std::find(item_slots.begin(), item_slots.end(), s) ==
+                                                               item_slots.end())
+            item_slots.push_back(s);
+      }
+      auto fetch_lora_blocks = [&](int64_t q) {  // pair q's
+        const int64_t elem = lora->bf16 ? 2 : 4, b_bytes = 2 * lora->R * kPanel * elem;
+        const int64_t a_bytes = std::clamp<int64_t>(lora->Fd - q * kPanel, 0, kPanel) * lora->Cd * elem;
+        for (const int32_t s : item_slots) {
+          const char* b = static_cast<const char*>(lora->b) + (s * lora->num_panels + 2 * q) * lora->R * kPanel * elem;
+          const char* a = static_cast<const char*>(lora->down_a) + (s * lora->Fd + q * kPanel) * lora->Cd * elem;
+          for (int64_t off = 0; off < b_bytes; off += 64) __builtin_prefetch(b + off, 0, 2);
+          for (int64_t off = 0; off < a_bytes; off += 64) __builtin_prefetch(a + off, 0, 2);
+        }
+      };
       for (int64_t q = pairs.first_strip(item); q < pairs.end_strip(item); ++q) {
+        if (lora && q + 1 < pairs.end_strip(item)) fetch_lora_blocks(q + 1);
         const float* bq = gu + 2 * q * depth * kPanel;
         const int64_t cols = std::min(kPanel, F - q * kPanel);
         // The next pair, right after this one, or the first weights of this thread's next item.
