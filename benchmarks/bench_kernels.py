@@ -31,6 +31,11 @@ huge-pages: small's chain with bf16 weights and with float32 weights, each in tw
 on the pages it was allocated on (4 KiB), one moved onto 2 MiB pages as the engine does at start-up
 (`engine.huge_pages=auto`, jaxcb/huge_pages.py), the two copies timed alternately.
 
+lora: multi-LoRA's batched-kernel calls of a SmolLM2 decode step (30 layers x q/k/v's addend, o's
+update, gate/up's shrink and down's expand; 8 slots of rank 16 in bf16; 16 rows, 2 a slot) as one
+chain, over 30 layers' slots and over one layer's 30 times (mostly in cache), and with every row a
+base row (the calls' fixed cost). The LoRA work inside the MLP kernel's tiles is not in it.
+
 lm-head: small's LM head (768 -> 32,000) at 64 rows and the greedy tokens of a step: the packed
 matmul followed by the row argmax (the logits written, then read back), against the matmul with
 the argmax taken inside it (`packed_matmul_argmax`), with the logits written or not (a step
@@ -167,7 +172,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=30)
     parser.add_argument("--kernels", default="attention,matmul",
-                        help="comma-separated: attention, bf16-matmul, cache-dtype, huge-pages, matmul, lm-head, qkv")
+                        help="comma-separated: attention, bf16-matmul, cache-dtype, huge-pages, matmul, lm-head, lora, "
+                             "qkv")
     parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
     parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
                         help="with --against: also replay the engine's whole full-batch run with each, ROUNDS times")
@@ -177,9 +183,9 @@ def main() -> None:
         against_table(args.against, args.calls, args.steps)
         return
     kernels = set(args.kernels.split(","))
-    if kernels - {"attention", "bf16-matmul", "cache-dtype", "huge-pages", "matmul", "lm-head", "qkv"}:
+    if kernels - {"attention", "bf16-matmul", "cache-dtype", "huge-pages", "matmul", "lm-head", "lora", "qkv"}:
         parser.error(f"--kernels {args.kernels}: each must be attention, bf16-matmul, cache-dtype, huge-pages, matmul, "
-                     f"lm-head or qkv")
+                     f"lm-head, lora or qkv")
     if "attention" in kernels:
         attention_table(args.calls)
     if "cache-dtype" in kernels:
@@ -197,6 +203,9 @@ def main() -> None:
     if "lm-head" in kernels:
         print()
         lm_head_table(args.calls)
+    if "lora" in kernels:
+        print()
+        lora_table(args.calls)
     if "qkv" in kernels:
         print()
         qkv_table(args.calls)
@@ -262,6 +271,50 @@ def qkv_table(calls: int, tokens: int = 64, context: int = 100, layers: int = 12
         three, one = (1e3 * float(np.median(times[name])) for name in ("three", "one"))
         print(f"| {jnp.dtype(dtype).name} cache | {three:.2f} | {one:.2f} | {three / one:.3f}x |")
 
+
+
+def lora_table(calls: int, layers: int = 30, slots: int = 8, rank: int = 16, rows: int = 16) -> None:
+    """The batched-LoRA calls of a SmolLM2 decode step (the `cpu` backend's, but the MLP kernel's own)."""
+    from jaxcb.kernels.batched_lora import (
+        batched_lora, gate_up_pairs, lora_expand, lora_shrink, pack_lora_group, side_by_side,
+    )
+
+    hidden, f, q, kv = 576, 1536, 576, 192
+    rng = np.random.default_rng(0)
+
+    def group(k, widths, columns, every_panel=False):
+        a = [jnp.asarray(rng.standard_normal((k, slots, rank)) * 0.02, jnp.bfloat16) for _ in widths]
+        b = [jnp.asarray(rng.standard_normal((slots, rank, w)) * 0.02, jnp.bfloat16) for w in widths]
+        return pack_lora_group(a, b, columns, every_panel=every_panel)
+
+    def layer():
+        return (group(hidden, (q, kv, kv), side_by_side((q, kv, kv))), group(hidden, (hidden,), side_by_side((hidden,))),
+                group(hidden, (f, f), gate_up_pairs(f, f // 16), every_panel=True),
+                group(f, (hidden,), side_by_side((hidden,))))
+
+    distinct = [layer() for _ in range(layers)]
+    one = [distinct[0]] * layers
+
+    @jax.jit
+    def chain(x, ws, row_slots):
+        y = x
+        for qkv_w, o_w, gu_w, down_w in ws:
+            addend = batched_lora(y, qkv_w, row_slots, None, width=q + 2 * kv, norm=jnp.ones(hidden), eps=1e-5)
+            y = batched_lora(y + addend[:, :hidden] * 1e-3, o_w, row_slots, y)
+            u = lora_shrink(y, gu_w, row_slots, norm=jnp.ones(hidden), eps=1e-5)
+            y = lora_expand(u[:, :16] * 1e-3, down_w, row_slots, y)
+        return y
+
+    x = jnp.asarray(rng.standard_normal((rows, hidden)), jnp.float32)
+    mixed = jnp.asarray(np.arange(rows) % slots, jnp.int32)
+    base = jnp.full((rows,), -1, jnp.int32)
+    ms = alternate({f"{layers} layers' slots": (chain, (x, distinct, mixed)),
+                    "one layer's slots, again and again": (chain, (x, one, mixed)),
+                    "every row a base row": (chain, (x, distinct, base))}, calls)
+    print(f"| SmolLM2's decode LoRA calls ({4 * layers}), {rows} rows over {slots} slots of rank {rank}, bf16 | ms |")
+    print("|---|---|")
+    for name, value in ms.items():
+        print(f"| {name} | {value * 1e3:.2f} |")
 
 def lm_head_table(calls: int, rows: int = 64, hidden: int = 768, vocab: int = 32000) -> None:
     rng = np.random.default_rng(0)

@@ -12,6 +12,13 @@ The adapters are random PEFT directories (rank `--rank`, every q/k/v/o/gate/up/d
 
     python benchmarks/lora.py --model small --adapters 8
     python benchmarks/lora.py --model smollm2 --adapters 8
+
+`--runs` picks some of the three: the A/B of two checkouts takes one run of each in turn (each copy of
+the script imports its own checkout), e.g. decode-heavy steps with 8 adapters mixed:
+
+    git worktree add /tmp/before <rev>
+    for i in 1 2 3 4 5; do for tree in /tmp/before .; do
+      python $tree/benchmarks/lora.py --model smollm2 --runs lora-mixed --tokens 64 --rounds 1; done; done
 """
 
 from __future__ import annotations
@@ -72,6 +79,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--runs", default="base,lora-base,lora-mixed",
+                    help="which runs, comma-separated (one alone: the A/B of two checkouts, each run in turn)")
     ap.add_argument("overrides", nargs="*", help="more config overrides, e.g. model.dtype=float32")
     args = ap.parse_args()
     common = [f"model={args.model}", f"scheduler.max_num_seqs={args.requests}", "engine.max_model_len=512",
@@ -85,17 +94,22 @@ def main() -> None:
             write_random_adapter(path, arch, args.rank, i)
         listed = ", ".join(f"{n}: '{p}'" for n, p in adapters.items())
         lora_cfg = [f"lora.adapters={{{listed}}}", f"lora.max_loras={args.adapters}", f"lora.max_rank={args.rank}"]
-        base = LLM(compose_config(common), progress=False)
-        lora = LLM(compose_config(common + lora_cfg), progress=False)
+        wanted = args.runs.split(",")
+        unknown = set(wanted) - {"base", "lora-base", "lora-mixed"}
+        if unknown:
+            ap.error(f"--runs: no run named {sorted(unknown)}; the runs are base, lora-base and lora-mixed")
+        base = LLM(compose_config(common), progress=False) if "base" in wanted else None
+        lora = LLM(compose_config(common + lora_cfg), progress=False) if set(wanted) - {"base"} else None
         names = list(adapters)
         runs = {"base": (base, [None] * len(prompts)), "lora-base": (lora, [None] * len(prompts)),
                 "lora-mixed": (lora, [names[i % len(names)] for i in range(len(prompts))])}
+        runs = {name: run_ for name, run_ in runs.items() if name in wanted}
         for llm, which in runs.values():  # warm-up: slots loaded, caches touched
             run(llm, prompts, which, args.tokens)
         samples: dict[str, list] = {name: [] for name in runs}
         order = list(runs)
         for r in range(args.rounds):
-            for name in order[r % 3:] + order[: r % 3]:
+            for name in order[r % len(order):] + order[: r % len(order)]:
                 samples[name].append(run(*runs[name][:1], prompts, runs[name][1], args.tokens))
         results = {name: (float(np.median([s for s, _ in xs])), float(np.median([t for _, t in xs])))
                    for name, xs in samples.items()}
@@ -106,8 +120,11 @@ def main() -> None:
     print("| run | step ms | output tok/s | step time vs base |")
     print("|---|---|---|---|")
     for name, (step_s, tps) in results.items():
-        print(f"| {name} | {step_s * 1e3:.1f} | {tps:.0f} | {step_s / results['base'][0]:.2f}x |")
-    print(f"8 adapters mixed vs all base (LoRA compiled in): {results['lora-mixed'][0] / results['lora-base'][0]:.2f}x")
+        ratio = f"{step_s / results['base'][0]:.2f}x" if "base" in results else "-"
+        print(f"| {name} | {step_s * 1e3:.1f} | {tps:.0f} | {ratio} |")
+    if "lora-mixed" in results and "lora-base" in results:
+        print(f"{args.adapters} adapters mixed vs all base (LoRA compiled in): "
+              f"{results['lora-mixed'][0] / results['lora-base'][0]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -335,6 +335,15 @@ def test_bench_kernels_lm_head_table_times_the_three_ways_to_a_greedy_token(caps
         assert row in table
 
 
+def test_bench_kernels_lora_table_times_the_decode_calls_over_many_slots_one_layers_and_none(capsys):
+    module = load_bench_kernels()
+    module.lora_table(1, layers=2, slots=2, rank=4, rows=4)
+    table = capsys.readouterr().out
+    assert "| SmolLM2's decode LoRA calls (8), 4 rows over 2 slots of rank 4, bf16 | ms |" in table
+    for row in ("| 2 layers' slots |", "| one layer's slots, again and again |", "| every row a base row |"):
+        assert row in table
+
+
 def test_bench_kernels_qkv_table_times_the_one_call_against_the_three_steps_for_both_cache_dtypes(capsys):
     module = load_bench_kernels()
     module.qkv_table(2, tokens=4, context=20, layers=2)
