@@ -11,7 +11,7 @@
 // expand adds u[g R : g R + R] @ b[s, e] to those columns; a panel that straddles two groups has
 // two entries. With no residual (empty) the call writes the updates alone: the rows with a slot get
 // theirs (zeros where no entry reaches), and base rows are left unwritten, for a kernel that adds
-// the rows with a slot and never reads the others (packed_matmul.cc's q/k/v and MLP addends).
+// the rows with a slot and never reads the others (packed_matmul.cc's q/k/v addend).
 //
 // Two halves alone (`mode`), for a fused kernel that does the rest inside its own tiles
 // (packed_matmul.cc's MLP: gate/up's expand before the activation, down's shrink after it):
@@ -208,8 +208,8 @@ void Run(ffi::ThreadPool& pool, Mode mode, const float* x, int64_t T, int64_t K,
     int64_t slot, first, rows;
   };
   const bool shrink = mode != kExpand, expand = mode != kShrink;
-  // Without a residual each panel an entry reaches is stored whole by the expand; the others (the
-  // MLP's padding past F) are zeroed.
+  // Without a residual each panel an entry reaches is stored whole by the expand; the others (a
+  // group's columns that no projection writes) are zeroed.
   const bool fresh = expand && !residual;
   std::vector<int64_t> unreached;
   if (fresh) {

@@ -1463,11 +1463,10 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                 });
               });
             const float(*act_in)[2 * kPanel] = both[g];
-            // The activation's columns [16q, 16q + 16) of the chunk's rows (kept as each branch
-            // computes them) into down's LoRA shrink (its first Fd columns).
+            // The activation's columns [16q, 16q + 16) of the chunk's rows (stored in acts as each
+            // branch computes them) into down's LoRA shrink (its first Fd columns).
             const int64_t down_cols = lora ? std::clamp<int64_t>(lora->Fd - q * kPanel, 0, kPanel) : 0;
             alignas(64) float acts[kAmxRows][kPanel];
-            auto keep = [&](int64_t row, const float* act) { std::memcpy(acts[row], act, sizeof(acts[row])); };
             auto down_shrink = [&] {
               if (down_cols == 0) return;
               ForEachSlotRun(lora->slots + m0, r, [&](int32_t s, const int* run, int nr) {
@@ -1493,11 +1492,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
               auto* h_rows = reinterpret_cast<uint16_t*>(h + rows.chunks.offset(i, h_depth)) + q * kPanel;
               for (int64_t row = 0; row < r; ++row) {
                 const __m512 act = SiluTimes16(act_in[row], act_in[row] + kPanel, cols);
-                if (down_cols > 0) {
-                  alignas(64) float kept[kPanel];
-                  _mm512_store_ps(kept, act);
-                  keep(row, kept);
-                }
+                if (down_cols > 0) _mm512_store_ps(acts[row], act);
                 StoreBf16(h_rows + row * 2 * h_depth, act, kPanel);
               }
               down_shrink();
@@ -1511,11 +1506,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
             for (int64_t row = 0; row < 16; ++row)
               act[row] = row < r ? SiluTimes16(act_in[row], act_in[row] + kPanel, cols) : _mm512_setzero_ps();
             if (down_cols > 0)
-              for (int64_t row = 0; row < r; ++row) {
-                alignas(64) float kept[kPanel];
-                _mm512_store_ps(kept, act[row]);
-                keep(row, kept);
-              }
+              for (int64_t row = 0; row < r; ++row) _mm512_store_ps(acts[row], act[row]);
             down_shrink();
             Transpose16x16(act);  // act[j] past cols: 0
             if (bf16)
@@ -1527,7 +1518,7 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
             for (int64_t row = 0; row < r; ++row) {
               alignas(64) float act[kPanel + 1] = {};
               SiluTimes(act_in[row], act_in[row] + kPanel, cols, act);
-              keep(row, act);
+              std::memcpy(acts[row], act, sizeof(acts[row]));
               if (bf16)
                 for (int64_t j = 0; j < cols; j += 2)
                   hp[(j / 2) * kTileRows + row] = jaxcb::FloatToBf16(act[j]) |
