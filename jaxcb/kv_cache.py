@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jaxcb.config import CacheConfig, ConfigError
+from jaxcb.host_memory import available_host_bytes
 from jaxcb.kernels.attention import zeros_buffer
 from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, gather_blocks, scatter_blocks  # noqa: F401
 from jaxcb.kernels.attention.quantization import QUANTIZED_CACHE_DTYPES, cache_dtype_name
@@ -200,10 +201,7 @@ def step_activation_bytes(model: LlamaConfig, max_num_tokens: int, max_num_seqs:
 
 
 def _available_host_bytes() -> int:
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 4 * GIB
+    return available_host_bytes()
 
 
 def plan_kv_cache(
@@ -259,12 +257,13 @@ def plan_kv_cache(
                 if num_blocks == needed
                 else f"cache.cpu_kv_cache_gib={cache.cpu_kv_cache_gib:g}"
             )
-            available = _available_host_bytes() - reserve_bytes
-            if num_blocks * bytes_per_block > available:
+            host = _available_host_bytes()
+            if num_blocks * bytes_per_block > host - reserve_bytes:
                 raise ConfigError(
                     f"the KV cache ({source}) needs {format_bytes(num_blocks * bytes_per_block)}, more than the "
-                    f"{format_bytes(max(0, available))} of host memory available; lower cache.cpu_kv_cache_gib, "
-                    f"scheduler.max_num_seqs or engine.max_model_len"
+                    f"{format_bytes(max(0, host - reserve_bytes))} of host memory available ({format_bytes(host)} "
+                    f"available, less {format_bytes(reserve_bytes)} kept for the largest step's activations); lower "
+                    f"cache.cpu_kv_cache_gib, scheduler.max_num_seqs or engine.max_model_len"
                 )
     plan = KVCachePlan(
         int(num_blocks), cache.block_size, dtype, bytes_per_block, max_model_len, source, tensor_parallel_size
