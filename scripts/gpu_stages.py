@@ -554,7 +554,11 @@ def engine(st) -> None:
         overrides = ["model=tiny", "model.dtype=float32", "model.backend=xla", "attention.impl=pallas",
                      "attention.interpret=true", "cache.dtype=float32", "cache.num_blocks=160",
                      "scheduler.max_num_seqs=4", "scheduler.max_num_batched_tokens=32", "engine.max_model_len=128",
-                     "engine.token_buckets=[8,32]", "bench.num_requests=8", "bench.scale=0.1"]
+                     "engine.token_buckets=[8,32]", "bench.num_requests=8", "bench.scale=0.1",
+                     # The interpreter's compiles are most of a dry run: the step variants the workload
+                     # takes (full serves any sampling), not every one.
+                     "engine.sampling_variants=[greedy,full]", "engine.masked_sampling=false",
+                     "engine.prompt_logprobs=false"]
     else:
         overrides = ["model=llama8b", "model.init=random", "cache.num_blocks=8200", "scheduler.max_num_seqs=64",
                      "scheduler.max_num_batched_tokens=512", "engine.max_model_len=2048",

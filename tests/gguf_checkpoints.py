@@ -34,14 +34,35 @@ def smollm2_gguf() -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def smollm2_transformers():
-    """transformers' own SmolLM2 from the same GGUF, float32, in eval mode. Read once per test process (its
-    GGUF reader takes ~15 s) and shared by every test that compares with it: none may change it."""
+    """transformers' own SmolLM2 from the same GGUF, float32, in eval mode. Read once per test process and
+    shared by every test that compares with it: none may change it. Its GGUF reader takes ~15 s, so the
+    first process on a machine saves what it read (transformers' own save_pretrained, keyed by the GGUF
+    and the transformers version) and the others load that in a second; a lock keeps two test workers
+    from reading the GGUF at once."""
+    import fcntl
+    import shutil
+    import tempfile
+
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     path = smollm2_gguf()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+    stat = os.stat(path)
+    key = f"{stat.st_size}-{int(stat.st_mtime)}-{transformers.__version__}"
+    saved = os.path.join(tempfile.gettempdir(), f"jaxcb-test-smollm2-transformers-{key}")
+    with open(saved + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isdir(saved):
+            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                         dtype=torch.float32)
+            model.hf_quantizer = None  # float32 tensors now: transformers refuses to save a model marked GGUF
+            partial = tempfile.mkdtemp(dir=os.path.dirname(saved))
+            model.save_pretrained(partial)
+            os.replace(partial, saved)  # whole or not there: a process killed mid-save leaves only its temp dir
+            shutil.rmtree(partial, ignore_errors=True)
+    # Every process the same way: what save_pretrained wrote (the same logits, bit for bit).
+    return AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
 
 
 @functools.lru_cache(maxsize=None)

@@ -87,7 +87,7 @@ def test_a_buffer_too_small_for_a_whole_region_is_left_alone(caplog):
 
 
 def test_a_cpu_engine_offers_its_prepared_weights_at_start_up():
-    e = shared_engine()  # the tiny model's weights: whole regions or not, all of them are looked at
+    e = shared_engine("engine.huge_pages=auto")  # the tiny model's: whole regions or not, all are looked at
     assert e.huge_pages is not None
     assert e.huge_pages.weight_bytes >= sum(a.nbytes for a in jax.tree.leaves(e.runner.weights.layers))
     assert e.huge_pages.collapsed == e.huge_pages.regions or e.huge_pages.failure is not None
