@@ -11,7 +11,9 @@ from hypothesis import given, settings, strategies as st
 
 import jaxcb.model.llama as llama
 from jaxcb.kernels.attention.cpu import write_kv_rows
-from jaxcb.kernels.packed_matmul import MlpLora, pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv
+from jaxcb.kernels.packed_matmul import (
+    MlpLora, pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv, pair_rows,
+)
 
 matmul = jax.jit(packed_matmul, static_argnums=2)
 mlp = jax.jit(packed_mlp, static_argnums=3)
@@ -338,24 +340,33 @@ def panel_blocks(b_side: np.ndarray, num_pairs: int) -> np.ndarray:
 
 # Multi-LoRA inside the MLP: each row's gate/up update before the activation (its own slot's B blocks
 # from its shrink u), down's shrink taken from the float32 activation. F off the panels; rows past a
-# tile and an AMX chunk; rows of several slots in one tile; base rows exactly the plain call's.
-@pytest.mark.parametrize("m,k,f,n", [(1, 8, 16, 16), (13, 64, 40, 33), (100, 70, 48, 20)])
-def test_the_mlp_adds_each_rows_lora_update_before_its_activation_and_shrinks_it_for_down(bf16_path, m, k, f, n):
-    rng = np.random.default_rng(m + k + f)
-    slots, rank = 3, 5
+# tile and an AMX chunk; rows of several slots in one tile (4-row runs of float32 FMAs), and runs of
+# one slot with base rows among them (bf16 at rank 16 or 32 on AMX: one tile multiply a chunk, u in
+# bf16); an odd rank; base rows exactly the plain call's.
+@pytest.mark.parametrize("m,k,f,n,rank", [(1, 8, 16, 16, 5), (13, 64, 40, 33, 5), (100, 70, 48, 20, 5),
+                                          (100, 70, 48, 20, 16), (70, 40, 40, 24, 32)])
+def test_the_mlp_adds_each_rows_lora_update_before_its_activation_and_shrinks_it_for_down(bf16_path, m, k, f, n,
+                                                                                           rank):
+    rng = np.random.default_rng(m + k + f + rank)
+    slots = 3
     x = rng.standard_normal((m, k), np.float32)
     gate, up, down = (rng.standard_normal(shape, np.float32) for shape in ((k, f), (k, f), (f, n)))
     residual = rng.standard_normal((m, n), np.float32)
     b_gate, b_up = (rng.standard_normal((slots, rank, f)).astype(np.float32) * 0.5 for _ in range(2))
     a_down = rng.standard_normal((slots, f, 16)).astype(np.float32) * 0.3
-    u = rng.standard_normal((m, 16)).astype(np.float32)  # gate's shrink in [:5], up's in [5:10]
-    row_slots = np.where(np.arange(m) % 3 == 1, -1, rng.integers(0, slots, m)).astype(np.int32)
+    u = rng.standard_normal((m, max(16, 2 * rank))).astype(np.float32)  # gate's shrink in [:R], up's in [R:2R]
+    mixed = np.where(np.arange(m) % 3 == 1, -1, rng.integers(0, slots, m))
+    runs = np.where(np.arange(m) % 7 == 3, -1, np.arange(m) // 20 % slots)  # 20 rows a slot
+    row_slots = np.where(np.arange(m) < m // 2, runs, mixed).astype(np.int32)
     for dtype in (jnp.float32, jnp.bfloat16):
         gate_up, packed_down = pack_pairs(gate.astype(dtype), up.astype(dtype)), pack(down.astype(dtype))
         q = gate_up.shape[0] // 2
         blocks = np.stack([panel_blocks(b_gate, q), panel_blocks(b_up, q)], axis=2)
         blocks = blocks.reshape(slots, 2 * q, rank, 16)  # gate's panel q at 2q, up's at 2q + 1
-        lora = MlpLora(jnp.asarray(row_slots), jnp.asarray(u), jnp.asarray(blocks, dtype), jnp.asarray(a_down, dtype))
+        lora_b = jnp.asarray(blocks, dtype)
+        if dtype == jnp.bfloat16:  # rank rows in pairs, as the cpu backend packs bf16 slots
+            lora_b = pair_rows(lora_b)
+        lora = MlpLora(jnp.asarray(row_slots), jnp.asarray(u), lora_b, jnp.asarray(a_down, dtype))
         y, down_u = packed_mlp(jnp.asarray(x), gate_up, packed_down, n, residual=jnp.asarray(residual), lora=lora)
         assert down_u.shape == (m, 16)
         round_ = to_bf16 if dtype == jnp.bfloat16 else (lambda a: np.asarray(a, np.float64))  # noqa: E731
@@ -368,6 +379,9 @@ def test_the_mlp_adds_each_rows_lora_update_before_its_activation_and_shrinks_it
         g, v = xb @ gb + add_g, xb @ ub + add_u
         h = g / (1.0 + np.exp(-g)) * v
         tol = 1e-4 * (np.abs(xb) @ (np.abs(gb) + np.abs(ub)) + 1) * (1 + np.abs(g))
+        if dtype == jnp.bfloat16:  # u rounded to bf16 (AMX): each update term moves by up to 2^-9 of it
+            tol = tol + 2.0 ** -8 * (np.abs(u[:, :rank]) @ np.abs(bg).max(0) + np.abs(u[:, rank:2 * rank]) @
+                                     np.abs(bu).max(0)) * (1 + np.abs(g))
         want_d = np.einsum("tf,tfc->tc", h, ad[s_])
         bound = (np.abs(tol) + 1e-4 * np.abs(v)) @ np.abs(ad).max(0) + 1e-4 * np.abs(h) @ np.abs(ad).max(0)
         assert np.all(np.abs(np.asarray(down_u) - want_d)[mine] <= bound[mine] + 1e-4)

@@ -192,12 +192,25 @@ def pack_gate_up(gate: jax.Array, up: jax.Array) -> jax.Array:  # [K, F] x 2 -> 
 
 
 class MlpLora(NamedTuple):
-    """Multi-LoRA's gate/up and down updates, done inside `packed_mlp`'s tiles (the `cpu` backend)."""
+    """Multi-LoRA's gate/up and down updates, done inside `packed_mlp`'s tiles (the `cpu` backend).
+    bf16 B blocks come with their rank rows in pairs (`pair_rows`)."""
 
     slots: jax.Array  # i32[M]: each row's slot, -1 for none
     gate_up_u: jax.Array  # f32[M, Cu]: the rows' gate/up shrink (`batched_lora.lora_shrink`): gate's R, then up's
     gate_up_b: jax.Array  # [S, 2Q, R, 16]: the B block of every gate/up panel (`pack_lora_group`, every_panel)
     down_a: jax.Array  # [S, Fd, Cd]: down's A sides (its group's `a`)
+
+
+def pair_rows(w: jax.Array) -> jax.Array:
+    """w [..., rows, cols] with each two rows 2j and 2j + 1 interleaved column by column (row 2j's
+    element, then row 2j + 1's), an odd last row left as it is; the same shape. The layout in which
+    `packed_mlp` reads bf16 LoRA B blocks: 64 bytes are 16 columns of a pair of rank rows, the pair
+    layout of AMX's B tiles (tdpbf16ps), or two rows of floats once split. Traceable."""
+    rows = w.shape[-2]
+    even = rows - rows % 2
+    head = w[..., :even, :].reshape(*w.shape[:-2], even // 2, 2, w.shape[-1])
+    head = jnp.swapaxes(head, -1, -2).reshape(*w.shape[:-2], even, w.shape[-1])
+    return jnp.concatenate([head, w[..., even:, :]], axis=-2)
 
 
 def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,

@@ -433,6 +433,41 @@ void AmxTiles(const char* a0, const char* a1, int64_t rows0, int64_t rows1, int6
   }
 }
 
+// Multi-LoRA's gate/up update of one chunk whose rows with an adapter all have the same slot (most
+// of a prefill's chunks), on the tiles of the call's configuration: both (tile_rows rows of gate's 16
+// columns, then up's 16: a row 32 floats) += each row's u @ that slot's B blocks of the pair (bf16,
+// rank rows in pairs). ua holds each row's u in bf16, gate's then up's, W = max(R, 32) each; at rank
+// 16 gate's is [u, 0] and up's [0, u], so that one B tile (16 pair-rows: the gate block, then the up
+// block after it) serves both. A base row's are zeros: it gets +0. Against 4-row runs of float32
+// FMAs, one tile multiply per gate and up panel.
+inline void AmxLoraPair(float* both, const uint16_t* ua, int64_t W, int64_t R, const uint16_t* b_gate,
+                        int64_t tile_rows) {
+  EnsureAmxConfig(kAmxConfigs[tile_rows]);
+  const int64_t ua_stride = 2 * W * static_cast<int64_t>(sizeof(uint16_t));
+  constexpr int64_t kBothStride = 2 * kPanel * sizeof(float);
+  _tile_loadd(0, both, kBothStride);
+  _tile_loadd(1, both + kPanel, kBothStride);
+  if (R == 16) {
+    _tile_loadd(6, b_gate, 64);
+    _tile_loadd(4, ua, ua_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(5, ua + W, ua_stride);
+    _tile_dpbf16ps(1, 5, 6);
+  } else {  // R a multiple of 32: each 32 rank rows one tile of gate's block, one of up's
+    const uint16_t* b_up = b_gate + R * kPanel;
+    for (int64_t j = 0; j < R / 32; ++j) {
+      _tile_loadd(6, b_gate + 32 * kPanel * j, 64);
+      _tile_loadd(4, ua + 32 * j, ua_stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b_up + 32 * kPanel * j, 64);
+      _tile_loadd(5, ua + W + 32 * j, ua_stride);
+      _tile_dpbf16ps(1, 5, 7);
+    }
+  }
+  _tile_stored(0, both, kBothStride);
+  _tile_stored(1, both + kPanel, kBothStride);
+}
+
 // One chunk of R rows as a register tile is called (the probe and the timing at start-up).
 template <int R, int NP>
 void TileBf16Amx(const float* a, const float* b, int64_t depth, float* c, int64_t ldc, int64_t nv,
@@ -1218,7 +1253,7 @@ struct MlpLora {
   const void* b;  // [S, 2Q, R, 16]
   const void* down_a;  // [S, Fd, Cd]
   int64_t Fd, Cd;
-  bool bf16;  // b and down_a in bf16, else float32
+  bool bf16;  // b and down_a in bf16 (b's rank rows in pairs: `pair_rows`), else float32
 };
 
 // The rows [0, r) of a chunk that have a slot, in runs of one slot of at most kLoraRows: fn(slot,
@@ -1255,8 +1290,9 @@ inline void WithRunLength(int n, F&& f) {
 }
 
 // For N rows of one slot: both[i][:16] += u[i][:R] @ gate, both[i][16:32] += u[i][R:2R] @ up.
-template <int N, typename W>
-void AddPairUpdates(const float* const* u, int64_t R, const W* gate, const W* up, float* const* both) {
+// Float32 blocks [R, 16]; bf16 ones with their rows in pairs (`pair_rows`), widened.
+template <int N>
+void AddPairUpdates(const float* const* u, int64_t R, const float* gate, const float* up, float* const* both) {
   using jaxcb::vec16::F16;
   using jaxcb::vec16::Load;
   F16 g[N], v[N];
@@ -1267,6 +1303,30 @@ void AddPairUpdates(const float* const* u, int64_t R, const W* gate, const W* up
       g[i] += u[i][r] * gw;
       v[i] += u[i][R + r] * uw;
     }
+  }
+  for (int i = 0; i < N; ++i) jaxcb::vec16::Store(both[i], g[i]), jaxcb::vec16::Store(both[i] + kPanel, v[i]);
+}
+
+template <int N>
+void AddPairUpdates(const float* const* u, int64_t R, const uint16_t* gate, const uint16_t* up, float* const* both) {
+  using jaxcb::vec16::F16;
+  using jaxcb::vec16::Load;
+  using jaxcb::vec16::LoadPair;
+  F16 g[N], v[N];
+  for (int i = 0; i < N; ++i) g[i] = Load(both[i]), v[i] = Load(both[i] + kPanel);
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) {
+    F16 ge, go, ue, uo;
+    LoadPair(gate + r * kPanel, ge, go);
+    LoadPair(up + r * kPanel, ue, uo);
+    for (int i = 0; i < N; ++i) {
+      g[i] += u[i][r] * ge + u[i][r + 1] * go;
+      v[i] += u[i][R + r] * ue + u[i][R + r + 1] * uo;
+    }
+  }
+  if (r < R) {  // an odd rank's last row, as it is
+    const F16 gw = Load(gate + r * kPanel), uw = Load(up + r * kPanel);
+    for (int i = 0; i < N; ++i) g[i] += u[i][r] * gw, v[i] += u[i][R + r] * uw;
   }
   for (int i = 0; i < N; ++i) jaxcb::vec16::Store(both[i], g[i]), jaxcb::vec16::Store(both[i] + kPanel, v[i]);
 }
@@ -1370,6 +1430,31 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   float* h = Aligned(h_buffer, rows.chunks.count * rows.chunks.slot * h_depth);
   const TilePath path = rows.path();
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  // LoRA's gate/up update on AMX tiles for chunks of one slot (AmxLoraPair): each row's u in bf16,
+  // and each chunk's slot (-1: no row with an adapter, -2: rows of two or more).
+  thread_local std::vector<uint16_t> ua_buffer;
+  std::vector<int32_t> chunk_slot;
+  int64_t ua_width = 0;
+#if defined(JAXCB_BF16_AMX)
+  if (lora && lora->bf16 && rows.row_major && (lora->R == 16 || lora->R % 32 == 0)) {
+    const int64_t R = lora->R, W = std::max<int64_t>(R, 32);
+    ua_width = W;
+    ua_buffer.assign((M + kAmxRows) * 2 * W, 0);  // rows past M: a last chunk's tile reads them
+    for (int64_t m = 0; m < M; ++m) {
+      if (lora->slots[m] < 0) continue;
+      const float* u = lora->u + m * lora->Cu;
+      uint16_t* gate = ua_buffer.data() + m * 2 * W;
+      uint16_t* up = gate + W + (R == 16 ? 16 : 0);
+      for (int64_t j = 0; j < R; ++j) gate[j] = jaxcb::FloatToBf16(u[j]), up[j] = jaxcb::FloatToBf16(u[R + j]);
+    }
+    chunk_slot.assign(rows.chunks.count, -1);
+    for (int64_t i = 0; i < rows.chunks.count; ++i)
+      for (int64_t m = rows.chunks.first_row(i), end = m + rows.chunks.rows(i); m < end; ++m)
+        if (const int32_t s = lora->slots[m]; s >= 0)
+          chunk_slot[i] = chunk_slot[i] == -1 || chunk_slot[i] == s ? s : -2;
+  }
+#endif
+  const uint16_t* ua = ua_buffer.data();  // the pool's threads see this thread's buffer through it
   // A gate/up strip is one pair of panels, whatever the tile's width.
   const Split pairs(rows.chunks, Q, threads), out(rows.chunks, (P + kTilePanels - 1) / kTilePanels, threads);
   const int64_t items = rows.chunks.count + pairs.items + out.items;
@@ -1446,6 +1531,14 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
           }
           for (int64_t g = 0; g < n; ++g) {
             const int64_t i = i0 + g, r = rows.chunks.rows(i), m0 = rows.chunks.first_row(i);
+#if defined(JAXCB_BF16_AMX)
+            if (ua_width && chunk_slot[i] >= 0) {
+              AmxLoraPair(&both[g][0][0], ua + m0 * 2 * ua_width, ua_width, lora->R,
+                          static_cast<const uint16_t*>(lora->b) + (chunk_slot[i] * lora->num_panels + 2 * q) *
+                                                                      lora->R * kPanel,
+                          rows.chunks.most_rows());
+            } else
+#endif
             if (lora)
               ForEachSlotRun(lora->slots + m0, r, [&](int32_t s, const int* run, int nr) {
                 const float* u[kLoraRows];

@@ -1,6 +1,6 @@
 // 16 floats as one value, written with GCC's vector extensions: one AVX-512 register, or two AVX2
 // ones, from one source. Shared by the multi-LoRA code (batched_lora.cc, and the MLP's LoRA in
-// packed_matmul.cc), whose weights are float32 or bf16.
+// packed_matmul.cc), whose weights are float32 or bf16 (the MLP's: bf16 rows in pairs).
 
 #pragma once
 
@@ -38,5 +38,21 @@ inline F16 Load(const uint16_t* p) {  // bf16 -> float: the bf16 is the float's 
 }
 
 inline void Store(float* p, F16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 16 columns of a pair of bf16 rows stored interleaved (row 2j's element, then row 2j + 1's: the
+// layout of packed_matmul.py's `pair_rows`, 32 bf16 from p) as two rows of floats.
+inline void LoadPair(const uint16_t* p, F16& even, F16& odd) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_loadu_si512(p);
+  even = reinterpret_cast<F16>(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  odd = reinterpret_cast<F16>(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xffff0000u)))));
+#else
+  W16 w;
+  std::memcpy(&w, p, sizeof(w));
+  const W16 e = w << 16, o = w & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof(even));
+  std::memcpy(&odd, &o, sizeof(odd));
+#endif
+}
 
 }  // namespace jaxcb::vec16
