@@ -393,6 +393,40 @@ def test_the_mlp_adds_each_rows_lora_update_before_its_activation_and_shrinks_it
         np.testing.assert_array_equal(np.asarray(y)[~mine], plain[~mine])
 
 
+# A prefill's rows: 32 of one slot, then 32 of another, base rows among them, so that every chunk's
+# rows share one slot: bf16 at rank 16 or 32 on AMX adds gate/up's update as one tile multiply a
+# chunk (u in bf16), elsewhere in float32 runs.
+@pytest.mark.parametrize("rank", [16, 32])
+def test_the_mlps_lora_on_chunks_of_one_slot_is_within_bf16_rounding_of_the_reference(bf16_path, rank):
+    rng = np.random.default_rng(rank)
+    m, k, f, n, slots = 64, 64, 96, 32, 2
+    x = rng.standard_normal((m, k), np.float32)
+    gate, up = (rng.standard_normal((k, f), np.float32) * 0.2 for _ in range(2))
+    down = rng.standard_normal((f, n), np.float32)
+    b_gate, b_up = (rng.standard_normal((slots, rank, f)).astype(np.float32) * 0.3 for _ in range(2))
+    a_down = rng.standard_normal((slots, f, 16)).astype(np.float32) * 0.3
+    u = rng.standard_normal((m, 2 * rank)).astype(np.float32)
+    row_slots = np.where(np.arange(m) % 5 == 2, -1, np.arange(m) // 32).astype(np.int32)
+    gate_up, packed_down = pack_pairs(gate.astype(jnp.bfloat16), up.astype(jnp.bfloat16)), pack(down.astype(jnp.bfloat16))
+    q = gate_up.shape[0] // 2
+    blocks = np.stack([panel_blocks(b_gate, q), panel_blocks(b_up, q)], axis=2).reshape(slots, 2 * q, rank, 16)
+    lora = MlpLora(jnp.asarray(row_slots), jnp.asarray(u), pair_rows(jnp.asarray(blocks, jnp.bfloat16)),
+                   jnp.asarray(a_down, jnp.bfloat16))
+    y, down_u = packed_mlp(jnp.asarray(x), gate_up, packed_down, n, lora=lora)
+    xb, gb, ub, db, bg, bu, ad = map(to_bf16, (x, gate, up, down, b_gate, b_up, a_down))
+    mine, s_ = row_slots >= 0, np.maximum(row_slots, 0)
+    g = xb @ gb + np.einsum("tr,trf->tf", u[:, :rank], bg[s_]) * mine[:, None]
+    v = xb @ ub + np.einsum("tr,trf->tf", u[:, rank:], bu[s_]) * mine[:, None]
+    h = g / (1.0 + np.exp(-g)) * v
+    # bf16 rounding of x, u and the activation moves each product by ~2^-8 of it at most: 2% of the sum
+    # of their magnitudes is room for that, and far less than a lost or misplaced tile's share.
+    want_d = np.einsum("tf,tfc->tc", h, ad[s_])
+    scale_d = np.einsum("tf,tfc->tc", np.abs(h), np.abs(ad[s_]))
+    assert np.all(np.abs(np.asarray(down_u) - want_d)[mine] <= 0.02 * scale_d[mine])
+    want_y = h @ db
+    assert np.all(np.abs(np.asarray(y) - want_y) <= 0.02 * (np.abs(h) @ np.abs(db)))
+
+
 def test_the_mlp_refuses_lora_operands_that_do_not_fit():
     x = jnp.ones((3, 8), jnp.float32)
     gate_up, down = pack_pairs(jnp.ones((8, 20)), jnp.ones((8, 20))), pack(jnp.ones((20, 4)))
