@@ -240,6 +240,7 @@ class EngineConfig:
     # On a CPU host: the prepared weights moved onto 2 MiB pages (madvise MADV_COLLAPSE, Linux 6.1+)
     # after start-up prepares them, so that the matmul streams them with fewer TLB misses; off: left as allocated.
     huge_pages: str = "auto"
+    huge_pages_seconds: float = 5.0  # start-up time the move onto 2 MiB pages may take; the rest stays on 4 KiB pages
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # multi-host; null: one host
 
 

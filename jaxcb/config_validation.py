@@ -134,6 +134,8 @@ def validate_config(cfg: Config) -> None:
     require(e.huge_pages in ("auto", "off"),
             f"engine.huge_pages={e.huge_pages!r} must be auto (the weights on 2 MiB pages where a CPU host allows) "
             f"or off")
+    require(e.huge_pages_seconds > 0, f"engine.huge_pages_seconds={e.huge_pages_seconds} must be > 0 seconds "
+                                      f"(engine.huge_pages=off skips the move)")
     require(e.max_grammar_compile_s > 0, f"engine.max_grammar_compile_s={e.max_grammar_compile_s} must be > 0 seconds")
     require(e.grammar_cache_size >= 1, f"engine.grammar_cache_size={e.grammar_cache_size} must be >= 1")
     require(

@@ -209,7 +209,8 @@ class Engine:
                      if cfg.speculative.method == "draft" else None)
             # After the checkpoint layout's arrays are gone: only the prepared weights' pages move.
             self.huge_pages = collapse_onto_huge_pages(
-                jax.tree.leaves((weights, draft.weights if draft is not None else None)), cfg.engine.huge_pages)
+                jax.tree.leaves((weights, draft.weights if draft is not None else None)), cfg.engine.huge_pages,
+                seconds=cfg.engine.huge_pages_seconds)
         with self.startup.phase("plan"):
             memory = read_device_memory()
             limits = resolve_batch_limits(cfg.scheduler, model_cfg, memory, memory_fraction=cfg.cache.memory_fraction,

@@ -84,24 +84,33 @@ def _libc_madvise() -> Callable[[int, int, int], int]:
     return call
 
 
-def collapse_regions(regions: list[int], madvise: Optional[Callable[[int, int, int], int]] = None
-                     ) -> tuple[int, Optional[str]]:
-    """madvise(MADV_COLLAPSE) on each region: (how many succeeded, the first failure's errno name)."""
+def collapse_regions(regions: list[int], madvise: Optional[Callable[[int, int, int], int]] = None,
+                     seconds: float = float("inf"), clock: Callable[[], float] = time.perf_counter
+                     ) -> tuple[int, Optional[str], int]:
+    """madvise(MADV_COLLAPSE) on each region in turn until `seconds` have passed: (how many
+    succeeded, the first failure's errno name, how many were tried)."""
     madvise = madvise or _libc_madvise()
-    collapsed, failure = 0, None
+    collapsed, failure, tried = 0, None, 0
+    deadline = clock() + seconds
     for start in regions:
+        if clock() >= deadline:
+            break
+        tried += 1
         code = madvise(start, HUGE_PAGE, MADV_COLLAPSE)
         if code == 0:
             collapsed += 1
         elif failure is None:
             failure = f"{errno.errorcode.get(code, code)} ({os.strerror(code)})"
-    return collapsed, failure
+    return collapsed, failure, tried
 
 
 def collapse_onto_huge_pages(arrays: Iterable[jax.Array], setting: str,
-                             madvise: Optional[Callable[[int, int, int], int]] = None) -> Optional[HugePageResult]:
+                             madvise: Optional[Callable[[int, int, int], int]] = None, seconds: float = float("inf"),
+                             clock: Callable[[], float] = time.perf_counter) -> Optional[HugePageResult]:
     """Moves the arrays' host buffers onto 2 MiB pages where `setting` (engine.huge_pages) is auto
-    and this is Linux on a CPU device; None where it does not try. Logs one line either way it tries."""
+    and this is Linux on a CPU device, for at most `seconds` (engine.huge_pages_seconds: a region
+    took from 0.05 to 20 ms on one VM, by the state of the host's memory); None where it does not
+    try. Logs one line either way it tries."""
     if setting == "off" or not sys.platform.startswith("linux"):
         return None
     arrays = [a for a in arrays if isinstance(a, jax.Array) and all(d.platform == "cpu" for d in a.devices())]
@@ -109,13 +118,17 @@ def collapse_onto_huge_pages(arrays: Iterable[jax.Array], setting: str,
     if not ranges:
         return None
     regions = huge_page_regions(ranges)
-    start = time.perf_counter()  # synchronous: on a host short of free huge pages it compacts memory first
-    collapsed, failure = collapse_regions(regions, madvise)
-    seconds = time.perf_counter() - start
+    start = clock()  # synchronous: on a host short of free huge pages it compacts memory first
+    collapsed, failure, tried = collapse_regions(regions, madvise, seconds, clock)
+    budget, seconds = seconds, clock() - start
     result = HugePageResult(len(regions), collapsed, sum(size for _, size in ranges), failure)
     mib = result.weight_bytes / 2**20
     if not regions:
         log.info("weights: %.1f MiB, in no whole 2 MiB region: left on 4 KiB pages", mib)
+    elif tried < len(regions):
+        log.info("weights: %.0f MiB, %d of %d 2 MiB regions on huge pages in %.2f s: engine.huge_pages_seconds=%g "
+                 "ran out, the other %d stay on 4 KiB pages%s", mib, collapsed, len(regions), seconds, budget,
+                 len(regions) - tried, f" (a failure: {failure})" if failure else "")
     elif collapsed == len(regions):
         log.info("weights: %.0f MiB on 2 MiB pages (%d regions in %.2f s; engine.huge_pages=auto)", mib, collapsed,
                  seconds)

@@ -164,6 +164,7 @@ def test_the_8_bit_kv_cache_dtypes_are_accepted(dtype):
             r"engine\.max_model_len=4096 must be <= model\.max_position_embeddings=2048",
         ),
         (["engine.huge_pages=always"], r"engine\.huge_pages='always' must be auto .* or off"),
+        (["engine.huge_pages_seconds=0"], r"engine\.huge_pages_seconds=0.0 must be > 0 seconds"),
     ],
 )
 def test_bad_values_fail_with_a_sentence_naming_the_fields(overrides, message):

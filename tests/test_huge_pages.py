@@ -39,6 +39,27 @@ def test_each_region_is_collapsed_alone_and_the_first_failure_is_named(caplog):
                      rf"others: ENOMEM", caplog.text)
 
 
+def test_the_move_stops_when_its_seconds_run_out_and_says_how_many_regions_stay(caplog):
+    """engine.huge_pages_seconds bounds the start-up time spent: a host where each collapse is slow (a
+    fake clock: 1 s a region) gets as many regions as the budget allows, the rest left as they are."""
+    weights = [jnp.ones((5 * HUGE_PAGE // 4,), jnp.float32)]  # 10 MiB: 4 or 5 whole regions
+    now = [0.0]
+    calls = []
+
+    def madvise(address, size, advice):
+        calls.append(address)
+        now[0] += 1.0
+        return 0
+
+    with caplog.at_level(logging.INFO, logger="jaxcb.huge_pages"):
+        result = collapse_onto_huge_pages(weights, "auto", madvise, seconds=1.5, clock=lambda: now[0])
+    assert len(calls) == 2 and result.collapsed == 2 and result.regions >= 4 and result.failure is None
+    assert re.search(rf"2 of {result.regions} 2 MiB regions on huge pages in 2.00 s: engine.huge_pages_seconds=1.5 "
+                     rf"ran out, the other {result.regions - 2} stay on 4 KiB pages", caplog.text)
+    now[0], calls[:] = 0.0, []
+    assert collapse_onto_huge_pages(weights, "auto", madvise, clock=lambda: now[0]).collapsed == result.regions
+
+
 def test_a_kernel_that_refuses_leaves_the_pages_and_says_how_to_skip_the_attempt(caplog):
     with caplog.at_level(logging.INFO, logger="jaxcb.huge_pages"):
         result = collapse_onto_huge_pages([jnp.ones((3 * HUGE_PAGE // 4,))], "auto", lambda *args: errno.EINVAL)
