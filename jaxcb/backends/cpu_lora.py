@@ -45,7 +45,6 @@ def pack_lora_layers(buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
         f = gate.b.shape[-1]
         gate_up = pack_lora_group([gate.a, up.a], [gate.b, up.b], gate_up_pairs(f, gate_up_pair_count(f, gate.b.dtype)),
                                   every_panel=True)
-        down_group = pack_lora_group([down.a], [down.b], side_by_side([down.b.shape[-1]]))
         if gate.b.dtype == jnp.bfloat16:  # the B blocks the MLP kernel reads, their rank rows in pairs
             gate_up = gate_up._replace(b=pair_rows(gate_up.b))
         out.append(PackedLoraLayer(
@@ -53,6 +52,6 @@ def pack_lora_layers(buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:
                                                                              v.b.shape[-1]])),
             pack_lora_group([o.a], [o.b], side_by_side([o.b.shape[-1]])),
             gate_up,
-            down_group,
+            pack_lora_group([down.a], [down.b], side_by_side([down.b.shape[-1]])),
         ))
     return out

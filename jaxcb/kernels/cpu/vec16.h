@@ -1,6 +1,6 @@
 // 16 floats as one value, written with GCC's vector extensions: one AVX-512 register, or two AVX2
 // ones, from one source. Shared by the multi-LoRA code (batched_lora.cc, and the MLP's LoRA in
-// packed_matmul.cc), whose weights are float32 or bf16 (the MLP's: bf16 rows in pairs).
+// packed_matmul.cc), whose weights are float32 or bf16 (the MLP's B blocks: rank rows in pairs).
 
 #pragma once
 
