@@ -65,13 +65,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-
-import numpy as np
-
 if __package__ in (None, ""):  # run as `python benchmarks/bench_kernels.py`: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.freed_memory import keep_freed_memory  # noqa: E402
+
+# Run as a script: before jax starts its threads (benchmarks/freed_memory.py). Not when a test loads this file.
+KEPT_FREED_MEMORY = keep_freed_memory() if __name__ == "__main__" else False
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 import jaxcb.kernels.cpu as cpu_kernels  # noqa: E402
 from benchmarks.step_replay import record_steps, replay
@@ -178,7 +183,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
                         help="with --against: also replay the engine's whole full-batch run with each, ROUNDS times")
     args = parser.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls\n")
+    kept = "glibc keeps freed memory" if KEPT_FREED_MEMORY else "the allocator's defaults (freed memory may fault in again)"
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls; {kept}\n")
     if args.against:
         against_table(args.against, args.calls, args.steps)
         return

@@ -126,3 +126,31 @@ def test_http_backend_is_refused_outside_serving_mode():
 
     with pytest.raises(ConfigError, match="bench.backend=http measures one server in serving mode"):
         compose_config(["bench.backend=http"])
+
+
+FAULTS_OF_A_REALLOCATION = """
+import resource, sys
+from benchmarks.freed_memory import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+import numpy as np
+np.ones(64 << 20, np.uint8)  # touched, then freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+np.ones(64 << 20, np.uint8)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
+def test_the_kernel_benchmark_keeps_freed_memory_so_a_call_does_not_fault_in_its_buffers_again():
+    """bench_kernels.py's chains free 33-262 MB outputs every call: by default glibc unmaps them and
+    the next call faults them in again, which the kernel tables then measured as kernel time."""
+    def run(mode):
+        proc = subprocess.run([sys.executable, "-c", FAULTS_OF_A_REALLOCATION, mode], cwd=REPO, capture_output=True,
+                              text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        kept, faults = proc.stdout.split()
+        return kept, int(faults)
+
+    kept, faults = run("keep")
+    assert kept == "True" and faults < 16  # the freed 64 MiB is reused as it is
+    assert run("default")[1] >= 16  # the default allocator maps it afresh (>= 16 faults even on 2 MiB pages)
