@@ -563,6 +563,21 @@ def chain_against(rev: str, fns: dict, dtype, calls: int, title: str) -> None:
         print(f"| {m} | {1e3 * ms['this checkout']:.1f} | {1e3 * ms[rev]:.1f} | {ms[rev] / ms['this checkout']:.2f}x |")
 
 
+def select_rev_paths(rev: str) -> list[str]:
+    """`rev`'s library on the bf16 matmul and bf16-cache attention paths this checkout chose: a
+    library starts on its paths without AMX until told, so a step replayed with `rev`'s kernels
+    ran ~1.2x slower on SmolLM2 bf16 with identical sources (a comment apart). Returns the paths
+    `rev` lacks."""
+    lib, lacking = REV_LIBRARIES[rev], []
+    matmul = {v: k for k, v in cpu_kernels.BF16_MATMUL_PATHS.items()}[cpu_kernels.bf16_matmul_path()]
+    if not hasattr(lib, "JaxcbSelectBf16Matmul") or lib.JaxcbSelectBf16Matmul(matmul) != matmul:
+        lacking.append(f"the {cpu_kernels.bf16_matmul_path()} bf16 matmul")
+    attention = {v: k for k, v in cpu_kernels.ATTENTION_PATHS.items()}[cpu_kernels.attention_path()]
+    if hasattr(lib, "JaxcbSelectAttention") and lib.JaxcbSelectAttention(attention) != attention:
+        lacking.append(f"the {cpu_kernels.attention_path()} attention path")
+    return lacking
+
+
 def against_table(rev: str, calls: int, step_rounds: int) -> None:
     attention_target, matmul_target, fused, targets = register_kernels_at(rev)
     cpu_kernels.load_cpu_kernels()
@@ -629,6 +644,7 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
         raise SystemExit(f"--against {rev} --steps: {rev} lacks kernels this checkout's step calls: {sorted(missing)}")
     cfg = compose_config(overrides)
     llm = LLM(cfg)
+    select_rev_paths(rev)  # after the engine chose this checkout's
     runner = llm.engine.runner
     with record_steps(runner) as recorded:
         run_offline(llm, make_workload(cfg.bench, llm.engine.model_config.vocab_size, cfg.engine.max_model_len),
