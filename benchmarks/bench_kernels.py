@@ -537,13 +537,11 @@ def alternate(runs: dict[str, tuple], calls: int) -> dict[str, float]:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def bf16_against(rev: str, fns: dict, calls: int) -> None:
+def bf16_against(rev: str, fns: dict, calls: int, lacking: dict[str, str]) -> None:
     """The same chain with bf16 weights, both revisions on the bf16 path this CPU chose (where `rev`
-    has that path)."""
+    has that path; `lacking`: what select_rev_paths could not select there)."""
     chosen = cpu_kernels.bf16_matmul_path()
-    code = {v: k for k, v in cpu_kernels.BF16_MATMUL_PATHS.items()}[chosen]
-    lib = REV_LIBRARIES[rev]
-    if not hasattr(lib, "JaxcbSelectBf16Matmul") or lib.JaxcbSelectBf16Matmul(code) != code:
+    if "matmul" in lacking:
         print(f"\n({rev} has no {chosen} bf16 matmul: no bf16 A/B)")
         return
     print()
@@ -563,18 +561,18 @@ def chain_against(rev: str, fns: dict, dtype, calls: int, title: str) -> None:
         print(f"| {m} | {1e3 * ms['this checkout']:.1f} | {1e3 * ms[rev]:.1f} | {ms[rev] / ms['this checkout']:.2f}x |")
 
 
-def select_rev_paths(rev: str) -> list[str]:
+def select_rev_paths(rev: str) -> dict[str, str]:
     """`rev`'s library on the bf16 matmul and bf16-cache attention paths this checkout chose: a
     library starts on its paths without AMX until told, so a step replayed with `rev`'s kernels
-    ran ~1.2x slower on SmolLM2 bf16 with identical sources (a comment apart). Returns the paths
-    `rev` lacks."""
-    lib, lacking = REV_LIBRARIES[rev], []
+    ran ~1.2x slower on SmolLM2 bf16 with identical sources (a comment apart). Returns what `rev`
+    lacks: "matmul" and/or "attention" -> which path."""
+    lib, lacking = REV_LIBRARIES[rev], {}
     matmul = {v: k for k, v in cpu_kernels.BF16_MATMUL_PATHS.items()}[cpu_kernels.bf16_matmul_path()]
     if not hasattr(lib, "JaxcbSelectBf16Matmul") or lib.JaxcbSelectBf16Matmul(matmul) != matmul:
-        lacking.append(f"the {cpu_kernels.bf16_matmul_path()} bf16 matmul")
+        lacking["matmul"] = f"the {cpu_kernels.bf16_matmul_path()} bf16 matmul"
     attention = {v: k for k, v in cpu_kernels.ATTENTION_PATHS.items()}[cpu_kernels.attention_path()]
     if hasattr(lib, "JaxcbSelectAttention") and lib.JaxcbSelectAttention(attention) != attention:
-        lacking.append(f"the {cpu_kernels.attention_path()} attention path")
+        lacking["attention"] = f"the {cpu_kernels.attention_path()} attention path (its bf16-cache rows take the rows path)"
     return lacking
 
 
@@ -589,8 +587,9 @@ def against_table(rev: str, calls: int, step_rounds: int) -> None:
         return call(x, packed)
 
     fns = {"this checkout": small_matmul_chain(packed_matmul), rev: small_matmul_chain(matmul_at_rev)}
+    lacking = select_rev_paths(rev)
     chain_against(rev, fns, jnp.float32, calls, "small's matmul chain")
-    bf16_against(rev, fns, calls)
+    bf16_against(rev, fns, calls, lacking)
 
     layers = SMALL_HEADS["num_layers"]
 
@@ -601,11 +600,8 @@ def against_table(rev: str, calls: int, step_rounds: int) -> None:
 
     fns = {"this checkout": small_attention_all_layers(ragged_paged_attention_cpu),
            rev: small_attention_all_layers(attention_at_rev)}
-    # Both on the bf16-cache path this CPU chose (a library starts on the rows path until told).
-    chosen = {v: k for k, v in cpu_kernels.ATTENTION_PATHS.items()}[cpu_kernels.attention_path()]
-    lib = REV_LIBRARIES[rev]
-    if hasattr(lib, "JaxcbSelectAttention") and lib.JaxcbSelectAttention(chosen) != chosen:
-        print(f"({rev} has no {cpu_kernels.attention_path()} attention path: its bf16-cache rows take the rows path)")
+    if "attention" in lacking:  # else select_rev_paths put both on this CPU's bf16-cache path
+        print(f"({rev} has no {lacking['attention']})")
     print(f"\n| attention, small's heads | this checkout (ms / layer) | {rev} (ms / layer) | {rev} / this |")
     print("|---|---|---|---|")
     cases = []
@@ -644,7 +640,8 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
         raise SystemExit(f"--against {rev} --steps: {rev} lacks kernels this checkout's step calls: {sorted(missing)}")
     cfg = compose_config(overrides)
     llm = LLM(cfg)
-    select_rev_paths(rev)  # after the engine chose this checkout's
+    if lacking := select_rev_paths(rev):  # after the engine chose this checkout's; the CLI selected them already
+        print(f"({rev} lacks {' and '.join(lacking.values())}: its steps run without them)")
     runner = llm.engine.runner
     with record_steps(runner) as recorded:
         run_offline(llm, make_workload(cfg.bench, llm.engine.model_config.vocab_size, cfg.engine.max_model_len),
