@@ -231,10 +231,17 @@ def test_host_blocks_restore_what_was_offloaded_whether_or_not_it_has_landed(tra
     if transfer == "pinned_host":
         assert {c.host_k.sharding.memory_kind for c in first} == {"pinned_host"}
     cache = host.restore(cache, [(3, 30), (19, 31)])  # before anything landed: read from the gathered arrays
+
+    def finish(copies):  # their transfers done first: on a loaded machine one may still be on its way
+        for copy in copies:
+            jax.block_until_ready(copy.landing())
+
+    finish(first)
     host.land(first)
     # Host block 5 is offloaded again from another device block: the later copy is what it holds.
     host.offload(cache, [(7, 5)])
     cache = host.restore(cache, [(5, 32), (12, 33)])
+    finish(host._pending)
     host.land()
     cache = host.restore(cache, [(5, 34)])
     k = np.asarray(cache.k)

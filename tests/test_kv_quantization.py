@@ -3,6 +3,8 @@ the dequantized cache, on random ragged batches whose unused slots hold garbage 
 one), with sliding windows, soft-caps and head_dim 256; the write quantizes with saturation; swap copies
 the raw bytes."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,16 +59,30 @@ def quantized_cache(batch, dtype_name: str, seed: int = 0) -> tuple[KVCache, jnp
     return cache, dequantize(cache.k, cache.k_scale), dequantize(cache.v, cache.v_scale)
 
 
+# Each side as one jitted program, cached: op by op, every random batch's shapes compiled each op anew.
+@functools.cache
+def compiled_attend(form_name: str, static_kw: tuple):
+    form = FORMS[form_name]()
+    return jax.jit(lambda q, cache, layer, md, **traced: form.attend(q, cache, layer, md, SM_SCALE, **dict(static_kw),
+                                                                     **traced))
+
+
+@functools.cache
+def compiled_reference(static_kw: tuple):
+    return jax.jit(lambda *args, **traced: ragged_paged_attention_reference(*args, sm_scale=SM_SCALE,
+                                                                            **dict(static_kw), **traced))
+
+
 def attend_both(form_name, batch, dtype_name, q_dtype=jnp.float32, **kw):
     """(the form on the quantized cache, the reference on the dequantized one), f32 numpy."""
     cache, k_ref, v_ref = quantized_cache(batch, dtype_name)
     q, _, _, kv_lens, tables, qsl, num_seqs, layer = batch.args(jnp)
     md = AttentionMetadata(jnp.zeros(q.shape[0], jnp.int32), qsl, kv_lens, tables, num_seqs)
-    form = FORMS[form_name]()
+    traced = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}  # a window; a softcap stays static
+    static = tuple(sorted((k, v) for k, v in kw.items() if k not in traced))
     with jax.default_matmul_precision("highest"):
-        out = form.attend(q.astype(q_dtype), cache, layer, md, SM_SCALE, **kw)
-        expected = ragged_paged_attention_reference(q, k_ref, v_ref, kv_lens, tables, qsl, num_seqs, layer,
-                                                    sm_scale=SM_SCALE, **kw)
+        out = compiled_attend(form_name, static)(q.astype(q_dtype), cache, layer, md, **traced)
+        expected = compiled_reference(static)(q, k_ref, v_ref, kv_lens, tables, qsl, num_seqs, layer, **traced)
     return np.asarray(out.astype(jnp.float32)), np.asarray(expected)
 
 
