@@ -227,3 +227,35 @@ def test_the_cpu_backend_in_bf16_computes_what_float32_does_on_the_same_bf16_wei
     got, want = np.stack(ours.logits), np.stack(reference.logits)
     assert got.dtype == np.float32  # the LM head accumulates and writes float32
     np.testing.assert_allclose(got, want, atol=0.01 * np.abs(want).max())  # measured: 0.003
+
+
+def test_the_cpu_backend_skips_a_steps_padding_rows_and_its_real_rows_stay_the_same():
+    """The rows past the step's last sequence (the padding up to the bucket's size) are not multiplied
+    on the cpu backend: they come out of the layers zero, and the real rows equal those of the same
+    tokens with no padding."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.reference_generate import prepare
+    from jaxcb.kernels.attention import AttentionMetadata
+    from jaxcb.kv_cache import allocate_kv_cache
+    from jaxcb.model.llama import build_random_model, forward
+
+    cfg = resolve_llama_config(compose_config(["model=tiny"]).model)
+    backend, weights = prepare(build_random_model(cfg, seed=0), select("cpu"), max_len=64)
+    step = jax.jit(forward, static_argnums=0)
+    n = 5
+
+    def hidden(num_rows: int) -> np.ndarray:
+        ids, positions, slots = (np.zeros(num_rows, np.int32) for _ in range(3))
+        ids[:n], positions[:n], slots[:n] = PROMPTS[1][:n], np.arange(n), 16 + np.arange(n)  # block 1; padding: 0
+        md = AttentionMetadata(jnp.asarray(slots), jnp.asarray([0, n], jnp.int32), jnp.asarray([n], jnp.int32),
+                               jnp.asarray([[1, 2]], jnp.int32), jnp.asarray(1, jnp.int32))
+        cache = allocate_kv_cache(cfg, 3, 16, jnp.float32)
+        h, _ = step(backend, weights, jnp.asarray(ids), jnp.asarray(positions), cache, md)
+        return np.asarray(h)
+
+    padded, alone = hidden(32), hidden(n)
+    assert not padded[n:].any()
+    np.testing.assert_allclose(padded[:n], alone, rtol=1e-6, atol=1e-6)

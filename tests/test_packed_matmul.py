@@ -157,6 +157,50 @@ def test_packed_qkv_is_the_projection_rope_and_cache_write_bit_for_bit(t, k, hq,
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(e, np.float32))
 
 
+@pytest.mark.parametrize("weight_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("real", [0, 1, 16, 17, 44])
+def test_the_kernels_compute_only_the_real_rows_and_leave_zeros_past_them(weight_dtype, real):
+    """With `real_rows` each kernel computes what a call on the real rows alone computes, bit for bit;
+    the padding rows after them come out zero, and their K/V rows are not written."""
+    m, k, n, f, hq, hkv, d = 44, 64, 40, 48, 4, 2, 16
+    rng = np.random.default_rng(real)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+    norm = jnp.asarray(rng.standard_normal(k, np.float32))
+    residual = jnp.asarray(rng.standard_normal((m, n), np.float32))
+    w = pack(jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.1, weight_dtype))
+    gate_up = pack_pairs(*(jnp.asarray(rng.standard_normal((k, f), np.float32) * 0.1, weight_dtype) for _ in "gu"))
+    down = pack(jnp.asarray(rng.standard_normal((f, n), np.float32) * 0.1, weight_dtype))
+    count = jnp.int32(real)
+
+    def check(padded, alone, width):
+        padded, alone = np.asarray(padded).reshape(m, width), np.asarray(alone).reshape(real, width)
+        np.testing.assert_array_equal(padded[:real], alone)
+        assert not padded[real:].any()
+
+    check(packed_matmul(x, w, n, norm=norm, eps=1e-5, residual=residual, real_rows=count),
+          packed_matmul(x[:real], w, n, norm=norm, eps=1e-5, residual=residual[:real]), n)
+    check(packed_mlp(x, gate_up, down, n, norm=norm, eps=1e-5, residual=residual, real_rows=count),
+          packed_mlp(x[:real], gate_up, down, n, norm=norm, eps=1e-5, residual=residual[:real]), n)
+    qkv_n = (hq + 2 * hkv) * d
+    wq = pack(jnp.asarray(rng.standard_normal((k, qkv_n), np.float32) * 0.1, weight_dtype))
+    angles = rng.standard_normal((m, d // 2)).astype(np.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    shape = (2, hkv, 30, 2, d)  # 60 slots a layer, each row its own
+    caches = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in "kv"]
+    slots = jnp.asarray(rng.permutation(60)[:m].astype(np.int32))
+
+    @jax.jit
+    def qkv(h, slots, k_cache, v_cache, real_rows=None):
+        return packed_qkv(h, wq, norm, 1e-5, cos[: h.shape[0]], sin[: h.shape[0]], k_cache, v_cache, jnp.int32(1),
+                          slots, hq, real_rows=real_rows)
+
+    q, *padded_caches = qkv(x, slots, *caches, real_rows=count)
+    q_alone, *alone_caches = qkv(x[:real], slots[:real], *caches)
+    check(q, q_alone, hq * d)
+    for padded, alone in zip(padded_caches, alone_caches):  # the padding rows' slots untouched
+        np.testing.assert_array_equal(np.asarray(padded, np.float32), np.asarray(alone, np.float32))
+
+
 def test_packed_qkv_rejects_what_it_cannot_write():
     h, cos = jnp.ones((2, 8), jnp.float32), jnp.ones((2, 4), jnp.float32)
     cache, slots, packed = jnp.zeros((3, 1, 5, 4, 8)), jnp.zeros(2, jnp.int32), pack_columns(jnp.ones((8, 32)))

@@ -289,13 +289,15 @@ class Backend:
         return 1.0 / math.sqrt(self.cfg.query_pre_attn_scalar or self.cfg.head_dim)
 
     def add_attention_output(self, w: LayerWeights, h: jax.Array, attn: jax.Array,
-                             lora: Optional[LoraRows] = None) -> jax.Array:
+                             lora: Optional[LoraRows] = None, num_tokens: Optional[jax.Array] = None) -> jax.Array:
+        # num_tokens unused: XLA's dot computes every row, the padding's with them
         out = jnp.einsum("thk,hkd->td", attn, w.o_proj)
         if lora is not None:
             out = self.lora_update(attn.reshape(attn.shape[0], -1), lora, "o_proj", out)
         return h + (out if w.post_attn_norm is None else self.norm(out, w.post_attn_norm))
 
-    def add_mlp(self, w: LayerWeights, h: jax.Array, lora: Optional[LoraRows] = None) -> jax.Array:
+    def add_mlp(self, w: LayerWeights, h: jax.Array, lora: Optional[LoraRows] = None,
+                num_tokens: Optional[jax.Array] = None) -> jax.Array:
         x = self.norm(h, w.mlp_norm)
         if isinstance(w, FusedLayerWeights):
             gate_up = jnp.einsum("td,dgcf->tgcf", x, w.gate_up_proj)

@@ -110,10 +110,11 @@ class CpuBackend(Backend):
                                                             norm=w.attn_norm, eps=cfg.rms_norm_eps)
             q, k_cache, v_cache = packed_qkv(h, w.qkv_proj, w.attn_norm, cfg.rms_norm_eps, *rope, cache.k, cache.v,
                                              layer, md.slot_mapping, cfg.num_heads, addend,
-                                             None if lora is None else lora.slots)
+                                             None if lora is None else lora.slots, real_rows=md.query_start_loc[-1])
             cache = KVCache(k_cache, v_cache)
             return self.attention.attend(q, cache, layer, md, self.sm_scale, window), cache
-        qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps)
+        qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps,
+                            real_rows=md.query_start_loc[-1])
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         if lora is not None:  # each row's updates of q, k and v in one call, from the same normed input
@@ -123,19 +124,23 @@ class CpuBackend(Backend):
                       v_.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
 
-    def add_attention_output(self, w: PackedLayerWeights, h, attn, lora: Optional[LoraRows] = None):
+    # The matmuls skip the step's padding rows (`num_tokens` on): their results are zeros, which only
+    # the padding's own later rows read.
+    def add_attention_output(self, w: PackedLayerWeights, h, attn, lora: Optional[LoraRows] = None,
+                             num_tokens: Optional[jax.Array] = None):
         attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)
         residual = h.astype(jnp.float32)
         if lora is not None:  # folded into the residual the kernel adds (a base row's is left as it is)
             residual = batched_lora(attn, lora.weights.o, lora.slots, residual)
-        return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual)
+        return packed_matmul(attn, w.o_proj, self.cfg.hidden_size, residual=residual, real_rows=num_tokens)
 
-    def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None):
+    def add_mlp(self, w: PackedLayerWeights, h, lora: Optional[LoraRows] = None,
+                num_tokens: Optional[jax.Array] = None):
         h = h.astype(jnp.float32)
         cfg = self.cfg
         if lora is None:
             return packed_mlp(h, w.gate_up_proj, w.down_proj, cfg.hidden_size, norm=w.mlp_norm, eps=cfg.rms_norm_eps,
-                              residual=h)
+                              residual=h, real_rows=num_tokens)
         # LoRA: each row's gate/up shrink in one call (from the same normed input); the fused kernel then
         # adds its B side inside its tiles before the activation and takes down's shrink from the
         # activation as it goes (no [T, 2F] update or [T, F] activation written out); down's B side
@@ -146,7 +151,8 @@ class CpuBackend(Backend):
             lora.weights.gate_up.b.shape, num_pairs, f, self.lora_dtype)
         u = lora_shrink(h, lora.weights.gate_up, lora.slots, norm=w.mlp_norm, eps=eps)
         y, down_u = packed_mlp(h, w.gate_up_proj, w.down_proj, cfg.hidden_size, norm=w.mlp_norm, eps=eps, residual=h,
-                               lora=MlpLora(lora.slots, u, lora.weights.gate_up.b, lora.weights.down.a))
+                               lora=MlpLora(lora.slots, u, lora.weights.gate_up.b, lora.weights.down.a),
+                               real_rows=num_tokens)
         return lora_expand(down_u, lora.weights.down, lora.slots, y)
 
     def prepare_lora(self, buffers: list[LoraLayerWeights]) -> list[PackedLoraLayer]:

@@ -14,6 +14,10 @@ float32 either way: a bf16 product accumulates in float32, and x is rounded to b
 - `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
   and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
 
+`packed_matmul`, `packed_qkv` and `packed_mlp` take `real_rows` (i32[]): the rows past the first
+`real_rows` are the padding of the engine's fixed-size steps, neither read nor multiplied, and
+zeros in the result (their K/V rows not written), so that a step costs its tokens, not its bucket.
+
 XLA:CPU's dot re-packs its weight operand on every call and streams it at a few GB/s for a
 decode step's few rows, where the packed kernel runs near the machine's matmul peak
 (docs/benchmarks.md has the side-by-side figures).
@@ -62,6 +66,18 @@ def packed_depth(k: int, packed: jax.Array) -> int:
     return _pair_depth(k) if packed.dtype == jnp.uint32 else k
 
 
+# Whether the kernels take `real_rows` (an optional operand): a build from before it took none, and
+# benchmarks/bench_kernels.py's replay against such a revision turns this off while it traces.
+TAKES_REAL_ROWS = True
+
+
+def _real_rows(real_rows: jax.Array | None) -> tuple:
+    """The kernels' optional last operand: the count of real rows, i32[1]; none when not given."""
+    if real_rows is None or not TAKES_REAL_ROWS:
+        return ()
+    return (jnp.reshape(real_rows, (1,)).astype(jnp.int32),)
+
+
 def _optional_inputs(x: jax.Array, n: int, norm: jax.Array | None, residual: jax.Array | None) -> tuple:
     """The kernels' optional rms-norm weight [K] and residual [rows, n], empty when not given."""
     k = x.shape[-1]
@@ -90,16 +106,18 @@ def _check_packed_matmul(x: jax.Array, packed: jax.Array, n: int) -> None:
 
 
 def packed_matmul(x: jax.Array, packed: jax.Array, n: int, *, norm: jax.Array | None = None, eps: float = 0.0,
-                  residual: jax.Array | None = None) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
+                  residual: jax.Array | None = None, real_rows: jax.Array | None = None
+                  ) -> jax.Array:  # [..., K] @ [K, n] -> [..., n]
     """x @ w for float32 x, with `packed = pack_columns(w)` and n = w.shape[1]. With `norm` ([K]) x
     is RMS-normalised first (`rms_norm(x, norm, eps)`, fused into the kernel's packing of x); with
-    `residual` ([..., n]) the result is residual + x @ w."""
+    `residual` ([..., n]) the result is residual + x @ w. With `real_rows` (i32[]) only x's first
+    rows (flattened) are computed, the others' results are zeros."""
     _check_packed_matmul(x, packed, n)
     norm, residual = _optional_inputs(x, n, norm, residual)
     _load_for(packed)
     rows = x.reshape(-1, x.shape[-1])
     y = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32))(
-        rows, packed, norm, residual, eps=np.float32(eps))
+        rows, packed, norm, residual, *_real_rows(real_rows), eps=np.float32(eps))
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -118,6 +136,7 @@ def packed_qkv(
     num_q_heads: int,
     addend: jax.Array | None = None,  # f32[T, (Hq + 2 Hkv) D]: added to the projection before rope and the write,
     addend_rows: jax.Array | None = None,  # i32[T]: on the rows where this is >= 0 (others' addend rows never read)
+    real_rows: jax.Array | None = None,  # i32[]: rows past it are padding: q zeros, K/V not written
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (q f32[T, Hq, D], k_cache, v_cache)
     """q = rope(rms_norm(h) @ w_q), and rope(rms_norm(h) @ w_k) and rms_norm(h) @ w_v written at
     `slots` of `layer` into the caches (in place when they are donated), in one call: what
@@ -144,7 +163,8 @@ def packed_qkv(
                                          jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
                             input_output_aliases={5: 1, 6: 2})
     return call(h, packed, norm, cos, sin, k_cache, v_cache, slots.astype(jnp.int32),
-                jnp.reshape(layer, ()).astype(jnp.int32), addend, addend_rows, eps=np.float32(eps))
+                jnp.reshape(layer, ()).astype(jnp.int32), addend, addend_rows, *_real_rows(real_rows),
+                eps=np.float32(eps))
 
 
 def _addend(addend: jax.Array | None, rows: jax.Array | None, t: int, n: int) -> tuple[jax.Array, jax.Array]:
@@ -214,11 +234,12 @@ def pair_rows(w: jax.Array) -> jax.Array:
 
 
 def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, norm: jax.Array | None = None,
-               eps: float = 0.0, residual: jax.Array | None = None, lora: MlpLora | None = None):
+               eps: float = 0.0, residual: jax.Array | None = None, lora: MlpLora | None = None,
+               real_rows: jax.Array | None = None):
     # [..., K] -> [..., n], or ([..., n], [..., Cd]) with lora
     """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
     `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
-    `residual` as in `packed_matmul`. With `lora` each row with a slot s gets its adapter's gate/up
+    `residual` as in `packed_matmul`, and `real_rows` (down's shrink zeros past them too). With `lora` each row with a slot s gets its adapter's gate/up
     update before the activation (gate's columns + u[:R] @ B_gate, up's + u[R:2R] @ B_up, from
     `gate_up_b[s]`), and the call also returns down's shrink of its activation (float32
     [M, Cd]: act[:, :Fd] @ down_a[s]; a base row's undefined), for `lora_expand` to add after."""
@@ -252,6 +273,6 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
     _load_for(gate_up, down)
     y, down_u = jax.ffi.ffi_call(MLP_TARGET, (jax.ShapeDtypeStruct((m, n), jnp.float32),
                                               jax.ShapeDtypeStruct((m if cd else 0, cd), jnp.float32)))(
-        rows, gate_up, down, norm, residual, *operands, eps=np.float32(eps))
+        rows, gate_up, down, norm, residual, *operands, *_real_rows(real_rows), eps=np.float32(eps))
     y = y.reshape(*x.shape[:-1], n)
     return (y, down_u.reshape(*x.shape[:-1], cd)) if lora is not None else y

@@ -275,7 +275,8 @@ class LayerOps(Protocol):
         h: jax.Array,  # [T, D]
         attn: jax.Array,  # [T, Hq, K], in h's dtype
         lora: Optional[LoraRows] = None,  # each row's adapter on o_proj
-    ) -> jax.Array:  # [T, D]: h + attn @ o_proj (+ its LoRA update)
+        num_tokens: Optional[jax.Array] = None,  # i32[]: the real tokens; rows past them are padding, never read
+    ) -> jax.Array:  # [T, D]: h + attn @ o_proj (+ its LoRA update); a padding row's may be anything finite
         ...
 
     def add_mlp(
@@ -283,6 +284,7 @@ class LayerOps(Protocol):
         w: Any,  # one layer's weights
         h: jax.Array,  # [T, D]
         lora: Optional[LoraRows] = None,  # each row's adapter on gate/up/down
+        num_tokens: Optional[jax.Array] = None,  # i32[]: as in add_attention_output
     ) -> jax.Array:  # [T, D]: h + SwiGLU(norm(h)) (gate, up and down each with its LoRA update)
         ...
 
@@ -345,13 +347,15 @@ def decoder_layer(
 ) -> tuple[jax.Array, KVCache]:  # ([T, D], the cache with this layer's new K/V)
     """One decoder layer: attention (its K/V written), output projection plus residual, MLP plus residual."""
     cs = cos_sin if is_local is None else cos_sin[is_local]
+    # The step's real tokens (the last sequence's end): a backend may skip the padding rows after them.
+    num_tokens = md.query_start_loc[-1]
     if lora is None:  # the operations' own calls: a model without LoRA compiles what it always did
         attn, cache = ops.self_attention(w, h, (cs[0], cs[1]), cache, layer, md, window)
-        h = ops.add_attention_output(w, h, attn.astype(h.dtype))
-        return ops.add_mlp(w, h), cache
+        h = ops.add_attention_output(w, h, attn.astype(h.dtype), num_tokens=num_tokens)
+        return ops.add_mlp(w, h, num_tokens=num_tokens), cache
     attn, cache = ops.self_attention(w, h, (cs[0], cs[1]), cache, layer, md, window, lora=lora)
-    h = ops.add_attention_output(w, h, attn.astype(h.dtype), lora=lora)
-    return ops.add_mlp(w, h, lora=lora), cache
+    h = ops.add_attention_output(w, h, attn.astype(h.dtype), lora=lora, num_tokens=num_tokens)
+    return ops.add_mlp(w, h, lora=lora, num_tokens=num_tokens), cache
 
 
 # The unrolled loop's layer, a nested jit: every layer has the same shapes, so a step traces and

@@ -1019,6 +1019,21 @@ void ResidualOnly(const float* residual, int64_t M, int64_t N, float* c) {
   else std::memset(c, 0, M * N * sizeof(float));
 }
 
+// The rows a call computes: the first `real_rows` (a scalar, clamped to [0, M]) when the operand is
+// there, else all M. The engine pads a step's tokens to its bucket's size; the rows past the real
+// ones are neither read nor multiplied, and their results are zeros, so that a step costs its
+// tokens rather than its bucket.
+using RealRowsArg = std::optional<ffi::Buffer<ffi::S32>>;
+int64_t RealRows(const RealRowsArg& real_rows, int64_t M) {
+  if (!real_rows || real_rows->element_count() == 0) return M;
+  return std::clamp<int64_t>(real_rows->typed_data()[0], 0, M);
+}
+
+// Rows [m0, m1) of a row-major [*, N] result set to zero.
+void ZeroRows(float* c, int64_t m0, int64_t m1, int64_t N) {
+  if (m1 > m0) std::memset(c + m0 * N, 0, (m1 - m0) * N * sizeof(float));
+}
+
 inline void WaitFor(const std::atomic<int64_t>& count, int64_t target) {
   while (count.load(std::memory_order_acquire) < target) std::this_thread::yield();
 }
@@ -1064,12 +1079,13 @@ void PackThenMultiply(ffi::ThreadPool& pool, const PackedRows& rows, int64_t mul
 
 // y [M, N] = residual + rms_norm(x) @ w, the norm and the residual each optional (empty).
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual, float eps,
-                            ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
+                            RealRowsArg real_rows, float eps, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2)
     return ffi::Error::InvalidArgument("packed matmul expects x [M, K], packed w [P, K, 16] and y [M, N]");
-  const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
+  int64_t M = xd[0];
+  const int64_t K = xd[1], P = wd[0], N = yd[1];
   bool pairs;
   if (auto error = PairsOf(w, "the matmul's weight", &pairs); error.failure()) return error;
   if (wd[1] != PackedDepth(K, pairs) || wd[2] != kPanel || yd[0] != M || (N + kPanel - 1) / kPanel != P)
@@ -1079,6 +1095,9 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const float *norm = nullptr, *res = nullptr;
   if (auto error = OptionalInputs(norm_weight, residual, M, K, N, &norm, &res); error.failure()) return error;
   float* c = y->typed_data();
+  const int64_t all_rows = M;
+  M = RealRows(real_rows, M);
+  ZeroRows(c, M, all_rows, N);
   if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0) {
     ResidualOnly(res, M, N, c);
@@ -1156,13 +1175,15 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                          ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                          ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> slots,
                          ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> addend_buffer,
-                         ffi::Buffer<ffi::S32> addend_rows_buffer, float eps, ffi::ResultBuffer<ffi::F32> q,
-                         ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+                         ffi::Buffer<ffi::S32> addend_rows_buffer, RealRowsArg real_rows, float eps,
+                         ffi::ResultBuffer<ffi::F32> q, ffi::Result<ffi::AnyBuffer> k_out,
+                         ffi::Result<ffi::AnyBuffer> v_out) {
   const auto xd = x.dimensions(), wd = w.dimensions(), qd = q->dimensions(), cd = k_cache.dimensions();
   if (xd.size() != 2 || wd.size() != 3 || qd.size() != 3 || cd.size() != 5)
     return ffi::Error::InvalidArgument(
         "packed qkv expects x [M, K], packed w [P, K, 16], q [M, Hq, D] and caches [L, Hkv, NB, BS, D]");
-  const int64_t M = xd[0], K = xd[1], P = wd[0], Hq = qd[1], D = qd[2];
+  int64_t M = xd[0];
+  const int64_t K = xd[1], P = wd[0], Hq = qd[1], D = qd[2];
   const int64_t L = cd[0], H = cd[1], num_slots = cd[2] * cd[3], N = (Hq + 2 * H) * D;
   bool pairs;
   if (auto error = PairsOf(w, "the q/k/v weight", &pairs); error.failure()) return error;
@@ -1200,6 +1221,9 @@ ffi::Error PackedQkvImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
                  addend_buffer.dimensions()[1] != N || addend_rows_buffer.element_count() != M))
     return ffi::Error::InvalidArgument("packed qkv: the addend must be [M, " + std::to_string(N) +
                                        "] with addend rows [M], or empty");
+  const int64_t all_rows = M;
+  M = RealRows(real_rows, M);  // the padding rows' q: zeros; their K/V: not written
+  ZeroRows(q->typed_data(), M, all_rows, Hq * D);
   if (M == 0 || N == 0) return ffi::Error::Success();
   thread_local std::vector<float> buffer, y_buffer;
   if (y_buffer.size() < static_cast<size_t>(M * N)) y_buffer.resize(M * N);
@@ -1360,7 +1384,7 @@ void AddDownShrinks(const float* const* act, int64_t cols, const W* a, int64_t C
 ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                          ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
                          ffi::Buffer<ffi::S32> lora_slots, ffi::Buffer<ffi::F32> gate_up_u, ffi::AnyBuffer gate_up_b,
-                         ffi::AnyBuffer down_a, float eps, ffi::ResultBuffer<ffi::F32> y,
+                         ffi::AnyBuffer down_a, RealRowsArg real_rows, float eps, ffi::ResultBuffer<ffi::F32> y,
                          ffi::ResultBuffer<ffi::F32> down_u) {
   const auto xd = x.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions(), yd = y->dimensions(),
              ud = gate_up_u.dimensions(), bd = gate_up_b.dimensions(), ad = down_a.dimensions(),
@@ -1377,7 +1401,8 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   // down's packed depth is F (floats) or PackedDepth(F) pairs. bf16 gate/up come padded to a
   // multiple of 32 columns (pack_gate_up), zeros, which down's padding rows meet: silu(0) * 0 adds
   // nothing, and every panel is whole.
-  const int64_t M = xd[0], K = xd[1], Q = gd[0] / 2, P = dd[0], N = yd[1];
+  int64_t M = xd[0];
+  const int64_t K = xd[1], Q = gd[0] / 2, P = dd[0], N = yd[1];
   const int64_t F = bf16 ? kPanel * Q : dd[1], h_depth = dd[1];
   if (gd[0] % 2 || gd[1] != PackedDepth(K, bf16) || gd[2] != kPanel || (F + kPanel - 1) / kPanel != Q ||
       h_depth != PackedDepth(F, bf16) || dd[2] != kPanel ||
@@ -1416,8 +1441,12 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
     return ffi::Error::InvalidArgument("packed mlp: LoRA's operands come with down's u [M, Cd], Cd > 0");
   }
   float* c = y->typed_data();
-  if (M == 0 || N == 0) return ffi::Error::Success();
   float* d_out = lora ? down_u->typed_data() : nullptr;
+  const int64_t all_rows = M;
+  M = RealRows(real_rows, M);
+  ZeroRows(c, M, all_rows, N);
+  if (d_out) ZeroRows(d_out, M, all_rows, lora->Cd);
+  if (M == 0 || N == 0) return ffi::Error::Success();
   if (K == 0 || F == 0) {  // silu(0) * 0 = 0
     ResidualOnly(res, M, N, c);
     if (d_out) std::memset(d_out, 0, M * lora->Cd * sizeof(float));
@@ -1728,6 +1757,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmul, PackedMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // real rows (RealRows)
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -1745,6 +1775,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedQkv, PackedQkvImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // real rows (RealRows)
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
@@ -1762,6 +1793,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMlp, PackedMlpImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // real rows (RealRows)
                                   .Attr<float>("eps")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
