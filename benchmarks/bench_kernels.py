@@ -18,8 +18,12 @@ side from REV's C++ sources (`jaxcb/kernels/cpu/`) and timed alternately in one 
 chain by step size, with float32 and with bf16 weights (both on the bf16 path this CPU chose), and
 attention over small's heads (both on this CPU's bf16-cache path). The A/B behind a kernel change. With
 --steps ROUNDS, also the engine's own compiled steps: the full-batch run of docs/benchmarks.md
-(64 requests, 40 prompt + 100 output tokens each, on `small`) recorded once and replayed whole
-with each revision's kernels in turn (REV's kernels must take this checkout's arguments).
+(64 requests, 40 prompt + 100 output tokens each, on `small`), or the run the Hydra overrides after
+the options describe, recorded once and replayed whole with each revision's kernels in turn (REV's
+kernels must take this checkout's arguments; a REV from before `real_rows` is traced without it):
+
+    python benchmarks/bench_kernels.py --against REV --calls 5 --steps 6 model=hf model.checkpoint=DIR
+        model.dtype=bfloat16 bench.workload=file bench.file=WORKLOAD.jsonl   (one command)
 
 bf16-matmul: the same chain with bf16 weights, on each bf16 path this CPU runs (AMX tiles,
 AVX512-BF16 dot products, widening to float32; `jaxcb.kernels.cpu.bf16_matmul_path`), against
@@ -182,11 +186,13 @@ def main() -> None:
     parser.add_argument("--against", metavar="REV", help="A/B this checkout's kernels against git revision REV's")
     parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
                         help="with --against: also replay the engine's whole full-batch run with each, ROUNDS times")
+    parser.add_argument("overrides", nargs="*",
+                        help="with --steps: Hydra overrides of the run replayed (default: the full-batch run on small)")
     args = parser.parse_args()
     kept = "glibc keeps freed memory" if KEPT_FREED_MEMORY else "the allocator's defaults (freed memory may fault in again)"
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; median of {args.calls} calls; {kept}\n")
     if args.against:
-        against_table(args.against, args.calls, args.steps)
+        against_table(args.against, args.calls, args.steps, args.overrides or FULL_BATCH)
         return
     kernels = set(args.kernels.split(","))
     if kernels - {"attention", "bf16-matmul", "cache-dtype", "huge-pages", "matmul", "lm-head", "lora", "qkv"}:
@@ -579,7 +585,7 @@ def select_rev_paths(rev: str) -> dict[str, str]:
     return lacking
 
 
-def against_table(rev: str, calls: int, step_rounds: int) -> None:
+def against_table(rev: str, calls: int, step_rounds: int, overrides: list[str]) -> None:
     attention_target, matmul_target, fused, targets = register_kernels_at(rev)
     cpu_kernels.load_cpu_kernels()
 
@@ -620,7 +626,7 @@ def against_table(rev: str, calls: int, step_rounds: int) -> None:
               f"{ms[rev] / ms['this checkout']:.2f}x |")
     if step_rounds > 0:
         print()
-        steps_against(rev, targets, step_rounds)
+        steps_against(rev, targets, step_rounds, overrides)
 
 
 # The full-batch workload of docs/benchmarks.md: 64 requests of 40 prompt and 100 output tokens,
