@@ -6,6 +6,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # One OpenMP thread for transformers' reference runs (torch reads this when imported): beside another
+    # worker's XLA threads, torch's spinning ones ran SmolLM2's greedy reference 4x slower (53 s against 13).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
