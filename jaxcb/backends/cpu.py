@@ -101,6 +101,7 @@ class CpuBackend(Backend):
         llama_attention = w.qkv_bias is None and w.q_norm is None
         fused = self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES and llama_attention
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        real_rows = md.query_start_loc[-1]  # the step's real tokens: the projection skips the padding after them
         if fused:
             # q/k/v, rope and the cache write in one kernel call, then attention over the cache. (A
             # family with q/k/v biases or q/k norms takes the path below: its projections, then XLA.)
@@ -110,11 +111,10 @@ class CpuBackend(Backend):
                                                             norm=w.attn_norm, eps=cfg.rms_norm_eps)
             q, k_cache, v_cache = packed_qkv(h, w.qkv_proj, w.attn_norm, cfg.rms_norm_eps, *rope, cache.k, cache.v,
                                              layer, md.slot_mapping, cfg.num_heads, addend,
-                                             None if lora is None else lora.slots, real_rows=md.query_start_loc[-1])
+                                             None if lora is None else lora.slots, real_rows=real_rows)
             cache = KVCache(k_cache, v_cache)
             return self.attention.attend(q, cache, layer, md, self.sm_scale, window), cache
-        qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps,
-                            real_rows=md.query_start_loc[-1])
+        qkv = packed_matmul(h, w.qkv_proj, q + 2 * kv, norm=w.attn_norm, eps=cfg.rms_norm_eps, real_rows=real_rows)
         if w.qkv_bias is not None:
             qkv = qkv + w.qkv_bias
         if lora is not None:  # each row's updates of q, k and v in one call, from the same normed input
@@ -124,8 +124,8 @@ class CpuBackend(Backend):
                       v_.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
         return self.rope_write_and_attend(w, q_, k_, v_, rope, cache, layer, md, window)
 
-    # The matmuls skip the step's padding rows (`num_tokens` on): their results are zeros, which only
-    # the padding's own later rows read.
+    # Given `num_tokens`, the matmuls skip the step's padding rows after them: their results are zeros,
+    # which only the padding's own later rows read.
     def add_attention_output(self, w: PackedLayerWeights, h, attn, lora: Optional[LoraRows] = None,
                              num_tokens: Optional[jax.Array] = None):
         attn = attn.reshape(attn.shape[0], -1).astype(jnp.float32)

@@ -239,8 +239,8 @@ def packed_mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, n: int, *, nor
     # [..., K] -> [..., n], or ([..., n], [..., Cd]) with lora
     """(silu(x @ gate) * (x @ up)) @ down for float32, with `gate_up = pack_gate_up(gate, up)`,
     `down = pack_columns(down_weight)` and n = down_weight.shape[1]; `norm`, `eps` and
-    `residual` as in `packed_matmul`, and `real_rows` (down's shrink zeros past them too). With `lora` each row with a slot s gets its adapter's gate/up
-    update before the activation (gate's columns + u[:R] @ B_gate, up's + u[R:2R] @ B_up, from
+    `residual` as in `packed_matmul`, and `real_rows` (down's shrink zeros past them too). With
+    `lora` each row with a slot s gets its adapter's gate/up update before the activation (gate's columns + u[:R] @ B_gate, up's + u[R:2R] @ B_up, from
     `gate_up_b[s]`), and the call also returns down's shrink of its activation (float32
     [M, Cd]: act[:, :Fd] @ down_a[s]; a base row's undefined), for `lora_expand` to add after."""
     if x.dtype != jnp.float32 or gate_up.dtype != down.dtype or down.dtype not in (jnp.float32, jnp.uint32):

@@ -124,11 +124,11 @@ def default_token_buckets(budget: int, platform: str, max_num_seqs: int) -> list
     powers of two from 16 keep the compile count low.
 
     On CPU a step's time grows with its padded tokens under the xla backend (its matmuls are
-    compute-bound from a few rows on); the cpu backend's matmuls skip the padding, but the LM
-    head and sampling still run every sequence row. So the buckets start at 1. Up to `max_num_seqs` -- decode steps, one token a
-    sequence, the steps a busy engine runs most -- they add the midpoints (x1.5) of every power
-    of two, and `max_num_seqs` itself (a full decode batch pads nothing): a padded token costs
-    up to a third of a step instead of a half. Even where the weights' reads bound a step (a few
+    compute-bound from a few rows on); the cpu backend's matmuls skip the padding, but its LM head
+    and sampling still run every sequence row. So the buckets start at 1. Up to `max_num_seqs` --
+    decode steps, one token a sequence, the steps a busy engine runs most -- they add the
+    midpoints (x1.5) of every power of two, and `max_num_seqs` itself (a full decode batch pads
+    nothing): a padded token costs up to a third of a step instead of a half. Even where the weights' reads bound a step (a few
     rows), padding 1 token to 4 costs ~15% on `small`. Above it, where steps prefill, powers of
     two: a chunk at the budget pads nothing, and every bucket costs start-up a compile of each
     eager step variant (~1.5 s a bucket for SmolLM2 on 2 cores; docs/perf-notes.md)."""
