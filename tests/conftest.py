@@ -40,6 +40,19 @@ LONGEST_FIRST = ("test_gpu_check.py", "test_tensor_parallel.py", "test_smollm2.p
                  "test_draft_speculation.py", "test_gguf.py", "test_ray_jobs.py", "test_prefix_routing_ray.py")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist the controller builds the C++ kernels before it starts the workers: each
+    worker would otherwise build them itself on a fresh machine (both at once, the same library)."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        return
+    from jaxcb.kernels import cpu as cpu_kernels
+
+    try:
+        cpu_kernels.build_library()
+    except cpu_kernels.CpuKernelUnavailable:
+        pass  # the tests that need the kernels say why
+
+
 def pytest_sessionstart(session):
     """JAXCB_FAULT_LOG=DIR: each test process writes the Python stacks of all its threads to
     DIR/<worker>-<pid>.log on a fatal signal. Under pytest-xdist a crashed worker's own stderr is

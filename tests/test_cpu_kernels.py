@@ -59,29 +59,35 @@ def test_a_failed_build_says_why_and_leaves_no_library_behind(monkeypatch, tmp_p
 
 
 def fake_compiler_runs(monkeypatch) -> list:
-    """Replace the compile (not `--version`) with one that writes an empty library: what a test of the build's
-    keying needs, without compiling every kernel again. Returns the compile commands run."""
-    real_run, compiles = subprocess.run, []
+    """Replace the compiles and the link (not `--version`) with ones that write empty files: what a test
+    of the build's keying needs, without compiling every kernel again. Returns the builds run, each the
+    list of its sources."""
+    real_run, builds, compiled = subprocess.run, [], []
 
     def run(cmd, *args, **kwargs):
         if "--version" in cmd:
             return real_run(cmd, *args, **kwargs)
-        compiles.append(cmd)
+        if "-c" in cmd:
+            compiled.append(cmd[cmd.index("-c") + 1])
+        else:  # the link: one a build
+            builds.append(sorted(compiled))
+            compiled.clear()
         open(cmd[cmd.index("-o") + 1], "wb").close()
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
     monkeypatch.setattr(cpu_kernels.subprocess, "run", run)
-    return compiles
+    return builds
 
 
 def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypatch, tmp_path):
     """Keyed builds, with the compile faked: every other test of the kernels runs a real build."""
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path))
-    compiles = fake_compiler_runs(monkeypatch)
+    builds = fake_compiler_runs(monkeypatch)
     first = cpu_kernels.build_library()
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build_library() == first and first.stat().st_mtime_ns == mtime and len(compiles) == 1
-    compiles.clear()
+    assert cpu_kernels.build_library() == first and first.stat().st_mtime_ns == mtime
+    assert builds == [sorted(str(f) for f in cpu_kernels.SOURCES)]  # every source compiled, once
+    builds.clear()
     for i, source in enumerate(cpu_kernels.SOURCES):  # each source is part of the key
         changed = tmp_path / f"changed{i}.cc"
         changed.write_text(source.read_text() + "\n// changed\n")
@@ -90,24 +96,25 @@ def test_the_library_is_built_once_and_rebuilt_when_the_source_changes(monkeypat
         with monkeypatch.context() as m:
             m.setattr(cpu_kernels, "SOURCES", tuple(sources))
             assert cpu_kernels.build_library() != first
-    assert len(compiles) == len(cpu_kernels.SOURCES) and all(str(tmp_path / f"changed{i}.cc") in compiles[i]
-                                                             for i in range(len(compiles)))
+    assert len(builds) == len(cpu_kernels.SOURCES) and all(str(tmp_path / f"changed{i}.cc") in builds[i]
+                                                           for i in range(len(builds)))
+    assert [p.name for p in tmp_path.iterdir() if p.suffix not in (".so", ".cc")] == []  # no objects left behind
 
 
 def test_sources_from_another_directory_build_their_own_library(monkeypatch, tmp_path):
     """`build_library(source_dir)` builds another revision's kernels (the A/B of
     `benchmarks/bench_kernels.py --against`): keyed by their content, like this package's."""
     monkeypatch.setenv("JAXCB_KERNEL_CACHE", str(tmp_path / "cache"))
-    compiles = fake_compiler_runs(monkeypatch)  # keyed builds: the compile itself is faked
+    builds = fake_compiler_runs(monkeypatch)  # keyed builds: the compile itself is faked
     here = cpu_kernels.build_library()
-    compiles.clear()
+    builds.clear()
     for name, suffix in (("same", ""), ("changed", "\n// changed\n")):
         (tmp_path / name).mkdir()
         for f in (*cpu_kernels.SOURCES, *cpu_kernels.HEADERS):
             (tmp_path / name / f.name).write_text(f.read_text() + (suffix if f.suffix == ".cc" else ""))
-    assert cpu_kernels.build_library(tmp_path / "same") == here and compiles == []
+    assert cpu_kernels.build_library(tmp_path / "same") == here and builds == []
     assert cpu_kernels.build_library(tmp_path / "changed") != here
-    assert len(compiles) == 1 and str(tmp_path / "changed") in " ".join(compiles[0])
+    assert builds == [sorted(str(tmp_path / "changed" / f.name) for f in cpu_kernels.SOURCES)]
 
 
 def test_row_argmax_gives_jnp_argmax_indices_for_ties_infinities_nans_and_ragged_widths():
