@@ -278,7 +278,7 @@ class Engine:
         max_drafts = cfg.speculative.num_speculative_tokens if cfg.speculative.method != "none" else 0
         max_blocks_per_seq = -(-self.max_model_len // plan.block_size)
         buckets = make_buckets(cfg.engine, sched_cfg, max_blocks_per_seq, backend.attention.name,
-                               max_drafts=max_drafts)
+                               max_drafts=max_drafts, backend=backend.name)
         self.draft_runner = proposer = None
         if draft is not None:
             self.draft_runner = DraftRunner(

@@ -119,34 +119,37 @@ class Buckets:
         return Bucket(t, r, w)
 
 
-def default_token_buckets(budget: int, platform: str, max_num_seqs: int) -> list[int]:
+def default_token_buckets(budget: int, platform: str, max_num_seqs: int, backend: str = "xla") -> list[int]:
     """On an accelerator a small step costs what reading the weights costs, padded or not, so
     powers of two from 16 keep the compile count low.
 
-    On CPU a step's time grows with its padded tokens under the xla backend (its matmuls are
-    compute-bound from a few rows on); the cpu backend's matmuls skip the padding, but its LM head
-    and sampling still run every sequence row. So the buckets start at 1. Up to `max_num_seqs` --
-    decode steps, one token a sequence, the steps a busy engine runs most -- they add the
-    midpoints (x1.5) of every power of two, and `max_num_seqs` itself (a full decode batch pads
-    nothing): a padded token costs up to a third of a step instead of a half. Even where the weights' reads bound a step (a few
-    rows), padding 1 token to 4 costs ~15% on `small`. Above it, where steps prefill, powers of
-    two: a chunk at the budget pads nothing, and every bucket costs start-up a compile of each
-    eager step variant (~1.5 s a bucket for SmolLM2 on 2 cores; docs/perf-notes.md)."""
+    On CPU the buckets start at 1, and `max_num_seqs` is one (a full decode batch, the step a busy
+    engine runs most, pads nothing). Under the xla backend a step's time grows with its padded
+    tokens (its matmuls are compute-bound from a few rows on), so up to `max_num_seqs` -- decode
+    steps, one token a sequence -- they add the midpoints (x1.5) of every power of two: a padded
+    token costs up to a third of a step instead of a half. The cpu backend's matmuls skip a step's
+    padding rows (only its LM head and sampling run them), so there powers of two alone: fewer
+    executables, and SmolLM2 bf16 ran 1.03-1.04x faster on them than with the midpoints
+    (docs/perf-notes.md, "CPU token buckets"). Above `max_num_seqs`, where steps prefill, powers of
+    two: a chunk at the budget pads nothing, and every bucket costs start-up a compile of each eager
+    step variant (~1.5 s a bucket for SmolLM2 on 2 cores)."""
     if platform != "cpu":
         return powers_up_to(budget, 2, min(16, budget))
     powers = powers_up_to(budget, 2, 1)
-    decode = [b for b in sorted(set(powers) | {p * 3 // 2 for p in powers}) if b < max_num_seqs]
+    midpoints = {p * 3 // 2 for p in powers} if backend != "cpu" else set()
+    decode = [b for b in sorted(set(powers) | midpoints) if b < max_num_seqs]
     return sorted(set(decode) | {min(max_num_seqs, budget)} | {p for p in powers if p > max_num_seqs})
 
 
 def make_buckets(
     engine: EngineConfig, sched: SchedulerConfig, max_blocks_per_seq: int, attention: str, platform: str | None = None,
-    max_drafts: int = 0,
+    max_drafts: int = 0, backend: str = "xla",
 ) -> Buckets:
     """`attention`: the attention form's name (the xla form's cost follows the table width); `max_drafts`:
-    speculative decoding's k (0: off)."""
+    speculative decoding's k (0: off); `backend`: the model backend's name (the cpu backend's matmuls skip
+    padding rows)."""
     budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
-    default = default_token_buckets(budget, platform or jax.default_backend(), max_seqs)
+    default = default_token_buckets(budget, platform or jax.default_backend(), max_seqs, backend)
     tokens = sorted(set(engine.token_buckets or default) | {budget})
     seqs = sorted(set(engine.seq_buckets) | {max_seqs}) if engine.seq_buckets else []
     if engine.context_buckets:
