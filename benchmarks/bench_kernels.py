@@ -477,6 +477,7 @@ KERNEL_SYMBOLS = {
 
 REV_LIBRARIES: dict[str, ctypes.CDLL] = {}  # revision -> its kernels, loaded by register_kernels_at
 REV_TAKES_REAL_ROWS: dict[str, bool] = {}  # revision -> whether its matmuls take `real_rows` (skip the padding)
+REV_ARGMAX_TAKES_REAL_ROWS: dict[str, bool] = {}  # revision -> whether its LM head (matmul + argmax) takes it
 
 
 def register_kernels_at(rev: str) -> tuple[str, str, bool, dict[str, str]]:
@@ -499,6 +500,8 @@ def register_kernels_at(rev: str) -> tuple[str, str, bool, dict[str, str]]:
         source = (Path(tmp) / "packed_matmul.cc").read_text()
         fused = '.Attr<float>("eps")' in source
         REV_TAKES_REAL_ROWS[rev] = "RealRows" in source
+        head = source[source.find("ffi::Error PackedMatmulArgmaxImpl("):]
+        REV_ARGMAX_TAKES_REAL_ROWS[rev] = "RealRowsArg" in head[:head.find("{")]
     targets = {}
     for const, symbol in KERNEL_SYMBOLS.items():
         if hasattr(lib, symbol):
@@ -667,7 +670,7 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
     import jaxcb.kernels.row_argmax as argmax_module
 
     users = [m for m in (cpu_kernels, pm, attention_cpu, argmax_module)]  # each imported the target names
-    takes_real_rows = pm.TAKES_REAL_ROWS
+    takes_real_rows, argmax_takes_real_rows = pm.TAKES_REAL_ROWS, pm.ARGMAX_TAKES_REAL_ROWS
     if not REV_TAKES_REAL_ROWS[rev]:
         print(f"({rev}'s matmuls compute the padding rows too)")
     # Every trace cached so far is dropped before REV's steps are traced and again after: the nested jit of
@@ -677,6 +680,7 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
     jax.clear_caches()
     try:
         pm.TAKES_REAL_ROWS = REV_TAKES_REAL_ROWS[rev]  # an older build's handlers take one operand fewer
+        pm.ARGMAX_TAKES_REAL_ROWS = REV_ARGMAX_TAKES_REAL_ROWS[rev]
         for const in KERNEL_SYMBOLS:
             for m in users:
                 if hasattr(m, const):
@@ -684,7 +688,7 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
         theirs = {key: tuple(runner._lower(part).compile() for part in key.parts) for key in keys}
     finally:
         jax.clear_caches()
-        pm.TAKES_REAL_ROWS = takes_real_rows
+        pm.TAKES_REAL_ROWS, pm.ARGMAX_TAKES_REAL_ROWS = takes_real_rows, argmax_takes_real_rows
         runner._model_step, runner._sampler_step = traced
         for const, name in names.items():
             for m in users:

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 import jaxcb.model.llama as llama
 from jaxcb.kernels.attention.cpu import write_kv_rows
 from jaxcb.kernels.packed_matmul import (
-    MlpLora, pack_columns, pack_gate_up, packed_matmul, packed_mlp, packed_qkv, pair_rows,
+    MlpLora, pack_columns, pack_gate_up, packed_matmul, packed_matmul_argmax, packed_mlp, packed_qkv, pair_rows,
 )
 
 matmul = jax.jit(packed_matmul, static_argnums=2)
@@ -181,6 +181,12 @@ def test_the_kernels_compute_only_the_real_rows_and_leave_zeros_past_them(weight
           packed_matmul(x[:real], w, n, norm=norm, eps=1e-5, residual=residual[:real]), n)
     check(packed_mlp(x, gate_up, down, n, norm=norm, eps=1e-5, residual=residual, real_rows=count),
           packed_mlp(x[:real], gate_up, down, n, norm=norm, eps=1e-5, residual=residual[:real]), n)
+    # The LM head: the logits as above, and the padding rows' argmax 0, whether the logits are written or not.
+    logits, argmax = packed_matmul_argmax(x, w, n, True, real_rows=count)
+    logits_alone, argmax_alone = packed_matmul_argmax(x[:real], w, n, True)
+    check(logits, logits_alone, n)
+    np.testing.assert_array_equal(np.asarray(argmax), np.pad(np.asarray(argmax_alone), (0, m - real)))
+    np.testing.assert_array_equal(np.asarray(packed_matmul_argmax(x, w, n, False, real_rows=count)[1]), argmax)
     qkv_n = (hq + 2 * hkv) * d
     wq = pack(jnp.asarray(rng.standard_normal((k, qkv_n), np.float32) * 0.1, weight_dtype))
     angles = rng.standard_normal((m, d // 2)).astype(np.float32)

@@ -59,6 +59,7 @@ def test_decode_rows_and_a_prefill_chunk_write_their_kv_where_their_blocks_say()
     assert x["token_rows"].tolist() == [0, 1, 1, 1, 1, 1, 4, 4]  # padding tokens: row R
     assert x["query_start_loc"].tolist() == [0, 1, 6, 6, 6] and x["logits_indices"].tolist() == [0, 5, 0, 0]
     assert x["kv_lens"].tolist() == [10, 11, 0, 0]
+    assert x["sample_rows"].item() == 2  # the LM head may skip rows 2 and 3: the bucket's padding
 
 
 def test_each_row_carries_its_sequences_sampling_values_and_padding_rows_sample_nothing():
@@ -78,6 +79,7 @@ def test_each_row_carries_its_sequences_sampling_values_and_padding_rows_sample_
     assert key.num_seqs == 4
     assert np.allclose(x["temperature"], [0, 0.7, 0, 0]) and np.allclose(x["repetition_penalty"], [1, 1, 1, 1])
     assert x["kv_lens"].tolist() == [10, 5, 1, 0] and x["query_start_loc"].tolist() == [0, 1, 2, 3, 3]
+    assert x["sample_rows"].item() == 3
 
 
 def test_a_slot_taken_by_another_sequence_carries_the_new_ones_values():

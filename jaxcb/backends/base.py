@@ -325,8 +325,10 @@ class Backend:
             logits = jnp.einsum("td,dv->tv", hidden, w.head).astype(jnp.float32)
         return cap_logits(logits, self.cfg.final_logit_softcap)
 
-    def logits_and_argmax(self, w: StepWeights, hidden: jax.Array, want_logits: jax.Array
-                          ) -> tuple[jax.Array, Optional[jax.Array]]:
+    def logits_and_argmax(self, w: StepWeights, hidden: jax.Array, want_logits: jax.Array,
+                          num_rows: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[jax.Array]]:
         """(logits f32[N, V], their row argmax i32[N] or None where it is not computed on the way).
-        Where `want_logits` (a traced bool) is false a backend may leave the logits undefined."""
+        Where `want_logits` (a traced bool) is false a backend may leave the logits undefined. Rows
+        from `num_rows` on (i32[], traced; None: every row) are padding: a backend may skip them, their
+        logits zeros and argmax 0."""
         return self.logits(w, hidden), None

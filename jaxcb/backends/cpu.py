@@ -164,6 +164,7 @@ class CpuBackend(Backend):
     def logits(self, w, hidden):
         return packed_matmul(hidden, w.head, self.cfg.vocab_size)
 
-    def logits_and_argmax(self, w, hidden, want_logits) -> tuple[jax.Array, Optional[jax.Array]]:
-        # The argmax comes out of the matmul; where no row reads the logits they are never written.
-        return packed_matmul_argmax(hidden, w.head, self.cfg.vocab_size, want_logits)
+    def logits_and_argmax(self, w, hidden, want_logits, num_rows=None) -> tuple[jax.Array, Optional[jax.Array]]:
+        # The argmax comes out of the matmul; where no row reads the logits they are never written, and
+        # the sequence bucket's padding rows are not multiplied.
+        return packed_matmul_argmax(hidden, w.head, self.cfg.vocab_size, want_logits, real_rows=num_rows)

@@ -14,9 +14,10 @@ float32 either way: a bf16 product accumulates in float32, and x is rounded to b
 - `packed_mlp`: the SwiGLU MLP, (silu(x @ gate) * (x @ up)) @ down, in one call, with gate
   and up packed in pairs of panels by `pack_gate_up` and down by `pack_columns`.
 
-`packed_matmul`, `packed_qkv` and `packed_mlp` take `real_rows` (i32[]): the rows past the first
-`real_rows` are the padding of the engine's fixed-size steps, neither read nor multiplied, and
-zeros in the result (their K/V rows not written), so that a step costs its tokens, not its bucket.
+`packed_matmul`, `packed_qkv`, `packed_mlp` and `packed_matmul_argmax` take `real_rows` (i32[]): the
+rows past the first `real_rows` are the padding of the engine's fixed-size steps, neither read nor
+multiplied, and zeros in the result (their K/V rows not written; the LM head's argmax 0), so that a
+step costs its tokens and sequences, not its bucket.
 
 XLA:CPU's dot re-packs its weight operand on every call and streams it at a few GB/s for a
 decode step's few rows, where the packed kernel runs near the machine's matmul peak
@@ -67,13 +68,15 @@ def packed_depth(k: int, packed: jax.Array) -> int:
 
 
 # Whether the kernels take `real_rows` (an optional operand): a build from before it took none, and
-# benchmarks/bench_kernels.py's replay against such a revision turns this off while it traces.
+# benchmarks/bench_kernels.py's replay against such a revision turns this off while it traces. The LM
+# head's (`packed_matmul_argmax`) took it later than the others.
 TAKES_REAL_ROWS = True
+ARGMAX_TAKES_REAL_ROWS = True
 
 
-def _real_rows(real_rows: jax.Array | None) -> tuple:
+def _real_rows(real_rows: jax.Array | None, taken: bool | None = None) -> tuple:
     """The kernels' optional last operand: the count of real rows, i32[1]; none when not given."""
-    if real_rows is None or not TAKES_REAL_ROWS:
+    if real_rows is None or not (TAKES_REAL_ROWS if taken is None else taken):
         return ()
     return (jnp.reshape(real_rows, (1,)).astype(jnp.int32),)
 
@@ -177,11 +180,14 @@ def _addend(addend: jax.Array | None, rows: jax.Array | None, t: int, n: int) ->
     return addend, rows.astype(jnp.int32)
 
 
-def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Array) -> tuple[jax.Array, jax.Array]:
+def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Array,
+                         real_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(x @ w, its row argmax) for x [M, K] float32, with `packed = pack_columns(w)`: the argmax
     (i32[M], jnp.argmax's indices: the first of the largest, or the first NaN) is taken inside the
     multiply. Where `want_y` (a bool or int scalar, traced) is false the product is never
-    written: only the argmax is defined, and no [M, n] array is written or read back."""
+    written: only the argmax is defined, and no [M, n] array is written or read back. With
+    `real_rows` (i32[]) only x's first real_rows rows are multiplied: the rows past them get
+    argmax 0 and (where written) zero products."""
     if x.ndim != 2:
         raise ValueError(f"the matmul with a row argmax takes x as rows [M, K], got {x.shape}")
     _check_packed_matmul(x, packed, n)
@@ -189,7 +195,8 @@ def packed_matmul_argmax(x: jax.Array, packed: jax.Array, n: int, want_y: jax.Ar
         raise ValueError("the row argmax of rows with no columns is undefined (n=0)")
     _load_for(packed)
     out = (jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32), jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
-    return jax.ffi.ffi_call(MATMUL_ARGMAX_TARGET, out)(x, packed, jnp.asarray(want_y, jnp.int32).reshape(()))
+    return jax.ffi.ffi_call(MATMUL_ARGMAX_TARGET, out)(x, packed, jnp.asarray(want_y, jnp.int32).reshape(()),
+                                                      *_real_rows(real_rows, ARGMAX_TAKES_REAL_ROWS))
 
 
 def gate_up_pair_count(f: int, dtype) -> int:

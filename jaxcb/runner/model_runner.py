@@ -245,7 +245,7 @@ class ModelRunner:
                 drafts = DraftRows(x.verify_draft_ids, draft_probs[jnp.clip(x.verify_probs_rows, 0,
                                                                             draft_probs.shape[0] - 1)])
             greedy = level == StepVariant.GREEDY
-            logits, logits_argmax = backend.logits_and_argmax(head, hidden, not greedy)
+            logits, logits_argmax = backend.logits_and_argmax(head, hidden, not greedy, x.sample_rows)
             token, token_lp, top_ids, top_lp = sample(
                 logits, x.sampling, level, num_logprobs, backend.argmax,
                 logits_argmax if greedy else None, counts=row_counts, masks=x.masks, drafts=drafts,

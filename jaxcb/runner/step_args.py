@@ -69,6 +69,9 @@ class SamplerInputs:
     # it was drawn from (`jaxcb.sampling.DraftRows`).
     verify_draft_ids: Optional[jax.Array] = None  # i32[R]
     verify_probs_rows: Optional[jax.Array] = None  # i32[R]
+    # The rows that sample (the step's sequence rows); the bucket's rows past them are padding, which
+    # the LM head may skip. Its padding value is R: every row.
+    sample_rows: Optional[jax.Array] = None  # i32[]
 
 
 @dataclasses.dataclass
@@ -178,6 +181,7 @@ def sampler_inputs(key: SamplerKey, *, max_banned: int, vocab_size: int, max_log
         row_drafts=i32((r, max_drafts), vocab_size) if max_drafts and full else None,
         verify_draft_ids=i32((r,), -1) if draft_probs and variant >= StepVariant.RANDOM else None,
         verify_probs_rows=i32((r,)) if draft_probs and variant >= StepVariant.RANDOM else None,
+        sample_rows=i32((), r),
     )
 
 

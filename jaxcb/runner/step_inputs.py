@@ -164,6 +164,7 @@ class StepInputBuilder:
             x.counters[:n] = num_output
         x.query_start_loc[num_rows:] = num_tokens
         x.num_seqs[()] = num_rows
+        x.sample_rows[()] = num_rows
         x.row_slots[:num_rows] = row_slots
         x.table_updates[:, : table.shape[1]] = table
         # A sequence's last token may still be in flight (async scheduling): the step reads it from

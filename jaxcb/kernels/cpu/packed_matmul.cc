@@ -1682,13 +1682,14 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 // not written at all (its contents are undefined): no 8 MB of logits (64 rows of a 32,000-word
 // vocabulary) written out, and no second pass to read them back.
 ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                                  ffi::Buffer<ffi::S32> want_y, ffi::ResultBuffer<ffi::F32> y,
+                                  ffi::Buffer<ffi::S32> want_y, RealRowsArg real_rows, ffi::ResultBuffer<ffi::F32> y,
                                   ffi::ResultBuffer<ffi::S32> argmax) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions(), ad = argmax->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || ad.size() != 1)
     return ffi::Error::InvalidArgument(
         "packed matmul argmax expects x [M, K], packed w [P, K, 16], y [M, N] and argmax [M]");
-  const int64_t M = xd[0], K = xd[1], P = wd[0], N = yd[1];
+  int64_t M = xd[0];
+  const int64_t K = xd[1], P = wd[0], N = yd[1];
   bool pairs;
   if (auto error = PairsOf(w, "the LM head's weight", &pairs); error.failure()) return error;
   if (wd[1] != PackedDepth(K, pairs) || wd[2] != kPanel || yd[0] != M || ad[0] != M || (N + kPanel - 1) / kPanel != P)
@@ -1699,6 +1700,11 @@ ffi::Error PackedMatmulArgmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const bool write_y = want_y.typed_data()[0] != 0;
   float* c = y->typed_data();
   int32_t* result = argmax->typed_data();
+  // The sequence bucket's padding rows (past the step's sampling rows): argmax 0, logits zeros.
+  const int64_t all_rows = M;
+  M = RealRows(real_rows, M);
+  std::fill(result + M, result + all_rows, 0);
+  if (write_y) ZeroRows(c, M, all_rows, N);
   if (M == 0) return ffi::Error::Success();
   if (K == 0) {  // every column is 0: the first wins
     if (write_y) std::memset(c, 0, M * N * sizeof(float));
@@ -1747,6 +1753,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcbPackedMatmulArgmax, PackedMatmulArgmaxImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .OptionalArg<ffi::Buffer<ffi::S32>>()  // real rows (RealRows)
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
