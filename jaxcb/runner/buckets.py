@@ -127,8 +127,8 @@ def default_token_buckets(budget: int, platform: str, max_num_seqs: int, backend
     engine runs most, pads nothing). Under the xla backend a step's time grows with its padded
     tokens (its matmuls are compute-bound from a few rows on), so up to `max_num_seqs` -- decode
     steps, one token a sequence -- they add the midpoints (x1.5) of every power of two: a padded
-    token costs up to a third of a step instead of a half. The cpu backend's matmuls skip a step's
-    padding rows (only its LM head and sampling run them), so there powers of two alone: fewer
+    token costs up to a third of a step instead of a half. The cpu backend's matmuls and LM head skip
+    a step's padding rows (only sampling runs them), so there powers of two alone: fewer
     executables, and SmolLM2 bf16 ran 1.03-1.04x faster on them than with the midpoints
     (docs/perf-notes.md, "CPU token buckets"). Above `max_num_seqs`, where steps prefill, powers of
     two: a chunk at the budget pads nothing, and every bucket costs start-up a compile of each eager

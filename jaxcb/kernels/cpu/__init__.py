@@ -105,13 +105,13 @@ def build_library(source_dir: Path = HERE) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Built in a private folder, then renamed: concurrent builders never see a half-written library.
     with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as tmp:
-        objects = [os.path.join(tmp, f"{i}-{source.stem}.o") for i, source in enumerate(sources)]
-        compile_flags = [f for f in CXX_FLAGS if f != "-shared"]
-        commands = [[cxx, *compile_flags, "-I", str(source_dir), "-isystem", include, "-c", str(source), "-o", obj]
-                    for source, obj in zip(sources, objects)]
         # One compiler a source, side by side, the longest sources first: a first start-up waited 26 s
         # for them one after another on a 2-core Xeon, 17 s side by side.
-        commands.sort(key=lambda cmd: -os.path.getsize(cmd[cmd.index("-c") + 1]))
+        ordered = sorted(sources, key=lambda f: -f.stat().st_size)
+        objects = [os.path.join(tmp, f"{i}-{source.stem}.o") for i, source in enumerate(ordered)]
+        compile_flags = [f for f in CXX_FLAGS if f != "-shared"]
+        commands = [[cxx, *compile_flags, "-I", str(source_dir), "-isystem", include, "-c", str(source), "-o", obj]
+                    for source, obj in zip(ordered, objects)]
         with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
             failed = [(cmd, done) for cmd, done in zip(commands, pool.map(_run_compiler, commands))
                       if done.returncode != 0]
