@@ -19,8 +19,9 @@ chain by step size, with float32 and with bf16 weights (both on the bf16 path th
 attention over small's heads (both on this CPU's bf16-cache path). The A/B behind a kernel change. With
 --steps ROUNDS, also the engine's own compiled steps: the full-batch run of docs/benchmarks.md
 (64 requests, 40 prompt + 100 output tokens each, on `small`), or the run the Hydra overrides after
-the options describe, recorded once and replayed whole with each revision's kernels in turn (REV's
-kernels must take this checkout's arguments; a REV from before `real_rows` is traced without it):
+the options describe, recorded once and replayed whole with each revision's kernels in turn, the
+time also split by the steps' token bucket (prefill chunks against decode steps; REV's kernels must
+take this checkout's arguments; a REV from before `real_rows` is traced without it):
 
     python benchmarks/bench_kernels.py --against REV --calls 5 --steps 6 model=hf model.checkpoint=DIR
         model.dtype=bfloat16 bench.workload=file bench.file=WORKLOAD.jsonl   (one command)
@@ -700,13 +701,26 @@ def steps_against(rev: str, targets: dict[str, str], rounds: int, overrides: lis
                      (f'"{names[c]}"' in our_text and f'"{targets[c]}"' not in text)]:
             raise RuntimeError(f"the step {key} compiled for {rev} calls this checkout's {sorted(mixed)}, not {rev}'s")
     times = {"this checkout": [], rev: []}
+    # Each round also split by the steps' token bucket (each step waited for, to be timed alone): where a
+    # kernel change gains or loses, prefill chunks against decode steps.
+    by_bucket: dict[str, dict[int, list[float]]] = {"this checkout": {}, rev: {}}
     for i in range(rounds):  # the order flipped every round
         for name in (("this checkout", rev) if i % 2 else (rev, "this checkout")):
-            times[name].append(replay(runner, recorded, ours if name == "this checkout" else theirs))
+            per_step: dict[int, float] = {}
+            times[name].append(replay(runner, recorded, ours if name == "this checkout" else theirs, wait_each=True,
+                                      on_step=lambda key, took: per_step.__setitem__(
+                                          key.num_tokens, per_step.get(key.num_tokens, 0.0) + took)))
+            for tokens, took in per_step.items():
+                by_bucket[name].setdefault(tokens, []).append(took)
     ms = {name: float(np.median(t)) for name, t in times.items()}
     print(f"| the full-batch run's {len(recorded)} steps, replayed | this checkout (s) | {rev} (s) | {rev} / this |")
     print("|---|---|---|---|")
     print(f"| median of {rounds} | {ms['this checkout']:.3f} | {ms[rev]:.3f} | {ms[rev] / ms['this checkout']:.3f}x |")
+    counts = {tokens: sum(1 for key, _, _ in recorded if key.num_tokens == tokens) for tokens in by_bucket[rev]}
+    for tokens in sorted(by_bucket[rev]):
+        ours_s, theirs_s = (float(np.median(by_bucket[name][tokens])) for name in ("this checkout", rev))
+        print(f"| {counts[tokens]} steps of the {tokens}-token bucket | {ours_s:.3f} | {theirs_s:.3f} | "
+              f"{theirs_s / ours_s:.3f}x |")
     return ms
 
 

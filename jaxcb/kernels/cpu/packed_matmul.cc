@@ -79,6 +79,9 @@ constexpr int64_t kItemRows = 96;
 // bf16 chain); their packed x (384 x 1,536 bf16: 1.2 MiB at the widest K) still fits L2.
 constexpr int64_t kAmxItemRows = 384;
 inline int64_t ItemRows(int64_t slot) { return slot == kAmxRows ? kAmxItemRows : kItemRows; }
+// From this many row chunks on (4 pairs a strip), x's A tiles are loaded with the streaming hint
+// (AmxTiles' kStreamA). A decode step's few chunks are read again for every strip and stay cached.
+constexpr int64_t kStreamAChunks = 8;
 #if defined(__AVX2__) && defined(__FMA__)
 // The next strip's weights are fetched into L2, not L1: a strip (2 panels x K rows) is larger
 // than L1, so its tiles read it from L2 either way, and an L1 prefetch holds one of the core's
@@ -388,8 +391,11 @@ const std::array<jaxcb::AmxConfig, kAmxRows + 1> kAmxConfigs = [] {
 // rows of nv valid columns, row stride ldc. Two chunks at once is the 2 x 2 blocking the eight
 // tiles allow: each B tile loaded serves two multiplies, each A tile two, where one chunk at a
 // time loads an A and two Bs for every two. 1.3x the rows per ns of one 12-row chunk at a time
-// with the weights in L2 (16-row chunks, a standalone loop).
-template <bool kPair, int NP>
+// with the weights in L2 (16-row chunks, a standalone loop). kStreamA loads the A tiles with the
+// streaming hint (tileloaddt1), for calls whose strip serves many pairs of chunks in turn (a
+// prefill's): x's rows, each read once a strip, then pass through L1 without pushing the strip out
+// of it, so that the strip's later pairs read it from L1, not L2.
+template <bool kPair, int NP, bool kStreamA = false>
 void AmxTiles(const char* a0, const char* a1, int64_t rows0, int64_t rows1, int64_t tile_rows, const char* b,
               int64_t depth, float* c0, float* c1, int64_t ldc, int64_t nv, const char* prefetch, int64_t lines) {
   EnsureAmxConfig(kAmxConfigs[tile_rows]);
@@ -402,7 +408,10 @@ void AmxTiles(const char* a0, const char* a1, int64_t rows0, int64_t rows1, int6
   int64_t fetched = 0;
   for (int64_t s = 0; s < steps; ++s) {
     while (fetched < lines && fetched * steps < (s + 1) * lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T1);
-    _tile_loadd(4, a0 + 64 * s, a_stride);
+    if (kStreamA)
+      _tile_stream_loadd(4, a0 + 64 * s, a_stride);
+    else
+      _tile_loadd(4, a0 + 64 * s, a_stride);
     _tile_loadd(6, b + 1024 * s, 64);
     _tile_dpbf16ps(0, 4, 6);
     if (NP == 2) {
@@ -410,7 +419,10 @@ void AmxTiles(const char* a0, const char* a1, int64_t rows0, int64_t rows1, int6
       _tile_dpbf16ps(1, 4, 7);
     }
     if (kPair) {
-      _tile_loadd(5, a1 + 64 * s, a_stride);
+      if (kStreamA)
+        _tile_stream_loadd(5, a1 + 64 * s, a_stride);
+      else
+        _tile_loadd(5, a1 + 64 * s, a_stride);
       _tile_dpbf16ps(2, 5, 6);
       if (NP == 2) _tile_dpbf16ps(3, 5, 7);
     }
@@ -694,9 +706,11 @@ struct TilePath {
       const auto* bb = reinterpret_cast<const char*>(b);
       if (n == 2) {
         const auto* a1 = reinterpret_cast<const char*>(a + chunks.offset(i + 1, depth));
-        (panels == 2 ? AmxTiles<true, 2> : AmxTiles<true, 1>)(a0, a1, chunks.rows(i), chunks.rows(i + 1),
-                                                              chunks.most_rows(), bb, depth, c[0], c[1], ldc, nv,
-                                                              prefetch, lines);
+        const bool stream_a = chunks.count >= kStreamAChunks;
+        const auto tiles = panels == 2 ? (stream_a ? AmxTiles<true, 2, true> : AmxTiles<true, 2>)
+                                       : (stream_a ? AmxTiles<true, 1, true> : AmxTiles<true, 1>);
+        tiles(a0, a1, chunks.rows(i), chunks.rows(i + 1), chunks.most_rows(), bb, depth, c[0], c[1], ldc, nv, prefetch,
+              lines);
       } else {
         (panels == 2 ? AmxTiles<false, 2> : AmxTiles<false, 1>)(a0, nullptr, chunks.rows(i), 0, chunks.most_rows(), bb,
                                                                 depth, c[0], nullptr, ldc, nv, prefetch, lines);
