@@ -1,7 +1,7 @@
 """Step buckets: on CPU the token buckets start at 1; under the xla backend, where a padded token costs
-compute, they are dense where decode steps run (up to max_num_seqs); under the cpu backend, whose matmuls
-skip padding rows, powers of two; above max_num_seqs, where each one more is a compile of every eager step
-variant at start-up, powers of two."""
+compute, they are dense where decode steps run (up to max_num_seqs), and powers of two above, where each one
+more is a compile of every eager step variant at start-up; under the cpu backend, whose matmuls and LM head
+skip padding rows, powers of four."""
 
 from jaxcb.config import EngineConfig, SchedulerConfig
 from jaxcb.runner import default_token_buckets, make_buckets
@@ -16,15 +16,11 @@ def test_xla_backend_decode_buckets_pad_a_step_by_at_most_a_third_and_a_full_dec
     ]
 
 
-def test_cpu_backend_buckets_are_powers_of_two_and_a_full_decode_batch():
-    """Its matmuls skip padding rows: the midpoints would only add compiles."""
-    assert default_token_buckets(2048, "cpu", max_num_seqs=64, backend="cpu") == [
-        1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048
-    ]
-    assert default_token_buckets(2048, "cpu", max_num_seqs=40, backend="cpu") == [
-        1, 2, 4, 8, 16, 32, 40, 64, 128, 256, 512, 1024, 2048
-    ]
-    assert default_token_buckets(50, "cpu", max_num_seqs=64, backend="cpu") == [1, 2, 4, 8, 16, 32, 50]
+def test_cpu_backend_buckets_are_powers_of_four_and_a_full_decode_batch():
+    """Its matmuls and LM head skip padding rows: denser buckets would only add compiles."""
+    assert default_token_buckets(2048, "cpu", max_num_seqs=64, backend="cpu") == [1, 4, 16, 64, 256, 1024, 2048]
+    assert default_token_buckets(2048, "cpu", max_num_seqs=40, backend="cpu") == [1, 4, 16, 40, 64, 256, 1024, 2048]
+    assert default_token_buckets(50, "cpu", max_num_seqs=64, backend="cpu") == [1, 4, 16, 50]
 
 
 def test_cpu_prefill_buckets_are_powers_of_two_up_to_the_budget():
@@ -38,14 +34,13 @@ def test_accelerator_token_buckets_are_powers_of_two_from_16():
     assert default_token_buckets(2048, "gpu", max_num_seqs=256) == [16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
-def test_smollm2_at_a_2048_budget_compiles_13_buckets_on_the_cpu_backend():
+def test_smollm2_at_a_2048_budget_compiles_8_buckets_on_the_cpu_backend():
     """SmolLM2 at scheduler.max_num_batched_tokens=2048 on CPU (max_num_seqs 40 where the cache holds 40
-    sequences): one sequence bucket per token bucket and one table width, so start-up compiles 13 models."""
+    sequences): one sequence bucket per token bucket and one table width, so start-up compiles 8 models."""
     sched = SchedulerConfig(max_num_seqs=40, max_num_batched_tokens=2048)
     buckets = make_buckets(EngineConfig(), sched, max_blocks_per_seq=512, attention="cpu", platform="cpu",
                            backend="cpu")
     assert [(b.num_tokens, b.num_seqs) for b in buckets.all()] == [
-        (1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (32, 32), (40, 40),
-        (64, 40), (128, 40), (256, 40), (512, 40), (1024, 40), (2048, 40)]
+        (1, 1), (4, 4), (16, 16), (40, 40), (64, 40), (256, 40), (1024, 40), (2048, 40)]
     assert buckets.pick(40, 40, 100) == (40, 40, 512) and buckets.pick(41, 40, 100) == (64, 40, 512)
-    assert buckets.pick(3, 3, 100) == (4, 4, 512)
+    assert buckets.pick(3, 3, 100) == (4, 4, 512) and buckets.pick(17, 17, 100) == (40, 40, 512)

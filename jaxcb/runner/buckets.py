@@ -127,17 +127,18 @@ def default_token_buckets(budget: int, platform: str, max_num_seqs: int, backend
     engine runs most, pads nothing). Under the xla backend a step's time grows with its padded
     tokens (its matmuls are compute-bound from a few rows on), so up to `max_num_seqs` -- decode
     steps, one token a sequence -- they add the midpoints (x1.5) of every power of two: a padded
-    token costs up to a third of a step instead of a half. The cpu backend's matmuls and LM head skip
-    a step's padding rows (only sampling runs them), so there powers of two alone: fewer
-    executables, and SmolLM2 bf16 ran 1.03-1.04x faster on them than with the midpoints
-    (docs/perf-notes.md, "CPU token buckets"). Above `max_num_seqs`, where steps prefill, powers of
+    token costs up to a third of a step instead of a half; above it, where steps prefill, powers of
     two: a chunk at the budget pads nothing, and every bucket costs start-up a compile of each eager
-    step variant (~1.5 s a bucket for SmolLM2 on 2 cores)."""
+    step variant (~1.5 s a bucket for SmolLM2 on 2 cores). The cpu backend's matmuls, its LM head
+    included, skip a step's padding rows, and attention reads only the real ones: a padded row costs
+    next to nothing there, so its buckets are powers of four (SmolLM2 ran as fast as on powers of
+    two, with 15 executables instead of 26; docs/perf-notes.md, "CPU token buckets")."""
     if platform != "cpu":
         return powers_up_to(budget, 2, min(16, budget))
+    if backend == "cpu":
+        return sorted(set(powers_up_to(budget, 4, 1)) | {min(max_num_seqs, budget)})
     powers = powers_up_to(budget, 2, 1)
-    midpoints = {p * 3 // 2 for p in powers} if backend != "cpu" else set()
-    decode = [b for b in sorted(set(powers) | midpoints) if b < max_num_seqs]
+    decode = [b for b in sorted(set(powers) | {p * 3 // 2 for p in powers}) if b < max_num_seqs]
     return sorted(set(decode) | {min(max_num_seqs, budget)} | {p for p in powers if p > max_num_seqs})
 
 
