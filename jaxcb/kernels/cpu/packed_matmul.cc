@@ -438,8 +438,8 @@ void AmxTiles(const char* a0, const char* a1, int64_t rows0, int64_t rows1, int6
   }
   while (fetched < lines) _mm_prefetch(prefetch + 64 * fetched++, _MM_HINT_T1);
   if (rows0 == tile_rows && (!kPair || rows1 == tile_rows) && nv == NP * kPanel) {
-    // Whole tiles (every chunk of a 2,048-row prefill): stored straight into c, not copied through
-    // a buffer (the copy was ~7% of a prefill's tile loop).
+    // Whole tiles (every chunk of a 2,048-row prefill, of a 32- or 64-row decode): stored straight
+    // into c, not copied through a buffer (the copy held ~7-9% of a prefill profile's tile loop).
     const int64_t stride = ldc * static_cast<int64_t>(sizeof(float));
     _tile_stored(0, c0, stride);
     if (NP == 2) _tile_stored(1, c0 + kPanel, stride);
@@ -714,8 +714,6 @@ struct TilePath {
   const TileTable* table;
   bool amx;
   int64_t group() const { return amx ? 2 : 1; }
-  // Chunks [i, i + n) of x (packed at a, `depth` deep) by `panels` panels of w at b: chunk i + g
-  // into c[g] (row stride ldc, nv valid columns), prefetch[0, lines) fetched on the way.
   // Whether chunks [i, i + n) by `panels` panels (nv valid columns) fill their AMX tiles: then Run
   // stores the tiles straight into c, and `init`, when given, is where they start from.
   bool WholeAmxTiles(const RowChunks& chunks, int64_t i, int64_t n, int64_t panels, int64_t nv) const {
@@ -724,8 +722,10 @@ struct TilePath {
       if (chunks.rows(i + g) != chunks.most_rows()) return false;
     return true;
   }
-  // `init` (AMX, whole tiles only; see WholeAmxTiles): per chunk, the rows (stride ldc) the
-  // products are added to, in the tiles, instead of starting from zero.
+  // Chunks [i, i + n) of x (packed at a, `depth` deep) by `panels` panels of w at b: chunk i + g
+  // into c[g] (row stride ldc, nv valid columns), prefetch[0, lines) fetched on the way. `init`
+  // (AMX, whole tiles only): per chunk, the rows (stride ldc) the products are added to, in the
+  // tiles, instead of starting from zero.
   void Run(const RowChunks& chunks, const float* a, int64_t i, int64_t n, const float* b, int64_t depth,
            int64_t panels, float* const* c, int64_t ldc, int64_t nv, const char* prefetch, int64_t lines,
            const float* const* init = nullptr) const {
@@ -857,8 +857,8 @@ void MultiplyItem(const TilePath& path, const float* a, const float* b, int64_t 
       float* tiles[2];
       for (int64_t g = 0; g < n; ++g)
         tiles[g] = sink.write_output ? sink.c + chunks.first_row(i + g) * N + p * kPanel : scratch[g];
-      // On whole AMX tiles the residual is where the tiles' sums start (read once, no pass over the
-      // stored output after it: that pass cost ~7% of a SmolLM2 prefill step).
+      // On whole AMX tiles the residual is where the tiles' sums start: read once, and no pass over
+      // the stored output after it, waiting on the tile stores (SmolLM2's steps 1.02-1.07x).
       const bool residual_in_tiles = sink.residual && sink.write_output && path.WholeAmxTiles(chunks, i, n, panels, nv);
       const float* init[2];
       for (int64_t g = 0; residual_in_tiles && g < n; ++g)
