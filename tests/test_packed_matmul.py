@@ -321,7 +321,9 @@ def bf16_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 # Rows past one 12-row tile (AMX: 16) and one 96-row block (AMX: 384, so 400 rows make a block of
 # 24 chunks and one of 1; from 8 chunks on x's AMX tiles load with the streaming hint), in pairs of
 # AMX chunks and one left over (33: 11 + 11 and 11; 64: two pairs of 16), K off the 32 rows of a pair
-# panel (odd too), N off the panels (a last strip of one panel).
+# panel (odd too), N off the panels (a last strip of one panel). 64 and 400 rows make whole 16-row AMX
+# tiles: stored straight into the output, and with a residual starting from it; 400's last strip is
+# not whole and takes the buffered store and the residual pass.
 @pytest.mark.parametrize("m,k,n", [(1, 8, 16), (5, 7, 5), (13, 70, 33), (29, 576, 130), (33, 64, 48), (64, 96, 160),
                                    (100, 129, 20), (400, 40, 50)])
 def test_bf16_weights_multiply_as_a_float32_sum_of_bf16_products_on_every_path(bf16_path, m, k, n):
