@@ -16,12 +16,14 @@ this CPU takes for a bf16 cache (AMX prefill tiles where it has AMX) against eve
 --against REV: the kernels of this checkout against those of git revision REV, built side by
 side from REV's C++ sources (`jaxcb/kernels/cpu/`) and timed alternately in one process: small's matmul
 chain by step size, with float32 and with bf16 weights (both on the bf16 path this CPU chose), and
-attention over small's heads (both on this CPU's bf16-cache path). The A/B behind a kernel change. With
---steps ROUNDS, also the engine's own compiled steps: the full-batch run of docs/benchmarks.md
-(64 requests, 40 prompt + 100 output tokens each, on `small`), or the run the Hydra overrides after
-the options describe, recorded once and replayed whole with each revision's kernels in turn, the
-time also split by the steps' token bucket (prefill chunks against decode steps; REV's kernels must
-take this checkout's arguments; a REV from before `real_rows` is traced without it):
+attention over small's heads (both on this CPU's bf16-cache path; among the cases, 64 decodes whose
+first 384 keys are shared in groups of 8, which prefix caching's cascade items take). The A/B
+behind a kernel change. With --steps ROUNDS, also the engine's own compiled steps: the full-batch
+run of docs/benchmarks.md (64 requests, 40 prompt + 100 output tokens each, on `small`), or the
+run the Hydra overrides after the options describe, recorded once and replayed whole with each
+revision's kernels in turn, the time also split by the steps' token bucket (prefill chunks against
+decode steps; REV's kernels must take this checkout's arguments; a REV from before `real_rows` is
+traced without it):
 
     python benchmarks/bench_kernels.py --against REV --calls 5 --steps 6 model=hf model.checkpoint=DIR
         model.dtype=bfloat16 bench.workload=file bench.file=WORKLOAD.jsonl   (one command)
@@ -621,8 +623,12 @@ def against_table(rev: str, calls: int, step_rounds: int, overrides: list[str]) 
     for name, seqs in {**CACHE_DTYPE_WORKLOADS, "mixed 32 decodes @ 256 + 224-token chunk": WORKLOADS[
             "mixed 32 decodes @ 256 + 224-token chunk"]}.items():
         cases.append((name, make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)))
-    for name, seqs in CACHE_DTYPE_WORKLOADS.items():  # a float32 model over a bf16 cache
-        f32 = make_ragged_batch(seqs, seed=0, **SMALL_HEADS).args(jnp)
+    over_bf16 = {name: make_ragged_batch(seqs, seed=0, **SMALL_HEADS) for name, seqs in CACHE_DTYPE_WORKLOADS.items()}
+    for name, groups in SHARED_PREFIX_GROUPS.items():  # prefix caching's shared blocks: cascade items
+        over_bf16[name] = share_leading_blocks(make_ragged_batch(BF16_PATH_WORKLOADS[name][0], seed=0, **SMALL_HEADS),
+                                               groups)
+    for name, batch in over_bf16.items():  # a float32 model over a bf16 cache
+        f32 = batch.args(jnp)
         cases.append((f"{name}, bf16 cache", (f32[0], f32[1].astype(jnp.bfloat16), f32[2].astype(jnp.bfloat16), *f32[3:])))
     for name, inputs in cases:
         ms = alternate({k: (fn, inputs) for k, fn in fns.items()}, calls)
