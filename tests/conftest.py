@@ -70,7 +70,8 @@ def pytest_sessionstart(session):
 def pytest_runtest_setup(item):
     """Re-installed before every test, in case a library imported since installed a handler of its
     own. (The known worker crash, a SIGSEGV in libgcc's unwinder, still leaves an empty log: its
-    stacks are not Python's to show; `dmesg` names the faulting library and offset.)"""
+    stacks are not Python's to show; `dmesg` names the faulting library and offset. With core dumps
+    on, `py-spy dump --core CORE` shows the Python stack: docs/architecture.md says what two showed.)"""
     log = getattr(item.config, "_jaxcb_fault_log", None)
     if log is not None:
         import faulthandler
