@@ -386,3 +386,22 @@ def test_the_step_width_follows_the_longest_context_not_the_blocks_held():
         e.step()
     last_key, _, _ = keys[-1]
     assert last_key.table_width == 16  # 119 tokens of context: the full width
+
+
+def test_a_dropped_engine_frees_its_runner_and_compiled_steps():
+    """Start-up freezes the collector's view of what it made; the engine going must undo that, or its
+    runner and compiled steps (which hold one another in cycles) outlive it with their JIT code's
+    memory maps, until a process that builds engine after engine hits the kernel's map limit."""
+    import gc
+    import weakref
+
+    from engine_factory import make_engine
+
+    engine = make_engine("scheduler.max_num_seqs=4")
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    runner, compiler = weakref.ref(engine.runner), weakref.ref(engine.runner.compiler)
+    del engine
+    gc.collect()
+    assert runner() is None and compiler() is None
