@@ -67,6 +67,34 @@ def pytest_sessionstart(session):
         faulthandler.enable(file=session.config._jaxcb_fault_log, all_threads=True)
 
 
+def memory_maps() -> tuple[int, int]:
+    """(this process's memory maps, the kernel's limit on them); (0, 0) where /proc does not say."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """At the end of a test file, a worker past half the kernel's limit on memory maps drops JAX's
+    caches and the shared engines (tests/engine_factory.py): every compiled executable holds a few
+    maps of JIT code, and a worker that kept thousands reached the limit (65,530 by default), where
+    XLA:CPU's JIT fails to allocate ("LLVM compilation error: Cannot allocate memory") and throwing
+    that error crashed the worker in libgcc's unwinder (docs/architecture.md)."""
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    maps, limit = memory_maps()
+    if limit and maps > limit // 2:
+        import gc
+
+        from engine_factory import shared_engine
+
+        shared_engine.cache_clear()
+        jax.clear_caches()
+        gc.collect()
+
+
 def pytest_runtest_setup(item):
     """Re-installed before every test, in case a library imported since installed a handler of its
     own. (The known worker crash, a SIGSEGV in libgcc's unwinder, still leaves an empty log: its
