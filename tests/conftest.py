@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 
@@ -86,8 +87,6 @@ def pytest_runtest_teardown(item, nextitem):
         return
     maps, limit = memory_maps()
     if limit and maps > limit // 2:
-        import gc
-
         from engine_factory import shared_engine
 
         shared_engine.cache_clear()
@@ -97,9 +96,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_runtest_setup(item):
     """Re-installed before every test, in case a library imported since installed a handler of its
-    own. (The known worker crash, a SIGSEGV in libgcc's unwinder, still leaves an empty log: its
-    stacks are not Python's to show; `dmesg` names the faulting library and offset. With core dumps
-    on, `py-spy dump --core CORE` shows the Python stack: docs/architecture.md says what two showed.)"""
+    own. (A crash inside native code, like the memory-map one `pytest_runtest_teardown` prevents,
+    can still leave an empty log; `dmesg` names the faulting library and offset, and with core dumps
+    on, `py-spy dump --core CORE` shows the Python stack.)"""
     log = getattr(item.config, "_jaxcb_fault_log", None)
     if log is not None:
         import faulthandler

@@ -524,8 +524,8 @@ def test_the_amx_path_is_selected_where_the_cpu_has_amx_and_runs_prefill_tiles_o
     run), the attention falls back to the rows path instead."""
     amx_code = {v: k for k, v in cpu_kernels.BF16_MATMUL_PATHS.items()}["amx"]
     if cpu_kernels._time_path(str(cpu_kernels.build_library()), amx_code) is None:
-        assert cpu_kernels.attention_path() == "rows"
-        pytest.skip("AMX is listed but does not run here: the rows path was chosen, as it must be")
+        assert cpu_kernels.attention_path() == "rows"  # the fallback is what this CPU must show
+        return
     assert cpu_kernels.attention_path() == "amx"
     for seqs, same in (([(40, 40), (17, 50)], False), ([(1, 40), (1, 77), (1, 3)], True)):
         batch = make_ragged_batch(seqs, block_size=16, num_kv_heads=1, group=3, head_dim=64, seed=3)
