@@ -27,6 +27,7 @@ from collections import abc, deque
 from typing import Optional, Union
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from jaxcb.core.block_hash import model_root
@@ -37,6 +38,7 @@ from jaxcb.model.lora import empty_lora_weights, slot_values
 from jaxcb.core.host_prefix_cache import HostPrefixCache
 from jaxcb.engine_stats import EMPTY_STEP, EngineStats
 from jaxcb.errors import EngineOverloadedError
+from jaxcb.request_fields import is_text
 from jaxcb.backends import select_backend
 from jaxcb.batch_limits import cap_by_cache, resolve_batch_limits
 from jaxcb.kv_cache import (
@@ -63,7 +65,7 @@ from jaxcb.core.sequence import Sequence, SequenceId
 from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.runner.compiler import compile_plan
 from jaxcb.sampling import StepVariant
-from jaxcb.sampling_params import InvalidRequestError, SamplingParams
+from jaxcb.sampling_params import InvalidRequestError, SamplingParams, sample_seed
 from jaxcb.core.scheduler import Scheduler
 from jaxcb.core.proposers import Proposer
 from jaxcb.core.speculation import Speculation
@@ -72,7 +74,7 @@ from jaxcb.runner.draft_runner import DraftProposer, DraftRunner
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.startup_log import StartupLog, report_memory
 from jaxcb.startup_memory import check_weights_fit
-from jaxcb.structured import GrammarCompiler, TokenConstraint
+from jaxcb.structured import GrammarCompiler, TokenConstraint, bitmask_words
 from jaxcb.tokenizer import Tokenizer, read_chat_template_override
 from jaxcb.validation import RequestLimits, validate_request
 
@@ -412,8 +414,9 @@ class Engine:
         the base model."""
         params = params or SamplingParams()
         adapter = self._lora_adapter(lora)
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string, or left out", "cache_salt")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or not is_text(cache_salt)):
+            raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string of valid Unicode, or "
+                                      "left out", "cache_salt")
         kind = output_kind or (OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
         if request_id is None:
             request_id = str(self._next_id)
@@ -426,6 +429,9 @@ class Engine:
         if not isinstance(prompt, str) and not all(
                 isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+        if isinstance(prompt, str) and not is_text(prompt):
+            raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
+                                      "prompt")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         validate_request(ids, params, self.limits, priority)
         self._admission_control(len(ids), params.n)
@@ -446,7 +452,7 @@ class Engine:
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
                     background=background,
-                    seed=(base_seed + 0x9E3779B1 * i) & 0xFFFFFFFF,
+                    seed=sample_seed(base_seed, i),
                     sample_index=i,
                     parent_id=group.seqs[0].seq_id if i else None,
                     cache_salt=cache_salt,
@@ -529,9 +535,32 @@ class Engine:
         bad_words_ids = self._bad_words_ids(params.bad_words)
         vocab = self.model_config.vocab_size
         gate = params.structured_outputs.after_reasoning if params.structured_outputs is not None else None
-        return lambda: TokenConstraint(vocab, grammar=grammar.matcher() if grammar is not None else None,
+        make = lambda: TokenConstraint(vocab, grammar=grammar.matcher() if grammar is not None else None,  # noqa: E731
                                        allowed_token_ids=params.allowed_token_ids, bad_words_ids=bad_words_ids,
                                        after_reasoning=gate)
+        self._check_some_first_token(params, make())
+        return make
+
+    def _check_some_first_token(self, params: SamplingParams, probe: TokenConstraint) -> None:
+        """Refuse constraints that together allow no first token (the step would draw one anyway)."""
+        row = np.empty(bitmask_words(self.model_config.vocab_size), np.int32)
+        probe.fill(row)
+        words = row.view(np.uint32)
+        by_constraints = not words.any()
+        if params.min_tokens > 0:  # the step bans EOS and the stop tokens until min_tokens are out
+            for t in list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids)):
+                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        if words.any():
+            return
+        used = [name for name, on in (("structured_outputs", params.structured_outputs is not None),
+                                      ("allowed_token_ids", params.allowed_token_ids is not None),
+                                      ("bad_words", bool(params.bad_words))) if on]
+        if not by_constraints:
+            raise InvalidRequestError(f"{' and '.join(used)} allow only EOS or stop tokens first, which "
+                                      f"min_tokens={params.min_tokens} bans until it is reached; lower min_tokens "
+                                      "or allow other tokens", "min_tokens")
+        raise InvalidRequestError(f"{' and '.join(used)} together allow no first token; loosen one of them",
+                                  used[-1])
 
     def _bad_words_ids(self, words: list[str]) -> list[tuple[int, ...]]:
         """Each bad word's tokens, as written and after a space (as vLLM forms them)."""

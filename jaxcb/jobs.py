@@ -33,7 +33,7 @@ from jaxcb.config import Config
 from jaxcb.engine import LLM
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError, UserError
 from jaxcb.outputs import RequestOutput, join_deltas
-from jaxcb.request_fields import reject_non_finite
+from jaxcb.request_fields import loads_request
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.chat import assistant_message
@@ -78,12 +78,9 @@ def read_input(path: str) -> list[JobRecord]:
             if not line.strip():
                 continue
             try:
-                data = json.loads(line, parse_constant=reject_non_finite)
-            except (json.JSONDecodeError, InvalidRequestError) as e:
-                records.append(JobRecord(n, None, None, f"line {n} is not valid JSON: {e}"))
-                continue
-            except RecursionError:
-                records.append(JobRecord(n, None, None, f"line {n} nests JSON too deeply to be a record"))
+                data = loads_request(line)
+            except InvalidRequestError as e:
+                records.append(JobRecord(n, None, None, f"line {n} is not a record: {e}"))
                 continue
             if not isinstance(data, dict) or not isinstance(data.get("id"), (str, int)):
                 records.append(JobRecord(n, None, None, f"line {n} has no string or integer 'id'"))

@@ -186,6 +186,17 @@ class OutputProcessor:
             c = group.completions[seq.sample_index]
             if c.finish_reason is not None:
                 continue  # a token drawn after the stop (async scheduling), already trimmed
+            if seq.constraint is not None and seq.constraint.dead_end:
+                # Its constraints (grammar, allowed_token_ids, bad_words) left no token to draw: the step's
+                # draw is not the model's, so it is not shown; the sequence ends here.
+                log.warning("request %s: its constraints allow no next token after %d tokens; it ends here "
+                            "(finish_reason abort)", seq.group_id, len(c.token_ids))
+                c.detokenizer.finish()
+                c.finish_reason = RequestStatus.FINISHED_ABORTED.value
+                stops.append((seq, RequestStatus.FINISHED_ABORTED))
+                stopped.add(group.request_id)
+                changed[group.request_id] = group
+                continue
             status = token_stop_status(group.params, token, len(c.token_ids) + 1, len(group.prompt_token_ids),
                                        self.eos_token_ids, self.max_model_len)
             if status is RequestStatus.FINISHED_STOPPED:

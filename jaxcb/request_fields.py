@@ -11,6 +11,9 @@ No jax.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from typing import Any, Mapping
 
 from jaxcb.errors import InvalidRequestError
@@ -100,3 +103,70 @@ def _same(value: Any, accepted: tuple[Any, ...]) -> bool:
 def reject_non_finite(constant: str) -> float:
     """`json.loads(parse_constant=...)`: NaN and Infinity are not JSON, and no field takes them."""
     raise InvalidRequestError(f"{constant} is not a valid JSON number; send a finite number")
+
+
+# A JSON escape of a UTF-16 surrogate (\\uD800-\\uDFFF): the only way a lone surrogate gets into
+# parsed text (valid UTF-8 cannot hold one). Pairs combine into one character; a lone one would
+# reach the tokenizer, a hash or an output file as a string nothing can encode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def loads_request(text: str | bytes) -> Any:
+    """`json.loads` for a request body, a batch line or a job record. InvalidRequestError with the
+    reason for what no request may hold: text that is not JSON, NaN or Infinity, an integer past
+    Python's 4,300-digit limit, nesting too deep, or a lone UTF-16 surrogate (with its path)."""
+    try:
+        data = json.loads(text, parse_constant=reject_non_finite, parse_float=_finite_float)
+    except InvalidRequestError:
+        raise
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more than 4,300 digits
+        if "integer string conversion" in str(e):
+            raise InvalidRequestError("a number in the JSON has more than 4,300 digits; no field takes one that "
+                                      "large") from None
+        raise InvalidRequestError(f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequestError("it nests JSON too deeply to be a request") from None
+    if _SURROGATE_ESCAPE.search(text if isinstance(text, str) else text.decode("utf-8", "replace")):
+        found = _lone_surrogate(data, "")
+        if found is not None:
+            path, in_key = found
+            where = (f" in a key of {path or 'the top-level object'}" if in_key else f" at {path}" if path else "")
+            raise InvalidRequestError(f"the JSON holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF){where}, "
+                                      "which is not text; send valid Unicode", path or None)
+    return data
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)  # 1e400 reads as inf: refused as NaN and Infinity are
+    if not math.isfinite(value):
+        shown = literal if len(literal) <= 24 else literal[:20] + "..."
+        raise InvalidRequestError(f"the number {shown} is past the range of a 64-bit float; send a finite number")
+    return value
+
+
+def _lone_surrogate(value: Any, path: str) -> tuple[str, bool] | None:
+    """(path, whether in a key) of the first string in `value` that UTF-8 cannot encode, else None."""
+    if isinstance(value, str):
+        return None if is_text(value) else (path, False)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not is_text(key):
+                return path, True
+            found = _lone_surrogate(item, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}.{i}" if path else str(i))
+            if found is not None:
+                return found
+    return None
+
+
+def is_text(text: str) -> bool:
+    """Whether `text` is valid Unicode: no lone surrogate, which UTF-8 (a tokenizer, a hash, a file) cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -76,9 +76,16 @@ class SamplingArrays:
     repetition_penalty: jax.Array  # f32[R]; 1 -> off
     presence_penalty: jax.Array  # f32[R]
     frequency_penalty: jax.Array  # f32[R]
-    seeds: jax.Array  # u32[R]
+    seeds: jax.Array  # u32[R]: the low 32 bits of each row's 64-bit seed
     counters: jax.Array  # i32[R]: tokens the row has generated so far (the step of its own stream)
     banned_token_ids: jax.Array  # i32[R, max_banned]; vocab_size (out of range) pads
+    seeds_hi: jax.Array  # u32[R]: the seed's high 32 bits (0 for a seed below 2**32)
+
+
+def seed_key(seed: jax.Array, seed_hi: jax.Array) -> jax.Array:
+    """A row's key from its 64-bit seed: threefry's two key words are the seed's high and low halves,
+    so a seed below 2**32 gets `jax.random.key(seed)`, and seeds that differ anywhere get different keys."""
+    return jax.random.wrap_key_data(jnp.stack([seed_hi, seed]).astype(jnp.uint32), impl="threefry2x32")
 
 
 jax.tree_util.register_dataclass(
@@ -294,11 +301,11 @@ def _draw(x: jax.Array, s: SamplingArrays, filtered: bool, argmax: Argmax, draft
         probs = jax.nn.softmax(x, axis=-1)
         x = jnp.where(probs < s.min_p[:, None] * probs.max(axis=-1, keepdims=True), -jnp.inf, x)
 
-    def row_noise(seed, counter):
-        key = jax.random.fold_in(jax.random.key(seed), counter)
+    def row_noise(seed, seed_hi, counter):
+        key = jax.random.fold_in(seed_key(seed, seed_hi), counter)
         return jax.random.gumbel(key, (x.shape[-1],), jnp.float32)
 
-    noise = jax.vmap(row_noise)(s.seeds, s.counters)
+    noise = jax.vmap(row_noise)(s.seeds, s.seeds_hi, s.counters)
     token = argmax(x + noise)
     if drafts is None:
         return token
@@ -320,11 +327,11 @@ def _verify_draft(x: jax.Array, noise: jax.Array, token: jax.Array, s: SamplingA
     p_draft = jnp.take_along_axis(p, draft, axis=-1)[:, 0]
     q_draft = jnp.take_along_axis(drafts.probs, draft, axis=-1)[:, 0]
 
-    def row_uniform(seed, counter):
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), counter), ACCEPT_SALT)
+    def row_uniform(seed, seed_hi, counter):
+        key = jax.random.fold_in(jax.random.fold_in(seed_key(seed, seed_hi), counter), ACCEPT_SALT)
         return jax.random.uniform(key, (), jnp.float32)
 
-    u = jax.vmap(row_uniform)(s.seeds, s.counters)
+    u = jax.vmap(row_uniform)(s.seeds, s.seeds_hi, s.counters)
     accept = u * q_draft < p_draft  # u < p/q without the division (q(d) > 0: d was drawn from q)
     residual = jnp.maximum(p - drafts.probs, 0.0)
     residual = jnp.where(drafts.token_ids[:, None] >= 0, residual.at[jnp.arange(x.shape[0]), draft[:, 0]].set(0.0),

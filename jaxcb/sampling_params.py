@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from jaxcb.errors import InvalidRequestError
+from jaxcb.request_fields import is_text
 
 if TYPE_CHECKING:
     from jaxcb.structured.spec import StructuredOutputs
@@ -70,10 +72,11 @@ class SamplingParams:
         if not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequestError(f"skip_special_tokens={self.skip_special_tokens!r} must be true or false",
                                       "skip_special_tokens")
-        self.stop = _list_of(self.stop, "stop", lambda s: isinstance(s, str) and s, "a non-empty string")
+        self.stop = _list_of(self.stop, "stop", lambda s: isinstance(s, str) and s and is_text(s),
+                             "a non-empty string of valid Unicode")
         self.stop_token_ids = _list_of(self.stop_token_ids, "stop_token_ids", _is_int, "a token id")
-        self.bad_words = _list_of(self.bad_words, "bad_words", lambda w: isinstance(w, str) and w.strip(),
-                                  "a non-empty string")
+        self.bad_words = _list_of(self.bad_words, "bad_words", lambda w: isinstance(w, str) and w.strip() and is_text(w),
+                                  "a non-empty string of valid Unicode")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _list_of(self.allowed_token_ids, "allowed_token_ids", _is_int, "a token id")
         if self.logit_bias is not None:
@@ -102,6 +105,8 @@ class SamplingParams:
              f"presence_penalty={self.presence_penalty:g} must be in [-2, 2]"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
              f"frequency_penalty={self.frequency_penalty:g} must be in [-2, 2]"),
+            (self.seed is None or MIN_SEED <= self.seed <= MAX_SEED, "seed",
+             f"seed={_short(self.seed)} must fit in 64 bits: from -2**63 to 2**64 - 1"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs={self.logprobs} must be >= 0"),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
              f"prompt_logprobs={self.prompt_logprobs} must be >= 0"),
@@ -134,6 +139,17 @@ class SamplingParams:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The 64-bit seed of a request's `index`-th sample (`n` > 1): the request's seed (a negative one as
+    its two's complement), its low 32 bits stepped by a golden-ratio constant per sample. A seed below
+    2**32 draws what it drew when seeds were 32 bits; seeds that differ in any bit draw differently."""
+    seed %= 2**64
+    return (seed >> 32 << 32) | ((seed + 0x9E3779B1 * index) & 0xFFFFFFFF)
+
+
+# A seed is a signed or unsigned 64-bit integer, as OpenAI's API and vLLM take it.
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+
 _INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
 _OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -145,7 +161,21 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past a float's range
+        return False
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+def _short(value: Any) -> str:
+    """repr(value), cut to a length a message can hold (a request may send a 4,000-digit number)."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "a number that large"
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _list_of(value: Any, name: str, ok: Callable[[Any], Any], what: str) -> list:
@@ -164,10 +194,11 @@ def _logit_bias(value: Any) -> dict[int, float]:
                                   "logit_bias")
     bias = {}
     for key, v in value.items():
-        if not (_is_int(key) or (isinstance(key, str) and key.lstrip("-").isdigit())):
-            raise InvalidRequestError(f"logit_bias keys must be token ids, not {key!r}", "logit_bias")
+        # ASCII digits only: str.isdigit() and int() also take "²" or a full-width "５"
+        if not (_is_int(key) or (isinstance(key, str) and _TOKEN_ID.fullmatch(key))):
+            raise InvalidRequestError(f"logit_bias keys must be token ids, not {_short(key)}", "logit_bias")
         if not _is_number(v) or abs(v) > MAX_LOGIT_BIAS:
-            raise InvalidRequestError(f"logit_bias[{key}]={v!r} must be a number between -{MAX_LOGIT_BIAS:g} and "
-                                      f"{MAX_LOGIT_BIAS:g}", "logit_bias")
+            raise InvalidRequestError(f"logit_bias[{_short(key)}]={_short(v)} must be a number between "
+                                      f"-{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}", "logit_bias")
         bias[int(key)] = float(v)
     return bias

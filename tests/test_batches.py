@@ -123,6 +123,11 @@ def test_a_line_its_endpoint_would_refuse_is_answered_with_that_refusal_in_the_e
     ({**completion_line("b", "x"), "url": "/v1/embeddings"}, "url '/v1/embeddings'"),
     ({**completion_line("b", "x"), "method": "GET"}, "method 'GET'"),
     ({**completion_line("b", "x"), "priority": 1}, "priority is not a field of a batch line"),
+    # Lone surrogates once left a batch in_progress (or cancelling) for good: its output file could not be written.
+    ('{"custom_id": "\\ud800", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}',
+     "line 2 is not a JSON object a batch takes (the JSON holds a lone UTF-16 surrogate escape"),
+    ('{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": {"prompt": "\\udc00"}}',
+     "at body.prompt"),
 ])
 def test_an_upload_with_a_line_that_could_never_run_is_refused_naming_the_line(client, line, named):
     with pytest.raises(BadRequestError) as e:

@@ -88,7 +88,8 @@ def test_speculative_sampling_draws_the_targets_distribution_whatever_the_draft(
         temperature=jnp.ones(num_rows), top_k=jnp.zeros(num_rows, jnp.int32), top_p=jnp.full(num_rows, 0.9),
         min_p=jnp.zeros(num_rows), repetition_penalty=jnp.ones(num_rows), presence_penalty=jnp.zeros(num_rows),
         frequency_penalty=jnp.zeros(num_rows), seeds=jnp.arange(num_rows, dtype=jnp.uint32),
-        counters=jnp.full(num_rows, 3, jnp.int32), banned_token_ids=jnp.full((num_rows, 1), vocab, jnp.int32))
+        counters=jnp.full(num_rows, 3, jnp.int32), banned_token_ids=jnp.full((num_rows, 1), vocab, jnp.int32),
+        seeds_hi=jnp.zeros(num_rows, jnp.uint32))
     counts = PenaltyCounts(jnp.zeros((num_rows, vocab), bool), jnp.zeros((num_rows, vocab), jnp.int32))
     rows = DraftRows(jnp.asarray(drafts), jnp.broadcast_to(jnp.asarray(q), (num_rows, vocab)))
     token, *_ = jax.jit(lambda x: sample(x, s, StepVariant.FULL, 1, counts=counts, drafts=rows))(

@@ -97,13 +97,102 @@ def test_fields_whose_value_is_what_jaxcb_does_are_accepted(server):
     ("[1, 2]", "must be a JSON object, not list"),
     ('"hi"', "must be a JSON object, not str"),
     ("3", "must be a JSON object, not int"),
+    # A lone UTF-16 surrogate is no text: it reached the tokenizer, a block hash (on the engine's thread)
+    # or a batch's output file before, and took the engine or the batch down.
+    (r'{"model": "tiny", "prompt": "a\ud800b"}', "lone UTF-16 surrogate escape (\\uD800-\\uDFFF) at prompt"),
+    (r'{"model": "tiny", "prompt": "' + "a" * 40 + r'", "cache_salt": "\ud800"}', "at cache_salt"),
+    (r'{"model": "tiny", "messages": [{"role": "user", "content": "\udc00"}]}', "at messages.0.content"),
+    (r'{"model": "tiny", "prompt": "hi", "\ud800": 1}', "in a key of the top-level object"),
+    ('{"model": "tiny", "prompt": "hi", "max_tokens": 1' + "0" * 5000 + "}", "more than 4,300 digits"),
+    ('{"model": "tiny", "prompt": "hi", "timeout": 1e400}', "the number 1e400 is past the range of a 64-bit float"),
+    ('{"model": "tiny", "prompt": "hi", "timeout": 1' + "0" * 400 + "}", "must be a finite number of seconds"),
+    ('{"model": "tiny", "prompt": "hi", "logit_bias": {"5": 1' + "0" * 400 + "}}", "logit_bias['5']="),
+    ('{"model": "tiny", "prompt": "hi", "logit_bias": {"\u00b2": 1}}', "logit_bias keys must be token ids"),
+    ('{"model": "tiny", "prompt": "hi", "logit_bias": {"\uff15": 1}}', "logit_bias keys must be token ids"),
+    ('{"model": "tiny", "prompt": "hi", "seed": 18446744073709551616}', "seed=18446744073709551616 must fit in 64 bits"),
 ])
 def test_hostile_bodies_are_400s_and_the_engine_keeps_serving(server, body, message):
     url, state = server
-    r = post(url, "/v1/completions", body)
-    assert r.status_code == 400 and message in r.json()["error"]["message"]
+    r = post(url, "/v1/completions" if '"messages"' not in body else "/v1/chat/completions", body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert post(url, "/v1/completions", COMPLETION).status_code == 200
     assert_nothing_queued(state)
+
+
+def test_a_top_k_past_the_vocabulary_is_no_limit_and_the_engine_keeps_serving(server):
+    # Written into the step's int32 slots as it was, 2**31 stopped the engine loop for good.
+    url, state = server
+    body = {**COMPLETION, "max_tokens": 6, "temperature": 1.0, "seed": 7}
+    texts = []
+    for top_k in (2**31, 10**30, 0):
+        r = post(url, "/v1/completions", {**body, "top_k": top_k})
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    assert texts[0] == texts[1] == texts[2]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    assert_nothing_queued(state)
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+def tool(**function):
+    return {"type": "function", "function": {**TOOL["function"], **function}}
+
+
+@pytest.mark.parametrize("path, change, param", [
+    # each was accepted and then ignored, rendered into the prompt as given, or answered with a Python error
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"max_tokens": 2, "max_completion_tokens": 6}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"tools": [tool(name="")], "tool_choice": "auto"}, "tools.0.function.name"),
+    ("/v1/chat/completions", {"tools": [tool(name='a b"c</tool_call>')]}, "tools.0.function.name"),
+    ("/v1/chat/completions", {"tools": [TOOL, TOOL], "tool_choice": "none"}, "tools.1.function.name"),
+    ("/v1/chat/completions", {"tools": [tool(parameters={"type": "string"})]}, "tools.0.function.parameters"),
+    ("/v1/chat/completions", {"tools": [tool(parameters={"type": "object", "properties": 3})]},
+     "tools.0.function.parameters"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_call_id": "c1"}]},
+     "messages.0.tool_call_id"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+     "response_format.json_schema.name"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+])
+def test_fields_that_contradict_or_misplace_are_refused_naming_them(server, path, change, param):
+    url, state = server
+    r = post(url, path, {**(CHAT if "chat" in path else COMPLETION), **change})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert_nothing_queued(state)
+
+
+def test_agreeing_max_tokens_tools_under_auto_and_stream_options_on_a_stream_are_served(server):
+    url, _ = server
+    for change in ({"max_tokens": 2, "max_completion_tokens": 2}, {"tools": [TOOL], "tool_choice": "auto"},
+                   {"stream": True, "stream_options": {"include_usage": True}}):
+        r = post(url, "/v1/chat/completions", {**CHAT, **change})
+        assert r.status_code == 200, (change, r.text)
+
+
+def test_a_too_long_chat_names_what_the_client_sent(server):
+    url, state = server
+    long = [{"role": "user", "content": "a" * state.client.max_model_len}]
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": long})  # no max_tokens: not its fault
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    r = post(url, "/v1/chat/completions", {"model": "tiny", "messages": CHAT["messages"],
+                                           "max_completion_tokens": state.client.max_model_len})
+    error = r.json()["error"]
+    assert error["param"] == "max_completion_tokens" and "max_tokens" not in error["message"].replace(
+        "max_completion_tokens", ""), error
+
+
+def test_seeds_that_differ_past_32_bits_draw_differently_and_each_draws_the_same_again(server):
+    url, _ = server
+    body = {**COMPLETION, "max_tokens": 8, "temperature": 1.0}
+    texts = {seed: post(url, "/v1/completions", {**body, "seed": seed}).json()["choices"][0]["text"]
+             for seed in (1, 2**32 + 1, 2**64 - 1, -(2**63))}
+    assert len(set(texts.values())) == 4  # cut to 32 bits, the first two were one seed
+    assert post(url, "/v1/completions", {**body, "seed": 2**32 + 1}).json()["choices"][0]["text"] == texts[2**32 + 1]
 
 
 def test_priority_under_a_policy_that_ignores_it_names_the_policy_that_uses_it(server):
@@ -129,9 +218,11 @@ def test_job_records_are_refused_by_the_same_table(tmp_path):
     assert check_fields({"id": "a", "user": "u", "prompt": "x"}, {"id", "prompt"}) == {"id": "a", "prompt": "x"}
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": "deep", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}\n"
-                    '{"id": "nan", "prompt": "x", "temperature": NaN}\n')
+                    '{"id": "nan", "prompt": "x", "temperature": NaN}\n'
+                    '{"id": "lone", "prompt": "x\\ud800"}\n')
     errors = [r.error for r in read_input(str(path))]
     assert "nests JSON too deeply" in errors[0] and "NaN is not a valid JSON number" in errors[1]
+    assert "lone UTF-16 surrogate" in errors[2] and "at prompt" in errors[2]
 
 
 def test_docs_api_names_every_ignored_refused_and_honoured_value_field():

@@ -326,8 +326,13 @@ def test_an_image_in_a_chat_message_is_refused_by_name():
 
     req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [
         {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:..."}}]}])
-    with pytest.raises(InvalidRequestError, match="images are not supported"):
+    with pytest.raises(InvalidRequestError, match="images are not supported") as e:
         message_text(req.messages[0])
+    assert e.value.field == "messages.content.1"  # the part at fault (chat passes "messages.i" for messages[i])
+    bad_text = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}])
+    with pytest.raises(InvalidRequestError, match="must be a string") as e:
+        message_text(bad_text.messages[0], "messages.0")
+    assert e.value.field == "messages.0.content.0.text"
 
 
 def test_gemma2s_final_cap_keeps_greedy_tokens_and_gives_transformers_prompt_logprobs(checkpoints):

@@ -5,10 +5,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxcb.sampling import (SAMPLING_LEVELS, PenaltyCounts, SamplingArrays, StepVariant, record_tokens, sample,
                             sampling_level)
-from jaxcb.sampling_params import SamplingParams
+from jaxcb.errors import InvalidRequestError
+from jaxcb.sampling_params import SamplingParams, sample_seed
 
 VOCAB = 11
 GREEDY, RANDOM, FULL = StepVariant.GREEDY, StepVariant.RANDOM, StepVariant.FULL
@@ -20,7 +22,7 @@ def arrays(rows, **overrides):
         min_p=np.zeros(rows, np.float32), repetition_penalty=np.ones(rows, np.float32),
         presence_penalty=np.zeros(rows, np.float32), frequency_penalty=np.zeros(rows, np.float32),
         seeds=np.arange(rows, dtype=np.uint32), counters=np.zeros(rows, np.int32),
-        banned_token_ids=np.full((rows, 2), VOCAB, np.int32),
+        banned_token_ids=np.full((rows, 2), VOCAB, np.int32), seeds_hi=np.zeros(rows, np.uint32),
     )
     base.update({k: np.asarray(v, base[k].dtype) for k, v in overrides.items()})
     return SamplingArrays(**{k: jnp.asarray(v) for k, v in base.items()})
@@ -85,6 +87,28 @@ def test_a_rows_draw_depends_only_on_its_seed_and_counter():
     assert together[2] == alone[0]
     moved, *_ = draw(batch[[4, 2]], arrays(2, seeds=[11, 9], counters=[2, 5], top_k=[4, 0]))
     assert moved[1] == together[2] and moved[0] == together[4]
+
+
+def test_seeds_are_64_bits_and_those_below_2_32_draw_as_they_always_did():
+    # The high half went nowhere before: seeds 1 and 2**32 + 1 drew the same tokens, silently.
+    flat = np.zeros((64, VOCAB), np.float32)  # every token equally likely: the draws are the noise's
+    same_low = draw(flat, arrays(64, seeds=[1] * 64, counters=np.arange(64)))[0]
+    high = draw(flat, arrays(64, seeds=[1] * 64, seeds_hi=[1] * 64, counters=np.arange(64)))[0]
+    assert (same_low != high).sum() > 32
+    # below 2**32 the row's key is jax.random.key(seed), as it was: the same Gumbel-argmax draw
+    key = jax.random.fold_in(jax.random.key(np.uint32(1)), 5)
+    expected = int(jnp.argmax(jax.random.gumbel(key, (VOCAB,), jnp.float32)))
+    assert same_low[5] == expected
+
+
+def test_a_requests_samples_get_distinct_64_bit_seeds_that_keep_the_32_bit_ones():
+    assert [sample_seed(5, i) for i in range(3)] == [(5 + 0x9E3779B1 * i) & 0xFFFFFFFF for i in range(3)]
+    assert sample_seed(2**32 + 5, 1) == (1 << 32) | ((5 + 0x9E3779B1) & 0xFFFFFFFF)
+    assert sample_seed(-1, 0) == 2**64 - 1 != sample_seed(2**32 - 1, 0)
+    with pytest.raises(InvalidRequestError, match="seed=.* must fit in 64 bits"):
+        SamplingParams(seed=2**64)
+    with pytest.raises(InvalidRequestError, match="seed=.* must fit in 64 bits"):
+        SamplingParams(seed=-(2**63) - 1)
 
 
 def test_banned_tokens_are_never_drawn():

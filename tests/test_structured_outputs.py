@@ -173,6 +173,31 @@ def test_bad_words_never_appear_and_allowed_token_ids_are_all_that_appear():
     assert all(set(o.token_ids) <= set(allowed) for o in outs)
 
 
+@pytest.mark.parametrize("fields, named", [
+    (dict(allowed_token_ids=[ord("b")], bad_words=["b"]), "bad_words"),
+    (dict(allowed_token_ids=[ord("b")], structured_outputs={"regex": "a+"}), "allowed_token_ids"),
+    (dict(allowed_token_ids=["eos"], min_tokens=3), "min_tokens"),
+])
+def test_constraints_that_allow_no_first_token_are_refused_naming_a_field(fields, named):
+    # The step drew token 0 from an all-masked row before: NUL characters, or an "abort" after one.
+    e = shared_engine()
+    if fields.get("allowed_token_ids") == ["eos"]:
+        fields = dict(fields, allowed_token_ids=list(e.eos_token_ids))
+    with pytest.raises(InvalidRequestError, match="allow") as info:
+        e.add_request("abc", SamplingParams(max_tokens=5, temperature=1.0, seed=0, **fields))
+    assert info.value.field == named
+    assert not e.has_unfinished_requests() and not e.scheduler.waiting
+
+
+def test_constraints_that_run_out_of_tokens_later_end_the_sequence_without_a_token_not_the_models():
+    # "ab" by the grammar, but only "a" allowed: after "a" no token fits; nothing more is emitted.
+    e = shared_engine()
+    [out] = generate_first_completions(e, ["abc"], [SamplingParams(
+        max_tokens=5, temperature=1.0, seed=0, structured_outputs={"regex": "ab"}, allowed_token_ids=[ord("a")])])
+    assert out.text == "a" and out.token_ids == [ord("a")] and out.finish_reason == "abort"
+    assert e.block_pool.num_free_blocks == e.block_pool.num_blocks - 1
+
+
 def test_a_schema_that_does_not_compile_is_refused_naming_its_field_with_nothing_queued():
     e = shared_engine()
     bad = from_structured_outputs({"regex": "(unclosed"})

@@ -249,7 +249,10 @@ class DraftProposer:
         for r in chunk:
             in_flight = len(r.token_ids) - r.num_known
             assert in_flight <= 1, (r.seq.seq_id, in_flight)
-            rows.append((r.token_ids[r.num_known - 1], r.num_known - 1, r.seq.block_ids, r.seq.seed,
+            # The draft's draws take 32 bits (its proposals change how many tokens a step keeps, never
+            # their distribution): the 64-bit seed's halves folded together, the seed itself below 2**32.
+            draft_seed = (r.seq.seed ^ (r.seq.seed >> 32)) & 0xFFFFFFFF
+            rows.append((r.token_ids[r.num_known - 1], r.num_known - 1, r.seq.block_ids, draft_seed,
                          r.seq.sampling_params.temperature, in_flight))
         drawn = self.runner.propose(rows)
         out = [Proposal(drawn[i, row[5] : row[5] + min(k, r.num_drafts)].tolist(), i * k)

@@ -174,6 +174,7 @@ def sampler_inputs(key: SamplerKey, *, max_banned: int, vocab_size: int, max_log
             temperature=f32((r,)), top_k=i32((r,)), top_p=f32((r,), 1.0), min_p=f32((r,)),
             repetition_penalty=f32((r,), 1.0), presence_penalty=f32((r,)), frequency_penalty=f32((r,)),
             seeds=u32((r,)), counters=i32((r,)), banned_token_ids=i32((r, max_banned), vocab_size),
+            seeds_hi=u32((r,)),
         ),
         penalty_slots=i32((r,)) if full else None,
         masks=TokenMasks(i32((r, (vocab_size + 31) // 32), -1), i32((r, max_logit_bias), vocab_size),

@@ -69,7 +69,8 @@ class StepInputBuilder:
         # Each slot's sequence's fixed values: its SamplingParams' floats, in SLOT_FLOATS' order ...
         self._slot_floats = np.zeros((len(SLOT_FLOATS), num_slots), np.float32)  # f32[6, num_slots]
         self._slot_top_k = np.zeros(num_slots, np.int32)  # i32[num_slots]
-        self._slot_seeds = np.zeros(num_slots, np.uint32)  # u32[num_slots]
+        self._slot_seeds = np.zeros(num_slots, np.uint32)  # u32[num_slots]: each seed's low 32 bits
+        self._slot_seeds_hi = np.zeros(num_slots, np.uint32)  # and its high 32
         self._slot_num_prompt = np.zeros(num_slots, np.int32)  # i32[num_slots]
         # ... and what its params need of a step: the sampling level, and whether it samples masked.
         self._slot_level = np.zeros(num_slots, np.int8)  # i8[num_slots]: a StepVariant
@@ -178,6 +179,7 @@ class StepInputBuilder:
             getattr(x, name)[:num_rows] = values
         x.top_k[:num_rows] = self._slot_top_k[row_slots]
         x.seeds[:num_rows] = self._slot_seeds[row_slots]
+        x.seeds_hi[:num_rows] = self._slot_seeds_hi[row_slots]
         if verifies:
             self._fill_verify_banned(seqs, row_seq, row_offset, x.banned_token_ids)
             if key.variant >= StepVariant.FULL:
@@ -319,8 +321,10 @@ class StepInputBuilder:
         """The sampling values of the sequence that takes `slot`: fixed while it holds it."""
         p = s.sampling_params
         self._slot_floats[:, slot] = [getattr(p, name) for name in SLOT_FLOATS]
-        self._slot_top_k[slot] = p.top_k
+        # The k best of a vocabulary of V <= k are all of it: no limit (and no int32 overflow for a huge k).
+        self._slot_top_k[slot] = p.top_k if p.top_k < self.vocab_size else 0
         self._slot_seeds[slot] = s.seed & 0xFFFFFFFF
+        self._slot_seeds_hi[slot] = s.seed >> 32
         self._slot_num_prompt[slot] = s.num_prompt_tokens
         self._slot_level[slot] = sampling_level([p], False)
         self._slot_masked[slot] = p.uses_masked_step

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -41,10 +40,10 @@ from jaxcb.server.completions import (
 from jaxcb.server.protocol import APIError, served_model_name, parse_request
 from jaxcb.server.requests import PlannedRequest
 from jaxcb.server.streaming import chat_events, close_streams, collect_final_outputs, completion_events, sse_response
-from jaxcb.request_fields import reject_non_finite
+from jaxcb.request_fields import loads_request
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.response_store import ResponseStore
-from jaxcb.server.responses import parse_responses_request, plan_response
+from jaxcb.server.responses import parse_responses_request, plan_response, responses_field
 from jaxcb.server.responses_output import ResponseWriter, reply_messages
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
@@ -200,7 +199,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         plan = plan_response(req, state.responses, state.client.tokenizer, state.tool_parser(),
                              state.client.max_model_len, cfg.server.tool_prompt_fallback, state.reasoning_parser,
                              cfg.server.structured_outputs_in_reasoning)
-        await compile_grammar(state, plan.planned)
+        try:
+            await compile_grammar(state, plan.planned)
+        except InvalidRequestError as e:  # named by the Responses field it came from (text.format, not response_format)
+            raise responses_field(e) from None
         streams = await _start(state, plan.planned)
         writer = ResponseWriter(req, plan.planned.chat, req.model, state.client.tokenizer)
         streams = _traced(request, streams, plan.planned, writer.id)
@@ -250,7 +252,7 @@ class GuardMiddleware:
             upload = scope["path"] == "/v1/files"
             limit, knob = (self.max_file_bytes, "max_file_bytes") if upload else (self.max_request_bytes,
                                                                                   "max_request_bytes")
-            if error is None and length.isdigit() and int(length) > limit:
+            if error is None and length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > limit):
                 error = APIError(413, f"request body of {length} bytes exceeds server.{knob}={limit}")
             if error is not None:
                 await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
@@ -264,13 +266,9 @@ async def _json_body(request: Request, cfg: Config) -> Any:
     if len(raw) > cfg.server.max_request_bytes:
         raise APIError(413, f"request body of {len(raw)} bytes exceeds server.max_request_bytes={cfg.server.max_request_bytes}")
     try:
-        return json.loads(raw, parse_constant=reject_non_finite)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except InvalidRequestError as e:  # NaN, Infinity
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise APIError(400, "the request body nests JSON too deeply to be a request") from None
+        return loads_request(raw)
+    except InvalidRequestError as e:  # not JSON, NaN, a lone surrogate, ...
+        raise APIError(400, f"the request body is not valid: {e}", param=e.field) from None
 
 
 def _without_framework_telemetry() -> dict[str, Any]:

@@ -95,6 +95,6 @@ def _query(request: Request, known: tuple[str, ...]) -> dict[str, str]:
 def _limit(value: Optional[str]) -> int:
     if value is None:
         return 20  # OpenAI's default page
-    if not value.isdigit() or not 1 <= int(value) <= MAX_LIST_LIMIT:
+    if not (value.isascii() and value.isdigit() and len(value) <= 9) or not 1 <= int(value) <= MAX_LIST_LIMIT:
         raise APIError(400, f"limit={value!r} must be a whole number from 1 to {MAX_LIST_LIMIT}", param="limit")
     return int(value)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 from jaxcb.errors import InvalidRequestError
-from jaxcb.request_fields import reject_non_finite
+from jaxcb.request_fields import loads_request
 from jaxcb.server.completions import CHAT_COMPLETIONS, COMPLETIONS
 from jaxcb.server.files import sortable_id, write_json_atomically
 from jaxcb.server.protocol import APIError
@@ -57,9 +57,9 @@ def read_batch_lines(content: bytes, max_line_bytes: int) -> list[BatchLine]:
             raise InvalidRequestError(f"{where} is longer than server.max_request_bytes={max_line_bytes}, the "
                                       "largest request body this server takes", "file")
         try:
-            data = json.loads(raw, parse_constant=reject_non_finite)
-        except (json.JSONDecodeError, InvalidRequestError, RecursionError) as e:
-            raise InvalidRequestError(f"{where} is not a JSON object ({e})", "file") from None
+            data = loads_request(raw)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"{where} is not a JSON object a batch takes ({e})", "file") from None
         if not isinstance(data, dict):
             raise InvalidRequestError(f"{where} is not a JSON object", "file")
         for key in data:

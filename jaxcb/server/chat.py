@@ -11,8 +11,11 @@ always one or more valid calls -- never an empty tool_calls list).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import jsonschema
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.server.protocol import ChatCompletionRequest, message_text
@@ -83,7 +86,7 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                            f"messages.{i}.tool_call_id")
         # content null (an assistant turn that only calls tools) reaches templates as "", as vLLM passes it:
         # most templates concatenate the content.
-        message: dict[str, Any] = {"role": m.role, "content": message_text(m) or ""}
+        message: dict[str, Any] = {"role": m.role, "content": message_text(m, f"messages.{i}") or ""}
         if m.name is not None:
             message["name"] = m.name
         if m.tool_call_id is not None:
@@ -124,8 +127,10 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
     reply holds only the answer after it unless `structured_in_reasoning`."""
     if not req.messages:
         raise InvalidRequestError("messages is empty; give at least one message", "messages")
+    _check_tool_fields(req)
     structured = _structured(req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    _check_tools(tools)
     choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise InvalidRequestError(f"tool_choice={_choice_name(choice)} needs tools; give tools or drop tool_choice",
@@ -144,7 +149,8 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
                                         choice if choice == "required" else choice.model_dump(), parallel)
         except ValueError as e:  # a name or schema the parser's syntax cannot carry
             raise InvalidRequestError(f"tools: {e}", "tools") from None
-        structured = StructuredOutputs("lark", grammar, "tool_choice")
+        # A grammar that does not compile comes from a tool's parameter schema (a bad `pattern`, say).
+        structured = StructuredOutputs("lark", grammar, "tools")
     if req.continue_final_message and req.add_generation_prompt:
         raise InvalidRequestError("continue_final_message=true continues the last message, so add_generation_prompt must be "
                             "false", "add_generation_prompt")
@@ -152,6 +158,11 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
         messages, template_tools = _messages_with_tools(req, tokenizer, parser, tools, tool_prompt_fallback)
     except InvalidRequestError as e:
         raise _naming_messages(e) from None
+    reserved = sorted(set(req.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs.{reserved[0]} is set by the request itself (its own field "
+                                  "or messages); remove it from chat_template_kwargs",
+                                  f"chat_template_kwargs.{reserved[0]}")
     try:
         prompt_ids = chat_prompt_ids(
             tokenizer, messages, req.add_generation_prompt, template_tools,
@@ -168,6 +179,51 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
             structured = hold_answer(structured, reply_start, tokenizer)
     return ChatPlan(prompt_ids, structured, parser if choice != "none" else None, None if parallel else 1,
                     reasoning, reply_start)
+
+
+# What the template gets from the request itself: chat_template_kwargs may not set them.
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                                 "documents", "chat_template", "tokenizer", "tokenize"})
+# OpenAI's rule for a function's name (and the tool-call grammars' syntax relies on it).
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _check_tool_fields(req: ChatCompletionRequest) -> None:
+    """tool_calls belong to assistant messages and tool_call_id to tool messages; elsewhere they would be
+    rendered (or dropped) as nothing a chat template expects."""
+    for i, m in enumerate(req.messages):
+        if m.tool_calls is not None and m.role != "assistant":
+            raise InvalidRequestError(f"messages.{i}.tool_calls: only an assistant message makes tool calls, not a "
+                                      f"{m.role} message", f"messages.{i}.tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise InvalidRequestError(f"messages.{i}.tool_call_id: only a tool message answers a call, not a "
+                                      f"{m.role} message", f"messages.{i}.tool_call_id")
+
+
+def _check_tools(tools: list[dict[str, Any]]) -> None:
+    """Every tool definition as OpenAI takes it, whatever tool_choice: the model sees each one in its
+    prompt, so a name or schema the grammar or parser could not carry is refused up front."""
+    seen = set()
+    for i, tool in enumerate(tools):
+        function, where = tool["function"], f"tools.{i}.function"
+        name = function["name"]
+        if not _FUNCTION_NAME.fullmatch(name):
+            raise InvalidRequestError(f"{where}.name={name!r} must be 1-64 letters, digits, '_' or '-'", f"{where}.name")
+        if name in seen:
+            raise InvalidRequestError(f"{where}.name={name!r} is the name of an earlier tool; names must be unique",
+                                      f"{where}.name")
+        seen.add(name)
+        parameters = function.get("parameters")
+        if parameters is None:
+            continue
+        if parameters.get("type", "object") != "object":
+            raise InvalidRequestError(f"{where}.parameters must be the JSON schema of an object (\"type\": \"object\"), "
+                                      f"not of type {parameters.get('type')!r}", f"{where}.parameters")
+        try:
+            jsonschema.validators.validator_for(parameters).check_schema(parameters)
+        except jsonschema.SchemaError as e:
+            raise InvalidRequestError(f"{where}.parameters is not a valid JSON schema: {e.message}",
+                                      f"{where}.parameters") from None
 
 
 def _naming_messages(e: InvalidRequestError) -> InvalidRequestError:

@@ -212,16 +212,22 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
     )
 
 
-def message_text(message: ChatMessage) -> Optional[str]:
+def message_text(message: ChatMessage, where: str = "messages") -> Optional[str]:
+    """The message's text; `where` is its path ("messages.2") for a refusal naming the part at fault."""
     if message.content is None or isinstance(message.content, str):
         return message.content
     parts = []
-    for part in message.content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            kind = part.get("type")
-            what = "images are" if kind in ("image_url", "image", "input_image") else f"a content part of type {kind!r} is"
-            raise InvalidRequestError(f"{what} not supported: jaxcb serves text models (of a multimodal checkpoint such "
-                                      f"as Gemma 3's, the text tower); only text content parts ({{'type': 'text', "
-                                      f"'text': ...}}) are", "messages")
-        parts.append(part["text"])
+    for j, part in enumerate(message.content):
+        at = f"{where}.content.{j}"
+        kind = part.get("type")
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"{at}.text must be a string (a text part is {{'type': 'text', 'text': ...}})",
+                                          f"{at}.text")
+            parts.append(part["text"])
+            continue
+        what = "images are" if kind in ("image_url", "image", "input_image") else f"a content part of type {kind!r} is"
+        raise InvalidRequestError(f"{at}: {what} not supported: jaxcb serves text models (of a multimodal checkpoint "
+                                  f"such as Gemma 3's, the text tower); only text content parts ({{'type': 'text', "
+                                  f"'text': ...}}) are", at)
     return "".join(parts)

@@ -12,6 +12,7 @@ a field back into the body's (chat's `top_logprobs` is the engine's `logprobs`).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -50,7 +51,7 @@ def _renamed(error: InvalidRequestError, renamed: dict[str, str]) -> InvalidRequ
     if error.field not in renamed:
         return error
     name = renamed[error.field]
-    return InvalidRequestError(str(error).replace(error.field, name, 1), name)
+    return InvalidRequestError(str(error).replace(error.field, name), name)
 
 
 def _prompts(prompt: Any) -> list[Prompt]:
@@ -66,12 +67,26 @@ def _prompts(prompt: Any) -> list[Prompt]:
 
 
 def _check_timeout(timeout: Optional[float]) -> None:
-    if timeout is not None and not timeout > 0:
-        raise InvalidRequestError(f"timeout={timeout} must be a number of seconds > 0", "timeout")
+    if timeout is None:
+        return
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an integer past float's range
+        seconds = math.inf
+    if not 0 < seconds < math.inf:
+        shown = repr(timeout) if len(repr(seconds)) < 30 and seconds < math.inf else "a number that large"
+        raise InvalidRequestError(f"timeout={shown} must be a finite number of seconds > 0", "timeout")
+
+
+def _check_stream_options(req: Union[CompletionRequest, ChatCompletionRequest]) -> None:
+    if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it
+        raise InvalidRequestError("stream_options applies to a streamed response only; set stream=true or drop "
+                                  "stream_options", "stream_options")
 
 
 def plan_completion(req: CompletionRequest) -> PlannedRequest:
     """A /v1/completions body (or a job record with `prompt`) as engine requests."""
+    _check_stream_options(req)
     prompts = _prompts(req.prompt)
     structured: Optional[StructuredOutputs] = (
         from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
@@ -85,6 +100,11 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
                          structured_in_reasoning: bool = False) -> PlannedRequest:
     """A /v1/chat/completions body (or a job record with `messages`) as one engine request; `reasoning`
     and `structured_in_reasoning` as `chat.plan_chat` takes them."""
+    _check_stream_options(req)
+    if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
+        raise InvalidRequestError(f"max_tokens={req.max_tokens} and max_completion_tokens={req.max_completion_tokens} "
+                                  "disagree; give one (max_completion_tokens is OpenAI's current name)",
+                                  "max_completion_tokens")
     plan = plan_chat(req, tokenizer, parser, tool_prompt_fallback, reasoning, structured_in_reasoning)
     renamed = {}
     if req.max_completion_tokens is not None:
@@ -92,7 +112,11 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
     else:
         max_tokens = req.max_tokens
     if max_tokens is None:  # as OpenAI: as many as the context leaves
-        max_tokens = max(1, max_model_len - len(plan.prompt_ids))
+        if len(plan.prompt_ids) >= max_model_len:  # none: the messages are at fault, not a max_tokens never sent
+            raise InvalidRequestError(f"the messages render to a prompt of {len(plan.prompt_ids)} tokens, which leaves no "
+                                      f"room for a reply within engine.max_model_len={max_model_len}; shorten them",
+                                      "messages")
+        max_tokens = max_model_len - len(plan.prompt_ids)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
     top_n = req.top_logprobs or 0

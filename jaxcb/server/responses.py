@@ -222,13 +222,13 @@ def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _renamed(error: InvalidRequestError) -> InvalidRequestError:
+def responses_field(error: InvalidRequestError) -> InvalidRequestError:
     """A chat refusal naming the Responses field it came from."""
     field = error.field
     for chat, responses in _RENAMED:
         if field is not None and (field == chat or field.startswith(chat + ".")):
             name = responses + field[len(chat):]
-            return InvalidRequestError(str(error).replace(field, name, 1), name)
+            return InvalidRequestError(str(error).replace(field, name), name)
     return error
 
 
@@ -256,7 +256,7 @@ def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokeni
         planned = plan_chat_completion(chat, tokenizer, parser, max_model_len, tool_prompt_fallback, reasoning,
                                        structured_in_reasoning)
     except InvalidRequestError as e:
-        raise _renamed(_after_instructions(e, len(system))) from None
+        raise responses_field(_after_instructions(e, len(system))) from None
     planned.renamed_fields = {k: dict(_RENAMED).get(v, v) for k, v in planned.renamed_fields.items()}
     return ResponsePlan(planned, history)
 

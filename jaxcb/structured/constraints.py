@@ -53,6 +53,9 @@ class TokenConstraint:
         self._recent: list[int] = []  # the last tokens generated, as many as the longest bad word needs
         self._keep = max((len(w) - 1 for w in self._banned_after), default=0)
         self._scratch = np.empty(bitmask_words(vocab_size), np.int32)
+        # The last `fill` left no token allowed: what the step draws from that row is not the model's
+        # (the output processor ends the sequence instead of emitting it).
+        self.dead_end = False
 
     @property
     def depends_on_last_token(self) -> bool:
@@ -89,6 +92,7 @@ class TokenConstraint:
         words = row.view(np.uint32)
         for t in banned:
             words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        self.dead_end = not words.any()
 
     def accept(self, token_id: int) -> Optional[str]:
         """Advance past a generated token; an error message if the grammar did not allow it."""

@@ -10,6 +10,7 @@ its text, and the request field it came from (so that a grammar that does not co
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
@@ -107,10 +108,14 @@ def from_response_format(value: Any) -> Optional[StructuredOutputs]:
         raise _fail(f"type={kind!r} is not supported; use text, json_object or json_schema", f"{field}.type")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise _fail("json_schema must be an object with name and schema", f"{field}.json_schema")
+        raise _fail("json_schema must be an object with a name, and a schema (none: any JSON object)",
+                    f"{field}.json_schema")
     extra = set(spec) - {"name", "schema", "strict", "description"}
     if extra:
         raise _fail(f"has fields jaxcb does not know: {sorted(extra)}", f"{field}.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):  # as OpenAI requires
+        raise _fail(f"must be 1-64 letters, digits, '_' or '-', not {name!r}", f"{field}.json_schema.name")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise _fail("must be true, false or null", f"{field}.json_schema.strict")
