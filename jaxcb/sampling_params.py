@@ -119,6 +119,13 @@ class SamplingParams:
         for ok, name, message in checks:
             if not ok:
                 raise InvalidRequestError(message, name)
+        if self.structured_outputs is not None:
+            # A grammar ends the reply where it completes (EOS is all it allows then): it would overrule both.
+            source = getattr(self.structured_outputs, "field", None) or "structured_outputs"
+            for name, asked in (("min_tokens", self.min_tokens > 0), ("ignore_eos", self.ignore_eos)):
+                if asked:
+                    raise InvalidRequestError(f"{name} cannot be honoured under a grammar ({source}): the grammar "
+                                              f"decides where the reply ends; drop {name}", name)
 
     @property
     def is_greedy(self) -> bool:

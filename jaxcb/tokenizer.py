@@ -143,12 +143,15 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         return [self.BOS] + ids if add_special_tokens else ids
 
+    SPECIAL_NAMES = {BOS: "<bos>", EOS: "<eos>", PAD: "<pad>"}
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        data = bytes(i for i in ids if 0 <= i < 256)
-        return data.decode("utf-8", errors="replace")
+        """The bytes' text; with skip_special_tokens=False the special ids as their names, as HF tokenizers keep them."""
+        stream = Utf8Stream(None if skip_special_tokens else self.SPECIAL_NAMES)
+        return "".join(t for t in map(stream.step, ids) if t) + stream.rest()
 
     def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], Optional[str]]:
-        return Utf8Stream().step
+        return Utf8Stream(None if skip_special_tokens else self.SPECIAL_NAMES).step
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -159,14 +162,21 @@ class ByteTokenizer:
 
 class Utf8Stream:
     """ByteTokenizer's decode stream: the bytes since the last whole character, decoded as `decode`
-    decodes them (ids past the bytes add nothing)."""
+    decodes them. Ids past the bytes add nothing, or (`names`) their name after the pending bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Optional[dict[int, str]] = None) -> None:
         self._pending = bytearray()
+        self._names = names or {}
+
+    def rest(self) -> str:
+        """The bytes still pending (an unfinished character), as `decode` shows them at the end."""
+        text, self._pending = self._pending.decode("utf-8", errors="replace"), bytearray()
+        return text
 
     def step(self, token_id: int) -> Optional[str]:
         if not 0 <= token_id < 256:
-            return None
+            name = self._names.get(token_id)
+            return self.rest() + name if name is not None else None
         self._pending.append(token_id)
         text = self._pending.decode("utf-8", errors="replace")
         if text.endswith(REPLACEMENT):

@@ -116,6 +116,27 @@ def test_a_line_its_endpoint_would_refuse_is_answered_with_that_refusal_in_the_e
     assert by_id["temperature"]["body"]["error"]["param"] == "temperature"
 
 
+def test_a_line_the_server_fails_on_is_answered_with_a_500_and_the_batch_goes_on(server, client, monkeypatch):
+    # Before, the exception stopped the batch "until the server restarts", where the same line stopped it again.
+    from jaxcb.server import batch_runner
+
+    plan_body = batch_runner.plan_body
+
+    def failing_on_poison(state, url, body):
+        if body.get("prompt") == "poison":
+            raise RuntimeError("a bug this line meets")
+        return plan_body(state, url, body)
+
+    monkeypatch.setattr(batch_runner, "plan_body", failing_on_poison)
+    lines = [completion_line("ok", "Hello", max_tokens=2, temperature=0), completion_line("bad", "poison")]
+    batch, output, errors = run_batch(client, lines, "/v1/completions")
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    [error] = errors
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 500
+    assert "RuntimeError" in error["response"]["body"]["error"]["message"]
+    assert [r["custom_id"] for r in output] == ["ok"]
+
+
 @pytest.mark.parametrize("line, named", [
     ("{not json", "line 2 is not a JSON object"),
     ({"method": "POST", "url": "/v1/completions", "body": {}}, "line 2 has no custom_id"),

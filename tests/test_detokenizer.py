@@ -121,6 +121,17 @@ def test_random_bytes_and_specials_stream_to_what_a_full_decode_gives(tokenizer)
         assert_streams_to_full_decode(tokenizer, list("née ✓ 日本 🤖".encode()) + ids[:5])
 
 
+def test_the_byte_tokenizers_specials_show_by_name_unless_skipped_whole_and_streamed():
+    # They decoded to nothing either way, so skip_special_tokens=false did nothing on the tiny model.
+    tokenizer = ByteTokenizer()
+    ids = [ByteTokenizer.BOS, *"hé".encode(), ByteTokenizer.PAD, 0xE2, ByteTokenizer.EOS]
+    assert tokenizer.decode(ids) == "hé\ufffd"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<bos>hé<pad>\ufffd<eos>"
+    rng = random.Random(1)
+    for _ in range(10):
+        assert_streams_to_full_decode(tokenizer, [rng.randrange(259) for _ in range(60)], skip_special_tokens=False)
+
+
 def test_each_token_decodes_a_window_of_a_few_ids_never_the_whole_sequence():
     tokenizer, text = WindowsOnly(), "abc é ✓ 🤖 " * 200
     detok, _ = stream(tokenizer, list(text.encode()))

@@ -189,6 +189,14 @@ def test_constraints_that_allow_no_first_token_are_refused_naming_a_field(fields
     assert not e.has_unfinished_requests() and not e.scheduler.waiting
 
 
+@pytest.mark.parametrize("field, value", [("min_tokens", 3), ("ignore_eos", True)])
+def test_min_tokens_and_ignore_eos_under_a_grammar_are_refused_by_name(field, value):
+    # The grammar's end stopped the reply regardless: "a" with finish_reason stop for min_tokens=3.
+    with pytest.raises(InvalidRequestError, match=f"{field} cannot be honoured under a grammar") as e:
+        SamplingParams(structured_outputs={"choice": ["a"]}, **{field: value})
+    assert e.value.field == field
+
+
 def test_constraints_that_run_out_of_tokens_later_end_the_sequence_without_a_token_not_the_models():
     # "ab" by the grammar, but only "a" allowed: after "a" no token fits; nothing more is emitted.
     e = shared_engine()

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.jobs import ExactlyOnceWriter, repair_and_read_output, serve_planned
+from jaxcb.server.async_engine import EngineDeadError
 from jaxcb.server.batches import Batch, BatchCreate, BatchLine, BatchStore, batch_usage, read_batch_lines
 from jaxcb.server.completions import PlannedBody, compile_grammar, plan_body, request_deadlines, response_body
 from jaxcb.server.files import FileStore
@@ -198,6 +199,13 @@ class BatchRunner:
             return _answered(line_id, line.custom_id, 400, APIError(400, str(e), param=e.field).body())
         except APIError as e:
             return _answered(line_id, line.custom_id, e.status, e.body())
+        except EngineDeadError:
+            raise  # the batch stops and resumes when the server starts again
+        except Exception as e:  # a failure of this line alone is its answer: it never holds the batch back for good
+            log.exception("batch %s: line %s failed", batch.id, line.custom_id)
+            return _answered(line_id, line.custom_id, 500, APIError(
+                500, f"the server failed on this line ({type(e).__name__}); the batch went on without it",
+                type="server_error").body())
 
     def _recount(self, batch: Batch) -> list[dict]:
         """Its results so far (the results file, repaired), with request_counts set from them."""

@@ -169,7 +169,21 @@ def parse_request(cls: type[_Strict], body: Any) -> Any:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"] if not _is_union_member(p)) or None
+        parts = param.split(".") if param else []
+        name = next((p for p in (parts[:1] + parts[-1:]) if p in _ACCEPTED_FORMS), None)
+        if name is not None:  # a union's error names only the member pydantic tried last
+            raise InvalidRequestError(f"{param}: {err['msg']}; {name} takes {_ACCEPTED_FORMS[name]}", param) from None
         raise InvalidRequestError(f"{param}: {err['msg']}" if param else err["msg"], param) from None
+
+
+# The fields whose type is a union: what each takes, for a refusal's message.
+_ACCEPTED_FORMS = {
+    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+    "stop": "a string or a list of strings",
+    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+    "timeout": "a number of seconds (an integer or a float)",
+    "content": "a string or a list of text parts",
+}
 
 
 def _is_union_member(loc_part: Any) -> bool:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.request_fields import RefusedFieldError, check_fields
-from jaxcb.server.protocol import ChatCompletionRequest, _Strict, parse_request
+from jaxcb.server.protocol import ChatCompletionRequest, _is_union_member, _Strict, parse_request
 from jaxcb.server.reasoning import ReasoningParser
 from jaxcb.server.requests import PlannedRequest, plan_chat_completion
 from jaxcb.server.response_store import ResponseStore
@@ -121,7 +121,7 @@ def _parse_item(cls: type[_Strict], data: dict[str, Any], where: str) -> Any:
         return cls.model_validate(check_fields(data, frozenset(cls.model_fields), where))
     except ValidationError as e:
         err = e.errors()[0]
-        param = where + ".".join(str(p) for p in err["loc"])
+        param = where + ".".join(str(p) for p in err["loc"] if not _is_union_member(p))
         raise InvalidRequestError(f"{param}: {err['msg']}", param) from None
 
 
@@ -132,7 +132,10 @@ def _item_text(content: Union[str, list[dict[str, Any]]], where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind in _TEXT_PARTS and not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}content.{j}.text must be a string (a part is {{'type': {kind!r}, "
+                                      "'text': ...})", f"{where}content.{j}.text")
+        if kind not in _TEXT_PARTS:
             raise InvalidRequestError(f"{where}content.{j}: a content part of type {kind!r} is not supported: "
                                       f"jaxcb serves text models; give parts of type {', '.join(_TEXT_PARTS)}",
                                       f"{where}content.{j}")
