@@ -92,6 +92,8 @@ def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimi
         raise InvalidRequestError(f"n={params.n} exceeds {source}; ask for at most {max_n} completions", "n")
     if isinstance(priority, bool) or not isinstance(priority, int):
         raise InvalidRequestError(f"priority={priority!r} must be an integer", "priority")
+    if not -(2**63) <= priority < 2**63:  # the scheduler ages it in floats: past these it would not convert
+        raise InvalidRequestError("priority must be a 64-bit integer (from -2**63 to 2**63 - 1)", "priority")
     if priority != 0 and limits.scheduler_policy != "priority":
         raise InvalidRequestError(
             f"priority={priority} is used only by scheduler.policy=priority; this engine runs "

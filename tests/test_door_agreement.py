@@ -25,6 +25,8 @@ CASES = [
     ({"temperature": 2}, None),
     ({"top_k": -1}, None),  # vLLM's "no limit", at every door
     ({"top_k": 5, "seed": 3}, None),
+    ({"top_k": 2 ** 31, "seed": 3}, None),  # no limit; it once overflowed the step's int32 and stopped the engine
+    ({"seed": 2 ** 64 - 1}, None),
     ({"top_p": 0.5, "seed": 3}, None),
     ({"min_p": 0.1, "seed": 3}, None),
     ({"stop": SIXTEEN}, None),
@@ -48,6 +50,8 @@ CASES = [
     ({"top_p": 1.5}, "top_p"),
     ({"min_p": 2}, "min_p"),
     ({"seed": "abc"}, "seed"),  # once crashed a whole job
+    ({"seed": 2 ** 64}, "seed"),
+    ({"logit_bias": {"\uff15": 1}}, "logit_bias"),  # a full-width 5: int() takes it, a token id is ASCII
     ({"seed": 1.5}, "seed"),
     ({"stop": SIXTEEN + ["s16"]}, "stop"),
     ({"stop": [""]}, "stop.0"),

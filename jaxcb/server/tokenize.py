@@ -55,6 +55,8 @@ def parse_tokenize_request(body: Any) -> Union[TokenizeCompletionRequest, Tokeni
     """A /tokenize body: `prompt` or `messages`, not both; InvalidRequestError naming the field at fault."""
     if isinstance(body, dict) and "prompt" in body and "messages" in body:
         raise InvalidRequestError("give prompt or messages, not both", "messages")
+    if isinstance(body, dict) and "prompt" not in body and "messages" not in body:
+        raise InvalidRequestError("give prompt (text) or messages (a chat) to tokenize", "prompt")
     kind = TokenizeChatRequest if isinstance(body, dict) and "messages" in body else TokenizeCompletionRequest
     return parse_request(kind, body)
 
