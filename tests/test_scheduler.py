@@ -505,3 +505,18 @@ def test_a_steps_block_tables_stay_as_they_were_scheduled():
     outs = [run_step(sched) for _ in range(10)]  # 13 tokens: the table grows past its first block
     assert len(outs[-1].scheduled[0].block_ids) > len(table)
     assert first.block_ids == table
+
+
+def test_a_priority_past_64_bits_is_refused_before_the_scheduler_ages_it():
+    # The aged priority is a float: 10**400 raised OverflowError on the engine's thread, which stopped it.
+    from jaxcb.errors import InvalidRequestError
+    from jaxcb.validation import RequestLimits, validate_request
+
+    limits = RequestLimits(vocab_size=100, max_model_len=64, block_size=4, num_usable_blocks=100, max_num_seqs=4,
+                           max_num_batched_tokens=64, enable_chunked_prefill=True, max_logprobs=5,
+                           max_stop_token_ids=8, num_eos_token_ids=1, scheduler_policy="priority")
+    validate_request([1, 2], SamplingParams(max_tokens=4), limits, priority=-(2**63))
+    for priority in (2**63, 10**400):
+        with pytest.raises(InvalidRequestError, match="priority must be a 64-bit integer") as e:
+            validate_request([1, 2], SamplingParams(max_tokens=4), limits, priority=priority)
+        assert e.value.field == "priority"
