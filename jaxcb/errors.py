@@ -33,3 +33,7 @@ class EngineOverloadedError(RuntimeError):
     def __init__(self, message: str, retry_after_s: float):
         super().__init__(f"{message}; retry after {retry_after_s:.0f} s")
         self.retry_after_s = retry_after_s
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served until the server restarts."""

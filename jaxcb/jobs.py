@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from jaxcb.config import Config
 from jaxcb.engine import LLM
-from jaxcb.errors import EngineOverloadedError, InvalidRequestError, UserError
+from jaxcb.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, UserError
 from jaxcb.outputs import RequestOutput, join_deltas
 from jaxcb.request_fields import loads_request
 from jaxcb.sampling_params import SamplingParams
@@ -183,7 +183,8 @@ def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
     choices = []
     for p_idx, out in enumerate(rec.outputs):
         for c in out.outputs:
-            shown = fmt.echo_output(tok, out, c).followed_by(c) if getattr(req, "echo", False) else c
+            skip = rec.planned.params.skip_special_tokens
+            shown = fmt.echo_output(tok, out, c, skip).followed_by(c) if getattr(req, "echo", False) else c
             choice: dict[str, Any] = {"index": p_idx * req.n + c.index, "text": shown.text,
                                       "token_ids": c.token_ids, "finish_reason": fmt.finish_reason(c)}
             if chat is not None:
@@ -195,7 +196,7 @@ def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
                 if req.logprobs:
                     choice["logprobs"] = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0)
             elif req.logprobs is not None:
-                choice["logprobs"] = fmt.completion_logprobs(tok, shown, 0, 0)
+                choice["logprobs"] = fmt.completion_logprobs(tok, shown, 0, 0, skip)
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             choices.append(choice)
@@ -205,6 +206,12 @@ def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
         del choices[0]["index"]
         return {"id": rec.id, **choices[0], "usage": usage}
     return {"id": rec.id, "choices": choices, "usage": usage}
+
+
+def _failed_record(record_id: Optional[str], error: Exception) -> dict[str, Any]:
+    """The result of a record the engine failed on (a bug it met, not a refusal of the record)."""
+    return {"id": record_id, "error": f"the engine failed on this record ({type(error).__name__}: {error}); the job "
+                                      "went on without it"}
 
 
 def _error_record(record_id: Optional[str], error: Exception) -> dict[str, Any]:
@@ -323,6 +330,12 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 if planned is not None and isinstance(e, InvalidRequestError):
                     e = planned.refusal(e)  # the record's own name for the field (chat's top_logprobs)
                 yield _error_record(rec.id, e)
+            except Exception as e:  # a failure of this record alone is its result: the job goes on
+                for rid in added:
+                    engine.abort(rid)
+                    in_flight.pop(rid, None)
+                log.exception("job record %s failed", rec.id)
+                yield _failed_record(rec.id, e)
         for out in engine.step():  # final outputs only
             entry = in_flight.pop(out.request_id, None)
             if entry is None:  # a request aborted above, after its record was refused
@@ -379,6 +392,11 @@ async def generate_results_over(client: "EngineClient", cfg: Config, records: li
                 outputs = await serve_planned(client, planned, deadlines=deadlines)
         except InvalidRequestError as e:
             return _error_record(rec.id, planned.refusal(e) if planned is not None else e)
+        except EngineDeadError:
+            raise
+        except Exception as e:  # a failure of this record alone is its result: the job goes on
+            log.exception("job record %s failed", rec.id)
+            return _failed_record(rec.id, e)
         return result_record(ctx.tokenizer, _PendingRecord(rec.id, req, planned, outputs))
 
     for done in asyncio.as_completed([asyncio.ensure_future(run(r)) for r in records]):

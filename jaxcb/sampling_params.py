@@ -176,7 +176,7 @@ def _is_number(value: Any) -> bool:
         return False
 
 
-_TOKEN_ID = re.compile(r"-?[0-9]+")
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")  # longer is no token id (and int() refuses past 4,300 digits)
 
 
 def _short(value: Any) -> str:

@@ -99,3 +99,30 @@ def test_input_without_output_is_a_config_error(tmp_path):
          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2 and "give both" in proc.stderr
+
+
+def test_a_record_the_engine_fails_on_is_its_own_error_record_and_the_job_goes_on(monkeypatch):
+    # A 4,301-digit logit_bias key raised ValueError out of the job, which then wrote nothing at all.
+    from types import SimpleNamespace
+
+    from engine_factory import shared_engine
+    from jaxcb import jobs
+
+    engine = shared_engine()
+    plan_record = jobs.plan_record
+
+    def failing_on_poison(ctx, data):
+        if data.get("prompt") == "poison":
+            raise RuntimeError("a bug this record meets")
+        return plan_record(ctx, data)
+
+    monkeypatch.setattr(jobs, "plan_record", failing_on_poison)
+    records = [jobs.JobRecord(1, "ok", {"id": "ok", "prompt": "Hello", "max_tokens": 2, "temperature": 0}),
+               jobs.JobRecord(2, "bad", {"id": "bad", "prompt": "poison"}),
+               jobs.JobRecord(3, "big", {"id": "big", "prompt": "x", "logit_bias": {"1" * 4301: 1}})]
+    llm = SimpleNamespace(engine=engine, tokenizer=engine.tokenizer)
+    results = {r["id"]: r for r in jobs.generate_results(llm, records, max_in_flight=4)}
+    assert results["ok"]["finish_reason"] == "length"
+    assert "RuntimeError: a bug this record meets" in results["bad"]["error"]
+    assert results["big"]["field"] == "logit_bias"
+    assert not engine.has_unfinished_requests()

@@ -94,3 +94,12 @@ def test_echo_and_prompt_logprobs_over_http_whole_and_streamed():
         chat = httpx.post(url + "/v1/chat/completions", timeout=60, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
         assert chat.json()["choices"][0]["prompt_logprobs"][0] is None
+        # text_offset: where each token's text starts in the choice's text. The BOS the tokenizer added shows
+        # in the text only with skip_special_tokens=false; its offset step follows (it once counted "<bos>" always).
+        for skip, head in ((True, "echo me"), (False, "<bos>echo me")):
+            got = httpx.post(url + "/v1/completions", json={**body, "skip_special_tokens": skip}, timeout=60).json()
+            choice = got["choices"][0]
+            assert choice["text"].startswith(head)
+            offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+            assert tokens[0] == "<bos>" and offsets[:3] == ([0, 0, 1] if skip else [0, 5, 6])
+            assert [choice["text"][o] for o in offsets[1:num_prompt]] == list("echo me")

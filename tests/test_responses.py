@@ -140,6 +140,12 @@ def test_the_store_keeps_the_last_responses_and_an_evicted_one_is_a_clear_404(cl
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}]},
      "input.0.arguments"),
+    # Responses' own names: a tool has no `function` level; text.format, not chat's response_format
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "string"}}]}, "tools.0.parameters"),
+    ({"tools": [{"type": "function", "name": "a b", "parameters": {}}]}, "tools.0.name"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
+    ({"input": [{"role": "user", "content": None}]}, "input.0.content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content.0.text"),
 ])
 def test_what_responses_cannot_honour_is_refused_by_name(server, extra, param):
     response = httpx.post(server[0] + "/v1/responses", json={"model": "tiny", "input": ASK, **extra}, timeout=60)

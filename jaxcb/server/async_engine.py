@@ -19,16 +19,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
 from jaxcb.engine import Engine, PromptType
+from jaxcb.errors import EngineDeadError  # noqa: F401  (the server's modules import it from here)
 from jaxcb.engine_stats import EngineStats
 from jaxcb.output import OutputKind
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped; no request can be served until the server restarts."""
 
 
 @dataclass

@@ -111,8 +111,9 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
                 choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 if req.echo:  # the prompt, then the completion, as one text (and one logprobs list)
-                    c = fmt.echo_output(tok, out, c).followed_by(c)
-                logprobs = fmt.completion_logprobs(tok, c, 0, 0) if req.logprobs is not None else None
+                    c = fmt.echo_output(tok, out, c, req.skip_special_tokens).followed_by(c)
+                logprobs = (fmt.completion_logprobs(tok, c, 0, 0, req.skip_special_tokens)
+                            if req.logprobs is not None else None)
                 choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
                           "finish_reason": fmt.finish_reason(c)}
             if req.prompt_logprobs is not None:

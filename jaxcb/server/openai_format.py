@@ -33,8 +33,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
     return out
 
 
-def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int) -> dict[str, Any]:
-    """Legacy completions logprobs for tokens start..: tokens, token_logprobs, top_logprobs, text_offset."""
+def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int,
+                        skip_special_tokens: bool = True) -> dict[str, Any]:
+    """Legacy completions logprobs for tokens start..: tokens, token_logprobs, top_logprobs, text_offset.
+    A token's string names a special token always; its offset advances by what it puts in the text,
+    which holds special tokens only with skip_special_tokens=false."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
     for token, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
@@ -43,7 +46,7 @@ def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_of
         token_lps.append(lps.get(token))
         tops.append({tok.decode([t], skip_special_tokens=False): lp for t, lp in lps.items()})
         offsets.append(offset)
-        offset += len(text)
+        offset += len(text) if not skip_special_tokens else len(tok.decode([token], skip_special_tokens=True))
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -54,9 +57,14 @@ def prompt_logprobs(tok: Tokenizer, out) -> list[Optional[dict[str, Any]]]:
     } for entry in out.prompt_logprobs]
 
 
-def echo_output(tok: Tokenizer, out, c: CompletionOutput) -> CompletionOutput:
-    """The request's prompt as a completion's leading part (echo): its text, tokens and, when computed, logprobs."""
-    text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+def echo_output(tok: Tokenizer, out, c: CompletionOutput, skip_special_tokens: bool = True) -> CompletionOutput:
+    """The request's prompt as a completion's leading part (echo): its text, tokens and, when computed, logprobs.
+    With skip_special_tokens=false the text is the prompt's tokens decoded with their special tokens (a BOS the
+    tokenizer added shows), as the completion's own text keeps them."""
+    if skip_special_tokens:
+        text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+    else:
+        text = tok.decode(out.prompt_token_ids, skip_special_tokens=False)
     logprobs = None
     if out.prompt_logprobs is not None:
         logprobs = [entry or {} for entry in out.prompt_logprobs]  # the first token has none

@@ -170,19 +170,26 @@ def parse_request(cls: type[_Strict], body: Any) -> Any:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"] if not _is_union_member(p)) or None
         parts = param.split(".") if param else []
-        name = next((p for p in (parts[:1] + parts[-1:]) if p in _ACCEPTED_FORMS), None)
+        forms = _ACCEPTED_FORMS.get(cls.__name__, {})
+        name = next((p for p in (parts[:1] + parts[-1:]) if p in forms), None)
         if name is not None:  # a union's error names only the member pydantic tried last
-            raise InvalidRequestError(f"{param}: {err['msg']}; {name} takes {_ACCEPTED_FORMS[name]}", param) from None
+            raise InvalidRequestError(f"{param}: {err['msg']}; {name} takes {forms[name]}", param) from None
         raise InvalidRequestError(f"{param}: {err['msg']}" if param else err["msg"], param) from None
 
 
-# The fields whose type is a union: what each takes, for a refusal's message.
+# Per request type, the fields whose type is a union: what each takes, for a refusal's message.
+_STOP, _TIMEOUT = "a string or a list of strings", "a number of seconds (an integer or a float)"
 _ACCEPTED_FORMS = {
-    "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
-    "stop": "a string or a list of strings",
-    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
-    "timeout": "a number of seconds (an integer or a float)",
-    "content": "a string or a list of text parts",
+    "CompletionRequest": {
+        "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+        "stop": _STOP, "timeout": _TIMEOUT},
+    "ChatCompletionRequest": {
+        "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        "stop": _STOP, "timeout": _TIMEOUT, "content": "a string or a list of text parts"},
+    "ResponsesRequest": {
+        "tool_choice": "'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
+        "input": "a string or a list of input items (messages, function calls and their outputs)",
+        "content": "a string or a list of content parts"},
 }
 
 

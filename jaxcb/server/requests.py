@@ -113,9 +113,9 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
         max_tokens = req.max_tokens
     if max_tokens is None:  # as OpenAI: as many as the context leaves
         if len(plan.prompt_ids) >= max_model_len:  # none: the messages are at fault, not a max_tokens never sent
-            raise InvalidRequestError(f"the messages render to a prompt of {len(plan.prompt_ids)} tokens, which leaves no "
-                                      f"room for a reply within engine.max_model_len={max_model_len}; shorten them",
-                                      "messages")
+            raise InvalidRequestError(f"the prompt rendered from the messages is {len(plan.prompt_ids)} tokens, which "
+                                      f"leaves no room for a reply within engine.max_model_len={max_model_len}; "
+                                      "shorten the messages", "messages")
         max_tokens = max_model_len - len(plan.prompt_ids)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")

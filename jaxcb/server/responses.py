@@ -12,6 +12,7 @@ effort, item references) is refused by name. The conversation so far comes from
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
@@ -228,6 +229,10 @@ def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]
 def responses_field(error: InvalidRequestError) -> InvalidRequestError:
     """A chat refusal naming the Responses field it came from."""
     field = error.field
+    tool = re.fullmatch(r"tools\.(\d+)\.function\.(.+)", field or "")
+    if tool:  # a Responses tool has no `function` level: tools.i.name, tools.i.parameters
+        name = f"tools.{tool.group(1)}.{tool.group(2)}"
+        return InvalidRequestError(str(error).replace(field, name), name)
     for chat, responses in _RENAMED:
         if field is not None and (field == chat or field.startswith(chat + ".")):
             name = responses + field[len(chat):]

@@ -160,9 +160,10 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
                 continue
             first = key not in sent_text
             if first and req.echo:  # the prompt leads the choice's first chunk
-                c = fmt.echo_output(tok, out, c).followed_by(c)
+                c = fmt.echo_output(tok, out, c, req.skip_special_tokens).followed_by(c)
             t0 = sent_text.get(key, 0)
-            logprobs = fmt.completion_logprobs(tok, c, 0, t0) if req.logprobs is not None else None
+            logprobs = (fmt.completion_logprobs(tok, c, 0, t0, req.skip_special_tokens)
+                        if req.logprobs is not None else None)
             sent_text[key] = t0 + len(c.text)
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             if first and req.prompt_logprobs is not None:
