@@ -81,6 +81,8 @@ async def collect_final_outputs(state: "ServerState", request: Request, streams:
                 return finals
             if await request.is_disconnected():
                 task.cancel()
+                # the streams, aborted below, may end the gather with their error rather than a cancel: read it
+                task.add_done_callback(_retrieve)
                 raise APIError(499, "client disconnected")
     except StreamAbortedError as e:
         raise APIError(503, str(e), type="server_error") from None
@@ -111,6 +113,22 @@ def sse_response(state: "ServerState", streams: list[RequestStream], events: Asy
     return StreamingResponse(body(), media_type="text/event-stream")
 
 
+# Tasks cancelled by a consumer that is gone (a client that disconnected): held until they have run their
+# cancellation, since the event loop keeps only weak references and would destroy them still pending.
+_ENDING: set[asyncio.Task] = set()
+
+
+def _kept(task: asyncio.Task) -> asyncio.Task:
+    _ENDING.add(task)
+    task.add_done_callback(_ENDING.discard)
+    return task
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # read, so that asyncio does not report it as never retrieved
+
+
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Outputs of several streams as they come, tagged with the stream's index.
 
@@ -127,7 +145,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             await queue.put((i, e))
         await queue.put((i, None))
 
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    tasks = [_kept(asyncio.ensure_future(pump(i, s))) for i, s in enumerate(streams)]
     try:
         remaining = len(streams)
         while remaining:
