@@ -173,6 +173,9 @@ def test_tool_choice_auto_reads_calls_the_model_writes(server):
     ({"logit_bias": {"5": 300}}, "logit_bias"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
     ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
+    # a tool's schema the call grammar cannot compile: the tools are at fault, not tool_choice
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/defs/nope"}}}}}]}, "tools"),
 ])
 def test_constraints_that_cannot_be_honoured_are_400s_naming_the_field(server, body, param):
     import httpx

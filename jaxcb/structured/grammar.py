@@ -168,16 +168,18 @@ class GrammarCompiler:
             raise StructuredOutputsError(f"{spec.field}: {e}", spec.field) from None
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise StructuredOutputsError(f"{spec.field} does not compile: {_first_line(matcher.get_error())}",
+            # A grammar jaxcb built from the tools' schemas: its text is not the client's, only the reason is
+            shown = 1 if spec.field == "tools" else 3
+            raise StructuredOutputsError(f"{spec.field} does not compile: {_first_line(matcher.get_error(), shown)}",
                                          spec.field)
         key = (spec.kind, spec.text)
         self.num_compiled[key] = self.num_compiled.get(key, 0) + 1
         return CompiledGrammar(spec, matcher)
 
 
-def _first_line(error: str) -> str:
+def _first_line(error: str, num_lines: int = 3) -> str:
     lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
-    return " ".join(lines[:3])[:500] if lines else "unknown error"
+    return " ".join(lines[:num_lines])[:500] if lines else "unknown error"
 
 
 def dumps_compact(value: Any) -> str:
