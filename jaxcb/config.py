@@ -416,6 +416,10 @@ CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def load_config(cfg: DictConfig | Config) -> Config:
     """Turn Hydra's DictConfig into real dataclasses and check it; raise ConfigError if it cannot work."""
     if isinstance(cfg, DictConfig):
+        unknown = _unknown_keys(cfg)
+        if unknown:  # Hydra's `+key=value` adds keys the schema lacks; to_object would drop them silently
+            raise ConfigError(f"{', '.join(unknown)}: not a config field jaxcb knows (a typo?); the fields of each "
+                              "group are in conf/ and jaxcb/config.py")
         obj: Any = OmegaConf.to_object(cfg)
     else:
         obj = cfg
@@ -430,6 +434,23 @@ def load_config(cfg: DictConfig | Config) -> Config:
 
     validate_config(obj)
     return obj
+
+
+def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
+    """Keys of `node` (and the config groups under it) that its dataclass does not have."""
+    kind = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(kind):
+        return []  # a free mapping (lora.adapters, model.rope_scaling, ...)
+    fields = {f.name for f in dataclasses.fields(kind)}
+    unknown = []
+    for key in node.keys():
+        if key not in fields:
+            unknown.append(f"{path}{key}")
+            continue
+        child = node._get_node(key)  # not resolved: an interpolation stays as written
+        if isinstance(child, DictConfig):
+            unknown += _unknown_keys(child, f"{path}{key}.")
+    return unknown
 
 
 def resolve_draft_model(value: Any) -> ModelConfig:

@@ -5,7 +5,10 @@ fields and says what to change.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+from typing import Any
 
 from jaxcb.batch_limits import validate_batch_limits
 from jaxcb.config import (
@@ -41,8 +44,25 @@ def validate_batch_and_tracing_config(srv: ServerConfig) -> None:
             "(e.g. http://127.0.0.1:4318/v1/traces), or null for no tracing")
 
 
+def _non_finite(node: Any, path: str = "") -> list[str]:
+    """The float fields (at any depth) holding NaN or an infinity: no knob takes one (null is "none")."""
+    if isinstance(node, float):
+        return [] if math.isfinite(node) else [f"{path}={node}"]
+    if dataclasses.is_dataclass(node):
+        items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    elif isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, (list, tuple)):
+        items = enumerate(node)
+    else:
+        return []
+    return [bad for key, value in items for bad in _non_finite(value, f"{path}.{key}" if path else str(key))]
+
+
 def validate_config(cfg: Config) -> None:
     """Cross-field and range checks that the dataclass types cannot express."""
+    bad = _non_finite(cfg)
+    require(not bad, f"{', '.join(bad)}: not a finite number; give a number (or null where the field takes none)")
     validate_model_config(cfg.model)
     c, s, e, srv = cfg.cache, cfg.scheduler, cfg.engine, cfg.server
     require(

@@ -34,6 +34,16 @@ def test_cpu_and_xla_backends_give_the_same_greedy_tokens_through_the_engine():
     assert_same_tokens_and_logprobs(xla, cpu, tol=1e-5)
 
 
+def test_an_attention_softcap_on_a_llama_preset_is_applied_by_the_cpu_backend_as_by_xla():
+    # The cpu backend's fused q/k/v-and-attend path took no cap: model.attn_logit_softcap was ignored there.
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    capped = [generate_first_completions(shared_engine(f"model.backend={name}", "model.attn_logit_softcap=0.05"),
+                                         PROMPTS[:2], params) for name in ("xla", "cpu")]
+    assert_same_tokens_and_logprobs(*capped, tol=1e-4)
+    plain = generate_first_completions(shared_engine("model.backend=cpu"), PROMPTS[:2], params)
+    assert any(c.logprobs != p.logprobs for c, p in zip(capped[1], plain))  # the cap does change them
+
+
 def test_the_cpu_backend_steps_on_packed_panels_and_run_no_xla_dot():
     e = shared_engine("model.backend=cpu")
     cfg = e.model_config

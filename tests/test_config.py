@@ -211,3 +211,25 @@ def test_every_tool_call_parser_the_server_has_is_accepted_by_the_config():
 
     for name in TOOL_CALL_PARSERS:
         assert compose_config(f"server.tool_call_parser={name}").server.tool_call_parser == name
+
+
+@pytest.mark.parametrize("override, named", [
+    ("+scheduler.max_num_seq=4", "scheduler.max_num_seq"),  # what Hydra's own typo message tells a user to write
+    ("++engine.foo=1", "engine.foo"),
+    ("+foo=1", "foo"),
+])
+def test_a_key_added_with_a_plus_that_no_config_has_is_refused_by_name(override, named):
+    # Hydra adds the key; turning the config into dataclasses dropped it without a word.
+    with pytest.raises(ConfigError, match=f"{named}: not a config field jaxcb knows"):
+        compose_config(override)
+
+
+@pytest.mark.parametrize("override, named", [
+    ("cache.cpu_kv_cache_gib=inf", "cache.cpu_kv_cache_gib=inf"),  # a traceback in the cache plan before
+    ("cache.host_prefix_cache_gib=inf", "cache.host_prefix_cache_gib=inf"),
+    ("model.rms_norm_eps=nan", "model.rms_norm_eps=nan"),  # NaN logits, token 0, no error
+    ("bench.output_mean=nan", "bench.output_mean=nan"),
+])
+def test_a_nan_or_infinite_number_in_any_group_is_refused_by_name(override, named):
+    with pytest.raises(ConfigError, match=f"{named}: not a finite number"):
+        compose_config(override)

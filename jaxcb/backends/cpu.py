@@ -98,7 +98,8 @@ class CpuBackend(Backend):
                        window=None, lora: Optional[LoraRows] = None):
         cfg = self.cfg
         h = h.astype(jnp.float32)  # a bf16 model's embeddings: the stream is float32 from here
-        llama_attention = w.qkv_bias is None and w.q_norm is None
+        # Soft-capped scores (Gemma 2's attn_logit_softcap) take the path below, whose attend applies the cap.
+        llama_attention = w.qkv_bias is None and w.q_norm is None and not cfg.attn_logit_softcap
         fused = self.attention.mesh is None and cache.k.dtype.name in ATTENTION_DTYPES and llama_attention
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         real_rows = md.query_start_loc[-1]  # the step's real tokens: the projection skips the padding after them
