@@ -75,6 +75,7 @@ from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.startup_log import StartupLog, report_memory
 from jaxcb.startup_memory import check_weights_fit
 from jaxcb.structured import GrammarCompiler, TokenConstraint, bitmask_words
+from jaxcb.structured.constraints import clear_tokens
 from jaxcb.tokenizer import Tokenizer, read_chat_template_override
 from jaxcb.validation import RequestLimits, validate_request
 
@@ -548,8 +549,7 @@ class Engine:
         words = row.view(np.uint32)
         by_constraints = not words.any()
         if params.min_tokens > 0:  # the step bans EOS and the stop tokens until min_tokens are out
-            for t in list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids)):
-                words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+            clear_tokens(words, list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_token_ids)))
         if words.any():
             return
         used = [name for name, on in (("structured_outputs", params.structured_outputs is not None),

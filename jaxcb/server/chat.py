@@ -11,7 +11,6 @@ always one or more valid calls -- never an empty tool_calls list).
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -24,6 +23,7 @@ from jaxcb.server.tool_grammar import tool_call_grammar
 from jaxcb.server.tool_parsers import ParsedToolOutput, ToolCallDelta, ToolParser
 from jaxcb.server.tool_prompt import template_ignores_tools, with_tools_in_messages
 from jaxcb.structured.spec import (
+    OPENAI_NAME,
     StructuredOutputs,
     from_response_format,
     from_structured_outputs,
@@ -184,8 +184,6 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
 # What the template gets from the request itself: chat_template_kwargs may not set them.
 _TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                                  "documents", "chat_template", "tokenizer", "tokenize"})
-# OpenAI's rule for a function's name (and the tool-call grammars' syntax relies on it).
-_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 def _check_tool_fields(req: ChatCompletionRequest) -> None:
@@ -207,7 +205,7 @@ def _check_tools(tools: list[dict[str, Any]]) -> None:
     for i, tool in enumerate(tools):
         function, where = tool["function"], f"tools.{i}.function"
         name = function["name"]
-        if not _FUNCTION_NAME.fullmatch(name):
+        if not OPENAI_NAME.fullmatch(name):
             raise InvalidRequestError(f"{where}.name={name!r} must be 1-64 letters, digits, '_' or '-'", f"{where}.name")
         if name in seen:
             raise InvalidRequestError(f"{where}.name={name!r} is the name of an earlier tool; names must be unique",

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import keyword
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 from jaxcb.server.tool_parsers import HERMES_CLOSE, HERMES_OPEN, MISTRAL_TOOL_CALLS, ToolParser
+from jaxcb.structured.spec import OPENAI_NAME
 
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names
 _PLAIN_OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "$defs", "definitions",
                       "title", "description", "$schema"}
 
@@ -100,9 +99,9 @@ def _chosen_functions(tools: list[dict], tool_choice: Union[str, dict]) -> list[
     for i, (tool, function) in enumerate(zip(tools, functions)):
         parameters = (function.get("parameters") or {}) if isinstance(function, dict) else None
         if not (isinstance(parameters, dict) and tool.get("type") == "function"
-                and _TOOL_NAME.fullmatch(str(function.get("name"))) and parameters.get("type", "object") == "object"):
+                and OPENAI_NAME.fullmatch(str(function.get("name"))) and parameters.get("type", "object") == "object"):
             raise ValueError(f'tools.{i} must be {{"type": "function", "function": {{"name": ..., "parameters": '
-                             f'{{"type": "object", ...}}}}}} with a name matching {_TOOL_NAME.pattern}')
+                             f'{{"type": "object", ...}}}}}} with a name matching {OPENAI_NAME.pattern}')
     names = ", ".join(function["name"] for function in functions) or "none"
     if tool_choice == "required" and functions:
         return functions

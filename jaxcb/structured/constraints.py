@@ -37,6 +37,12 @@ def ids_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(bits, bitorder="little").view(np.int32)
 
 
+def clear_tokens(words: np.ndarray, token_ids: Sequence[int]) -> None:
+    """Clear the bits of `token_ids` in a bitmask row viewed as u32 words (u32[bitmask_words(V)])."""
+    for t in token_ids:
+        words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+
+
 class TokenConstraint:
     def __init__(self, vocab_size: int, *, grammar: Optional[GrammarMatcher] = None,
                  allowed_token_ids: Optional[Sequence[int]] = None,
@@ -90,8 +96,7 @@ class TokenConstraint:
             if self._recent[len(self._recent) - len(prefix):] == prefix:
                 banned.append(word[-1])
         words = row.view(np.uint32)
-        for t in banned:
-            words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        clear_tokens(words, banned)
         self.dead_end = not words.any()
 
     def accept(self, token_id: int) -> Optional[str]:

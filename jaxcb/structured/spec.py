@@ -58,6 +58,10 @@ class StructuredOutputsError(RefusedFieldError):
     """A structured-outputs request that cannot be honoured; `field` names where."""
 
 
+# OpenAI's rule for the name of a function (a tool) or of a response format's JSON schema.
+OPENAI_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
 def _fail(message: str, field: str) -> StructuredOutputsError:
     return StructuredOutputsError(f"{field}: {message}", field)
 
@@ -114,7 +118,7 @@ def from_response_format(value: Any) -> Optional[StructuredOutputs]:
     if extra:
         raise _fail(f"has fields jaxcb does not know: {sorted(extra)}", f"{field}.json_schema")
     name = spec.get("name")
-    if not isinstance(name, str) or not re.fullmatch(r"[a-zA-Z0-9_-]{1,64}", name):  # as OpenAI requires
+    if not isinstance(name, str) or not OPENAI_NAME.fullmatch(name):
         raise _fail(f"must be 1-64 letters, digits, '_' or '-', not {name!r}", f"{field}.json_schema.name")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
