@@ -85,7 +85,10 @@ class ModelConfig:
     head_dim: Optional[int] = None
     rms_norm_eps: Optional[float] = None
     rope_theta: Optional[float] = None
-    rope_scaling: Optional[RopeScalingConfig] = None
+    # A mapping of RopeScalingConfig's fields, made a RopeScalingConfig by load_config. Not typed as one:
+    # OmegaConf cannot merge a mapping into a structured node that is null, and on most presets it is,
+    # so `model.rope_scaling={rope_type: yarn, factor: 4.0}` (Qwen's long-context setting) would fail.
+    rope_scaling: Optional[Any] = None
     max_position_embeddings: Optional[int] = None
     tie_word_embeddings: Optional[bool] = None
     # The family's differences from Llama (jaxcb/model/families.py); unset: read from the checkpoint,
@@ -418,13 +421,15 @@ def load_config(cfg: DictConfig | Config) -> Config:
     if isinstance(cfg, DictConfig):
         unknown = _unknown_keys(cfg)
         if unknown:  # Hydra's `+key=value` adds keys the schema lacks; to_object would drop them silently
-            raise ConfigError(f"{', '.join(unknown)}: not a config field jaxcb knows (a typo?); the fields of each "
-                              "group are in conf/ and jaxcb/config.py")
+            from jaxcb.config_errors import unknown_field
+
+            raise ConfigError("; ".join(unknown_field(path, kind) for path, kind in unknown))
         obj: Any = OmegaConf.to_object(cfg)
     else:
         obj = cfg
     if not isinstance(obj, Config):
         raise ConfigError(f"expected a jaxcb Config, got {type(obj).__name__}")
+    obj.model.rope_scaling = rope_scaling_config(obj.model.rope_scaling, "model.rope_scaling")
     if is_packaged(obj.model.checkpoint):  # a location, like a relative path: resolved once, here
         try:
             obj.model.checkpoint = resolve_packaged_checkpoint(obj.model.checkpoint)
@@ -436,8 +441,9 @@ def load_config(cfg: DictConfig | Config) -> Config:
     return obj
 
 
-def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
-    """Keys of `node` (and the config groups under it) that its dataclass does not have."""
+def _unknown_keys(node: DictConfig, path: str = "") -> list[tuple[str, type]]:
+    """Keys of `node` (and the config groups under it) that its dataclass does not have, each with
+    that dataclass."""
     kind = OmegaConf.get_type(node)
     if not dataclasses.is_dataclass(kind):
         return []  # a free mapping (lora.adapters, model.rope_scaling, ...)
@@ -445,12 +451,31 @@ def _unknown_keys(node: DictConfig, path: str = "") -> list[str]:
     unknown = []
     for key in node.keys():
         if key not in fields:
-            unknown.append(f"{path}{key}")
+            unknown.append((f"{path}{key}", kind))
             continue
         child = node._get_node(key)  # not resolved: an interpolation stays as written
         if isinstance(child, DictConfig):
             unknown += _unknown_keys(child, f"{path}{key}.")
     return unknown
+
+
+def rope_scaling_config(value: Any, where: str) -> Optional[RopeScalingConfig]:
+    """`model.rope_scaling` as a RopeScalingConfig (None: no scaling); raise ConfigError naming an unknown
+    field or a value of the wrong type."""
+    if value is None or isinstance(value, RopeScalingConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}={value!r} must be null or a mapping of its fields, e.g. "
+                          f"{where}={{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 32768}}")
+    known = {f.name: f for f in dataclasses.fields(RopeScalingConfig)}
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        raise ConfigError(f"{where} has no field {', '.join(map(str, unknown))}; its fields are {', '.join(known)}")
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(RopeScalingConfig), value)
+    except Exception as e:  # omegaconf says which type it wanted
+        raise ConfigError(f"{where}.{getattr(e, 'full_key', '')}: {str(e).splitlines()[0]}") from e
+    return OmegaConf.to_object(node)
 
 
 def resolve_draft_model(value: Any) -> ModelConfig:
@@ -477,6 +502,7 @@ def resolve_draft_model(value: Any) -> ModelConfig:
         draft: ModelConfig = OmegaConf.to_object(merged)
     except Exception as e:  # omegaconf's own errors name the key and the type
         raise ConfigError(f"speculative.draft_model={fields!r}: {e}") from e
+    draft.rope_scaling = rope_scaling_config(draft.rope_scaling, "speculative.draft_model's rope_scaling")
     for name in ("checkpoint", "tokenizer"):  # package:MODULE/FILE, resolved as model.checkpoint is
         if is_packaged(getattr(draft, name)):
             try:
@@ -490,8 +516,17 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The checked Config that `scripts/*.py <overrides>` would see, for use from Python."""
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return load_config(compose("config", overrides=list(overrides)))
+    from jaxcb.config_errors import describe
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            composed = compose("config", overrides=list(overrides))
+    except Exception as e:
+        sentence = describe(e)
+        if sentence is None:
+            raise
+        raise ConfigError(sentence) from e
+    return load_config(composed)
 
 
 def asdict(cfg: Any) -> dict:

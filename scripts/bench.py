@@ -35,7 +35,7 @@ from jaxcb.benchmark import (
     with_policy,
 )
 from jaxcb.bench_http import run_serving_http, serve_in_thread
-from jaxcb.cli import entry_point
+from jaxcb.cli import checked_overrides, entry_point
 from jaxcb.config import Config
 from jaxcb.engine import LLM
 from jaxcb.model.config import resolve_llama_config
@@ -74,6 +74,7 @@ def describe(r) -> str:
     ) + describe_speculation(vars(r))
 
 
+@checked_overrides
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 @entry_point
 def main(cfg: Config) -> None:

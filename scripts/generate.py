@@ -9,11 +9,12 @@
 
 import hydra
 
-from jaxcb.cli import entry_point
+from jaxcb.cli import checked_overrides, entry_point
 from jaxcb.config import Config
 from jaxcb.jobs import generate_prompts, run_job
 
 
+@checked_overrides
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 @entry_point
 def main(cfg: Config) -> None:

@@ -12,11 +12,12 @@ server.shutdown_timeout_s, aborts the rest and exits 0.
 
 import hydra
 
-from jaxcb.cli import entry_point
+from jaxcb.cli import checked_overrides, entry_point
 from jaxcb.config import Config
 from jaxcb.server.run import serve
 
 
+@checked_overrides
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 @entry_point
 def main(cfg: Config) -> None:

@@ -59,10 +59,13 @@ def test_config_error_is_one_sentence_and_exit_code_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_key_typo_fails_before_anything_runs(tmp_path):
+def test_key_typo_fails_before_anything_runs_as_one_sentence_and_exit_code_2(tmp_path):
     proc = run_script("serve.py", "scheduler.max_num_seq=4", cwd=str(tmp_path))
-    assert proc.returncode != 0
-    assert "max_num_seq" in proc.stderr
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: scheduler.max_num_seq is not a config field jaxcb knows (did you mean scheduler.max_num_seqs?); "
+        "the fields are listed in conf/scheduler/")
+    assert "HYDRA_FULL_ERROR" not in proc.stderr and "+scheduler" not in proc.stderr
 
 
 def test_prompt_longer_than_max_model_len_is_refused(tmp_path):
