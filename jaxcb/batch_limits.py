@@ -18,7 +18,8 @@ import dataclasses
 from typing import Optional, Union
 
 from jaxcb.config import ConfigError, SchedulerConfig
-from jaxcb.kv_cache import GIB, DeviceMemory, KVCachePlan, cache_budget_bytes, step_activation_bytes
+from jaxcb.host_memory import available_host_bytes
+from jaxcb.kv_cache import GIB, DeviceMemory, KVCachePlan, cache_budget_bytes, format_bytes, step_activation_bytes
 from jaxcb.model.config import LlamaConfig
 
 AUTO = "auto"
@@ -114,6 +115,24 @@ def cap_by_cache(limits: BatchLimits, sched: SchedulerConfig, plan: KVCachePlan)
         f"scheduler.max_num_seqs=auto: {capped} (the KV cache's {plan.num_tokens:,} tokens hold {fit} sequences "
         f"of {per_seq} tokens at once)" if r.startswith("scheduler.max_num_seqs=") else r for r in limits.reasons)
     return dataclasses.replace(limits, max_num_seqs=capped, reasons=reasons)
+
+
+def check_step_fits(limits: BatchLimits, workspace_bytes: int, memory: Optional[DeviceMemory],
+                    memory_fraction: float) -> None:
+    """Refuse limits whose largest step's workspace alone passes the memory left for it and the cache, by their
+    names: the cache, planned from what the workspace leaves, would otherwise take the blame. `memory`: the
+    device's after the weights (None: the host's)."""
+    if memory is not None:
+        room = cache_budget_bytes(memory, memory_fraction)[0]
+        where = f"{memory.platform} memory the weights leave (cache.memory_fraction={memory_fraction:g})"
+    else:
+        room, where = available_host_bytes(), "host memory available"
+    if workspace_bytes > room:
+        raise ConfigError(
+            f"scheduler.max_num_batched_tokens={limits.max_num_batched_tokens} and scheduler.max_num_seqs="
+            f"{limits.max_num_seqs}: the largest step's activations take {format_bytes(workspace_bytes)}, more than "
+            f"the {format_bytes(max(0, room))} of {where}; lower scheduler.max_num_batched_tokens or "
+            f"scheduler.max_num_seqs")
 
 
 def validate_batch_limits(sched: SchedulerConfig, block_size: int, token_buckets: Optional[list[int]]) -> None:

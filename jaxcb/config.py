@@ -106,8 +106,8 @@ class ModelConfig:
     final_logit_softcap: Optional[float] = None  # logits -> c tanh(logits / c); 0: none (gemma2: 30)
     query_pre_attn_scalar: Optional[float] = None  # scores scaled by its -1/2 power; 0: head_dim's (gemma: 256)
     rope_local_theta: Optional[float] = None  # RoPE base of the windowed layers; 0: the model's rope (gemma3: 10000)
-    bos_token_id: Optional[int] = None
-    eos_token_ids: Optional[list[int]] = None
+    bos_token_id: Optional[int] = None  # refused when set: the tokenizer's own BOS is used
+    eos_token_ids: Optional[list[int]] = None  # end-of-sequence ids besides the tokenizer's and the checkpoint's
 
 
 @dataclass

@@ -22,6 +22,7 @@ from jaxcb.config import (
     DistributedConfig,
     ModelConfig,
     ServerConfig,
+    SpeculativeConfig,
     resolve_draft_model,
 )
 
@@ -141,6 +142,8 @@ def validate_config(cfg: Config) -> None:
             f"engine.{name}={buckets} must be a non-empty list of positive sizes, or null for the default",
         )
     require(e.max_logprobs >= 1, f"engine.max_logprobs={e.max_logprobs} must be >= 1")
+    require(e.max_stop_token_ids >= 0,
+            f"engine.max_stop_token_ids={e.max_stop_token_ids} must be >= 0 (0: a request with min_tokens is refused)")
     require(e.max_logit_bias >= 1, f"engine.max_logit_bias={e.max_logit_bias} must be >= 1")
     levels = ("greedy", "random", "full")
     require(set(e.sampling_variants) <= set(levels) and "full" in e.sampling_variants,
@@ -192,7 +195,7 @@ def validate_config(cfg: Config) -> None:
     validate_batch_and_tracing_config(srv)
     validate_replica_config(cfg)
     validate_speculative_config(cfg)
-    require(cfg.generate.max_tokens >= 1, f"generate.max_tokens={cfg.generate.max_tokens} must be >= 1")
+    validate_generate_config(cfg)
     require(
         (cfg.input is None) == (cfg.output is None),
         f"input={cfg.input} and output={cfg.output}: give both (a JSONL job) or neither",
@@ -207,6 +210,15 @@ def validate_config(cfg: Config) -> None:
         f"bench.workload={b.workload!r} must be lognormal, random, exp-output or file",
     )
     require(b.workload != "file" or b.file is not None, "bench.workload=file needs bench.file=PATH")
+    require(b.workload != "file" or os.path.isfile(b.file),
+            f"bench.file={b.file} is not a file; give the path of a JSONL workload")
+    for name in ("input_mean", "output_mean"):
+        require(getattr(b, name) > 0, f"bench.{name}={getattr(b, name)} must be > 0 tokens")
+    for name in ("input_sigma", "output_sigma"):
+        require(getattr(b, name) >= 0, f"bench.{name}={getattr(b, name)} must be >= 0 (0: every length the mean)")
+    require(b.url is None or (b.url.startswith(("http://", "https://")) and len(b.url.split("://", 1)[1]) > 0),
+            f"bench.url={b.url!r} must be an http:// or https:// URL of the server to measure (e.g. "
+            "http://127.0.0.1:8000), or null to start one in-process")
     require(b.output_cap >= 1, f"bench.output_cap={b.output_cap} must be >= 1")
     require(b.mode in ("offline", "serving"), f"bench.mode={b.mode!r} must be offline or serving")
     require(b.backend in ("engine", "http"), f"bench.backend={b.backend!r} must be engine or http")
@@ -224,6 +236,18 @@ def validate_config(cfg: Config) -> None:
     require(b.repeats == 1 or b.mode == "offline",
             f"bench.repeats={b.repeats} repeats offline runs only; drop it for bench.mode={b.mode}")
     require(len(cfg.generate.prompts) >= 1, "generate.prompts is empty; give at least one prompt")
+
+
+def validate_generate_config(cfg: Config) -> None:
+    """generate.*: the sampling fields scripts/generate.py builds its SamplingParams from, checked by it."""
+    from jaxcb.errors import InvalidRequestError
+    from jaxcb.sampling_params import SamplingParams
+
+    g = cfg.generate
+    try:
+        SamplingParams(max_tokens=g.max_tokens, temperature=g.temperature, top_p=g.top_p, seed=g.seed)
+    except InvalidRequestError as e:
+        raise ConfigError(f"generate.{e}") from e
 
 
 def validate_speculative_config(cfg: Config) -> None:
@@ -246,14 +270,20 @@ def validate_speculative_config(cfg: Config) -> None:
     require(sp.min_mean_accepted >= 0, f"speculative.min_mean_accepted={sp.min_mean_accepted} must be >= 0")
     require(sp.acceptance_window >= 1, f"speculative.acceptance_window={sp.acceptance_window} must be >= 1")
     budget = cfg.scheduler.max_num_batched_tokens
-    require(budget == "auto" or budget > sp.num_speculative_tokens,
-            f"speculative.num_speculative_tokens={sp.num_speculative_tokens} must be below "
-            f"scheduler.max_num_batched_tokens={budget}: a verify row brings 1 + k tokens")
+    if budget != "auto":  # auto is checked at start-up, once resolved
+        validate_speculative_budget(sp, budget, f"scheduler.max_num_batched_tokens={budget}")
     if sp.method == "draft":
         validate_draft_method(cfg)
     require(cfg.scheduler.policy != "static",
             f"speculative.method={sp.method} with scheduler.policy=static: the request-level baseline reserves every "
             "sequence's blocks up front and is measured without speculation; use policy fcfs or priority")
+
+
+def validate_speculative_budget(sp: SpeculativeConfig, budget: int, source: str) -> None:
+    """`budget`: the step's token budget, explicit or `auto` resolved (`source` names it)."""
+    require(sp.method == "none" or budget > sp.num_speculative_tokens,
+            f"speculative.num_speculative_tokens={sp.num_speculative_tokens} must be below {source}: a verify row "
+            f"brings 1 + k tokens")
 
 
 def validate_draft_method(cfg: Config) -> None:
@@ -264,7 +294,7 @@ def validate_draft_method(cfg: Config) -> None:
             "speculative.method=draft needs speculative.draft_model: a model preset (e.g. tiny, smollm2) or "
             "{name: hf, checkpoint: DIR}, sharing the served model's tokenizer")
     draft = resolve_draft_model(sp.draft_model)
-    validate_model_config(draft)
+    validate_model_config(draft, "speculative.draft_model")
     require(cfg.engine.tensor_parallel_size == 1,
             f"speculative.method=draft with engine.tensor_parallel_size={cfg.engine.tensor_parallel_size}: the "
             f"draft model runs on one device; use tensor_parallel_size=1 or speculative.method=ngram")
@@ -370,75 +400,93 @@ _ARCH_FIELDS = (
 )
 
 
-def validate_model_config(m: ModelConfig) -> None:
-    require(m.init in ("checkpoint", "random"), f"model.init={m.init!r} must be 'checkpoint' or 'random'")
-    require(m.dtype in DTYPES, f"model.dtype={m.dtype!r} must be one of {list(DTYPES)}")
+def validate_model_config(m: ModelConfig, group: str = "model") -> None:
+    """`group`: where the fields are set, named in each message: model, or speculative.draft_model (whose
+    fields read as "speculative.draft_model's checkpoint")."""
+    p = "model." if group == "model" else f"{group}'s "
+    require(m.init in ("checkpoint", "random"), f"{p}init={m.init!r} must be 'checkpoint' or 'random'")
+    require(m.dtype in DTYPES, f"{p}dtype={m.dtype!r} must be one of {list(DTYPES)}")
     require(
         m.layer_loop in LAYER_LOOPS,
-        f"model.layer_loop={m.layer_loop!r} must be one of {', '.join(LAYER_LOOPS)} "
+        f"{p}layer_loop={m.layer_loop!r} must be one of {', '.join(LAYER_LOOPS)} "
         f"(auto: unrolled on CPU, scan elsewhere)",
     )
     require(
         m.linear_impl is None,
-        f"model.linear_impl={m.linear_impl} was renamed: use model.backend={m.linear_impl} (auto, cpu or xla)",
+        f"{p}linear_impl={m.linear_impl} was renamed: use {p}backend={m.linear_impl} (auto, cpu or xla)",
     )
     require(
         m.backend in BACKENDS,
-        f"model.backend={m.backend!r} must be one of {', '.join(BACKENDS)} "
+        f"{p}backend={m.backend!r} must be one of {', '.join(BACKENDS)} "
         f"(auto: the packed C++ matmul on CPU for float32 and bfloat16 weights, XLA's dot elsewhere)",
     )
     if m.init == "checkpoint":
         require(
             m.checkpoint is not None,
-            f"model={m.name} has no weights: add model.checkpoint=DIR (a Hugging Face or Orbax "
-            f"checkpoint directory) or model.init=random",
+            f"{group}={m.name} has no weights: add {p}checkpoint=DIR (a Hugging Face or Orbax "
+            f"checkpoint directory) or {p}init=random",
         )
     if m.checkpoint is not None:
         require(
             os.path.isdir(m.checkpoint) or (m.checkpoint.endswith(".gguf") and os.path.isfile(m.checkpoint)),
-            f"model.checkpoint={m.checkpoint} is not a directory or a .gguf file; give the path of a "
+            f"{p}checkpoint={m.checkpoint} is not a directory or a .gguf file; give the path of a "
             f"Hugging Face (config.json + *.safetensors) or Orbax checkpoint directory, or of a GGUF file",
         )
     if m.tokenizer is not None:
         require(
             os.path.isfile(os.path.join(m.tokenizer, "tokenizer.json"))
             or (m.tokenizer.endswith(".gguf") and os.path.isfile(m.tokenizer)),
-            f"model.tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one, or a GGUF file",
+            f"{p}tokenizer={m.tokenizer} has no tokenizer.json; give a directory that has one, or a GGUF file",
         )
     if m.checkpoint is None:
         missing = [f for f in _ARCH_FIELDS if getattr(m, f) is None]
         require(
             not missing,
-            f"model={m.name} with model.init=random needs its architecture, but "
-            f"{', '.join('model.' + f for f in missing)} are unset; use a preset with them "
-            f"(model=tiny, llama3_1b, llama8b, llama70b) or add model.checkpoint=DIR",
+            f"{group}={m.name} with {p}init=random needs its architecture, but "
+            f"{', '.join(p + f for f in missing)} are unset; use a preset with them "
+            f"(model=tiny, llama3_1b, llama8b, llama70b) or add {p}checkpoint=DIR",
         )
-    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+    for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+              "max_position_embeddings"):
         v = getattr(m, f)
-        require(v is None or v >= 1, f"model.{f}={v} must be >= 1")
+        require(v is None or v >= 1, f"{p}{f}={v} must be >= 1")
+    # One token id could only ever be sampled: the smallest vocabulary sampling draws from is two.
+    require(m.vocab_size is None or m.vocab_size >= 2, f"{p}vocab_size={m.vocab_size} must be >= 2")
+    # Null: the checkpoint's, else Llama's; 0 is what a checkpoint without one reads as (no cap, head_dim's
+    # scale, the one rope), so it stays accepted; a negative value has no meaning.
+    for f, zero in (("attn_logit_softcap", "no cap"), ("final_logit_softcap", "no cap"),
+                    ("query_pre_attn_scalar", "head_dim's"), ("rope_local_theta", "the model's rope on every layer")):
+        v = getattr(m, f)
+        require(v is None or v >= 0, f"{p}{f}={v} must be >= 0 (0: {zero}), or null (the checkpoint's)")
+    for f in ("rope_theta", "rms_norm_eps"):
+        v = getattr(m, f)
+        require(v is None or v > 0, f"{p}{f}={v} must be > 0, or null (the checkpoint's)")
+    require(m.bos_token_id is None,
+            f"{p}bos_token_id={m.bos_token_id} is not read: the tokenizer's own BOS is used (tokenizer_config.json's "
+            f"bos_token, and whether it adds one); drop {p}bos_token_id")
     if m.num_heads is not None and m.num_kv_heads is not None:
         require(
             m.num_heads % m.num_kv_heads == 0,
-            f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}",
+            f"{p}num_heads={m.num_heads} must be a multiple of {p}num_kv_heads={m.num_kv_heads}",
         )
     from jaxcb.model.families import FAMILIES, LAYER_TYPES
 
     require(m.architecture is None or m.architecture in FAMILIES,
-            f"model.architecture={m.architecture!r} must be one of {', '.join(FAMILIES)}")
-    require(m.hidden_act in (None, "silu", "gelu_tanh"), f"model.hidden_act={m.hidden_act!r} must be silu or gelu_tanh")
+            f"{p}architecture={m.architecture!r} must be one of {', '.join(FAMILIES)}")
+    require(m.hidden_act in (None, "silu", "gelu_tanh"), f"{p}hidden_act={m.hidden_act!r} must be silu or gelu_tanh")
     require(m.sliding_window is None or m.sliding_window >= 0,
-            f"model.sliding_window={m.sliding_window} must be >= 0 (0: no window)")
+            f"{p}sliding_window={m.sliding_window} must be >= 0 (0: no window)")
     if m.layer_types is not None:
         unknown = sorted(set(m.layer_types) - set(LAYER_TYPES))
-        require(not unknown, f"model.layer_types has {', '.join(map(repr, unknown))}; each must be one of "
+        require(not unknown, f"{p}layer_types has {', '.join(map(repr, unknown))}; each must be one of "
                              f"{', '.join(LAYER_TYPES)}")
         require(m.num_layers is None or len(m.layer_types) == m.num_layers,
-                f"model.layer_types has {len(m.layer_types)} entries but model.num_layers={m.num_layers}")
+                f"{p}layer_types has {len(m.layer_types)} entries but {p}num_layers={m.num_layers}")
     if m.rope_scaling is not None:
         require(
             m.rope_scaling.rope_type in ("llama3", "yarn", "linear"),
-            f"model.rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3', 'yarn', 'linear' or "
-            f"set model.rope_scaling=null",
+            f"{p}rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3', 'yarn', "
+            f"'linear' or set {p}rope_scaling=null",
         )
 
 

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from jaxcb.core.block_hash import model_root
 from jaxcb.core.block_pool import BlockPool
 from jaxcb.config import Config, ConfigError, resolve_draft_model
+from jaxcb.config_validation import validate_speculative_budget
 from jaxcb.lora.manager import LoraManager
 from jaxcb.model.lora import empty_lora_weights, slot_values
 from jaxcb.core.host_prefix_cache import HostPrefixCache
@@ -40,12 +41,13 @@ from jaxcb.engine_stats import EMPTY_STEP, EngineStats
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.request_fields import is_text
 from jaxcb.backends import select_backend
-from jaxcb.batch_limits import cap_by_cache, resolve_batch_limits
+from jaxcb.batch_limits import cap_by_cache, check_step_fits, resolve_batch_limits
 from jaxcb.kv_cache import (
     GIB,
     HostBlocks,
     allocate_planned_kv_cache,
     cache_block_growth,
+    check_host_bytes,
     configure_device_memory,
     default_cache_dtype,
     format_bytes,
@@ -92,9 +94,20 @@ def variant_needed(params: SamplingParams) -> Optional[StepVariant]:
     return None
 
 
-def enable_compilation_cache(directory: Optional[str]) -> str:
+def compilation_cache_folder(directory: Optional[str]) -> str:
+    """engine.compilation_cache_dir (null: ~/.cache/jaxcb/xla), created if it is not there."""
+    setting = f"engine.compilation_cache_dir={directory}" if directory else "engine.compilation_cache_dir=null"
     directory = directory or os.path.join(os.path.expanduser("~"), ".cache", "jaxcb", "xla")
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{setting}: {directory} cannot be created ({e.strerror or e}); give a folder this process "
+                          f"can write") from e
+    return directory
+
+
+def enable_compilation_cache(directory: Optional[str]) -> str:
+    directory = compilation_cache_folder(directory)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return directory
@@ -157,6 +170,9 @@ def kv_scales_for(cfg: Config, backend, weights, model_cfg, tokenizer, plan, tp,
         return None
 
     def calibrate() -> KVScales:
+        if cfg.cache.kv_calibration_tokens > max_model_len:
+            log.info("cache.kv_calibration_tokens=%d: %d used, engine.max_model_len (the calibration prefill is one "
+                     "sequence)", cfg.cache.kv_calibration_tokens, max_model_len)
         return calibrated_kv_scales(
             backend, weights, model_cfg, tokenizer, min(cfg.cache.kv_calibration_tokens, max_model_len),
             plan.block_size, plan.dtype,
@@ -165,6 +181,33 @@ def kv_scales_for(cfg: Config, backend, weights, model_cfg, tokenizer, plan, tp,
 
     checkpoint = cfg.model.checkpoint if cfg.model.init != "random" else None
     return resolve_kv_scales(checkpoint, model_cfg, plan.dtype, calibrate=calibrate)
+
+
+def check_against_model(cfg: Config, vocab_size: int) -> None:
+    """What only the model's architecture bounds (model=hf reads it from the checkpoint), before any weight."""
+    if cfg.engine.max_logprobs > vocab_size:
+        raise ConfigError(f"engine.max_logprobs={cfg.engine.max_logprobs} must be <= the model's vocabulary of "
+                          f"{vocab_size} tokens (model={cfg.model.name}); lower engine.max_logprobs")
+
+
+def check_host_buffers(cfg: Config) -> None:
+    """The host memory start-up allocates whole for blocks, against the machine, before anything is allocated."""
+    c = cfg.cache
+    if cfg.scheduler.preemption_mode == "swap":
+        check_host_bytes(f"cache.swap_space_gib={c.swap_space_gib:g} (swap space)", int(c.swap_space_gib * GIB),
+                         "lower cache.swap_space_gib")
+    check_host_bytes(f"cache.host_prefix_cache_gib={c.host_prefix_cache_gib:g} (the prefix cache's host tier)",
+                     int(c.host_prefix_cache_gib * GIB), "lower cache.host_prefix_cache_gib")
+
+
+def check_lora_slots_fit(cfg: Config, arch) -> None:
+    """Where the device is the host (the CPU), the adapters' slot buffers against its memory, before anything
+    of LoRA is allocated (in the model's dtype, `Backend.lora_dtype`; stacked or not, the same bytes)."""
+    lo = cfg.lora
+    slots = jax.eval_shape(lambda: empty_lora_weights(arch, lo.max_loras, lo.max_rank, stacked=True, dtype=arch.dtype))
+    check_host_bytes(f"lora.max_loras={lo.max_loras} x lora.max_rank={lo.max_rank} (the adapters' slots)",
+                     sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slots)),
+                     "lower lora.max_loras or lora.max_rank")
 
 
 class Engine:
@@ -179,9 +222,13 @@ class Engine:
         enable_compilation_cache(cfg.engine.compilation_cache_dir)
         # The mesh, checked against the architecture before any weight is read.
         arch = resolve_llama_config(cfg.model)
+        check_against_model(cfg, arch.vocab_size)
+        check_host_buffers(cfg)
         tp_size = cfg.engine.tensor_parallel_size
         self.tp = make_tensor_parallel(tp_size, arch)
         self.max_model_len = cfg.engine.max_model_len or arch.max_position_embeddings
+        if cfg.lora.enabled and read_device_memory() is None:  # no device memory reported: the slots are host memory
+            check_lora_slots_fit(cfg, arch)
         self.lora = make_lora_manager(cfg, arch)  # start-up adapters read and checked before any weight
         if self.lora is not None:  # unloads and dropped host copies wait for an adapter's requests
             self.lora.in_use = self._adapter_in_use
@@ -220,12 +267,18 @@ class Engine:
             limits = resolve_batch_limits(cfg.scheduler, model_cfg, memory, memory_fraction=cfg.cache.memory_fraction,
                                           block_size=cfg.cache.block_size, tensor_parallel_size=tp_size,
                                           token_buckets=cfg.engine.token_buckets)
+            if cfg.scheduler.max_num_batched_tokens == "auto":
+                budget = limits.max_num_batched_tokens
+                validate_speculative_budget(cfg.speculative, budget,
+                                            f"scheduler.max_num_batched_tokens=auto ({budget} here)")
             workspace = step_activation_bytes(model_cfg, limits.max_num_batched_tokens, limits.max_num_seqs, tp_size)
             if draft is not None:  # the draft runner's buffers and steps, allocated after the cache
                 workspace += draft.reserve_bytes(
                     cfg.cache.block_size, num_speculative_tokens=cfg.speculative.num_speculative_tokens,
                     max_proposals=min(limits.max_num_seqs, speculation_batch_size(cfg, jax.default_backend())),
                     max_num_batched_tokens=limits.max_num_batched_tokens)
+            if cfg.cache.num_blocks is None:  # the cache is sized from what the workspace leaves
+                check_step_fits(limits, workspace, memory, cfg.cache.memory_fraction)
             plan = plan_kv_cache(cfg.cache, model_cfg, max_model_len=self.max_model_len,
                                  max_num_seqs=limits.max_num_seqs, tensor_parallel_size=tp_size,
                                  reserve_bytes=workspace, memory=memory,

@@ -75,3 +75,12 @@ def available_host_bytes(meminfo: Path = MEMINFO, cgroup_root: Path = CGROUP_ROO
             return 4 << 30
     cgroup = _cgroup_available(cgroup_root, info.get("MemTotal", available))
     return available if cgroup is None else min(available, cgroup)
+
+
+def physical_host_bytes() -> Optional[int]:
+    """The machine's physical memory (None where the OS does not say): no host buffer larger than this
+    can ever be held, whatever is free now."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None

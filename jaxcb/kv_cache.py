@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from jaxcb.config import CacheConfig, ConfigError
-from jaxcb.host_memory import available_host_bytes
+from jaxcb.host_memory import available_host_bytes, physical_host_bytes
 from jaxcb.kernels.attention import zeros_buffer
 from jaxcb.kernels.attention.cache import NULL_BLOCK, SWAP_CHUNK, KVCache, gather_blocks, scatter_blocks  # noqa: F401
 from jaxcb.kernels.attention.quantization import QUANTIZED_CACHE_DTYPES, cache_dtype_name
@@ -204,6 +204,15 @@ def _available_host_bytes() -> int:
     return available_host_bytes()
 
 
+def check_host_bytes(what: str, nbytes: int, fix: str) -> None:
+    """Refuse, before it is allocated, a host buffer larger than the machine's physical memory: it could
+    only end in a MemoryError or the OOM killer. `what` names the field and its value, `fix` what to change."""
+    total = physical_host_bytes()
+    if total is not None and nbytes > total:
+        raise ConfigError(f"{what} takes {format_bytes(nbytes)} of host memory, more than the {format_bytes(total)} "
+                          f"this machine has; {fix}")
+
+
 def plan_kv_cache(
     cache: CacheConfig,
     model: LlamaConfig,
@@ -234,10 +243,14 @@ def plan_kv_cache(
     dtype = default_cache_dtype(cache.dtype, model.dtype)
     bytes_per_block = model.kv_bytes_per_token(jnp.dtype(dtype).itemsize) * cache.block_size + extra_bytes_per_block
     blocks_per_seq = -(-max_model_len // cache.block_size)
+    memory = memory or read_device_memory(device, pool_fraction)
     if cache.num_blocks is not None:
         num_blocks, source = cache.num_blocks, "cache.num_blocks"
+        if memory is None:  # the cache is host memory
+            check_host_bytes(f"cache.num_blocks={num_blocks} (the KV cache, {bytes_per_block:,} bytes a block)",
+                             num_blocks * bytes_per_block, "lower cache.num_blocks, or set it to null to size the "
+                             "cache from cache.cpu_kv_cache_gib")
     else:
-        memory = memory or read_device_memory(device, pool_fraction)
         if memory is not None:
             budget, source = cache_budget_bytes(memory, cache.memory_fraction)
             budget -= reserve_bytes

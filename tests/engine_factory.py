@@ -15,7 +15,6 @@ BASE = (
     "scheduler.max_num_seqs=8",
     "engine.max_model_len=256",
     "engine.token_buckets=[16,64]",
-    "engine.seq_buckets=[8]",
     "engine.context_buckets=[16]",
     f"engine.compilation_cache_dir={CACHE_DIR}",
     # Most tests need only two step variants: greedy (what most run, through the backend's fused

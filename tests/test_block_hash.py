@@ -40,7 +40,7 @@ print(json.dumps({
     "in_pool": [base.block_pool.hash_of(b).hex() for b in seq.block_ids[: len(seq.block_hashes)]],
     "seed_1": engine("model.seed=1").prefix_cache_root.hex(),
     "bf16_cache": engine("cache.dtype=bfloat16").prefix_cache_root.hex(),
-    "block_size_32": engine("cache.block_size=32").prefix_cache_root.hex(),
+    "block_size_32": engine("cache.block_size=32", "engine.context_buckets=[8]").prefix_cache_root.hex(),
 }))
 """
 

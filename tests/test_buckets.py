@@ -3,7 +3,9 @@ compute, they are dense where decode steps run (up to max_num_seqs), and powers 
 more is a compile of every eager step variant at start-up; under the cpu backend, whose matmuls and LM head
 skip padding rows, powers of four."""
 
-from jaxcb.config import EngineConfig, SchedulerConfig
+import pytest
+
+from jaxcb.config import ConfigError, EngineConfig, SchedulerConfig
 from jaxcb.runner import default_token_buckets, make_buckets
 
 
@@ -44,3 +46,16 @@ def test_smollm2_at_a_2048_budget_compiles_8_buckets_on_the_cpu_backend():
         (1, 1), (4, 4), (16, 16), (40, 40), (64, 40), (256, 40), (1024, 40), (2048, 40)]
     assert buckets.pick(40, 40, 100) == (40, 40, 512) and buckets.pick(41, 40, 100) == (64, 40, 512)
     assert buckets.pick(3, 3, 100) == (4, 4, 512) and buckets.pick(17, 17, 100) == (40, 40, 512)
+
+
+@pytest.mark.parametrize("engine, message", [
+    (EngineConfig(seq_buckets=[8, 1000]),
+     r"engine\.seq_buckets=\[8, 1000\] has 1000, above scheduler\.max_num_seqs=64"),
+    (EngineConfig(context_buckets=[4, 100000]),
+     r"engine\.context_buckets=\[4, 100000\] has 100000 blocks, above the 16 a sequence of engine\.max_model_len"),
+])
+def test_buckets_past_the_limits_in_force_are_refused_not_dropped(engine, message):
+    # The limits as start-up resolved them (scheduler.max_num_seqs may have been auto).
+    sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)
+    with pytest.raises(ConfigError, match=message):
+        make_buckets(engine, sched, max_blocks_per_seq=16, attention="cpu", platform="cpu", backend="cpu")

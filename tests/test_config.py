@@ -202,11 +202,93 @@ def test_the_8_bit_kv_cache_dtypes_are_accepted(dtype):
         ),
         (["engine.huge_pages=always"], r"engine\.huge_pages='always' must be auto .* or off"),
         (["engine.huge_pages_seconds=0"], r"engine\.huge_pages_seconds=0.0 must be > 0 seconds"),
+        (["engine.max_stop_token_ids=-1"], r"engine\.max_stop_token_ids=-1 must be >= 0"),
+        (["bench.input_mean=0"], r"bench\.input_mean=0.0 must be > 0 tokens"),
+        (["bench.output_mean=-5"], r"bench\.output_mean=-5.0 must be > 0 tokens"),
+        (["bench.input_sigma=-1"], r"bench\.input_sigma=-1.0 must be >= 0"),
+        (["bench.output_sigma=-0.5"], r"bench\.output_sigma=-0.5 must be >= 0"),
+        (["bench.url=127.0.0.1:8000"], r"bench\.url='127\.0\.0\.1:8000' must be an http:// or https:// URL"),
+        (["bench.workload=file", "bench.file=/no/such/workload.jsonl"],
+         r"bench\.file=/no/such/workload\.jsonl is not a file"),
+        (["model.max_position_embeddings=0"], r"model\.max_position_embeddings=0 must be >= 1"),
+        (["model.vocab_size=1"], r"model\.vocab_size=1 must be >= 2"),
+        (["model.query_pre_attn_scalar=-1"], r"model\.query_pre_attn_scalar=-1.0 must be >= 0 \(0: head_dim's\)"),
+        (["model.rope_theta=0"], r"model\.rope_theta=0.0 must be > 0"),
+        (["model.attn_logit_softcap=-50"], r"model\.attn_logit_softcap=-50.0 must be >= 0 \(0: no cap\)"),
+        (["model.final_logit_softcap=-30"], r"model\.final_logit_softcap=-30.0 must be >= 0 \(0: no cap\)"),
+        (["model.bos_token_id=1"], r"model\.bos_token_id=1 is not read: the tokenizer's own BOS is used"),
+        (["generate.temperature=-1"], r"^generate\.temperature=-1 must be between 0 and 2"),
+        (["generate.top_p=0"], r"^generate\.top_p=0 must be in \(0, 1\]"),
+        (["speculative.method=draft", "speculative.draft_model={name:tiny,num_heads:5}"],
+         r"^speculative\.draft_model's num_heads=5 must be a multiple of speculative\.draft_model's num_kv_heads=2"),
+        (["speculative.method=draft", "speculative.draft_model={name:tiny,rope_theta:0}"],
+         r"^speculative\.draft_model's rope_theta=0.0 must be > 0"),
     ],
 )
 def test_bad_values_fail_with_a_sentence_naming_the_fields(overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose_config(*overrides)
+
+
+# What only start-up can check (the model's vocabulary, the machine's memory, `auto` resolved): refused by
+# name before anything compiles, most before a weight is read.
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.max_logprobs=260"], r"^engine\.max_logprobs=260 must be <= the model's vocabulary of 259 tokens"),
+    # terabytes: more than any machine this runs on has
+    (["cache.host_prefix_cache_gib=100000"], r"^cache\.host_prefix_cache_gib=100000 \(the prefix cache's host tier\) "
+                                             r"takes 100000\.00 GiB of host memory, more than the .* this machine has"),
+    (["scheduler.preemption_mode=swap", "cache.swap_space_gib=100000"],
+     r"^cache\.swap_space_gib=100000 \(swap space\) takes 100000\.00 GiB of host memory, more than the"),
+    (["lora.enable=true", "lora.max_loras=100000000"],
+     r"^lora\.max_loras=100000000 x lora\.max_rank=16 \(the adapters' slots\) takes .* GiB of host memory, more than"),
+    (["lora.enable=true", "lora.max_rank=100000000"],
+     r"^lora\.max_loras=4 x lora\.max_rank=100000000 \(the adapters' slots\) takes .* GiB of host memory, more than"),
+    (["scheduler.max_num_batched_tokens=10000000000"],
+     r"^scheduler\.max_num_batched_tokens=10000000000 and scheduler\.max_num_seqs=8: the largest step's activations "
+     r"take .* GiB, more than the .* of host memory available; lower scheduler\.max_num_batched_tokens or"),
+    (["scheduler.max_num_batched_tokens=1000000000", "scheduler.max_num_seqs=1000000000"],
+     r"^scheduler\.max_num_batched_tokens=1000000000 and scheduler\.max_num_seqs=1000000000: the largest step's"),
+    (["scheduler.max_num_batched_tokens=auto", "speculative.method=ngram", "speculative.num_speculative_tokens=600"],
+     r"^speculative\.num_speculative_tokens=600 must be below scheduler\.max_num_batched_tokens=auto \(512 here\)"),
+])
+def test_values_only_start_up_can_check_are_refused_by_name_before_a_compile(overrides, message):
+    from engine_factory import make_engine
+
+    with pytest.raises(ConfigError, match=message):
+        make_engine(*overrides)
+
+
+def test_a_compilation_cache_dir_that_cannot_be_created_is_named(tmp_path):
+    from jaxcb.engine import compilation_cache_folder
+
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match=rf"^engine\.compilation_cache_dir={tmp_path}/a-file/xla: .* cannot be "
+                                          r"created \(Not a directory\); give a folder"):
+        compilation_cache_folder(f"{tmp_path}/a-file/xla")
+
+
+def test_kv_calibration_tokens_past_max_model_len_are_logged_with_the_number_used(monkeypatch, caplog):
+    import logging
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from jaxcb import engine
+    from jaxcb.model.config import resolve_llama_config
+
+    class Calibrated(Exception):
+        pass
+
+    def calibrate(backend, weights, model_cfg, tokenizer, num_tokens, *rest):
+        raise Calibrated(num_tokens)
+
+    monkeypatch.setattr(engine, "calibrated_kv_scales", calibrate)
+    cfg = compose_config("cache.dtype=int8", "cache.kv_calibration_tokens=100000")
+    plan = SimpleNamespace(dtype=jnp.dtype(jnp.int8), block_size=16)
+    with caplog.at_level(logging.INFO, logger="jaxcb.engine"), pytest.raises(Calibrated) as calibrated:
+        engine.kv_scales_for(cfg, None, None, resolve_llama_config(cfg.model), None, plan, None, max_model_len=256)
+    assert calibrated.value.args == (256,)
+    assert "cache.kv_calibration_tokens=100000: 256 used, engine.max_model_len" in caplog.text
 
 
 def test_preset_that_contradicts_its_checkpoint_lists_the_differences(tmp_path):

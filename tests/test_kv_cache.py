@@ -143,6 +143,13 @@ def test_tensor_parallel_cache_holds_tp_times_the_blocks_in_the_same_memory_per_
     assert "on each of 2 devices" in plan.describe()
 
 
+def test_a_host_cache_of_more_blocks_than_the_machines_memory_is_refused_before_it_is_allocated():
+    # 10**9 blocks of 12 KiB: terabytes, more than any machine this runs on has
+    with pytest.raises(ConfigError, match=r"cache\.num_blocks=1000000000 \(the KV cache, 12,288 bytes a block\) takes "
+                                          r"11444\.09 GiB of host memory, more than the .* this machine has"):
+        plan_kv_cache(CacheConfig(num_blocks=10**9), TINY, max_model_len=256, max_num_seqs=8)
+
+
 def test_cache_that_cannot_hold_one_max_length_sequence_is_refused():
     with pytest.raises(ConfigError, match=r"fewer than one sequence of max_model_len=2048.*lower engine\.max_model_len"):
         plan_kv_cache(CacheConfig(num_blocks=10), TINY, max_model_len=2048, max_num_seqs=1)

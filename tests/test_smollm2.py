@@ -341,7 +341,8 @@ def speculating_engine_gives_the_same_tokens(spec_requests, num: int, *speculati
     for 8 sequences of ~36 tokens (preemption), run on the first `num` of `spec_requests`: the same tokens as without
     speculation, no recompile and no block left held. Returns its engine, for the method's own checks."""
     prompts, params, theirs = (column[:num] for column in spec_requests)
-    overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128", "cache.num_blocks=12")
+    overrides = BASE + ("model=smollm2", "model.dtype=float32", "engine.max_model_len=128",
+                        "engine.context_buckets=[8]", "cache.num_blocks=12")
     spec = LLM(compose_config(overrides + speculative), progress=False)
     ours = spec.generate(prompts, params, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in ours] == theirs

@@ -101,6 +101,14 @@ def test_on_cpu_rare_variants_compile_on_first_use_and_never_in_the_background()
         compile_plan(EngineConfig(compile_rare_variants="background"), platform="cpu")
 
 
+def test_compile_workers_the_cpu_cannot_use_are_logged_with_the_number_used(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="jaxcb.runner.compiler"):
+        compile_plan(EngineConfig(compile_workers=6), num_cores=16, platform="cpu")
+    assert "engine.compile_workers=6: 1 used: on CPU the steps compile one at a time" in caplog.text
+
+
 def test_auto_compiles_on_first_use_with_few_cores_and_in_the_background_with_many():
     assert compile_plan(EngineConfig(), num_cores=2) == (1, "first_use")  # a second thread gains ~nothing there
     assert compile_plan(EngineConfig(), num_cores=4) == (4, "first_use")

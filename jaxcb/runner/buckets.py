@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import jax
 
-from jaxcb.config import EngineConfig, SchedulerConfig
+from jaxcb.config import ConfigError, EngineConfig, SchedulerConfig
 from jaxcb.kernels.attention.xla import GATHER_MAX_WIDTH
 from jaxcb.sampling import StepVariant
 
@@ -150,16 +150,25 @@ def make_buckets(
     speculative decoding's k (0: off); `backend`: the model backend's name (the cpu backend's matmuls skip
     padding rows)."""
     budget, max_seqs = sched.max_num_batched_tokens, sched.max_num_seqs
+    # Checked here, where `auto` limits are resolved: a bucket no step can reach would be dropped unseen.
+    if engine.seq_buckets and max(engine.seq_buckets) > max_seqs:
+        raise ConfigError(f"engine.seq_buckets={engine.seq_buckets} has {max(engine.seq_buckets)}, above "
+                          f"scheduler.max_num_seqs={max_seqs} (the limit in force); drop it or raise "
+                          f"scheduler.max_num_seqs")
+    if engine.context_buckets and max(engine.context_buckets) > max_blocks_per_seq:
+        raise ConfigError(f"engine.context_buckets={engine.context_buckets} has {max(engine.context_buckets)} blocks, "
+                          f"above the {max_blocks_per_seq} a sequence of engine.max_model_len tokens fills (widths are "
+                          f"in blocks of cache.block_size tokens); drop it or raise engine.max_model_len")
     default = default_token_buckets(budget, platform or jax.default_backend(), max_seqs, backend)
     tokens = sorted(set(engine.token_buckets or default) | {budget})
     seqs = sorted(set(engine.seq_buckets) | {max_seqs}) if engine.seq_buckets else []
     if engine.context_buckets:
-        widths = sorted(set(min(w, max_blocks_per_seq) for w in engine.context_buckets) | {max_blocks_per_seq})
+        widths = sorted(set(engine.context_buckets) | {max_blocks_per_seq})
     elif attention == "xla":
         # Tables up to GATHER_MAX_WIDTH blocks are gathered whole (cost follows the width); wider
         # ones are read pair by pair (cost follows the real context), so one more width is enough.
         widths = sorted({min(GATHER_MAX_WIDTH, max_blocks_per_seq), max_blocks_per_seq})
     else:  # the kernel and the reference read only up to each kv_len: no need to bucket
         widths = [max_blocks_per_seq]
-    return Buckets(tuple(tokens), tuple(s for s in seqs if s <= max_seqs), tuple(widths), max_seqs,
+    return Buckets(tuple(tokens), tuple(seqs), tuple(widths), max_seqs,
                    max_seqs * (1 + max_drafts))

@@ -78,6 +78,9 @@ def compile_plan(engine_cfg, num_cores: Optional[int] = None, platform: Optional
 
         raise ConfigError("engine.compile_rare_variants=background compiles beside running steps, which XLA:CPU does "
                           "not survive; on CPU use first_use (what auto picks) or startup")
+    if platform == "cpu" and engine_cfg.compile_workers != "auto" and int(engine_cfg.compile_workers) > 1:
+        log.info("engine.compile_workers=%s: 1 used: on CPU the steps compile one at a time, on the engine's thread "
+                 "(XLA:CPU does not survive a compile beside other work)", engine_cfg.compile_workers)
     if platform == "cpu" and engine_cfg.compile_rare_variants == "auto":
         return compile_plan(engine_cfg, num_cores)[0], "first_use"
     cores = num_cores or os.cpu_count() or 1
