@@ -19,9 +19,11 @@ once. Duplicate ids in the input are refused before any work starts.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import logging
 import os
+import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FSYNC_EVERY = 64
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 
 
 @dataclass
@@ -72,20 +75,29 @@ class JobReport:
 def read_input(path: str) -> list[JobRecord]:
     if not os.path.isfile(path):
         raise UserError(f"input={path} does not exist; give a JSONL file of {{'id': ..., 'prompt': ...}} records")
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is that line's error, not the job's end
+        content = f.read().removeprefix(codecs.BOM_UTF8)  # an editor's byte order mark is not part of line 1
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                data = loads_request(line)
-            except InvalidRequestError as e:
-                records.append(JobRecord(n, None, None, f"line {n} is not a record: {e}"))
-                continue
-            if not isinstance(data, dict) or not isinstance(data.get("id"), (str, int)):
-                records.append(JobRecord(n, None, None, f"line {n} has no string or integer 'id'"))
-                continue
-            records.append(JobRecord(n, str(data["id"]), data))
+    # The line ends text mode reads; never U+2028 or NEL, which JSON strings may hold as they are.
+    for n, raw in enumerate(_LINE_END.split(content), 1):
+        if not raw.strip():
+            continue
+        try:
+            data = loads_request(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            records.append(JobRecord(n, None, None, f"line {n} is not UTF-8 text: {e}"))
+            continue
+        except InvalidRequestError as e:
+            records.append(JobRecord(n, None, None, f"line {n} is not a record: {e}"))
+            continue
+        if not isinstance(data, dict):
+            records.append(JobRecord(n, None, None, f"line {n} is not a record: not a JSON object"))
+            continue
+        # bool is an int to Python, but `true` is no id: it would be written as "True"
+        if not isinstance(data.get("id"), (str, int)) or isinstance(data["id"], bool):
+            records.append(JobRecord(n, None, None, f"line {n} has no string or integer 'id'"))
+            continue
+        records.append(JobRecord(n, str(data["id"]), data))
     ids = [r.id for r in records if r.id is not None]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
@@ -93,9 +105,15 @@ def read_input(path: str) -> list[JobRecord]:
     return records
 
 
-def repair_and_read_output(path: str, key: str = "id") -> set[str]:
-    """The `key` of every record already written; a torn last line (no newline: the write was cut
-    short) is removed first."""
+def done_key(record: JobRecord) -> Union[str, tuple[int, str]]:
+    """What marks `record` as done in the output: its id; for a line that is not a record (no id), its line
+    number and error, so that a rerun reports it again only if the line changed."""
+    return record.id if record.id is not None else (record.line, record.error)
+
+
+def repair_and_read_output(path: str, key: str = "id") -> set[Union[str, tuple[int, str]]]:
+    """The `key` of every record already written (`done_key` for a line error); a torn last line (no
+    newline: the write was cut short) is removed first."""
     if not os.path.exists(path):
         return set()
     with open(path, "rb+") as f:
@@ -105,11 +123,15 @@ def repair_and_read_output(path: str, key: str = "id") -> set[str]:
             log.warning("output=%s: removing a torn last line of %d bytes", path, len(data) - end)
             f.truncate(end)
             data = data[:end]
-    done = set()
-    for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
+    done: set[Union[str, tuple[int, str]]] = set()
+    # Only "\n" ends a record: json.dumps(ensure_ascii=False) writes U+2028 or NEL in a text as they are,
+    # and str.splitlines would cut the record there.
+    for n, line in enumerate(data.split(b"\n")[:-1], 1):
         try:
-            done.add(str(json.loads(line)[key]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            record = json.loads(line.decode("utf-8"))
+            value = record[key]
+            done.add(str(value) if value is not None else (record["line"], record["error"]))
+        except (ValueError, KeyError, TypeError) as e:  # ValueError: not JSON, or not UTF-8
             raise UserError(f"output={path} line {n} is not a result record ({e}); move the file away or fix it") from None
     return done
 
@@ -327,6 +349,11 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 for rid in added:  # a record is served whole or not at all
                     engine.abort(rid)
                     in_flight.pop(rid, None)
+                if isinstance(e, EngineOverloadedError) and in_flight:
+                    # scheduler.max_waiting_* is full for now: the record waits for room (as over an EngineClient);
+                    # only one that could not fit an idle queue is its own error
+                    queue.appendleft(rec)
+                    break
                 if planned is not None and isinstance(e, InvalidRequestError):
                     e = planned.refusal(e)  # the record's own name for the field (chat's top_logprobs)
                 yield _error_record(rec.id, e)
@@ -418,8 +445,9 @@ def max_in_flight(llm: LLM) -> int:
 def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
     """Run the records of `input_path` not yet in `output_path`, on cfg.job.backend; append their results."""
     records = read_input(input_path)
+    _check_output(input_path, output_path)
     done = repair_and_read_output(output_path)
-    pending = [r for r in records if r.id is None or r.id not in done]
+    pending = [r for r in records if done_key(r) not in done]
     report = JobReport(num_input=len(records), num_skipped=len(records) - len(pending))
     if not pending:
         return report
@@ -440,6 +468,19 @@ def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
     finally:
         output.close()
     return report
+
+
+def _check_output(input_path: str, output_path: str) -> None:
+    """Refuse, before any work, an output that would lose records: the input itself (its records would
+    read as results and its last line could be cut as torn) or a path that cannot be written."""
+    if os.path.exists(output_path) and os.path.samefile(input_path, output_path):
+        raise UserError(f"output={output_path} is the input file; give another path for the results")
+    try:
+        with open(output_path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise UserError(f"output={output_path} cannot be written ({e.strerror}); give a file in a folder that "
+                        "exists and can be written") from None
 
 
 @dataclass

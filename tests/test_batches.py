@@ -60,7 +60,7 @@ def wait_until_finished(client, batch_id, timeout_s=300):
 
 
 def results(client, file_id) -> list[dict]:
-    return [json.loads(line) for line in client.files.content(file_id).text.splitlines()] if file_id else []
+    return [json.loads(line) for line in client.files.content(file_id).text.split("\n")[:-1]] if file_id else []
 
 
 def run_batch(client, lines, endpoint):
@@ -190,6 +190,16 @@ def test_a_batch_jaxcb_would_not_run_as_asked_is_refused_naming_the_field(server
     body = {"input_file_id": upload.id, "endpoint": "/v1/completions", "completion_window": "24h", **change}
     r = httpx.post(server[0] + "/v1/batches", json=body, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_a_bom_and_line_separators_inside_json_strings_neither_split_a_line_nor_stall_the_batch(client):
+    # U+2028 and NEL are text to JSON and written raw in results: str.splitlines once cut the uploaded line there
+    # (a 400) and cut the results file on reading, which left a batch "finalizing" for good.
+    raw = json.dumps(completion_line("raw\u2028id", "x\x85y", max_tokens=1), ensure_ascii=False)
+    lines = ["\ufeff" + raw, completion_line("escaped\u2028\x85id", "x", max_tokens=1)]
+    batch, output, errors = run_batch(client, lines, "/v1/completions")
+    assert batch.status == "completed" and errors == []
+    assert sorted(r["custom_id"] for r in output) == ["escaped\u2028\x85id", "raw\u2028id"]
 
 
 def test_a_missing_input_file_or_batch_is_a_404(client):

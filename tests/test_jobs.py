@@ -126,3 +126,75 @@ def test_a_record_the_engine_fails_on_is_its_own_error_record_and_the_job_goes_o
     assert "RuntimeError: a bug this record meets" in results["bad"]["error"]
     assert results["big"]["field"] == "logit_bias"
     assert not engine.has_unfinished_requests()
+
+
+def test_a_rerun_writes_each_unreadable_line_once_and_still_runs_an_id_named_None(tmp_path):
+    # Line errors (id null) were written again on every rerun, and read back as the id "None", so a record with
+    # that id was skipped as done without ever running.
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, ["{not json", "[1, 2]", {"id": True, "prompt": "x"},
+                      {"id": "None", "prompt": "x", "max_tokens": 1}])
+    proc = job(tmp_path, inp, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [line_1] = [r for r in read_results(out) if r["id"] is None and r["line"] == 1]
+    out.write_text(json.dumps(line_1) + "\n")  # as if killed with only line 1 reported
+    proc = job(tmp_path, inp, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = job(tmp_path, inp, out)
+    assert "4 records: 4 already done, 0 generated, 0 errors" in proc.stdout, proc.stdout[-2000:]
+    results = read_results(out)
+    assert sorted(r["line"] for r in results if r["id"] is None) == [1, 2, 3]
+    [named_none] = [r for r in results if r["id"] is not None]
+    assert named_none["id"] == "None" and named_none["usage"]["completion_tokens"] == 1 and len(results) == 4
+
+
+def test_a_bom_bytes_not_utf8_and_line_separators_in_ids_are_read_per_line_and_resume(tmp_path):
+    # A line that was not UTF-8 ended the job with a traceback; a BOM made line 1 an error; an id holding U+2028
+    # or NEL (written raw) split its result line on the rerun's read, which then refused the whole output.
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    records = [{"id": "a", "prompt": "x", "max_tokens": 1}, {"id": "b\u2028", "prompt": "x", "max_tokens": 1},
+               {"id": "c\x85", "prompt": "x", "max_tokens": 1}]
+    inp.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+                    + b'{"id": "d", "prompt": "\xff"}\n')
+    proc = job(tmp_path, inp, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    by_line = {r.get("line"): r for r in read_results_raw(out)}
+    assert "not UTF-8" in by_line[4]["error"]
+    proc = job(tmp_path, inp, out)
+    assert proc.returncode == 0 and "4 already done, 0 generated, 0 errors" in proc.stdout, proc.stderr[-3000:]
+    results = read_results_raw(out)
+    assert len(results) == 4 and sorted(r["id"] for r in results if "text" in r) == ["a", "b\u2028", "c\x85"]
+
+
+def read_results_raw(path):
+    return [json.loads(line) for line in path.read_bytes().decode().split("\n")[:-1]]
+
+
+def test_an_output_that_is_the_input_or_cannot_be_written_is_refused_before_any_work(tmp_path):
+    # output=input read the records as results (nothing ran) and cut the input's last line as torn.
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n" + json.dumps({"id": "b", "prompt": "y"}))
+    before = inp.read_text()
+    proc = job(tmp_path, inp, inp)
+    assert proc.returncode == 2 and "is the input file" in proc.stderr and inp.read_text() == before
+    proc = job(tmp_path, inp, tmp_path)  # a folder
+    assert proc.returncode == 2 and "cannot be written" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_full_waiting_queue_makes_records_wait_not_fail(monkeypatch):
+    # Under scheduler.max_waiting_requests, every record past the limit was written as a final error
+    # ("retry after 1 s"), which a rerun then skipped as done.
+    from types import SimpleNamespace
+
+    from engine_factory import shared_engine
+    from jaxcb import jobs
+
+    engine = shared_engine()
+    monkeypatch.setattr(engine, "max_waiting_requests", (1, "scheduler.max_waiting_requests=1"))
+    records = [jobs.JobRecord(i, f"r{i}", {"id": f"r{i}", "prompt": "Hello", "max_tokens": 2}) for i in range(6)]
+    records.append(jobs.JobRecord(7, "n2", {"id": "n2", "prompt": "Hello", "max_tokens": 2, "n": 2}))
+    llm = SimpleNamespace(engine=engine, tokenizer=engine.tokenizer)
+    results = {r["id"]: r for r in jobs.generate_results(llm, records, max_in_flight=4)}
+    assert all(results[f"r{i}"]["finish_reason"] == "length" for i in range(6))
+    assert "requests are waiting" in results["n2"]["error"]  # never fits a queue of 1: its own error, not a hang
+    assert not engine.has_unfinished_requests()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
@@ -45,11 +46,12 @@ class BatchLine:
 def read_batch_lines(content: bytes, max_line_bytes: int) -> list[BatchLine]:
     """The lines of a batch input file; InvalidRequestError (param `file`) naming the first bad line."""
     try:
-        text = content.decode("utf-8")
+        text = content.decode("utf-8-sig")  # an editor's byte order mark is not part of the first line
     except UnicodeDecodeError as e:
         raise InvalidRequestError(f"file: a batch file must be UTF-8 JSONL ({e})", "file") from None
     lines, seen = [], set()
-    for n, raw in enumerate(text.splitlines(), 1):
+    # The line ends text mode reads: str.splitlines would also cut at U+2028 or NEL, which JSON strings hold as they are.
+    for n, raw in enumerate(re.split(r"\r\n|\r|\n", text), 1):
         if not raw.strip():
             continue
         where = f"file line {n}"
