@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from typing import Callable
 
 from omegaconf import DictConfig
 
 from jaxcb.config import Config, ConfigError, load_config
+from jaxcb.config_unused import unused_settings
 from jaxcb.errors import UserError  # noqa: F401  (re-exported: the scripts catch it)
 
 log = logging.getLogger("jaxcb")
@@ -42,7 +44,10 @@ def entry_point(main: Callable[[Config], None]) -> Callable[[DictConfig], None]:
     def wrapper(cfg: DictConfig) -> None:
         logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing is noise to a user
         try:
-            main(load_config(cfg))
+            config = load_config(cfg)
+            for sentence in unused_settings(config, os.path.splitext(os.path.basename(sys.argv[0]))[0]):
+                log.warning("%s", sentence)
+            main(config)
         except (ConfigError, CheckpointError, UserError, FileNotFoundError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)

@@ -3,6 +3,8 @@
 import os
 
 import pytest
+from hydra import compose, initialize_config_dir
+
 from jaxcb import config
 from jaxcb.config import Config, ConfigError
 from jaxcb.config_errors import check_overrides
@@ -352,3 +354,42 @@ def test_a_key_added_with_a_plus_that_no_config_has_is_refused_by_name(override,
 def test_a_nan_or_infinite_number_in_any_group_is_refused_by_name(override, named):
     with pytest.raises(ConfigError, match=f"{named}: not a finite number"):
         compose_config(override)
+
+
+@pytest.mark.parametrize("overrides, script, sentence", [
+    (["speculative.num_speculative_tokens=8"], "serve",
+     "speculative.num_speculative_tokens=8 is not used: speculative.method=none (set ngram or draft to speculate)"),
+    (["speculative.method=draft", "speculative.draft_model=tiny", "speculative.prompt_lookup_max=6"], "serve",
+     "speculative.prompt_lookup_max=6 is not used: speculative.method=draft (ngram's lookup reads it)"),
+    (["scheduler.priority_aging_s=3"], "serve", "scheduler.priority_aging_s=3.0 is not used: scheduler.policy=fcfs"),
+    (["cache.swap_space_gib=1"], "serve", "cache.swap_space_gib=1.0 is not used: scheduler.preemption_mode=recompute"),
+    (["attention.impl=xla", "attention.interpret=true"], "serve", "attention.interpret=True is not used: attention.impl=xla"),
+    (["lora.max_loras=2"], "serve", "lora.max_loras=2 is not used: no adapter is loaded and lora.enable=false"),
+    (["job.batch_size=4"], "generate", "job.batch_size=4 is not used: no JSONL job (input= and output=)"),
+    (["bench.request_rate=3"], "bench", "bench.request_rate=3.0 is not used: bench.mode=offline (serving mode reads it)"),
+    (["bench.output_cap=64"], "bench", "bench.output_cap=64 is not used: bench.workload=lognormal"),
+])
+def test_a_setting_the_runs_mode_does_not_read_is_named(overrides, script, sentence):
+    # Warned about, not refused: a Hydra sweep over the mode keeps the other knobs fixed.
+    from jaxcb.config_unused import unused_settings
+
+    assert any(s.startswith(sentence) for s in unused_settings(compose_config(*overrides), script))
+    assert unused_settings(compose_config(), script) == []
+
+
+def test_the_scripts_warn_of_a_setting_their_mode_does_not_read(caplog):
+    import logging
+    import sys
+
+    from jaxcb.cli import entry_point
+
+    ran = []
+    with initialize_config_dir(config_dir=config.CONF_DIR, version_base=None):
+        composed = compose("config", overrides=["speculative.num_speculative_tokens=8"])
+    caplog.set_level(logging.WARNING, logger="jaxcb")
+    saved, sys.argv = sys.argv, ["scripts/serve.py"]
+    try:
+        entry_point(ran.append)(composed)
+    finally:
+        sys.argv = saved
+    assert len(ran) == 1 and "speculative.num_speculative_tokens=8 is not used" in caplog.text
