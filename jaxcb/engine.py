@@ -471,8 +471,23 @@ class Engine:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or not is_text(cache_salt)):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string of valid Unicode, or "
                                       "left out", "cache_salt")
-        kind = output_kind or (OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
+        for name, value in (("timeout_s", timeout_s), ("queue_timeout_s", queue_timeout_s)):
+            # NaN would never compare past the deadline: the request would silently never time out.
+            if value is not None and (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                                      or math.isnan(value)):
+                raise InvalidRequestError(f"{name}={value!r} must be a number of seconds, or left out", name)
+        try:
+            # "delta" is no OutputKind: compared by identity, it would silently stream as CUMULATIVE.
+            kind = (OutputKind(output_kind) if output_kind is not None
+                    else OutputKind.FINAL_ONLY if final_only else OutputKind.CUMULATIVE)
+        except ValueError:
+            raise InvalidRequestError(f"output_kind={output_kind!r} must be one of "
+                                      f"{[k.value for k in OutputKind]}", "output_kind") from None
         if request_id is None:
+            # A caller's own id may be a number this counter reaches: skip it, rather than refuse a
+            # request that named no id as a duplicate.
+            while str(self._next_id) in self.output.groups:
+                self._next_id += 1
             request_id = str(self._next_id)
             self._next_id += 1
         if request_id in self.output.groups:
@@ -480,8 +495,9 @@ class Engine:
         text = prompt if isinstance(prompt, str) else None
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
-        if not isinstance(prompt, str) and not all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        # bytes iterate as ints: b"hi" would silently run as token ids 104, 105.
+        if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple, np.ndarray)) and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)):
             raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
         if isinstance(prompt, str) and not is_text(prompt):
             raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
@@ -816,6 +832,8 @@ class Engine:
 class LLM:
     """Offline generation: `LLM(cfg).generate(prompts, params)` -> outputs in input order."""
 
+    _PROMPT_LISTS = (list, tuple, np.ndarray)  # a prompt's token ids, or the prompts; numpy's too
+
     def __init__(self, cfg: Config, **engine_kw):
         self.engine = Engine(cfg, **engine_kw)
 
@@ -833,12 +851,18 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora`: the LoRA adapter (a loaded one's name, as a request's `model` names it) every prompt runs
         with, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, self._PROMPT_LISTS) and len(prompts)
+                                        and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # one prompt, as text or token ids
+        if not isinstance(prompts, self._PROMPT_LISTS):
+            raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of those, "
+                                      f"not {type(prompts).__name__}", "prompt")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        if not (lora is None or isinstance(lora, (str, list, tuple))):
+            raise ValueError(f"lora= must be an adapter's name, None or a list of them, not {type(lora).__name__}")
         adapters = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
         if len(adapters) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(adapters)} LoRA adapters (lora=)")

@@ -197,6 +197,64 @@ def test_bad_requests_are_refused_before_they_cost_anything():
     assert not engine.has_unfinished_requests() and engine.block_pool.num_free_blocks == free
 
 
+def _llm(engine):
+    from jaxcb.engine import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    return llm
+
+
+def test_generate_takes_numpy_token_ids_as_the_same_prompt():
+    llm = _llm(shared_engine(SMALL_CACHE, "scheduler.policy=fcfs"))
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    tokens = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    expected = tokens(llm.generate([[1, 2, 3]], greedy, use_tqdm=False))
+    assert tokens(llm.generate(np.array([1, 2, 3]), greedy, use_tqdm=False)) == expected
+    assert tokens(llm.generate([np.int64(1), np.int32(2), 3], greedy, use_tqdm=False)) == expected
+    assert tokens(llm.generate(np.array([[1, 2, 3]]), greedy, use_tqdm=False)) == expected
+
+
+def test_prompts_that_are_no_text_or_token_ids_are_refused_naming_the_prompt():
+    engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
+    llm = _llm(engine)
+    free = engine.block_pool.num_free_blocks
+    for prompts in (None, b"hi", {"prompt": "hi"}, [None], [b"hi"]):  # bytes would run as token ids 104, 105
+        with pytest.raises(InvalidRequestError, match="prompt") as refused:
+            llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+        assert refused.value.field == "prompt"
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        engine.add_request(None, SamplingParams())
+    with pytest.raises(ValueError, match="lora="):
+        llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False, lora=3)
+    assert not engine.has_unfinished_requests() and engine.block_pool.num_free_blocks == free
+
+
+def test_timeouts_and_output_kinds_that_would_be_ignored_are_refused():
+    engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
+    for field, value in (("timeout_s", float("nan")), ("queue_timeout_s", float("nan")), ("timeout_s", "1"),
+                         ("timeout_s", True), ("output_kind", "streaming")):
+        with pytest.raises(InvalidRequestError, match=field) as refused:
+            engine.add_request("hi", SamplingParams(max_tokens=2), **{field: value})
+        assert refused.value.field == field
+    assert not engine.has_unfinished_requests()
+    # Its value names the kind, as the enum's does: a delta stream, not a cumulative one.
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=4), output_kind="delta")
+    sizes = []
+    while engine.has_unfinished_requests():
+        sizes += [len(out.outputs[0].token_ids) for out in engine.step()]
+    assert sizes and max(sizes) == 1
+
+
+def test_an_id_left_out_never_clashes_with_a_callers_numeric_id():
+    engine = shared_engine(SMALL_CACHE, "scheduler.policy=fcfs")
+    taken = engine.add_request("hi", SamplingParams(max_tokens=2), request_id=str(engine._next_id))
+    assert engine.add_request("hi", SamplingParams(max_tokens=2)) != taken
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+
+
 def test_abort_while_preempted_and_mid_prefill_leaks_no_block():
     from jaxcb.core.sequence import RequestStatus
 
