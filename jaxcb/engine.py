@@ -829,10 +829,11 @@ class Engine:
         return self.runner.num_recompiles
 
 
+_PROMPT_LISTS = (list, tuple, np.ndarray)  # a prompt's token ids, or the prompts; numpy's too
+
+
 class LLM:
     """Offline generation: `LLM(cfg).generate(prompts, params)` -> outputs in input order."""
-
-    _PROMPT_LISTS = (list, tuple, np.ndarray)  # a prompt's token ids, or the prompts; numpy's too
 
     def __init__(self, cfg: Config, **engine_kw):
         self.engine = Engine(cfg, **engine_kw)
@@ -851,10 +852,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora`: the LoRA adapter (a loaded one's name, as a request's `model` names it) every prompt runs
         with, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or (isinstance(prompts, self._PROMPT_LISTS) and len(prompts)
+        if isinstance(prompts, str) or (isinstance(prompts, _PROMPT_LISTS) and len(prompts)
                                         and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # one prompt, as text or token ids
-        if not isinstance(prompts, self._PROMPT_LISTS):
+        if not isinstance(prompts, _PROMPT_LISTS):
             raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of those, "
                                       f"not {type(prompts).__name__}", "prompt")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
