@@ -459,6 +459,12 @@ def _unknown_keys(node: DictConfig, path: str = "") -> list[tuple[str, type]]:
     return unknown
 
 
+def presets(group: str) -> list[str]:
+    """The presets of a config group: conf/<group>/*.yaml."""
+    folder = os.path.join(CONF_DIR, group)
+    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
+
+
 def rope_scaling_config(value: Any, where: str) -> Optional[RopeScalingConfig]:
     """`model.rope_scaling` as a RopeScalingConfig (None: no scaling); raise ConfigError naming an unknown
     field or a value of the wrong type."""
@@ -492,9 +498,8 @@ def resolve_draft_model(value: Any) -> ModelConfig:
     name = fields.get("name")
     preset = os.path.join(CONF_DIR, "model", f"{name}.yaml")
     if not isinstance(name, str) or not os.path.isfile(preset):
-        presets = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "model")) if f.endswith(".yaml"))
         raise ConfigError(f"speculative.draft_model's name={name!r} must be one of the model presets: "
-                          f"{', '.join(presets)}")
+                          f"{', '.join(presets('model'))}")
     base = OmegaConf.load(preset)
     base.pop("defaults", None)
     try:
@@ -514,19 +519,9 @@ def resolve_draft_model(value: Any) -> ModelConfig:
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """The checked Config that `scripts/*.py <overrides>` would see, for use from Python."""
-    from hydra import compose, initialize_config_dir
+    from jaxcb.config_errors import compose_overrides
 
-    from jaxcb.config_errors import describe
-
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            composed = compose("config", overrides=list(overrides))
-    except Exception as e:
-        sentence = describe(e)
-        if sentence is None:
-            raise
-        raise ConfigError(sentence) from e
-    return load_config(composed)
+    return load_config(compose_overrides(overrides))
 
 
 def asdict(cfg: Any) -> dict:

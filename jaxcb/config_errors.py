@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import re
 from typing import Any, Optional, Sequence
 
-from jaxcb.config import CONF_DIR, ConfigError
+from omegaconf import DictConfig
+
+from jaxcb.config import CONF_DIR, ConfigError, presets
 
 # Hydra's own flags that take no value or that do not change the config.
 _RUN_FLAGS = ("-m", "--multirun", "-r", "--run")
-
-
-def presets(group: str) -> list[str]:
-    """The presets of a config group: conf/<group>/*.yaml."""
-    folder = os.path.join(CONF_DIR, group)
-    return sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml")) if os.path.isdir(folder) else []
 
 
 def did_you_mean(key: str, candidates: Sequence[str]) -> str:
@@ -47,7 +42,7 @@ def unknown_field(path: str, kind: Any) -> str:
 
 def describe(error: BaseException) -> Optional[str]:
     """One sentence for a Hydra/OmegaConf composition error, or None for an error of another kind."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     cause = error.__cause__
@@ -77,7 +72,7 @@ def describe(error: BaseException) -> Optional[str]:
     if isinstance(error, AssertionError) and "Unexpected type for root: NoneType" in first:
         return "a key under a field that is null in this preset cannot be set alone; set the field whole, e.g. " \
                "model.rope_scaling={rope_type: yarn, factor: 4.0}"
-    return None
+    return first if isinstance(error, (HydraException, OmegaConfBaseException)) else None
 
 
 def parse_error(error: BaseException, override: str = "") -> str:
@@ -91,11 +86,24 @@ def _null_parent(path: str) -> str:
             f"model.rope_scaling={{rope_type: yarn, factor: 4.0}}")
 
 
+def compose_overrides(overrides: Sequence[str]) -> DictConfig:
+    """Hydra's composition of conf/config.yaml with `overrides`; ConfigError with one sentence if it fails."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return compose("config", overrides=list(overrides))
+    except Exception as e:
+        sentence = describe(e)
+        if sentence is None:
+            raise
+        raise ConfigError(sentence) from e
+
+
 def check_overrides(argv: Sequence[str]) -> None:
     """Compose the config that `argv` (a script's command line) asks Hydra for; raise ConfigError with
     one sentence if Hydra cannot. A sweep (under --multirun) is checked with its first value; command
     lines with other Hydra flags (--cfg, --help, -cn, ...) and hydra.* overrides are left to Hydra."""
-    from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -103,36 +111,19 @@ def check_overrides(argv: Sequence[str]) -> None:
     if any(flag not in _RUN_FLAGS for flag in flags):
         return
     multirun = any(flag in ("-m", "--multirun") for flag in flags)
-    overrides = [a for a in argv if not a.startswith("-")]
-    parser = OverridesParser.create()
-    parsed = []
-    for line in overrides:
+    parser, kept = OverridesParser.create(), []
+    for line in (a for a in argv if not a.startswith("-")):
         try:
-            parsed += parser.parse_overrides([line])
+            [override] = parser.parse_overrides([line])
         except HydraException as e:
             raise ConfigError(parse_error(e, line)) from e
-    try:
-        kept = []
-        for override in parsed:
-            key = override.key_or_group
-            if key == "hydra" or key.startswith(("hydra.", "hydra/")):
-                continue
-            if override.is_sweep_override():
-                if not multirun:
-                    kept.append(override.input_line)  # compose reports it, with Hydra's hint
-                    continue
-                first = next(iter(override.sweep_string_iterator()), None)
-                if first is None:
-                    continue
+        key = override.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            continue
+        if override.is_sweep_override() and multirun:
+            first = next(iter(override.sweep_string_iterator()), None)
+            if first is not None:
                 kept.append(f"{override.get_key_element()}={first}")
-            else:
-                kept.append(override.input_line)
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            compose("config", overrides=kept)
-    except (HydraException, AssertionError, AttributeError, ValueError, KeyError) as e:
-        from omegaconf.errors import OmegaConfBaseException
-
-        sentence = describe(e)
-        if sentence is None and not isinstance(e, (HydraException, OmegaConfBaseException)):
-            raise
-        raise ConfigError(sentence or str(e).splitlines()[0]) from e
+        else:  # a sweep without --multirun: compose reports it, with Hydra's hint
+            kept.append(line)
+    compose_overrides(kept)
