@@ -108,6 +108,10 @@ class ModelConfig:
     rope_local_theta: Optional[float] = None  # RoPE base of the windowed layers; 0: the model's rope (gemma3: 10000)
     bos_token_id: Optional[int] = None  # refused when set: the tokenizer's own BOS is used
     eos_token_ids: Optional[list[int]] = None  # end-of-sequence ids besides the tokenizer's and the checkpoint's
+    # Defaults for the sampling fields a request leaves out (jaxcb/sampling_defaults.py): auto (the checkpoint's
+    # generation_config.json, or a GGUF's general.sampling keys) | none (jaxcb's own: OpenAI's) | DIR (its
+    # generation_config.json)
+    generation_config: str = "auto"
 
 
 @dataclass

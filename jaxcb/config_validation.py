@@ -461,6 +461,11 @@ def validate_model_config(m: ModelConfig, group: str = "model") -> None:
     for f in ("rope_theta", "rms_norm_eps"):
         v = getattr(m, f)
         require(v is None or v > 0, f"{p}{f}={v} must be > 0, or null (the checkpoint's)")
+    require(isinstance(m.generation_config, str) and (
+        m.generation_config in ("auto", "none")
+        or os.path.isfile(os.path.join(m.generation_config, "generation_config.json"))),
+        f"{p}generation_config={m.generation_config!r} must be auto (the checkpoint's generation_config.json or "
+        f"GGUF sampling keys), none (jaxcb's own defaults) or a directory holding a generation_config.json")
     require(m.bos_token_id is None,
             f"{p}bos_token_id={m.bos_token_id} is not read: the tokenizer's own BOS is used (tokenizer_config.json's "
             f"bos_token, and whether it adds one); drop {p}bos_token_id")

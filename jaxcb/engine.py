@@ -60,6 +60,7 @@ from jaxcb.kernels.attention.quantization import is_quantized
 from jaxcb.kv_scales import KVScales, calibrated_kv_scales, checkpoint_has_kv_scales, resolve_kv_scales
 from jaxcb.model.config import resolve_llama_config
 from jaxcb.model_setup import load_model_and_tokenizer, weights_fingerprint
+from jaxcb.sampling_defaults import read_sampling_defaults
 from jaxcb.huge_pages import collapse_onto_huge_pages
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
@@ -224,6 +225,8 @@ class Engine:
         arch = resolve_llama_config(cfg.model)
         check_against_model(cfg, arch.vocab_size)
         check_host_buffers(cfg)
+        # The checkpoint's defaults for the sampling fields a request leaves out: read (and checked) before any weight.
+        self.sampling_defaults = read_sampling_defaults(cfg.model)
         tp_size = cfg.engine.tensor_parallel_size
         self.tp = make_tensor_parallel(tp_size, arch)
         self.max_model_len = cfg.engine.max_model_len or arch.max_position_embeddings
@@ -466,7 +469,7 @@ class Engine:
         admitted after them and preempted first, whatever the scheduler's policy. `lora`: the name of a
         loaded LoRA adapter to run it with (as a request's `model` names it); None or the base model's name:
         the base model."""
-        params = params or SamplingParams()
+        params = params or self.sampling_defaults.params()
         adapter = self._lora_adapter(lora)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or not is_text(cache_salt)):
             raise InvalidRequestError(f"cache_salt={cache_salt!r} must be a non-empty string of valid Unicode, or "
@@ -842,6 +845,11 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses when given no SamplingParams: the checkpoint's defaults (model.generation_config),
+        else jaxcb's; change a field with `dataclasses.replace`."""
+        return self.engine.sampling_defaults.params()
+
     def generate(
         self,
         prompts: Union[PromptType, abc.Sequence[PromptType]],
@@ -859,7 +867,7 @@ class LLM:
             raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of those, "
                                       f"not {type(prompts).__name__}", "prompt")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.engine.sampling_defaults.params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         if not (lora is None or isinstance(lora, (str, list, tuple))):

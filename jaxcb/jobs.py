@@ -43,6 +43,7 @@ from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, pars
 from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.tool_parsers import get_tool_parser
+from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from jaxcb.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -153,10 +154,11 @@ class JobContext:
     cfg: Config
     tokenizer: Tokenizer
     max_model_len: int
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS  # the model's, for the fields a record leaves out
 
     @classmethod
     def of(cls, llm: LLM) -> "JobContext":
-        return cls(llm.engine.cfg, llm.tokenizer, llm.engine.max_model_len)
+        return cls(llm.engine.cfg, llm.tokenizer, llm.engine.max_model_len, llm.engine.sampling_defaults)
 
 
 def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, ChatRecord], PlannedRequest]:
@@ -174,9 +176,9 @@ def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, Ch
         # Reasoning as the chat endpoint reads it: reasoning_content apart, grammars after </think>.
         planned = plan_chat_completion(req, ctx.tokenizer, parser, ctx.max_model_len, cfg.server.tool_prompt_fallback,
                                        get_reasoning_parser(cfg.server.reasoning_parser, template),
-                                       cfg.server.structured_outputs_in_reasoning)
+                                       cfg.server.structured_outputs_in_reasoning, ctx.sampling_defaults)
     else:
-        planned = plan_completion(req)
+        planned = plan_completion(req, ctx.sampling_defaults)
     if req.model is not None and req.model != served_model_name(cfg) and not cfg.lora.enabled:
         # (with LoRA, Engine.add_request checks the name: the base's or a loaded adapter's)
         raise InvalidRequestError(f"model {req.model!r} is not the model of this job ({served_model_name(cfg)!r}); "
@@ -403,7 +405,7 @@ async def generate_results_over(client: "EngineClient", cfg: Config, records: li
     """`generate_results` over an EngineClient (a serving engine, in this process or on Ray replicas):
     the same records give the same result lines. A refusal that says "retry later" (the server's
     admission control) is retried, not written: a job waits for room."""
-    ctx = JobContext(cfg, client.tokenizer, client.max_model_len)
+    ctx = JobContext(cfg, client.tokenizer, client.max_model_len, client.sampling_defaults)
     room = asyncio.Semaphore(max_in_flight)
 
     async def run(rec: JobRecord) -> dict:

@@ -48,6 +48,7 @@ from jaxcb.errors import InvalidRequestError
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.async_engine import EngineDeadError, StreamAbortedError
+from jaxcb.sampling_defaults import SamplingDefaults
 from jaxcb.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class EngineReplica:
         engine = self.engine
         return {
             "tokenizer": engine.tokenizer, "max_model_len": engine.max_model_len, "pid": os.getpid(),
+            "sampling_defaults": engine.sampling_defaults,
             "instance_id": self.instance_id, "max_num_seqs": engine.scheduler_config.max_num_seqs,
             # What the router's prefix index hashes prompts with (routing=prefix_aware).
             "block_size": engine.cache_plan.block_size, "num_blocks": engine.cache_plan.num_blocks,
@@ -224,6 +226,7 @@ class ReplicaRouter:
         log.info("engine replicas up, process ids %s", [info["pid"] for info in infos])
         self.tokenizer: Tokenizer = infos[0]["tokenizer"]
         self.max_model_len: int = infos[0]["max_model_len"]
+        self.sampling_defaults: SamplingDefaults = infos[0]["sampling_defaults"]
         self.max_num_seqs: int = sum(info["max_num_seqs"] for info in infos)
         self.grammars = None  # each replica's engine compiles its own
         for replica, info in zip(self.replicas, infos, strict=True):

@@ -198,7 +198,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         check_model(state, req.model)
         plan = plan_response(req, state.responses, state.client.tokenizer, state.tool_parser(),
                              state.client.max_model_len, cfg.server.tool_prompt_fallback, state.reasoning_parser,
-                             cfg.server.structured_outputs_in_reasoning)
+                             cfg.server.structured_outputs_in_reasoning, state.client.sampling_defaults)
         try:
             await compile_grammar(state, plan.planned)
         except InvalidRequestError as e:  # named by the Responses field it came from (text.format, not response_format)

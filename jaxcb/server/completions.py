@@ -59,13 +59,13 @@ def plan_body(state: "ServerState", endpoint: str, body: Any) -> PlannedBody:
     if endpoint == COMPLETIONS:
         req = parse_request(CompletionRequest, body)
         check_model(state, req.model)
-        return PlannedBody(endpoint, req, plan_completion(req))
+        return PlannedBody(endpoint, req, plan_completion(req, state.client.sampling_defaults))
     assert endpoint == CHAT_COMPLETIONS, endpoint
     req = parse_request(ChatCompletionRequest, body)
     check_model(state, req.model)
     planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
                                    srv.tool_prompt_fallback, state.reasoning_parser,
-                                   srv.structured_outputs_in_reasoning)
+                                   srv.structured_outputs_in_reasoning, state.client.sampling_defaults)
     return PlannedBody(endpoint, req, planned)
 
 

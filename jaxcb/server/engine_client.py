@@ -15,6 +15,7 @@ from jaxcb.config import Config
 from jaxcb.engine import Engine, PromptType
 from jaxcb.metrics import EngineMetrics
 from jaxcb.outputs import RequestOutput
+from jaxcb.sampling_defaults import SamplingDefaults
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.async_engine import AsyncEngine
 from jaxcb.server.dashboard import DashboardHistory
@@ -36,6 +37,7 @@ class OutputStream(Protocol):
 class EngineClient(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
+    sampling_defaults: SamplingDefaults  # the model's, for the sampling fields a request leaves out
     max_num_seqs: int  # sequences the engines run at once, all replicas together (how much batch work keeps them busy)
     # Compiles a request's grammar off the engine thread before it is queued (cached for the engine);
     # None where the engines compile their own (Ray replicas).
@@ -82,6 +84,7 @@ class LocalEngineClient:
                 engine.enable_admission_control()
         self.engine = engine
         self.tokenizer, self.max_model_len, self.grammars = engine.tokenizer, engine.max_model_len, engine.grammars
+        self.sampling_defaults = engine.sampling_defaults
         self.max_num_seqs: int = engine.scheduler_config.max_num_seqs
         self.metrics = EngineMetrics(model_name, extra_labels=extra_labels, prefix=cfg.server.metrics_prefix)
         self.history = DashboardHistory()

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.request_fields import check_fields
+from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from jaxcb.sampling_params import SamplingParams
 
 
@@ -85,7 +86,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = 16
+    max_tokens: Optional[int] = None  # null: 16 (OpenAI's), at most the model's max_new_tokens
     logprobs: Optional[int] = None
     echo: bool = False  # the prompt comes back before the completion (with its logprobs when logprobs is set)
 
@@ -200,23 +201,23 @@ def _is_union_member(loc_part: Any) -> bool:
 
 
 def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                    structured_outputs=None) -> SamplingParams:
+                    structured_outputs=None, defaults: SamplingDefaults = NO_DEFAULTS) -> SamplingParams:
     """The engine's SamplingParams for a request body: its fields under the engine's names (null: the
-    default), every range checked by SamplingParams itself. `structured_outputs`: the request's spec
-    (jaxcb.structured), already read from its fields."""
+    model's default in `defaults`, else jaxcb's), every range checked by SamplingParams itself.
+    `structured_outputs`: the request's spec (jaxcb.structured), already read from its fields."""
     prompt_logprobs = req.prompt_logprobs
     if getattr(req, "echo", False) and logprobs is not None and isinstance(logprobs, int):
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)  # the echoed prompt carries logprobs too
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(
         n=req.n,
-        max_tokens=max_tokens if max_tokens is not None else 16,
+        max_tokens=max_tokens if max_tokens is not None else defaults.left_out_max_tokens(16),
         min_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=0 if req.top_k is None else req.top_k,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else 1.0,
+        temperature=defaults.fill("temperature", req.temperature, 1.0),
+        top_k=defaults.fill("top_k", req.top_k, 0),
+        top_p=defaults.fill("top_p", req.top_p, 1.0),
+        min_p=defaults.fill("min_p", req.min_p, 0.0),
+        repetition_penalty=defaults.fill("repetition_penalty", req.repetition_penalty, 1.0),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from jaxcb.errors import InvalidRequestError
+from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.chat import ChatPlan, plan_chat
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
@@ -84,22 +85,24 @@ def _check_stream_options(req: Union[CompletionRequest, ChatCompletionRequest]) 
                                   "stream_options", "stream_options")
 
 
-def plan_completion(req: CompletionRequest) -> PlannedRequest:
-    """A /v1/completions body (or a job record with `prompt`) as engine requests."""
+def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFAULTS) -> PlannedRequest:
+    """A /v1/completions body (or a job record with `prompt`) as engine requests; `defaults`: the model's for
+    the sampling fields it leaves out (`Engine.sampling_defaults`)."""
     _check_stream_options(req)
     prompts = _prompts(req.prompt)
     structured: Optional[StructuredOutputs] = (
         from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
     _check_timeout(req.timeout)
-    params = sampling_params(req, req.max_tokens, req.logprobs, structured)
+    params = sampling_params(req, req.max_tokens, req.logprobs, structured, defaults)
     return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout, model=req.model)
 
 
 def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,
                          tool_prompt_fallback: bool = True, reasoning: Optional[ReasoningParser] = None,
-                         structured_in_reasoning: bool = False) -> PlannedRequest:
+                         structured_in_reasoning: bool = False,
+                         defaults: SamplingDefaults = NO_DEFAULTS) -> PlannedRequest:
     """A /v1/chat/completions body (or a job record with `messages`) as one engine request; `reasoning`
-    and `structured_in_reasoning` as `chat.plan_chat` takes them."""
+    and `structured_in_reasoning` as `chat.plan_chat` takes them; `defaults` as `plan_completion`'s."""
     _check_stream_options(req)
     if req.max_tokens is not None and req.max_completion_tokens is not None and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequestError(f"max_tokens={req.max_tokens} and max_completion_tokens={req.max_completion_tokens} "
@@ -116,7 +119,7 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
             raise InvalidRequestError(f"the prompt rendered from the messages is {len(plan.prompt_ids)} tokens, which "
                                       f"leaves no room for a reply within engine.max_model_len={max_model_len}; "
                                       "shorten the messages", "messages")
-        max_tokens = max_model_len - len(plan.prompt_ids)
+        max_tokens = defaults.left_out_max_tokens(max_model_len - len(plan.prompt_ids))
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
     top_n = req.top_logprobs or 0
@@ -126,7 +129,7 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
     # logprobs=true alone is the chosen token's logprob: the engine's logprobs=1 carries it
     logprobs = (max(top_n, 1) if top_n >= 0 else top_n) if req.logprobs else None
     try:
-        params = sampling_params(req, max_tokens, logprobs, plan.structured)
+        params = sampling_params(req, max_tokens, logprobs, plan.structured, defaults)
     except InvalidRequestError as e:
         raise _renamed(e, renamed) from None
     if plan.tool_parser is not None and plan.tool_parser.reads_special_tokens:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.request_fields import RefusedFieldError, check_fields
+from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from jaxcb.server.protocol import ChatCompletionRequest, _is_union_member, _Strict, parse_request
 from jaxcb.server.reasoning import ReasoningParser
 from jaxcb.server.requests import PlannedRequest, plan_chat_completion
@@ -248,7 +249,7 @@ class ResponsePlan:
 
 def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokenizer, parser: ToolParser,
                   max_model_len: int, tool_prompt_fallback: bool, reasoning: Optional[ReasoningParser],
-                  structured_in_reasoning: bool) -> ResponsePlan:
+                  structured_in_reasoning: bool, defaults: SamplingDefaults = NO_DEFAULTS) -> ResponsePlan:
     """The engine request of a Responses body; InvalidRequestError or APIError (404: an unknown
     previous_response_id) naming the field at fault."""
     history = list(store.history(req.previous_response_id)) if req.previous_response_id is not None else []
@@ -262,7 +263,7 @@ def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokeni
             "temperature": req.temperature, "top_p": req.top_p,
         })
         planned = plan_chat_completion(chat, tokenizer, parser, max_model_len, tool_prompt_fallback, reasoning,
-                                       structured_in_reasoning)
+                                       structured_in_reasoning, defaults)
     except InvalidRequestError as e:
         raise responses_field(_after_instructions(e, len(system))) from None
     planned.renamed_fields = {k: dict(_RENAMED).get(v, v) for k, v in planned.renamed_fields.items()}
