@@ -109,7 +109,7 @@ def ragged_batches(draw, max_kv=40):
 
 
 @pytest.mark.parametrize("form, dtype", PAIRS)
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches())
 def test_form_on_a_quantized_cache_equals_the_reference_on_the_dequantized_cache(form, dtype, params):
     batch = make_ragged_batch(**params)
@@ -121,7 +121,8 @@ MIXED = [(5, 5), (1, 23), (7, 30), (1, 9)]
 
 
 @pytest.mark.parametrize("form, dtype", PAIRS)
-@pytest.mark.parametrize("window, softcap", [(3, None), (13, None), (None, 5.0), (13, 50.0)])
+# A window shorter than a block, a cap that bites, and Gemma 2's cap under a window that ends mid-block.
+@pytest.mark.parametrize("window, softcap", [(3, None), (None, 5.0), (13, 50.0)])
 def test_windowed_and_soft_capped_forms_read_a_quantized_cache(form, dtype, window, softcap):
     batch = make_ragged_batch(MIXED, block_size=8, num_kv_heads=2, group=3, head_dim=16, seed=3)
     batch.q *= 3  # scores of a few units: a cap of 5 bites
