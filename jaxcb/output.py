@@ -186,31 +186,16 @@ class OutputProcessor:
             c = group.completions[seq.sample_index]
             if c.finish_reason is not None:
                 continue  # a token drawn after the stop (async scheduling), already trimmed
-            if seq.constraint is not None and seq.constraint.dead_end:
-                # Its constraints (grammar, allowed_token_ids, bad_words) left no token to draw: the step's
-                # draw is not the model's, so it is not shown; the sequence ends here.
-                log.warning("request %s: its constraints allow no next token after %d tokens; it ends here "
-                            "(finish_reason abort)", seq.group_id, len(c.token_ids))
-                c.detokenizer.finish()
-                c.finish_reason = RequestStatus.FINISHED_ABORTED.value
-                stops.append((seq, RequestStatus.FINISHED_ABORTED))
-                stopped.add(group.request_id)
-                changed[group.request_id] = group
-                continue
-            status = token_stop_status(group.params, token, len(c.token_ids) + 1, len(group.prompt_token_ids),
-                                       self.eos_token_ids, self.max_model_len)
-            if status is RequestStatus.FINISHED_STOPPED:
-                # An EOS or stop token id: it counts, its text never shows (as vLLM; with
-                # skip_special_tokens=false, EOS would show "</s>").
-                c.detokenizer.add_stop_token(token)
-            elif c.detokenizer.add_token(token) is not None:  # a stop string
-                status = RequestStatus.FINISHED_STOPPED
-            if c.logprobs is not None and logprobs is not None:
-                c.logprobs.append(logprobs)
-            if seq.constraint is not None:
-                status = _advance_constraint(seq, token) or status
+            try:
+                status = self._apply_token(group, c, seq, token, logprobs)
+                if status is not None:
+                    c.detokenizer.finish()
+            except Exception:  # noqa: BLE001 -- one request's host-side failure must not stop the others
+                # (its detokenizer, stop strings or grammar matcher): the request ends, the engine goes on.
+                log.exception("request %s: processing its token %d failed; it ends here (finish_reason abort)",
+                              seq.group_id, token)
+                status = RequestStatus.FINISHED_ABORTED
             if status is not None:
-                c.detokenizer.finish()
                 c.finish_reason = status.value
                 stops.append((seq, status))
                 stopped.add(group.request_id)
@@ -224,6 +209,29 @@ class OutputProcessor:
                 del self.groups[request_id]
                 self.timed_groups.pop(request_id, None)
         return outputs, stops
+
+    def _apply_token(self, group: RequestGroup, c: CompletionState, seq: Sequence, token: int,
+                     logprobs: Optional[dict[int, float]]) -> Optional[RequestStatus]:
+        """Add one sampled token to a completion; the status it stops with, if it does."""
+        if seq.constraint is not None and seq.constraint.dead_end:
+            # Its constraints (grammar, allowed_token_ids, bad_words) left no token to draw: the step's
+            # draw is not the model's, so it is not shown; the sequence ends here.
+            log.warning("request %s: its constraints allow no next token after %d tokens; it ends here "
+                        "(finish_reason abort)", seq.group_id, len(c.token_ids))
+            return RequestStatus.FINISHED_ABORTED
+        status = token_stop_status(group.params, token, len(c.token_ids) + 1, len(group.prompt_token_ids),
+                                   self.eos_token_ids, self.max_model_len)
+        if status is RequestStatus.FINISHED_STOPPED:
+            # An EOS or stop token id: it counts, its text never shows (as vLLM; with
+            # skip_special_tokens=false, EOS would show "</s>").
+            c.detokenizer.add_stop_token(token)
+        elif c.detokenizer.add_token(token) is not None:  # a stop string
+            status = RequestStatus.FINISHED_STOPPED
+        if c.logprobs is not None and logprobs is not None:
+            c.logprobs.append(logprobs)
+        if seq.constraint is not None:
+            status = _advance_constraint(seq, token) or status
+        return status
 
     def _output(self, group: RequestGroup, finished: bool) -> RequestOutput:
         delta = group.kind is OutputKind.DELTA

@@ -303,3 +303,34 @@ def test_sampling_params_take_vllms_dict_form_of_structured_outputs():
     assert params.structured_outputs == from_structured_outputs({"choice": ["a", "b"]})
     with pytest.raises(InvalidRequestError, match="structured_outputs"):
         SamplingParams(structured_outputs={"json": {}, "regex": "a"})
+
+
+def test_a_request_whose_host_side_work_fails_ends_alone_and_the_engine_goes_on(caplog):
+    """A request's detokenizer or token constraint raising (a library's bug, say) aborts that request,
+    logged; the others in the batch, and the engine, go on, and every block comes back."""
+    engine = shared_engine()
+    free = engine.block_pool.num_free_blocks
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    masked = SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=list(range(10, 200)))
+    expected = dict(zip(("plain", "masked"), (
+        o.token_ids for o in generate_first_completions(engine, [[3, 4, 5]] * 2, [greedy, masked]))))
+
+    def fail(*_):
+        raise RuntimeError("a library bug")
+
+    for rid, params in (("plain", greedy), ("masked", masked), ("bad-detokenizer", greedy), ("bad-mask", masked)):
+        engine.add_request([3, 4, 5], params, request_id=rid)
+    group = engine.output.groups
+    group["bad-detokenizer"].completions[0].detokenizer.add_token = fail
+    group["bad-mask"].seqs[0].constraint.fill = fail
+    done = {}
+    with caplog.at_level("ERROR"):
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert {rid: done[rid].finish_reason for rid in done} == {
+        "plain": "length", "masked": "length", "bad-detokenizer": "abort", "bad-mask": "abort"}
+    assert done["plain"].token_ids == expected["plain"] and done["masked"].token_ids == expected["masked"]
+    assert done["bad-mask"].token_ids == []  # the row's draw was not the model's under its mask: never shown
+    failed = [r.getMessage() for r in caplog.records if "it ends here" in r.getMessage()]
+    assert any("bad-detokenizer" in m for m in failed) and len(failed) == 2
+    assert engine.block_pool.num_free_blocks == free

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import operator
 from typing import Callable, Optional
 
@@ -22,6 +23,8 @@ from jaxcb.runner.step_args import (
 )
 from jaxcb.sampling import StepVariant, sampling_level
 from jaxcb.core.step import ScheduledSequence, SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 WRITE_CHUNK = 1024  # entries per call of the slot writer (what a step's own updates cannot hold)
 # The SamplingParams floats each row carries, as SamplingArrays names them.
@@ -338,8 +341,15 @@ class StepInputBuilder:
             s = seqs[i]
             if not s.samples:
                 continue
-            if s.constraint is not None:
-                s.constraint.fill(bitmask[row])
+            if s.constraint is not None and not s.constraint.failed:
+                try:
+                    s.constraint.fill(bitmask[row])
+                except Exception:  # noqa: BLE001 -- one request's matcher failing must not stop the others
+                    log.exception("request %s: its constraints failed to give the allowed tokens; it ends here "
+                                  "(finish_reason abort)", s.seq_id.request_id)
+                    s.constraint.failed = s.constraint.dead_end = True
+            if s.constraint is not None and s.constraint.failed:
+                bitmask[row] = -1  # any token: the output processor drops the row's draw (dead_end) and ends it
             bias = s.sampling_params.logit_bias
             if bias:
                 bias_ids[row, : len(bias)] = list(bias.keys())

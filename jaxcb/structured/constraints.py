@@ -62,6 +62,7 @@ class TokenConstraint:
         # The last `fill` left no token allowed: what the step draws from that row is not the model's
         # (the output processor ends the sequence instead of emitting it).
         self.dead_end = False
+        self.failed = False  # `fill` raised (the runner logged it): the sequence ends as at a dead end
 
     @property
     def depends_on_last_token(self) -> bool:
