@@ -27,8 +27,9 @@ class RopeScaling:
 
 
 ROPE_TYPES = ("llama3", "yarn", "linear")
-# yarn keys that change the frequencies in ways jaxcb does not compute: refused by name.
-_REFUSED_YARN_KEYS = ("mscale", "mscale_all_dim", "partial_rotary_factor")
+# The keys each rope type is computed from, as transformers requires them (yarn's are optional).
+_REQUIRED_ROPE_KEYS = {"linear": ("factor",),
+                       "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 @dataclass(frozen=True)
@@ -106,16 +107,23 @@ def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
     if kind not in ROPE_TYPES:
         raise ConfigError(f"config.json rope_scaling type {kind!r} is not supported; jaxcb supports "
                           f"{', '.join(map(repr, ROPE_TYPES))}")
+    missing = [key for key in _REQUIRED_ROPE_KEYS.get(kind, ()) if rs.get(key) is None]
+    if missing:
+        raise ConfigError(f"config.json rope_scaling of type {kind!r} has no {', '.join(missing)}; add "
+                          f"{'them' if len(missing) > 1 else 'it'} as the model was trained")
     if kind == "linear":  # positions divided by factor: every frequency alike (Gemma 3's full layers)
         return RopeScaling(float(rs["factor"]), 1.0, 4.0, 0, rope_type="linear")
     if kind == "yarn":
-        refused = [k for k in _REFUSED_YARN_KEYS if rs.get(k) not in (None, 1, 1.0)]
-        if refused:
-            raise ConfigError(f"config.json rope_scaling (yarn) sets {', '.join(f'{k}={rs[k]}' for k in refused)}, "
-                              f"which jaxcb does not compute")
         original = rs.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
         factor = rs.get("factor") or hf["max_position_embeddings"] / original
         attention_factor = rs.get("attention_factor")
+        refused = [k for k in ("mscale", "mscale_all_dim") if rs.get(k) not in (None, 1, 1.0)]
+        if attention_factor is None and (refused or rs.get("mscale") and rs.get("mscale_all_dim")):
+            # transformers takes the ratio of the two mscales; vLLM's Llama-family YaRN ignores them both.
+            raise ConfigError(f"config.json rope_scaling (yarn) sets "
+                              f"{', '.join(f'{k}={rs[k]}' for k in ('mscale', 'mscale_all_dim') if k in rs)} without "
+                              f"attention_factor, which jaxcb does not derive from them; set "
+                              f"rope_scaling.attention_factor to the cos/sin scale the model was trained with")
         return RopeScaling(float(factor), 1.0, 4.0, int(original), rope_type="yarn",
                            beta_fast=float(rs.get("beta_fast") or 32), beta_slow=float(rs.get("beta_slow") or 1),
                            attention_factor=None if attention_factor is None else float(attention_factor),
@@ -126,6 +134,19 @@ def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
         high_freq_factor=float(rs["high_freq_factor"]),
         original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
     )
+
+
+def _check_rotary_dims(hf: dict[str, Any]) -> None:
+    """jaxcb rotates every dimension of a head: a partial_rotary_factor (top-level, or in a rope dict) is
+    refused, since transformers' Llama-family default rope ignores it where vLLM honours it."""
+    rp = hf.get("rope_parameters") or {}
+    dicts = {"": hf, "rope_scaling.": hf.get("rope_scaling") or {}, "rope_parameters.": rp,
+             **{f"rope_parameters.{k}.": v for k, v in rp.items() if isinstance(v, dict)}}
+    for where, d in dicts.items():
+        value = d.get("partial_rotary_factor") if isinstance(d, dict) else None
+        if value not in (None, 1, 1.0):
+            raise ConfigError(f"config.json sets {where}partial_rotary_factor={value}: jaxcb rotates every dimension "
+                              f"of each head, so it cannot serve a partial rotary embedding")
 
 
 def _hf_rope_theta(hf: dict[str, Any]) -> float:
@@ -142,6 +163,7 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
     with open(path) as f:
         hf = text_config(json.load(f))
     arch = read_architecture(hf, path)
+    _check_rotary_dims(hf)
     num_heads = int(hf["num_attention_heads"])
     eos = hf.get("eos_token_id")
     return dict(
@@ -153,7 +175,7 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
         num_heads=num_heads,
         num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # every family's config class defaults it to 1e-6
         rope_theta=_hf_rope_theta(hf),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

@@ -26,7 +26,8 @@ schema (`layer_types`, `rope_parameters`) or the 4.x keys most Hub checkpoints c
                          (`text_config`; images are refused)
 
 What a family's config may say that jaxcb does not compute is refused by name here (a bias on
-o_proj or the MLP, an unknown layer type), never dropped. The GGUF metadata of each family maps
+o_proj or the MLP, an unknown layer type, an activation other than the family's, quantized weights,
+a head other than a causal LM's), never dropped. The GGUF metadata of each family maps
 onto the same fields (`jaxcb.model.gguf`).
 """
 
@@ -65,6 +66,9 @@ GEMMA3_TEXT_DEFAULTS = (  # Gemma3TextConfig's, for the text_config of a Gemma3F
     ("query_pre_attn_scalar", 256), ("hidden_activation", "gelu_pytorch_tanh"), ("tie_word_embeddings", True),
 )
 GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
+LLAMA_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN computes both as x * sigmoid(x)
+# Keys a family's config.json must carry (transformers' defaults for them are a 7B's, never a checkpoint's).
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -84,6 +88,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 # Gemma3ForConditionalGeneration: config.json's text_config describes the tower jaxcb serves.
 MULTIMODAL_TEXT_TOWERS = {"gemma3": "gemma3_text"}
+# The heads jaxcb computes: a causal LM's next-token logits (a classifier's or reward model's `score`
+# head, or a bare `*Model`, is refused by its class name).
+CAUSAL_LM_ARCHITECTURES = {a for f in FAMILIES.values() for a in f.architectures} | {"Gemma3ForConditionalGeneration"}
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -92,7 +99,7 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("model_type") in MULTIMODAL_TEXT_TOWERS:
         text = dict(hf.get("text_config") or {})
         text["model_type"] = MULTIMODAL_TEXT_TOWERS[hf["model_type"]]
-        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id"):
+        for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "quantization_config"):
             text.setdefault(key, hf.get(key))
         hf = text
     family = FAMILIES.get(hf.get("model_type"))
@@ -109,7 +116,10 @@ def family_of(hf: dict[str, Any], path: str = "config.json") -> Family:
     ConfigError naming what it says otherwise."""
     model_type = hf.get("model_type")
     if model_type is None:
-        archs = hf.get("architectures") or ["LlamaForCausalLM"]
+        archs = hf.get("architectures")
+        if not archs:
+            raise ConfigError(f"{path} has neither model_type nor architectures, so its family is unknown; add "
+                              f"model_type (one of {', '.join(FAMILIES)})")
         match = [f for f in FAMILIES.values() if set(archs) & set(f.architectures)]
         if match:
             return match[0]
@@ -125,10 +135,13 @@ def family_of(hf: dict[str, Any], path: str = "config.json") -> Family:
 def read_architecture(hf: dict[str, Any], path: str = "config.json") -> dict[str, Any]:
     """The architecture properties a family adds to Llama's, as `ModelConfig` fields."""
     family = family_of(hf, path)
-    for key, meaning in family.refused_keys:
-        if hf.get(key):
-            raise ConfigError(f"{path} sets {key}={hf[key]!r} ({meaning}), which jaxcb's {family.name} does not "
-                              f"compute")
+    missing = [key for key in REQUIRED_KEYS if hf.get(key) is None]
+    if missing:
+        raise ConfigError(f"{path} has no {', '.join(missing)}; add {'them' if len(missing) > 1 else 'it'} with the "
+                          f"values the model was trained with")
+    problems = unserved_features(hf, family)
+    if problems:
+        raise ConfigError(f"{path} describes what jaxcb's {family.name} does not compute: " + "; ".join(problems))
     num_layers = int(hf["num_hidden_layers"])
     window, layer_types = _window(hf, family, num_layers, path)
     arch = dict(architecture=family.name, qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
@@ -136,6 +149,34 @@ def read_architecture(hf: dict[str, Any], path: str = "config.json") -> dict[str
     if family.gemma:
         arch.update(_gemma(hf, path))
     return arch
+
+
+def unserved_features(hf: dict[str, Any], family: Family) -> list[str]:
+    """One phrase for each thing config.json says that jaxcb would otherwise compute differently."""
+    problems = [f"{key}={hf[key]!r} ({meaning})" for key, meaning in family.refused_keys if hf.get(key)]
+    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if kv_heads is not None and heads and (not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads):
+        problems.append(f"num_key_value_heads={kv_heads!r}, which must divide num_attention_heads={heads}")
+    archs = hf.get("architectures") or []
+    unserved = [a for a in archs if a not in CAUSAL_LM_ARCHITECTURES]
+    if unserved:
+        problems.append(f"architectures={archs} (jaxcb computes a causal LM's next-token logits: "
+                        f"{', '.join(family.architectures)}; a classifier's or reward model's head is not one)")
+    quantization = hf.get("quantization_config")
+    if quantization and not _kv_cache_only(quantization):
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        problems.append(f"quantization_config with quant_method={method!r} (jaxcb reads float16, bfloat16 or float32 "
+                        f"safetensors, or a GGUF file; serve the unquantized checkpoint)")
+    if not family.gemma and hf.get("hidden_act", "silu") not in LLAMA_ACTIVATIONS:
+        problems.append(f"hidden_act={hf['hidden_act']!r} (jaxcb's {family.name} MLP is SwiGLU: silu)")
+    return problems
+
+
+def _kv_cache_only(quantization: Any) -> bool:
+    """A compressed-tensors config that quantizes only the KV cache: its weights are floats, and its
+    k_scale / v_scale tensors are read for an 8-bit cache.dtype (jaxcb.kv_scales)."""
+    return (isinstance(quantization, dict) and quantization.get("quant_method") == "compressed-tensors"
+            and not quantization.get("config_groups"))
 
 
 def _gemma(hf: dict[str, Any], path: str) -> dict[str, Any]:
@@ -165,7 +206,8 @@ def _window(hf: dict[str, Any], family: Family, num_layers: int, path: str) -> t
             raise ConfigError(f"{path} sets sliding_window={hf['sliding_window']}, which jaxcb's {family.name} does "
                               f"not read; a {family.name} checkpoint has no window")
         return 0, None
-    use = hf.get("use_sliding_window", True) if family.window_keys == "from_max_window_layers" else True
+    # Qwen2Config and Qwen3Config default use_sliding_window to false and max_window_layers to 28.
+    use = hf.get("use_sliding_window", False) if family.window_keys == "from_max_window_layers" else True
     window = int(hf.get("sliding_window") or 0) if use else 0
     layer_types = hf.get("layer_types")
     if layer_types is not None:  # transformers 5 writes each layer's type
@@ -175,7 +217,7 @@ def _window(hf: dict[str, Any], family: Family, num_layers: int, path: str) -> t
                               f"got {len(layer_types)} entries" + (f" with {', '.join(unknown)}" if unknown else ""))
         layer_types = list(layer_types)
     elif window and family.window_keys == "from_max_window_layers":
-        first = int(hf.get("max_window_layers", num_layers))
+        first = int(28 if hf.get("max_window_layers") is None else hf["max_window_layers"])
         layer_types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(num_layers)]
     elif window and family.window_keys == "every_other_layer":  # as transformers' Gemma2Config: from the first
         layer_types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(num_layers)]
