@@ -4,12 +4,16 @@ tokenizer files, each mutated from a tiny checkpoint."""
 
 import json
 import os
+import shutil
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
-from hf_checkpoints import TINY_HF
-from jaxcb.config import ConfigError
+from hf_checkpoints import TINY_HF, make_hf_llama
+from jaxcb.config import ConfigError, ModelConfig
 from jaxcb.model.config import read_hf_config
+from jaxcb.model.loader import CheckpointError, load_model
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -23,6 +27,10 @@ def write_config(path, family="llama", **fields):
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({k: v for k, v in config.items() if v is not None}, f)
     return str(path)
+
+
+def hf_config(path) -> ModelConfig:
+    return ModelConfig(name="hf", checkpoint=str(path), init="checkpoint", dtype="float32")
 
 
 # --- config.json --------------------------------------------------------------------------------
@@ -131,3 +139,84 @@ def test_qwen_window_keys_left_out_are_transformers_defaults(tmp_path, family):
     cfg = read_hf_config(write_config(tmp_path, family, sliding_window=7, use_sliding_window=True,
                                       num_hidden_layers=30))
     assert cfg["layer_types"] == ["full_attention"] * 28 + ["sliding_attention"] * 2
+
+
+# --- weight files -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("door")
+    make_hf_llama(str(path))
+    return path
+
+
+def mutated(llama_dir, tmp_path, edit=None):
+    path = shutil.copytree(llama_dir, tmp_path / "c")
+    if edit is not None:
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_weights_that_are_not_floats_are_all_named_with_their_dtype(llama_dir, tmp_path):
+    def edit(t):
+        t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"].astype(np.int8)
+        t["model.norm.weight"] = t["model.norm.weight"] > 0
+        t["model.layers.2.mlp.up_proj.weight"] = t["model.layers.2.mlp.up_proj.weight"].astype(np.uint8)
+
+    with pytest.raises(CheckpointError, match="3 problems") as info:
+        load_model(hf_config(mutated(llama_dir, tmp_path, edit)))
+    for name, dtype in (("model.layers.0.self_attn.q_proj.weight", "I8"), ("model.norm.weight", "BOOL"),
+                        ("model.layers.2.mlp.up_proj.weight", "U8")):
+        assert f"tensor {name} has dtype {dtype}" in str(info.value)
+
+
+def test_an_fp8_weight_is_named_not_a_header_error(llama_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file as load_torch, save_file as save_torch
+
+    path = mutated(llama_dir, tmp_path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_torch(file)
+    tensors["model.layers.1.self_attn.k_proj.weight"] = tensors["model.layers.1.self_attn.k_proj.weight"].to(
+        torch.float8_e4m3fn)
+    save_torch(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.1\.self_attn\.k_proj\.weight has dtype F8_E4M3"):
+        load_model(hf_config(path))
+
+
+@pytest.mark.parametrize("damage, named", [
+    (lambda f: os.truncate(f, os.path.getsize(f) - 1000), "past its end"),
+    (lambda f: os.truncate(f, 100), "its header does not fit"),
+    (lambda f: open(f, "wb").close(), "its header does not fit"),
+    (lambda f: open(f, "wb").write(b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]"), "not a safetensors header"),
+], ids=["truncated", "cut-in-header", "empty", "header-a-list"])
+def test_a_damaged_safetensors_file_is_named(llama_dir, tmp_path, damage, named):
+    path = mutated(llama_dir, tmp_path)
+    damage(os.path.join(path, "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"model.safetensors is not a complete safetensors file.*{named}"):
+        load_model(hf_config(path))
+
+
+def test_pickled_pytorch_weights_alone_are_refused_saying_safetensors_are_needed(llama_dir, tmp_path):
+    path = mutated(llama_dir, tmp_path)
+    os.rename(os.path.join(path, "model.safetensors"), os.path.join(path, "pytorch_model.bin"))
+    with pytest.raises(FileNotFoundError, match=r"pytorch_model\.bin, PyTorch pickles.*safe_serialization=True"):
+        load_model(hf_config(path))
+
+
+def test_a_tensor_in_two_files_is_a_checkpoint_error(llama_dir, tmp_path):
+    path = mutated(llama_dir, tmp_path)
+    shutil.copy(os.path.join(path, "model.safetensors"), os.path.join(path, "consolidated.safetensors"))
+    with pytest.raises(CheckpointError, match="appears in both"):
+        load_model(hf_config(path))
+
+
+def test_an_unexpected_tensor_in_a_second_file_names_the_file(llama_dir, tmp_path):
+    path = mutated(llama_dir, tmp_path)
+    save_file({"base_model.model.lora_A.weight": np.ones(3, np.float32)},
+              os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor base_model\.model\.lora_A\.weight in "
+                                              r"adapter_model\.safetensors"):
+        load_model(hf_config(path))

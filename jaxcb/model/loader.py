@@ -1,9 +1,9 @@
 """Build a Llama from config: random init, a Hugging Face safetensors directory, a GGUF file, or Orbax.
 
 Every path goes through the abstract model (`nnx.eval_shape`): its parameter tree is the
-contract. A checkpoint must fill every parameter exactly once with a tensor of the right
-shape; otherwise loading fails with one `CheckpointError` listing every problem, before
-any weight is read. HF tensors are read from memory maps one parameter at a time, so the
+contract. A checkpoint must fill every parameter exactly once with a float tensor of the
+right shape (an integer or fp8 one is a quantized weight, refused by name); otherwise loading
+fails with one `CheckpointError` listing every problem, before any weight is read. HF tensors are read from memory maps one parameter at a time, so the
 weights are never held twice; a GGUF's tensors come under their HF names from
 `jaxcb.model.gguf`, dequantized one at a time, and take the same path. Under tensor
 parallelism each parameter goes straight to its shards (`jaxcb.sharding`): a model too big
@@ -29,7 +29,7 @@ from flax import nnx
 from jaxcb.config import ModelConfig
 from jaxcb.model.config import LlamaConfig, resolve_llama_config
 from jaxcb.model.llama import Llama, build_abstract_model, build_random_model
-from jaxcb.model.safetensors_io import TensorInfo, index_checkpoint, read_tensor
+from jaxcb.model.safetensors_io import FLOAT_DTYPES, CheckpointError, TensorInfo, index_checkpoint, read_tensor
 from jaxcb.sharding import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -54,10 +54,6 @@ def text_tower_name(name: str) -> str:
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
     return name
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not match the model; the message lists every problem."""
 
 
 @dataclass(frozen=True)
@@ -215,10 +211,15 @@ def hf_checkpoint_problems(
             problems.append(f"missing tensor {display(name)}")
         elif tensors[name].shape != rule.hf_shape(cfg):
             problems.append(f"tensor {display(name)} has shape {tensors[name].shape}, expected {rule.hf_shape(cfg)}")
+        elif getattr(tensors[name], "dtype_name", "F32") not in FLOAT_DTYPES:  # a GGUF's types: type_problems
+            problems.append(f"tensor {display(name)} has dtype {tensors[name].dtype_name}; jaxcb reads weights of "
+                            f"{', '.join(FLOAT_DTYPES)} only (a quantized checkpoint needs its unquantized original)")
+    files = {getattr(info, "file", None) for info in tensors.values()}
     for name in sorted(set(tensors) - set(expected)):
         if not IGNORED_HF_TENSORS.fullmatch(name) and not KV_SCALE_TENSORS.fullmatch(name):
             hint = " (the config has tie_word_embeddings=true)" if name == "lm_head.weight" else ""
-            problems.append(f"unexpected tensor {display(name)}{hint}")
+            where = f" in {os.path.basename(tensors[name].file)}" if len(files) > 1 else ""
+            problems.append(f"unexpected tensor {display(name)}{where}{hint}")
     return problems
 
 
