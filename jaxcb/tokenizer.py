@@ -4,7 +4,8 @@ Both expose the same small interface (`encode`, `decode`, `apply_chat_template`,
 ids). Chat templates are the checkpoint's own Jinja template, found where transformers finds
 it (chat_template.jinja, else tokenizer_config.json's "chat_template"; a GGUF's
 tokenizer.chat_template), or `server.chat_template` in its place, and rendered in a sandbox
-as transformers does, with `tools=` and any template kwargs; the byte tokenizer of the tiny
+as transformers does, with `tools=` and any template kwargs (a checkpoint's named "tool_use"
+template when tools are given, as transformers picks it); the byte tokenizer of the tiny
 model has a built-in one that renders tools, tool calls and tool results. A checkpoint with no
 template gets no stand-in: chat requests are refused (`NoChatTemplateError`), completions work. A GGUF's byte-level BPE is rebuilt from its vocabulary, merges and
 token types, split before BPE the way llama.cpp splits for its `tokenizer.ggml.pre`.
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"  # what decoding shows for bytes that are not (yet) a whole UTF-8 character
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where current transformers saves a checkpoint's template
+ADDITIONAL_CHAT_TEMPLATES_DIR = "additional_chat_templates"  # and its other named templates, NAME.jinja
+PROCESSOR_CHAT_TEMPLATE_FILE = "chat_template.json"  # a multimodal processor's {"chat_template": ...}
+SLOW_TOKENIZER_FILES = ("tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")  # no tokenizer.json beside
 # The tiny model's template: one "<|role|>" line per turn; tools listed in a system turn; assistant
 # tool calls and tool results in the hermes form (<tool_call>{"name": ..., "arguments": ...}</tool_call>).
 TINY_CHAT_TEMPLATE = (
@@ -191,17 +195,46 @@ def _token_text(value: Any) -> Optional[str]:
     return value
 
 
-def read_chat_template(directory: str, config: dict[str, Any]) -> Optional[str]:
-    """The directory's chat template where transformers looks: chat_template.jinja (written by
-    current transformers) before tokenizer_config.json's "chat_template" (older checkpoints)."""
+def read_chat_templates(directory: str, config: dict[str, Any]) -> dict[str, str]:
+    """The directory's chat templates by name ("default" the one a chat renders with; "tool_use", where a
+    checkpoint has it, the one transformers renders with when tools are given), where transformers
+    looks: chat_template.jinja and additional_chat_templates/NAME.jinja (current transformers), else
+    tokenizer_config.json's "chat_template", one template or a list of named ones (older checkpoints),
+    else a processor's chat_template.json. A template that is not a string is refused by name."""
     path = os.path.join(directory, CHAT_TEMPLATE_FILE)
     if os.path.isfile(path):
-        with open(path) as f:
-            return f.read()
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
-    return template
+        templates = {"default": _read_text(path)}
+        extra_dir = os.path.join(directory, ADDITIONAL_CHAT_TEMPLATES_DIR)
+        for name in sorted(os.listdir(extra_dir)) if os.path.isdir(extra_dir) else ():
+            if name.endswith(".jinja"):
+                templates[name[: -len(".jinja")]] = _read_text(os.path.join(extra_dir, name))
+        return templates
+    source, template = "tokenizer_config.json", config.get("chat_template")
+    if template is None and os.path.isfile(os.path.join(directory, PROCESSOR_CHAT_TEMPLATE_FILE)):
+        source = PROCESSOR_CHAT_TEMPLATE_FILE
+        template = _read_json(os.path.join(directory, source)).get("chat_template")
+    if template is None or isinstance(template, str):
+        return {} if template is None else {"default": template}
+    named = template if isinstance(template, list) else []
+    if not named or not all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                            and isinstance(t.get("template"), str) for t in named):
+        raise ConfigError(f"{os.path.join(directory, source)}: chat_template must be a Jinja template or a list of "
+                          f'{{"name": ..., "template": ...}}; got {json.dumps(template)[:80]}; fix it, or set '
+                          f"server.chat_template=FILE_OR_TEMPLATE")
+    return {t["name"]: t["template"] for t in named}
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); fix or replace it") from None
 
 
 class HFTokenizer:
@@ -211,7 +244,7 @@ class HFTokenizer:
     or from a GGUF file's metadata; `save` writes the directory form."""
 
     def __init__(self, tok: Any, config: dict[str, Any], chat_template: Optional[str], source: str,
-                 extra_eos_token_ids: tuple[int, ...] = ()):
+                 extra_eos_token_ids: tuple[int, ...] = (), tool_use_template: Optional[str] = None):
         self._tok = tok
         self._config = config
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -220,7 +253,10 @@ class HFTokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         eos_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self.eos_token_ids = sorted(({eos_id} if eos_id is not None else set()) | set(extra_eos_token_ids))
-        self.chat_template: Optional[str] = chat_template
+        self.chat_template = chat_template
+        # The template transformers renders with when tools are given (a checkpoint's named "tool_use"
+        # one); dropped when chat_template is replaced (server.chat_template).
+        self._tool_use_template = tool_use_template
         if chat_template is None:
             log.warning(
                 "%s has no chat template: chat requests will be refused (completions work) unless "
@@ -228,6 +264,15 @@ class HFTokenizer:
             )
         # tokenizer.json's post-processor decides BOS; add it ourselves only where the config asks and it is absent.
         self._add_bos = bool(config.get("add_bos_token", False))
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, template: Optional[str]) -> None:
+        self._chat_template = template
+        self._tool_use_template = None
 
     @property
     def backend_tokenizer(self) -> Any:
@@ -240,16 +285,25 @@ class HFTokenizer:
 
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
+            slow = [name for name in SLOW_TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
+            only = (f" (only {', '.join(slow)}, a slow tokenizer, which jaxcb does not read: transformers' "
+                    f"AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR) writes tokenizer.json)") if slow else ""
             raise ConfigError(
-                f"{directory} has no tokenizer.json, so its token ids cannot be read or written; set "
+                f"{directory} has no tokenizer.json{only}, so its token ids cannot be read or written; set "
                 f"model.tokenizer=DIR to a directory that has the model's tokenizer.json"
             )
-        config: dict[str, Any] = {}
         config_path = os.path.join(directory, "tokenizer_config.json")
-        if os.path.isfile(config_path):
-            with open(config_path) as f:
-                config = json.load(f)
-        return cls(_Tokenizer.from_file(path), config, read_chat_template(directory, config), directory)
+        config: dict[str, Any] = _read_json(config_path) if os.path.isfile(config_path) else {}
+        try:
+            tok = _Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ConfigError(f"{path} cannot be read by the tokenizers library ({e}); replace it with the "
+                              f"model's tokenizer.json") from None
+        templates = read_chat_templates(directory, config)
+        if templates and "default" not in templates:
+            log.warning("%s names chat templates %s but none 'default': a chat without tools has no template",
+                        directory, ", ".join(sorted(templates)))
+        return cls(tok, config, templates.get("default"), directory, tool_use_template=templates.get("tool_use"))
 
     @classmethod
     def from_gguf(cls, path: str) -> "HFTokenizer":
@@ -287,8 +341,9 @@ class HFTokenizer:
         tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
     ) -> str:
         specials = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        template = self._tool_use_template if tools and self._tool_use_template is not None else self.chat_template
         return render_chat_template(
-            self.chat_template, messages, add_generation_prompt, tools, **{**specials, **template_kwargs}
+            template, messages, add_generation_prompt, tools, **{**specials, **template_kwargs}
         )
 
 

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from hf_checkpoints import TINY_HF, make_hf_llama
+from hf_checkpoints import TINY_HF, make_hf_llama, write_word_tokenizer
 from jaxcb.config import ConfigError, ModelConfig
 from jaxcb.model.config import read_hf_config
-from jaxcb.model.loader import CheckpointError, load_model
+from jaxcb.model.loader import CheckpointError, convert_hf_to_orbax, load_model
+from jaxcb.tokenizer import load_tokenizer
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
@@ -220,3 +221,73 @@ def test_an_unexpected_tensor_in_a_second_file_names_the_file(llama_dir, tmp_pat
     with pytest.raises(CheckpointError, match=r"unexpected tensor base_model\.model\.lora_A\.weight in "
                                               r"adapter_model\.safetensors"):
         load_model(hf_config(path))
+
+
+# --- tokenizer files ----------------------------------------------------------------------------
+
+def tokenizer_dir(tmp_path, chat_template=None):
+    os.makedirs(tmp_path, exist_ok=True)
+    write_word_tokenizer(str(tmp_path), 131, chat_template=chat_template)
+    return str(tmp_path)
+
+
+def test_a_sentencepiece_model_without_tokenizer_json_says_how_to_write_one(tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(b"\x00")
+    with pytest.raises(ConfigError, match=r"only tokenizer\.model, a slow tokenizer.*save_pretrained"):
+        load_tokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("template", [{"default": "x"}, 5, [], [{"template": "x"}]],
+                         ids=["dict", "number", "empty-list", "unnamed"])
+def test_a_malformed_chat_template_is_refused_naming_the_file(tmp_path, template):
+    with pytest.raises(ConfigError, match=r"tokenizer_config\.json: chat_template must be"):
+        load_tokenizer(tokenizer_dir(tmp_path, template))
+
+
+@pytest.mark.parametrize("name", ["tokenizer_config.json", "tokenizer.json"])
+def test_an_unreadable_tokenizer_file_is_named(tmp_path, name):
+    path = tokenizer_dir(tmp_path)
+    (tmp_path / name).write_text("{not json")
+    with pytest.raises(ConfigError, match=name):
+        load_tokenizer(path)
+
+
+NAMED_TEMPLATES = [{"name": "default", "template": "D:{{ messages[0]['content'] }}"},
+                   {"name": "tool_use", "template": "T:{{ tools | length }}:{{ messages[0]['content'] }}"}]
+MESSAGES = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def test_named_templates_render_as_transformers_picks_them(tmp_path):
+    from transformers import AutoTokenizer
+
+    path = tokenizer_dir(tmp_path, NAMED_TEMPLATES)
+    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(path)
+    for tools in (None, TOOLS):
+        assert ours.apply_chat_template(MESSAGES, tools=tools) == \
+            theirs.apply_chat_template(MESSAGES, tools=tools, tokenize=False, add_generation_prompt=True)
+    saved = tmp_path / "saved"
+    theirs.save_pretrained(saved)  # transformers 5: chat_template.jinja + additional_chat_templates/tool_use.jinja
+    assert load_tokenizer(str(saved)).apply_chat_template(MESSAGES, tools=TOOLS) == "T:1:hi"
+    ours.chat_template = "O"  # server.chat_template replaces every named template
+    assert ours.apply_chat_template(MESSAGES, tools=TOOLS) == "O"
+
+
+def test_named_templates_without_a_default_leave_chat_without_a_template(tmp_path):
+    tok = load_tokenizer(tokenizer_dir(tmp_path, NAMED_TEMPLATES[1:]))
+    assert tok.chat_template is None
+
+
+def test_a_processors_chat_template_json_is_read(tmp_path):
+    path = tokenizer_dir(tmp_path)
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "P:{{ messages[0]['content'] }}"}))
+    assert load_tokenizer(path).apply_chat_template(MESSAGES) == "P:hi"
+
+
+def test_conversion_to_orbax_keeps_the_named_chat_templates(llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = mutated(llama_dir, tmp_path)
+    AutoTokenizer.from_pretrained(tokenizer_dir(tmp_path / "tok", NAMED_TEMPLATES)).save_pretrained(path)
+    out = convert_hf_to_orbax(hf_config(path), str(tmp_path / "orbax"))
+    assert load_tokenizer(out).apply_chat_template(MESSAGES, tools=TOOLS) == "T:1:hi"

@@ -388,7 +388,9 @@ CHECKPOINT_SIDE_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
+    "chat_template.json",
 )
+CHECKPOINT_SIDE_DIRS = ("additional_chat_templates",)  # a tokenizer's other named chat templates
 
 
 def convert_hf_to_orbax(m: ModelConfig, out_dir: str) -> str:
@@ -406,6 +408,9 @@ def convert_hf_to_orbax(m: ModelConfig, out_dir: str) -> str:
         src = os.path.join(m.checkpoint, name)
         if os.path.isfile(src):
             shutil.copy(src, os.path.join(out_dir, name))
+    for name in CHECKPOINT_SIDE_DIRS if os.path.isdir(m.checkpoint) else ():
+        if os.path.isdir(os.path.join(m.checkpoint, name)):
+            shutil.copytree(os.path.join(m.checkpoint, name), os.path.join(out_dir, name))
     save_orbax_params(model, out_dir)
     with open(os.path.join(out_dir, "jaxcb_checkpoint.json"), "w") as f:
         json.dump({"format": "orbax", "source": os.path.abspath(m.checkpoint), "dtype": cfg.dtype}, f, indent=2)
