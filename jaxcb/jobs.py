@@ -44,7 +44,7 @@ from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_com
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
-from jaxcb.tokenizer import Tokenizer
+from jaxcb.tokenizer import Tokenizer, tools_chat_template
 
 if TYPE_CHECKING:
     from jaxcb.server.engine_client import EngineClient
@@ -172,7 +172,7 @@ def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, Ch
     cfg = ctx.cfg
     if isinstance(req, ChatRecord):
         template = ctx.tokenizer.chat_template
-        parser = get_tool_parser(cfg.server.tool_call_parser, template)
+        parser = get_tool_parser(cfg.server.tool_call_parser, tools_chat_template(ctx.tokenizer))
         # Reasoning as the chat endpoint reads it: reasoning_content apart, grammars after </think>.
         planned = plan_chat_completion(req, ctx.tokenizer, parser, ctx.max_model_len, cfg.server.tool_prompt_fallback,
                                        get_reasoning_parser(cfg.server.reasoning_parser, template),

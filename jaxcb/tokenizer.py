@@ -78,6 +78,12 @@ class Tokenizer(Protocol):
     ) -> str: ...
 
 
+def tools_chat_template(tokenizer: Tokenizer) -> Optional[str]:
+    """The template a chat with tools renders with (its named "tool_use" one where the checkpoint has one):
+    the one whose text says how the model writes its tool calls."""
+    return getattr(tokenizer, "tool_use_template", None) or tokenizer.chat_template
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_template(template: str) -> jinja2.Template:
     def raise_exception(message: str):
@@ -273,6 +279,11 @@ class HFTokenizer:
     def chat_template(self, template: Optional[str]) -> None:
         self._chat_template = template
         self._tool_use_template = None
+
+    @property
+    def tool_use_template(self) -> Optional[str]:
+        """The checkpoint's named "tool_use" template, which renders a chat that gives tools; None: the default."""
+        return self._tool_use_template
 
     @property
     def backend_tokenizer(self) -> Any:

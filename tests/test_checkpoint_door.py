@@ -291,3 +291,15 @@ def test_conversion_to_orbax_keeps_the_named_chat_templates(llama_dir, tmp_path)
     AutoTokenizer.from_pretrained(tokenizer_dir(tmp_path / "tok", NAMED_TEMPLATES)).save_pretrained(path)
     out = convert_hf_to_orbax(hf_config(path), str(tmp_path / "orbax"))
     assert load_tokenizer(out).apply_chat_template(MESSAGES, tools=TOOLS) == "T:1:hi"
+
+
+def test_the_tool_call_syntax_is_detected_from_the_template_that_renders_tools(tmp_path):
+    """A checkpoint whose tools go through its named tool_use template (Mistral's [TOOL_CALLS] there, not in
+    the default one): `server.tool_call_parser=auto` reads the syntax off that template."""
+    from jaxcb.server.tool_parsers import get_tool_parser
+    from jaxcb.tokenizer import tools_chat_template
+
+    tool_use = {"name": "tool_use", "template": "[AVAILABLE_TOOLS]{{ tools | tojson }}[TOOL_CALLS]"}
+    tok = load_tokenizer(tokenizer_dir(tmp_path, [NAMED_TEMPLATES[0], tool_use]))
+    assert get_tool_parser("auto", tools_chat_template(tok)).name == "mistral"
+    assert get_tool_parser("auto", tok.chat_template).name == "hermes"  # the default template says nothing

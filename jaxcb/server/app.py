@@ -48,6 +48,7 @@ from jaxcb.server.responses_output import ResponseWriter, reply_messages
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.server.tracing import SCOPE_KEY as TRACE_SCOPE_KEY, RequestTracer, TracingMiddleware
+from jaxcb.tokenizer import tools_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ class ServerState:
     def tool_parser(self):
         """server.tool_call_parser for this model's chat template (auto: chosen from the template)."""
         if self._tool_parser is None:
-            self._tool_parser = get_tool_parser(self.cfg.server.tool_call_parser, self.client.tokenizer.chat_template)
+            self._tool_parser = get_tool_parser(self.cfg.server.tool_call_parser,
+                                                tools_chat_template(self.client.tokenizer))
         return self._tool_parser
 
 
