@@ -32,6 +32,22 @@ def checkpoint_eos_token_ids(directory: str) -> set[int]:
     return ids
 
 
+def check_tokenizer_fits(tokenizer: Tokenizer, vocab_size: int) -> None:
+    """Warn where the tokenizer and the model's vocabulary disagree: a tokenizer larger than the
+    embeddings writes ids no request may carry (each such prompt is refused by name), and an
+    end-of-sequence id past the vocabulary is one the model can never draw."""
+    if tokenizer.vocab_size > vocab_size:
+        log.warning("the tokenizer has %d tokens but the model's vocabulary is %d: a prompt holding a token id "
+                    "from %d on is refused; check that model.tokenizer belongs to this checkpoint",
+                    tokenizer.vocab_size, vocab_size, vocab_size)
+    unreachable = [t for t in tokenizer.eos_token_ids if t >= vocab_size]
+    if unreachable:
+        reachable = [t for t in tokenizer.eos_token_ids if t < vocab_size]
+        log.warning("end-of-sequence ids %s lie past the model's vocabulary of %d: the model never draws them%s",
+                    unreachable, vocab_size, f" (it ends replies with {reachable})" if reachable else
+                    "; no reply ends but by max_tokens or a stop string")
+
+
 def weights_fingerprint(m: ModelConfig) -> dict[str, Any]:
     """What the weights are, cheaply (part of the prefix cache's root, `Engine.prefix_cache_root`):
     random init by preset, seed and init; a checkpoint by each weight file's size, first MiB (the
@@ -75,6 +91,7 @@ def load_model_and_tokenizer(
     if m.checkpoint:
         eos |= checkpoint_eos_token_ids(m.checkpoint)
     tokenizer.eos_token_ids = sorted(eos)
+    check_tokenizer_fits(tokenizer, cfg.vocab_size)
     checkpoint_dtype = read_checkpoint_config(m.checkpoint).get("checkpoint_dtype") if m.checkpoint else None
     _, dtype_reason = choose_model_dtype(m.dtype, checkpoint_dtype,
                                          packed_cpu_backend=m.backend != "xla" and cfg.llama_layers)

@@ -303,3 +303,21 @@ def test_the_tool_call_syntax_is_detected_from_the_template_that_renders_tools(t
     tok = load_tokenizer(tokenizer_dir(tmp_path, [NAMED_TEMPLATES[0], tool_use]))
     assert get_tool_parser("auto", tools_chat_template(tok)).name == "mistral"
     assert get_tool_parser("auto", tok.chat_template).name == "hermes"  # the default template says nothing
+
+
+def test_a_tokenizer_past_the_models_vocabulary_and_unreachable_end_ids_are_warned_about(tmp_path, caplog):
+    from jaxcb.model_setup import check_tokenizer_fits
+
+    tok = load_tokenizer(tokenizer_dir(tmp_path))  # 131 tokens, </s> = 2
+    with caplog.at_level("WARNING", logger="jaxcb.model_setup"):
+        check_tokenizer_fits(tok, 131)
+        assert not [r for r in caplog.records if r.name == "jaxcb.model_setup"]
+        check_tokenizer_fits(tok, 100)
+        tok.eos_token_ids = [2, 120]
+        check_tokenizer_fits(tok, 100)
+        tok.eos_token_ids = [120]
+        check_tokenizer_fits(tok, 100)
+    messages = [r.getMessage() for r in caplog.records if r.name == "jaxcb.model_setup"]
+    assert "the tokenizer has 131 tokens but the model's vocabulary is 100" in messages[0]
+    assert "[120] lie past the model's vocabulary of 100" in messages[2] and "ends replies with [2]" in messages[2]
+    assert "no reply ends but by max_tokens" in messages[4]
