@@ -250,6 +250,20 @@ def plan_kv_cache(
             check_host_bytes(f"cache.num_blocks={num_blocks} (the KV cache, {bytes_per_block:,} bytes a block)",
                              num_blocks * bytes_per_block, "lower cache.num_blocks, or set it to null to size the "
                              "cache from cache.cpu_kv_cache_gib")
+        else:  # refused here, in a sentence, rather than by the allocator's out-of-memory error
+            per_device, free = bytes_per_block // tensor_parallel_size, memory.free_bytes
+            need = num_blocks * per_device
+            if need > free:
+                raise ConfigError(
+                    f"cache.num_blocks={num_blocks} needs {format_bytes(need)} of {memory.platform} memory a device, "
+                    f"more than the {format_bytes(max(0, free))} free there after the weights: at most "
+                    f"{max(0, free - reserve_bytes) // per_device} blocks fit beside the largest step's workspace "
+                    f"({format_bytes(reserve_bytes)}); lower cache.num_blocks, or set it to null to size the cache "
+                    f"from cache.memory_fraction")
+            if need > free - reserve_bytes:  # the estimate is generous: a tuned value may still run
+                log.warning("cache.num_blocks=%d leaves %s of %s memory beside the cache, less than the %s the "
+                            "largest step may need: a large step may run out of memory", num_blocks,
+                            format_bytes(free - need), memory.platform, format_bytes(reserve_bytes))
     else:
         if memory is not None:
             budget, source = cache_budget_bytes(memory, cache.memory_fraction)
@@ -331,9 +345,10 @@ def allocate_planned_kv_cache(
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
+        lower = ("lower cache.num_blocks" if plan.source == "cache.num_blocks"
+                 else "lower cache.memory_fraction or set cache.num_blocks")
         raise ConfigError(
-            f"the KV cache ({plan.describe()}) could not be allocated: {str(e).splitlines()[0]}; lower "
-            f"cache.memory_fraction or set cache.num_blocks") from e
+            f"the KV cache ({plan.describe()}) could not be allocated: {str(e).splitlines()[0]}; {lower}") from e
 
 
 @dataclasses.dataclass(eq=False)  # compared by identity: its fields are arrays

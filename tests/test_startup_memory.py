@@ -169,3 +169,22 @@ def test_a_kv_cache_the_device_cannot_allocate_is_refused_at_start_up_with_what_
     plan = startup("llama8b", 1).plan
     with pytest.raises(ConfigError, match=r"could not be allocated: RESOURCE_EXHAUSTED.*lower cache\.memory_fraction"):
         kv_cache.allocate_planned_kv_cache(preset("llama8b"), plan)
+
+
+def test_a_cache_num_blocks_past_the_devices_free_memory_is_refused_naming_it_before_allocation(caplog):
+    arch = preset("llama8b")
+    cache = CacheConfig(num_blocks=10_000, dtype="bfloat16")  # 2 MiB a block: ~19.5 GiB
+    memory = DeviceMemory(pool_bytes=40 * GIB, in_use_bytes=16 * GIB, pool_fraction=POOL_FRACTION)
+    fits = plan_kv_cache(cache, arch, max_model_len=8192, max_num_seqs=8, reserve_bytes=2 * GIB, memory=memory)
+    assert fits.num_blocks == 10_000 and fits.source == "cache.num_blocks"
+    small = dataclasses.replace(memory, pool_bytes=36 * GIB)  # 20 GiB free
+    with caplog.at_level("WARNING", logger="jaxcb.kv_cache"):  # the workspace's estimate does not fit beside it
+        plan_kv_cache(cache, arch, max_model_len=8192, max_num_seqs=8, reserve_bytes=2 * GIB, memory=small)
+    assert "less than the 2.00 GiB the largest step may need" in caplog.text
+    with pytest.raises(ConfigError, match=r"cache\.num_blocks=10000 needs 19\.53 GiB of gpu memory a device, more than "
+                                          r"the 4\.00 GiB free .* at most 1024 blocks fit .*; lower cache\.num_blocks"):
+        plan_kv_cache(cache, arch, max_model_len=8192, max_num_seqs=8, reserve_bytes=2 * GIB,
+                      memory=dataclasses.replace(memory, pool_bytes=20 * GIB))
+    # Under tensor parallelism each device holds its share of every block.
+    plan_kv_cache(cache, arch, max_model_len=8192, max_num_seqs=8, reserve_bytes=2 * GIB,
+                  memory=dataclasses.replace(memory, pool_bytes=20 * GIB), tensor_parallel_size=8)
