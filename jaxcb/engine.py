@@ -201,14 +201,19 @@ def check_host_buffers(cfg: Config) -> None:
                      int(c.host_prefix_cache_gib * GIB), "lower cache.host_prefix_cache_gib")
 
 
-def check_lora_slots_fit(cfg: Config, arch) -> None:
-    """Where the device is the host (the CPU), the adapters' slot buffers against its memory, before anything
-    of LoRA is allocated (in the model's dtype, `Backend.lora_dtype`; stacked or not, the same bytes)."""
+def lora_slot_bytes(cfg: Config, arch) -> tuple[int, str]:
+    """(the adapters' slot buffers' bytes, the knobs that size them), before anything of LoRA is allocated
+    (in the model's dtype, `Backend.lora_dtype`; stacked or not, the same bytes)."""
     lo = cfg.lora
     slots = jax.eval_shape(lambda: empty_lora_weights(arch, lo.max_loras, lo.max_rank, stacked=True, dtype=arch.dtype))
-    check_host_bytes(f"lora.max_loras={lo.max_loras} x lora.max_rank={lo.max_rank} (the adapters' slots)",
-                     sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slots)),
-                     "lower lora.max_loras or lora.max_rank")
+    return (sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(slots)),
+            f"lora.max_loras={lo.max_loras} x lora.max_rank={lo.max_rank}")
+
+
+def check_lora_slots_fit(cfg: Config, arch) -> None:
+    """Where the device is the host (the CPU), the adapters' slot buffers against its memory."""
+    slot_bytes, knobs = lora_slot_bytes(cfg, arch)
+    check_host_bytes(f"{knobs} (the adapters' slots)", slot_bytes, "lower lora.max_loras or lora.max_rank")
 
 
 class Engine:
@@ -238,7 +243,12 @@ class Engine:
         memory = read_device_memory()
         if memory is not None:  # weights that cannot be loaded and prepared fail here, in a sentence
             backend = select_backend(cfg.model, arch, cfg.attention, mesh=self.tp.mesh if self.tp is not None else None)
-            check_weights_fit(arch, memory, backend.prepare_memory, self.max_model_len, tp_size, cfg.model.name)
+            slots = None
+            if cfg.lora.enabled:  # sharded as their layers are: each device holds its share
+                slot_bytes, knobs = lora_slot_bytes(cfg, arch)
+                slots = (slot_bytes // tp_size, knobs)
+            check_weights_fit(arch, memory, backend.prepare_memory, self.max_model_len, tp_size, cfg.model.name,
+                              slots)
         with self.startup.phase("load"):
             model, backend, self.tokenizer = load_model_and_tokenizer(cfg.model, cfg.attention, self.tp)
         if cfg.server.chat_template is not None:

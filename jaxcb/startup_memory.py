@@ -143,13 +143,22 @@ def model_startup(
 
 
 def check_weights_fit(cfg: LlamaConfig, memory: DeviceMemory, prepare_memory, max_model_len: int,
-                      tensor_parallel_size: int, model_name: str) -> None:
-    """Before loading: refuse, in a sentence, weights that cannot be loaded and prepared in XLA's pool."""
+                      tensor_parallel_size: int, model_name: str, lora_slots: Optional[tuple[int, str]] = None) -> None:
+    """Before loading: refuse, in a sentence, weights that cannot be loaded and prepared in XLA's pool.
+    `lora_slots`: (the adapters' slot bytes on each device, the knobs that size them), allocated beside
+    the prepared weights."""
     from jaxcb.config import ConfigError
 
     weights = weight_bytes(cfg, tensor_parallel_size)
     transient, _ = prepare_memory(weights, max_model_len)
     need = memory.in_use_bytes + weights.total + transient
+    slot_bytes, slot_knobs = lora_slots or (0, "")
+    if need <= memory.pool_bytes < memory.in_use_bytes + weights.total + slot_bytes:
+        raise ConfigError(
+            f"the LoRA adapters' slots ({slot_knobs}) take {format_bytes(slot_bytes)} beside model={model_name}'s "
+            f"{format_bytes(weights.total)} of weights, past the {format_bytes(memory.pool_bytes)} XLA may allocate "
+            f"(cache.memory_fraction sets it); lower lora.max_loras or lora.max_rank"
+        )
     if need > memory.pool_bytes:
         per = f" on each of {tensor_parallel_size} devices" if tensor_parallel_size > 1 else ""
         raise ConfigError(

@@ -119,8 +119,12 @@ def test_weights_that_cannot_be_loaded_and_prepared_are_refused_before_loading()
     small = DeviceMemory(int(24 * 10**9 * POOL_FRACTION), 0, POOL_FRACTION)  # a 24 GB card
     with pytest.raises(ConfigError, match=r"model=llama8b's weights take .* preparing them .* raise cache\.memory_fraction"):
         check_weights_fit(arch, small, backend.prepare_memory, 8192, 1, "llama8b")
-    check_weights_fit(arch, DeviceMemory(int(H200_BYTES * POOL_FRACTION), 0, POOL_FRACTION),
-                      backend.prepare_memory, 8192, 1, "llama8b")
+    h200 = DeviceMemory(int(H200_BYTES * POOL_FRACTION), 0, POOL_FRACTION)
+    check_weights_fit(arch, h200, backend.prepare_memory, 8192, 1, "llama8b")
+    check_weights_fit(arch, h200, backend.prepare_memory, 8192, 1, "llama8b", (50 * GIB, "lora.max_loras=64"))
+    with pytest.raises(ConfigError, match=r"LoRA adapters' slots \(lora.max_loras=512\) take 200.00 GiB beside "
+                                          r"model=llama8b's .* lower lora.max_loras or lora.max_rank"):
+        check_weights_fit(arch, h200, backend.prepare_memory, 8192, 1, "llama8b", (200 * GIB, "lora.max_loras=512"))
 
 
 def test_a_compiled_step_larger_than_what_the_cache_leaves_is_refused_at_start_up():
