@@ -44,10 +44,13 @@ def bare_python(tmp_path_factory):
     root = tmp_path_factory.mktemp("bare")
     venv.create(root / "venv", with_pip=True)
     python = str(root / "venv" / "bin" / "python")
+    # The test venv's uv where make installed it (the same packages, downloaded in parallel), else pip.
     # --no-compile: byte-compiling every installed file (jax's thousands) took half the install; the two
-    # checks run here compile only the modules they import.
-    proc = run([python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile",
-                *GPU_IMAGE_PACKAGES], env=clean_env())
+    # checks run here compile only the modules they import (uv compiles none).
+    uv = os.path.join(os.path.dirname(sys.executable), "uv")
+    install = ([uv, "pip", "install", "--quiet", "--python", python] if os.path.isfile(uv) else
+               [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-compile"])
+    proc = run([*install, *GPU_IMAGE_PACKAGES], env=clean_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     wheels = root / "wheels"
     proc = run([os.path.join(REPO, "scripts", "gpu_wheels.sh"), str(wheels)], env=clean_env(PYTHON=sys.executable))
