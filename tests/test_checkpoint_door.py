@@ -321,3 +321,15 @@ def test_a_tokenizer_past_the_models_vocabulary_and_unreachable_end_ids_are_warn
     assert "the tokenizer has 131 tokens but the model's vocabulary is 100" in messages[0]
     assert "[120] lie past the model's vocabulary of 100" in messages[2] and "ends replies with [2]" in messages[2]
     assert "no reply ends but by max_tokens" in messages[4]
+
+
+def test_a_mistral_config_without_sliding_window_takes_transformers_default_and_null_means_none(tmp_path):
+    from transformers import MistralConfig
+
+    left_out = read_hf_config(write_config(tmp_path / "a", "mistral"))
+    assert left_out["sliding_window"] == MistralConfig().sliding_window == 4096
+    with open(tmp_path / "b.json", "w") as f:  # v0.2 on: an explicit null
+        json.dump({**json.load(open(tmp_path / "a" / "config.json")), "sliding_window": None}, f)
+    os.makedirs(tmp_path / "b")
+    shutil.move(tmp_path / "b.json", tmp_path / "b" / "config.json")
+    assert read_hf_config(str(tmp_path / "b"))["sliding_window"] == 0

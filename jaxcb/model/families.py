@@ -66,6 +66,7 @@ GEMMA3_TEXT_DEFAULTS = (  # Gemma3TextConfig's, for the text_config of a Gemma3F
     ("query_pre_attn_scalar", 256), ("hidden_activation", "gelu_pytorch_tanh"), ("tie_word_embeddings", True),
 )
 GEMMA_ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh"}
+MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's sliding_window where config.json leaves the key out
 LLAMA_ACTIVATIONS = ("silu", "swish")  # transformers' ACT2FN computes both as x * sigmoid(x)
 # Keys a family's config.json must carry (transformers' defaults for them are a 7B's, never a checkpoint's).
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -208,7 +209,9 @@ def _window(hf: dict[str, Any], family: Family, num_layers: int, path: str) -> t
         return 0, None
     # Qwen2Config and Qwen3Config default use_sliding_window to false and max_window_layers to 28.
     use = hf.get("use_sliding_window", False) if family.window_keys == "from_max_window_layers" else True
-    window = int(hf.get("sliding_window") or 0) if use else 0
+    # A key left out is transformers' default: MistralConfig's 4096 (an explicit null: no window, v0.2 on).
+    default = MISTRAL_DEFAULT_WINDOW if family.window_keys == "every_layer" else None
+    window = int(hf.get("sliding_window", default) or 0) if use else 0
     layer_types = hf.get("layer_types")
     if layer_types is not None:  # transformers 5 writes each layer's type
         unknown = sorted(set(layer_types) - set(LAYER_TYPES))
