@@ -60,3 +60,16 @@ def base_and_two_adapters(root) -> tuple[str, dict, dict]:
         adapters[name] = str(root / name)
         merged[name] = make_peft_adapter(base, adapters[name], seed, **fields)
     return base_dir, adapters, merged
+
+
+def merged_from_dir(base, adapter_dir: str):
+    """transformers' `base` (copied) with the PEFT adapter in `adapter_dir` loaded as PEFT loads it and merged."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).merge_and_unload().eval()
+
+
+def weight_deltas(base, merged) -> dict:
+    """{HF weight name: f32 merged - base} of every weight the merge changed."""
+    before, after = base.state_dict(), merged.state_dict()
+    return {k: (after[k] - before[k]).float().numpy() for k in after if not bool((after[k] == before[k]).all())}
