@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import ValidationError
 
@@ -31,11 +31,21 @@ from jaxcb.tokenizer import Tokenizer
 BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview", "code_interpreter",
                   "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+# A text part's fields: an output_text part (a past reply sent back) also carries its annotations and logprobs,
+# which say nothing the prompt holds.
+_PART_FIELDS = {"input_text": frozenset({"type", "text"}), "text": frozenset({"type", "text"}),
+                "output_text": frozenset({"type", "text", "annotations", "logprobs"})}
+# text.format's fields per type (another type is refused by name when the format is read).
+_FORMAT_FIELDS = {"text": frozenset({"type"}), "json_object": frozenset({"type"}),
+                  "json_schema": frozenset({"type", "name", "schema", "strict", "description"})}
+_STATUS = Literal["in_progress", "completed", "incomplete"]
+# OpenAI's bounds on metadata (16 pairs; keys up to 64 characters, values up to 512).
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
 class ResponsesRequest(_Strict):
     model: str
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, list[Any]]  # items read one by one (input_messages), each refusal naming input.i
     instructions: Optional[str] = None
     tools: Optional[list[dict[str, Any]]] = None  # function tools only: read item by item
     tool_choice: Optional[Union[Literal["none", "auto", "required"], dict[str, Any]]] = None
@@ -50,6 +60,7 @@ class ResponsesRequest(_Strict):
     reasoning: Optional[dict[str, Any]] = None  # only without effort or summary: neither can be honoured
     include: Optional[list[str]] = None  # only empty: no extra output is available
     truncation: Optional[Literal["disabled"]] = None  # a prompt too long is refused, never cut
+    metadata: Optional[dict[str, str]] = None  # generates nothing; kept with the response and echoed, as OpenAI does
 
 
 class FunctionTool(_Strict):
@@ -65,7 +76,7 @@ class MessageItem(_Strict):
     role: Literal["user", "assistant", "system", "developer"]
     content: Union[str, list[dict[str, Any]]]
     id: Optional[str] = None
-    status: Optional[str] = None
+    status: Optional[_STATUS] = None
 
 
 class FunctionCallItem(_Strict):
@@ -74,7 +85,7 @@ class FunctionCallItem(_Strict):
     name: str
     arguments: str
     id: Optional[str] = None
-    status: Optional[str] = None
+    status: Optional[_STATUS] = None
 
 
 class FunctionCallOutputItem(_Strict):
@@ -82,7 +93,7 @@ class FunctionCallOutputItem(_Strict):
     call_id: str
     output: Union[str, list[dict[str, Any]]]
     id: Optional[str] = None
-    status: Optional[str] = None
+    status: Optional[_STATUS] = None
 
 
 class ReasoningItem(_Strict):
@@ -91,7 +102,7 @@ class ReasoningItem(_Strict):
     summary: list[dict[str, Any]] = []
     content: Optional[list[dict[str, Any]]] = None
     encrypted_content: Optional[str] = None
-    status: Optional[str] = None
+    status: Optional[_STATUS] = None
 
 
 _ITEMS: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": FunctionCallItem,
@@ -103,7 +114,10 @@ _RENAMED = (("max_completion_tokens", "max_output_tokens"), ("response_format.js
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """A /v1/responses body, every field read or refused by name."""
+    if isinstance(body, dict):  # null is the default, as OpenAI reads it (stream: false, store: true)
+        body = {k: v for k, v in body.items() if not (k in ("stream", "store") and v is None)}
     req: ResponsesRequest = parse_request(ResponsesRequest, body)
+    _check_metadata(req.metadata or {})
     reasoning = req.reasoning or {}
     for key, value in reasoning.items():
         if key in ("effort", "summary", "generate_summary") and value is not None:
@@ -117,56 +131,82 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     return req
 
 
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise InvalidRequestError(f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY:
+            raise InvalidRequestError(f"metadata: the key {key[:20]!r}... is {len(key)} characters; at most "
+                                      f"{MAX_METADATA_KEY}", "metadata")
+        if len(value) > MAX_METADATA_VALUE:
+            raise InvalidRequestError(f"metadata.{key} is {len(value)} characters; at most {MAX_METADATA_VALUE}",
+                                      f"metadata.{key}")
+
+
+_FORMS = {"content": "a string or a list of content parts ({'type': 'input_text', 'text': ...})",
+          "output": "a string or a list of content parts ({'type': 'input_text', 'text': ...})"}
+
+
 def _parse_item(cls: type[_Strict], data: dict[str, Any], where: str) -> Any:
     """`data` as a `cls`, refusals naming the field under `where` (e.g. "input.2.")."""
     try:
         return cls.model_validate(check_fields(data, frozenset(cls.model_fields), where))
     except ValidationError as e:
-        err = e.errors()[0]
-        param = where + ".".join(str(p) for p in err["loc"] if not _is_union_member(p))
-        raise InvalidRequestError(f"{param}: {err['msg']}", param) from None
+        # Of a union's errors, the deepest: a list's bad part (content.0), not the string member's miss.
+        err = max(e.errors(), key=lambda x: len([p for p in x["loc"] if not _is_union_member(p)]))
+        loc = [str(p) for p in err["loc"] if not _is_union_member(p)]
+        param = where + ".".join(loc)
+        forms = f"; {loc[0]} takes {_FORMS[loc[0]]}" if loc and loc[0] in _FORMS else ""
+        raise InvalidRequestError(f"{param}: {err['msg']}{forms}", param) from None
 
 
-def _item_text(content: Union[str, list[dict[str, Any]]], where: str) -> str:
-    """A message's or a tool output's text; parts other than text are refused by name."""
+def _item_text(content: Union[str, list[dict[str, Any]]], at: str) -> str:
+    """A message's or a tool output's text (`at`: its path, "input.2.content"); parts other than text are
+    refused by name."""
     if isinstance(content, str):
         return content
     texts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS and not isinstance(part.get("text"), str):
-            raise InvalidRequestError(f"{where}content.{j}.text must be a string (a part is {{'type': {kind!r}, "
-                                      "'text': ...})", f"{where}content.{j}.text")
+        kind = part.get("type")
         if kind not in _TEXT_PARTS:
-            raise InvalidRequestError(f"{where}content.{j}: a content part of type {kind!r} is not supported: "
+            raise InvalidRequestError(f"{at}.{j}: a content part of type {kind!r} is not supported: "
                                       f"jaxcb serves text models; give parts of type {', '.join(_TEXT_PARTS)}",
-                                      f"{where}content.{j}")
+                                      f"{at}.{j}")
+        check_fields(part, _PART_FIELDS[kind], f"{at}.{j}.")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{at}.{j}.text must be a string (a part is {{'type': {kind!r}, 'text': ...}})",
+                                      f"{at}.{j}.text")
         texts.append(part["text"])
     return "".join(texts)
 
 
-def input_messages(value: Union[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def input_messages(value: Union[str, list[Any]],
+                   earlier_call_ids: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """`input` as chat messages: items in order, function calls folded into the assistant turn before them,
     function outputs as tool messages. Reasoning items are left out, as chat templates leave out past
-    reasoning."""
+    reasoning. A function output answers a call made before it, here or in `earlier_call_ids` (the calls of
+    the previous_response_id's conversation), as OpenAI requires."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     messages: list[dict[str, Any]] = []
+    call_ids = set(earlier_call_ids)
     for i, data in enumerate(value):
         where = f"input.{i}."
         if not isinstance(data, dict):
-            raise InvalidRequestError(f"input.{i} must be an object (a message or an item)", f"input.{i}")
+            raise InvalidRequestError(f"input.{i} must be an object (a message or an item), not "
+                                      f"{type(data).__name__}", f"input.{i}")
         kind = data.get("type", "message")
         if kind not in _ITEMS:
             raise RefusedFieldError(f"input.{i}.type: {kind!r} items are not supported; give messages, function_call, "
                                     "function_call_output and reasoning items", f"input.{i}.type")
         item = _parse_item(_ITEMS[kind], data, where)
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _item_text(item.content, where)})
+            messages.append({"role": item.role, "content": _item_text(item.content, f"input.{i}.content")})
         elif isinstance(item, FunctionCallItem):
             if not _is_json_object(item.arguments):
                 raise InvalidRequestError(f"input.{i}.arguments must be a JSON object as a string",
                                           f"input.{i}.arguments")
+            call_ids.add(item.call_id)
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -174,11 +214,20 @@ def input_messages(value: Union[str, list[dict[str, Any]]]) -> list[dict[str, An
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in call_ids:
+                raise InvalidRequestError(f"input.{i}.call_id: no function call with call_id {item.call_id!r} comes "
+                                          "before this function_call_output (in input, or in the conversation of "
+                                          "previous_response_id); send the function_call item first",
+                                          f"input.{i}.call_id")
             messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": _item_text(item.output, f"input.{i}.output.")})
+                             "content": _item_text(item.output, f"input.{i}.output")})
     if not messages:
         raise InvalidRequestError("input has no message; give at least one", "input")
     return messages
+
+
+def _call_ids(messages: Sequence[dict[str, Any]]) -> frozenset[str]:
+    return frozenset(call["id"] for m in messages for call in m.get("tool_calls") or ())
 
 
 def _is_json_object(text: str) -> bool:
@@ -214,13 +263,16 @@ def _chat_tool_choice(choice: Union[str, dict[str, Any], None]) -> Union[str, di
 
 
 def _response_format(text: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """`text.format` as chat's response_format (`verbosity` is refused by name, as in chat)."""
+    """`text.format` as chat's response_format (`verbosity` is refused by name, as in chat; null is left out)."""
     if text is None:
         return None
-    fields = check_fields(text, frozenset({"format"}), "text.")
+    fields = check_fields({k: v for k, v in text.items() if not (k == "verbosity" and v is None)},
+                          frozenset({"format"}), "text.")
     fmt = fields.get("format")
     if fmt is None:
         return None
+    if isinstance(fmt, dict) and fmt.get("type") in _FORMAT_FIELDS:
+        check_fields(fmt, _FORMAT_FIELDS[fmt["type"]], "text.format.")
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
         return fmt  # text, json_object, or what from_response_format refuses
     spec = {k: v for k, v in fmt.items() if k != "type"}
@@ -253,13 +305,16 @@ def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokeni
     """The engine request of a Responses body; InvalidRequestError or APIError (404: an unknown
     previous_response_id) naming the field at fault."""
     history = list(store.history(req.previous_response_id)) if req.previous_response_id is not None else []
-    history += input_messages(req.input)
+    history += input_messages(req.input, _call_ids(history))
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    response_format = _response_format(req.text)
+    # auto without tools asks for nothing (OpenAI's and vLLM's default choice, which clients send back as it is)
+    tool_choice = None if req.tool_choice == "auto" and not req.tools else _chat_tool_choice(req.tool_choice)
     try:
         chat = parse_request(ChatCompletionRequest, {
             "model": req.model, "messages": system + history, "tools": _chat_tools(req.tools),
-            "tool_choice": _chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
-            "response_format": _response_format(req.text), "max_completion_tokens": req.max_output_tokens,
+            "tool_choice": tool_choice, "parallel_tool_calls": req.parallel_tool_calls,
+            "response_format": response_format, "max_completion_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p,
         })
         planned = plan_chat_completion(chat, tokenizer, parser, max_model_len, tool_prompt_fallback, reasoning,
@@ -267,6 +322,12 @@ def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokeni
     except InvalidRequestError as e:
         raise responses_field(_after_instructions(e, len(system))) from None
     planned.renamed_fields = {k: dict(_RENAMED).get(v, v) for k, v in planned.renamed_fields.items()}
+    # The engine names what holds the reply to a grammar structured_outputs: here text.format or tool_choice.
+    json_format = isinstance(response_format, dict) and response_format.get("type") != "text"
+    planned.renamed_fields["structured_outputs"] = "text.format" if json_format else "tool_choice"
+    # The response echoes the sampling it got: a field left out takes the model's default, not OpenAI's.
+    req.temperature = planned.params.temperature if req.temperature is None else req.temperature
+    req.top_p = planned.params.top_p if req.top_p is None else req.top_p
     return ResponsePlan(planned, history)
 
 

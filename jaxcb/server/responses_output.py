@@ -97,7 +97,9 @@ class ResponseWriter:
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none"),
             "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
-            "reasoning": {"effort": None, "summary": None}, "store": False, "metadata": {}, "background": False,
+            # `store` as asked until the store says whether it kept the response (the app sets it then)
+            "reasoning": {"effort": None, "summary": None}, "store": req.store, "metadata": req.metadata or {},
+            "background": False,
         }
 
     def whole(self, final: RequestOutput) -> dict[str, Any]:

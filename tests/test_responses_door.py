@@ -1,0 +1,119 @@
+"""The /v1/responses and /tokenize doors under bad input: every refusal a 400 (404 for what is not stored) in
+OpenAI's error shape whose `param` names the field, nothing queued or held, and the engine serving the next
+request. Also what a well-formed body gets that OpenAI's API gives it: nulls as defaults, metadata kept,
+the sampling actually used echoed."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from jaxcb.sampling_defaults import SamplingDefaults
+from server_harness import running_server
+
+USER = {"role": "user", "content": "hi"}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+RESULT = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server() as (url, state):
+        yield url, state
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+
+
+def respond(url: str, **fields) -> httpx.Response:
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 2, "temperature": 0, **fields}
+    return httpx.post(url + "/v1/responses", json=body, timeout=60)
+
+
+def assert_nothing_held(state) -> None:
+    engine = state.client.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1  # every block back
+
+
+def assert_refused(response: httpx.Response, param: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"input": ["hi"]}, "input.0"),
+    ({"input": [None]}, "input.0"),
+    ({"input": [{"role": "user", "content": [3]}]}, "input.0.content.0"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "foo": 1}]}]},
+     "input.0.content.0.foo"),
+    ({"input": [{"role": "user", "content": "x", "status": "weird"}]}, "input.0.status"),
+    ({"input": [USER, CALL, {**RESULT, "call_id": "call_2"}]}, "input.2.call_id"),
+    ({"input": [RESULT]}, "input.0.call_id"),
+    ({"input": [USER, CALL, {**RESULT, "output": [{"type": "input_image", "image_url": "x"}]}]}, "input.2.output.0"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "foo": 1}}}, "text.format.foo"),
+    ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "x"}}}}, "text.format.json_schema"),
+    ({"text": {"format": {"type": "text", "foo": 1}}}, "text.format.foo"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"metadata": {"k": "v" * 513}}, "metadata.k"),
+    ({"metadata": {"k": 1}}, "metadata.k"),
+    # the engine's refusal names the Responses field that asked for a grammar (no masked steps here)
+    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+])
+def test_bad_responses_input_is_refused_naming_the_field_and_holds_nothing(server, fields, param):
+    url, state = server
+    assert_refused(respond(url, **fields), param)
+    assert_nothing_held(state)
+
+
+def test_the_engine_serves_the_next_response_after_refusals(server, client):
+    url, state = server
+    for fields in ({"input": [RESULT]}, {"metadata": "x"}, {"input": [{"type": "item_reference", "id": "m"}]}):
+        assert respond(url, **fields).status_code == 400
+    response = client.responses.create(model="tiny", input="hi", max_output_tokens=2, temperature=0)
+    assert response.output_text and response.usage.output_tokens == 2
+    assert_nothing_held(state)
+
+
+def test_null_stream_store_and_verbosity_and_auto_tool_choice_without_tools_are_the_defaults(server, client):
+    url, _ = server
+    response = respond(url, stream=None, store=None, text={"verbosity": None}, tool_choice="auto")
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["store"] is True and client.responses.retrieve(body["id"]).id == body["id"]
+
+
+def test_a_function_call_output_answers_a_call_of_the_previous_response(server):
+    url, _ = server
+    first = respond(url, input=[USER, CALL, RESULT]).json()
+    chained = respond(url, input=[{**RESULT, "call_id": "call_1"}], previous_response_id=first["id"])
+    assert chained.status_code == 200, chained.text  # call_1 is in the stored conversation's input
+    assert_refused(respond(url, input=[{**RESULT, "call_id": "call_9"}], previous_response_id=first["id"]),
+                   "input.0.call_id")
+
+
+def test_metadata_is_kept_with_the_response_and_the_stream_says_store_from_the_start(server, client):
+    url, _ = server
+    response = client.responses.create(model="tiny", input="hi", max_output_tokens=2, metadata={"run": "7"})
+    assert response.metadata == {"run": "7"} and client.responses.retrieve(response.id).metadata == {"run": "7"}
+    with httpx.stream("POST", url + "/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "hi", "max_output_tokens": 2, "stream": True, "metadata": {"a": "b"}}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [e["response"]["store"] for e in events if "response" in e] == [True, True, True]
+    assert events[-1]["response"]["metadata"] == {"a": "b"}
+
+
+def test_a_response_echoes_the_models_sampling_defaults_it_was_served_with(server, monkeypatch):
+    url, state = server
+    monkeypatch.setattr(state.client, "sampling_defaults", SamplingDefaults(temperature=0.6, top_p=0.9))
+    body = respond(url, temperature=None).json()
+    assert (body["temperature"], body["top_p"]) == (0.6, 0.9)
+    body = respond(url, temperature=0.3, top_p=0.5).json()
+    assert (body["temperature"], body["top_p"]) == (0.3, 0.5)
+
