@@ -117,3 +117,24 @@ def test_a_response_echoes_the_models_sampling_defaults_it_was_served_with(serve
     body = respond(url, temperature=0.3, top_p=0.5).json()
     assert (body["temperature"], body["top_p"]) == (0.3, 0.5)
 
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+    ("/detokenize", {"tokens": [2**64]}, "tokens.0"),
+    ("/detokenize", {"tokens": [1, 1.0]}, "tokens.1"),
+    ("/detokenize", {"tokens": [True]}, "tokens.0"),
+    ("/detokenize", {"tokens": [[1]]}, "tokens.0"),
+    ("/detokenize", {"tokens": None}, "tokens"),
+    ("/tokenize", {"prompt": ["a"]}, "prompt"),
+    ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [USER], "continue_final_message": True}, "add_generation_prompt"),
+    ("/tokenize", {"messages": [USER], "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools"),
+    ("/tokenize", {"messages": [USER], "tools": [{"type": "function", "name": "f"}]}, "tools.0.function"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "input_image"}]}]}, "messages.0.content.0"),
+])
+def test_bad_tokenize_and_detokenize_bodies_are_refused_naming_the_field(server, path, body, param):
+    url, state = server
+    assert_refused(httpx.post(url + path, json=body, timeout=60), param)
+    tokens = httpx.post(url + "/tokenize", json={"prompt": "hi", "return_token_strs": True}, timeout=60).json()
+    assert tokens["count"] == len(tokens["token_strs"]) == 3
+    assert_nothing_held(state)
