@@ -17,9 +17,11 @@ from engine_factory import BASE
 from hf_checkpoints import make_hf_llama, write_word_tokenizer
 from lora_adapters import ALL_MODULES, greedy_tokens, make_peft_adapter, merged_from_dir, weight_deltas
 from server_harness import running_server
-from jaxcb.config import ConfigError, ModelConfig, compose_config
+from jaxcb.config import ConfigError, LoraConfig, ModelConfig, compose_config
 from jaxcb.engine import Engine, LLM
+from jaxcb.errors import InvalidRequestError
 from jaxcb.lora.adapter_config import PARENT
+from jaxcb.lora.manager import LoraManager
 from jaxcb.lora.peft import LoraAdapterError, load_peft_adapter
 from jaxcb.model.config import resolve_llama_config
 from jaxcb.sampling_params import SamplingParams
@@ -178,6 +180,24 @@ def test_a_pickle_a_file_or_no_path_is_refused_naming_it(base, tmp_path):
             load_peft_adapter("bad", path, arch, max_rank=8)
 
 
+def test_a_refused_load_leaves_nothing_behind_and_a_name_being_unloaded_is_said_so(base, tmp_path):
+    _, _, arch, plain = base
+    manager = LoraManager(LoraConfig(max_loras=1, max_rank=8), arch, "base")
+    manager.load("good", plain)
+    bad = mutated(plain, tmp_path / "bad", config_bytes=b"{")
+    with pytest.raises(LoraAdapterError):
+        manager.load("bad", bad)
+    assert set(manager.adapters) == {"good"} and list(manager.resident) == ["good"] and not manager.slots.slot_of
+    with pytest.raises(InvalidRequestError, match=r"no LoRA adapter named 'bad' is loaded \(loaded: 'good'\)"):
+        manager.unload("bad")
+    manager.in_use = lambda name: True  # a request runs on it: the unload waits
+    assert not manager.unload("good")
+    with pytest.raises(InvalidRequestError, match="'good' is being unloaded"):
+        manager.load("good", plain)
+    with pytest.raises(InvalidRequestError, match="'good' is being unloaded already"):
+        manager.unload("good")
+
+
 def test_an_unreadable_start_up_adapter_stops_start_up_with_a_config_error(base, tmp_path):
     _, base_dir, _, plain = base
     bad = mutated(plain, tmp_path / "bad", weights_bytes=b"")
@@ -213,6 +233,8 @@ def test_run_time_loads_refuse_with_400s_naming_the_problem_and_serve_what_they_
         assert load("base", bf16).json()["error"]["param"] == "lora_name"  # the base's name
         assert load("b", bf16).status_code == 200
         assert load("b", bf16).status_code == 400  # loaded already
+        r = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "nope"})
+        assert r.status_code == 404 and "(loaded: 'b')" in r.json()["error"]["message"]
         prompt = [1, 5, 9, 77, 3, 8]
         reply = requests.post(f"{url}/v1/completions", json={"model": "b", "prompt": prompt, "max_tokens": 6,
                                                                "temperature": 0, "ignore_eos": True}).json()

@@ -55,6 +55,9 @@ class LoraManager:
     def load(self, name: str, path: str) -> LoraAdapter:
         """Read and check the adapter; InvalidRequestError naming what does not fit (nothing loaded)."""
         check_adapter_name(name, self.base_name)
+        if name in self.unloading:
+            raise InvalidRequestError(f"the LoRA adapter named {name!r} is being unloaded (its running requests "
+                                      "finish first); load it again once the unload has answered", "lora_name")
         if name in self.adapters:
             raise InvalidRequestError(f"a LoRA adapter named {name!r} is already loaded; unload it first", "lora_name")
         adapter = load_peft_adapter(name, path, self.model_cfg, self.cfg.max_rank)
@@ -95,8 +98,11 @@ class LoraManager:
     def unload(self, name: str) -> bool:
         """Refuse new requests for the adapter and drop it once its requests are done; True if it is
         gone already (none was running)."""
-        if name not in self.adapters or name in self.unloading:
-            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "lora_name")
+        if name in self.unloading:
+            raise InvalidRequestError(f"the LoRA adapter named {name!r} is being unloaded already", "lora_name")
+        if name not in self.adapters:
+            served = ", ".join(repr(n) for n in self.served()) or "none"
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded (loaded: {served})", "lora_name")
         self.unloading.add(name)
         self.finish_unloads()
         return name not in self.adapters
