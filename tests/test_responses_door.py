@@ -138,3 +138,43 @@ def test_bad_tokenize_and_detokenize_bodies_are_refused_naming_the_field(server,
     tokens = httpx.post(url + "/tokenize", json={"prompt": "hi", "return_token_strs": True}, timeout=60).json()
     assert tokens["count"] == len(tokens["token_strs"]) == 3
     assert_nothing_held(state)
+
+
+@pytest.mark.parametrize("query", ["stream=true", "include[]=message.output_text.logprobs", "starting_after=3"])
+def test_a_stored_responses_query_parameters_are_refused_by_name(server, query):
+    url, state = server
+    stored = respond(url).json()["id"]
+    got = httpx.get(f"{url}/v1/responses/{stored}?{query}", timeout=60)
+    assert_refused(got, query.split("=")[0])
+    assert httpx.get(f"{url}/v1/responses/{stored}", timeout=60).json()["id"] == stored
+
+
+@pytest.mark.parametrize("method, route", [("GET", "input_items"), ("POST", "cancel")])
+def test_the_response_routes_jaxcb_does_not_serve_say_so_in_a_sentence(server, method, route):
+    url, _ = server
+    got = httpx.request(method, f"{url}/v1/responses/resp_x/{route}", timeout=60)
+    assert got.status_code == 404 and f"/v1/responses/{{id}}/{route} is not served by jaxcb" in got.json()["error"]["message"]
+
+
+def chat(url: str, **fields) -> httpx.Response:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_chat_text_parts_with_keys_jaxcb_would_drop_are_refused_by_name(server):
+    url, state = server
+    part = {"type": "text", "text": "hi", "foo": 1}
+    assert_refused(chat(url, messages=[{"role": "user", "content": [part]}]), "messages.0.content.0.foo")
+    assert chat(url, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]).status_code == 200
+    assert_nothing_held(state)
+
+
+def test_a_chat_grammar_this_server_cannot_run_names_the_field_that_asked_for_it(server):
+    """This server compiled no masked step: the refusal names response_format or tool_choice, not
+    the engine's structured_outputs."""
+    url, state = server
+    assert_refused(chat(url, response_format={"type": "json_object"}), "response_format")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert_refused(chat(url, tools=tools, tool_choice="required"), "tool_choice")
+    assert_refused(chat(url, structured_outputs={"choice": ["a", "b"]}), "structured_outputs")
+    assert_nothing_held(state)

@@ -221,8 +221,21 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         return response
 
     @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str):
+    async def stored_response(response_id: str, request: Request):
+        for key in request.query_params:  # OpenAI's stream / include[] / starting_after: never dropped silently
+            raise APIError(400, f"GET /v1/responses/{{id}} does not take {key}: jaxcb returns the stored response "
+                                "whole, as it finished (no stream, include or starting_after)", param=key)
         return state.responses.get(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def unserved_response_route(response_id: str, request: Request):
+        what = request.url.path.rsplit("/", 1)[-1]
+        raise APIError(404, f"{request.method} /v1/responses/{{id}}/{what} is not served by jaxcb: "
+                            + ("a response's input is the conversation you sent (previous_response_id carries it on)"
+                               if what == "input_items" else "responses run in the foreground (background=true is "
+                               "refused), so there is none to cancel; close the stream instead"),
+                       type="not_found_error", code="unsupported_route")
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):

@@ -234,6 +234,9 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
     )
 
 
+_TEXT_PART_FIELDS = frozenset({"type", "text"})
+
+
 def message_text(message: ChatMessage, where: str = "messages") -> Optional[str]:
     """The message's text; `where` is its path ("messages.2") for a refusal naming the part at fault."""
     if message.content is None or isinstance(message.content, str):
@@ -243,6 +246,7 @@ def message_text(message: ChatMessage, where: str = "messages") -> Optional[str]
         at = f"{where}.content.{j}"
         kind = part.get("type")
         if kind == "text":
+            check_fields(part, _TEXT_PART_FIELDS, f"{at}.")  # a key it carries besides these would be dropped
             if not isinstance(part.get("text"), str):
                 raise InvalidRequestError(f"{at}.text must be a string (a text part is {{'type': 'text', 'text': ...}})",
                                           f"{at}.text")

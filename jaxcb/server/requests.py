@@ -120,6 +120,8 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
                                       f"leaves no room for a reply within engine.max_model_len={max_model_len}; "
                                       "shorten the messages", "messages")
         max_tokens = defaults.left_out_max_tokens(max_model_len - len(plan.prompt_ids))
+    if req.structured_outputs is None and plan.structured is not None:  # the grammar came from another field
+        renamed["structured_outputs"] = "response_format" if req.response_format is not None else "tool_choice"
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
     top_n = req.top_logprobs or 0
