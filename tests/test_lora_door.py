@@ -231,15 +231,15 @@ def test_run_time_loads_refuse_with_400s_naming_the_problem_and_serve_what_they_
             error = r.json()["error"]
             assert error["param"] == "lora_path" and f"'{name}'" in error["message"], error
         assert load("base", bf16).json()["error"]["param"] == "lora_name"  # the base's name
-        assert load("b", bf16).status_code == 200
-        assert load("b", bf16).status_code == 400  # loaded already
+        assert load("org/b", bf16).status_code == 200  # a Hub-style name, as vLLM takes it
+        assert load("org/b", bf16).status_code == 400  # loaded already
         r = requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "nope"})
-        assert r.status_code == 404 and "(loaded: 'b')" in r.json()["error"]["message"]
+        assert r.status_code == 404 and "(loaded: 'org/b')" in r.json()["error"]["message"]
         prompt = [1, 5, 9, 77, 3, 8]
-        reply = requests.post(f"{url}/v1/completions", json={"model": "b", "prompt": prompt, "max_tokens": 6,
+        reply = requests.post(f"{url}/v1/completions", json={"model": "org/b", "prompt": prompt, "max_tokens": 6,
                                                                "temperature": 0, "ignore_eos": True}).json()
         ids = engine.tokenizer.encode(reply["choices"][0]["text"], add_special_tokens=False)
         assert ids == greedy_tokens(merged_from_dir(model, bf16), prompt, 6)
-        assert requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code == 200
+        assert requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "org/b"}).status_code == 200
     assert not engine.lora.adapters and not engine.lora.resident and engine.lora.slots.num_held == 0
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1

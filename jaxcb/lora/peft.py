@@ -191,7 +191,9 @@ def _fingerprint(config_bytes: bytes, weights_path: str) -> str:
 
 
 def check_adapter_name(name: Optional[str], base_name: str) -> None:
-    if not isinstance(name, str) or not name or "/" in name or name.strip() != name:
-        raise InvalidRequestError(f"lora_name={name!r} must be a non-empty word without '/'", "lora_name")
+    # '/' is allowed, as vLLM allows it: Hub-style names (org/adapter) are what a request's `model` often says.
+    if not isinstance(name, str) or not name or name.strip() != name or not name.isprintable():
+        raise InvalidRequestError(f"lora_name={name!r} must be a non-empty name without surrounding spaces or "
+                                  "control characters", "lora_name")
     if name == base_name:
         raise InvalidRequestError(f"lora_name={name!r} is the base model's name; give the adapter another", "lora_name")
