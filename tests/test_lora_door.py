@@ -243,3 +243,13 @@ def test_run_time_loads_refuse_with_400s_naming_the_problem_and_serve_what_they_
         assert requests.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "org/b"}).status_code == 200
     assert not engine.lora.adapters and not engine.lora.resident and engine.lora.slots.num_held == 0
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1
+
+
+def test_an_adapters_identity_follows_the_weights_it_serves(base, tmp_path):
+    """The digest in the prefix cache's root: the same weights wherever they lie give the same one, any
+    changed weight another (it is taken of the arrays read, not of the file read again)."""
+    _, _, arch, plain = base
+    same = mutated(plain, tmp_path / "same")
+    changed = mutated(plain, tmp_path / "changed", tensors=lambda t: {**t, A_KEY: t[A_KEY] * 1.5})
+    digest = {p: load_peft_adapter("x", p, arch, max_rank=8).digest for p in (plain, same, changed)}
+    assert digest[plain] == digest[same] != digest[changed]

@@ -179,14 +179,18 @@ def load_peft_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int) -> 
         top_rank = max(top_rank, rank)
     if problems:
         raise _refuse(name, path, problems)
-    return LoraAdapter(name, path, top_rank, weights, _fingerprint(config_bytes, weights_path))
+    return LoraAdapter(name, path, top_rank, weights, _fingerprint(config_bytes, weights))
 
 
-def _fingerprint(config_bytes: bytes, weights_path: str) -> str:
+def _fingerprint(config_bytes: bytes, weights: dict) -> str:
+    """The adapter's identity (in the prefix cache's root): of the weights as read, so that a file rewritten
+    while it loads can never give the digest of other weights than those served."""
     h = hashlib.sha256(config_bytes)
-    with open(weights_path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    for key in sorted(weights):
+        h.update(repr(key).encode())
+        for array in weights[key]:
+            h.update(repr(array.shape).encode())
+            h.update(array.tobytes())
     return h.hexdigest()[:32]
 
 
