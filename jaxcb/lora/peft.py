@@ -48,7 +48,7 @@ class LoraAdapter:
     rank: int  # the largest of its modules' ranks
     # (layer, module) -> (A f32[in, r], B f32[r, out] with the module's scale folded in)
     weights: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
-    digest: str  # of the config and weights: the adapter's identity in the prefix cache
+    digest: str  # of the weights as served: the adapter's identity in the prefix cache
 
     @property
     def num_bytes(self) -> int:
@@ -179,13 +179,14 @@ def load_peft_adapter(name: str, path: str, cfg: LlamaConfig, max_rank: int) -> 
         top_rank = max(top_rank, rank)
     if problems:
         raise _refuse(name, path, problems)
-    return LoraAdapter(name, path, top_rank, weights, _fingerprint(config_bytes, weights))
+    return LoraAdapter(name, path, top_rank, weights, _fingerprint(weights))
 
 
-def _fingerprint(config_bytes: bytes, weights: dict) -> str:
-    """The adapter's identity (in the prefix cache's root): of the weights as read, so that a file rewritten
-    while it loads can never give the digest of other weights than those served."""
-    h = hashlib.sha256(config_bytes)
+def _fingerprint(weights: dict) -> str:
+    """The adapter's identity (in the prefix cache's root): of the weights as served -- each module's A and
+    B with its scale folded in, which is all the config decides -- so that a file rewritten while it loads
+    can never give the digest of other weights, and two copies of one adapter share their cached prefixes."""
+    h = hashlib.sha256()
     for key in sorted(weights):
         h.update(repr(key).encode())
         for array in weights[key]:
