@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -125,13 +124,9 @@ def read_sampling_defaults(m: ModelConfig) -> SamplingDefaults:
     else:
         directory = m.checkpoint if where == "auto" else where
         path = os.path.join(directory, "generation_config.json")
-        if not os.path.isfile(path):
-            if where != "auto":
-                raise ConfigError(f"model.generation_config={where} has no generation_config.json; give a "
-                                  "directory that holds one, or auto (the checkpoint's) or none")
+        if not os.path.isfile(path):  # a checkpoint without one (a DIR without one is refused with the config)
             return NO_DEFAULTS
         defaults, ignored = _from_json(path)
-    _check(defaults)
     if not defaults.empty:
         log.info("sampling defaults from %s for the fields a request leaves out: %s (model.generation_config=none: "
                  "jaxcb's own)", defaults.source, defaults.describe())
@@ -157,7 +152,7 @@ def _from_json(path: str) -> tuple[SamplingDefaults, list[str]]:
     ignored = [f"{k}={v!r}" for k, v in gen.items()
                if k not in APPLIED and k not in _INERT and (k not in _NEUTRAL or v != _NEUTRAL[k]) and v is not None]
     source = path + (" (do_sample=false: greedy)" if greedy else "")
-    return _defaults(values, source, path), ignored
+    return _defaults(values, source), ignored
 
 
 def _from_gguf(path: str) -> tuple[SamplingDefaults, list[str]]:
@@ -180,35 +175,17 @@ def _from_gguf(path: str) -> tuple[SamplingDefaults, list[str]]:
     for name, neutral in _GGUF_NEUTRAL.items():
         if key(name) not in (None, neutral):
             ignored.append(f"general.sampling.{name}={key(name)!r}")
-    return _defaults(values, f"{path}'s general.sampling keys", path), ignored
+    return _defaults(values, f"{path}'s general.sampling keys"), ignored
 
 
-def _defaults(values: dict[str, Any], source: str, path: str) -> SamplingDefaults:
-    def number(name: str, kind: type) -> Any:
-        value = values.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-            raise ConfigError(f"{path} sets {name}={value!r}, which is not {'an integer' if kind is int else 'a number'}; "
-                              "fix it, or set model.generation_config=none")
-        value = kind(value)
-        if kind is float and not math.isfinite(value):
-            raise ConfigError(f"{path} sets {name}={value!r}; fix it, or set model.generation_config=none")
-        return value
-
-    return SamplingDefaults(
-        temperature=number("temperature", float), top_p=number("top_p", float), top_k=number("top_k", int),
-        min_p=number("min_p", float), repetition_penalty=number("repetition_penalty", float),
-        max_tokens=number("max_new_tokens", int), source=source)
-
-
-def _check(defaults: SamplingDefaults) -> None:
-    """Each default within the range a request's field has (SamplingParams checks them)."""
+def _defaults(values: dict[str, Any], source: str) -> SamplingDefaults:
+    """The defaults, each checked and normalised as a request's own field is (by SamplingParams); a
+    ConfigError naming the field where no request could give its value."""
+    given = {("max_tokens" if key == "max_new_tokens" else key): v for key, v in values.items() if v is not None}
     try:
-        defaults.params()
-    except (InvalidRequestError, ValueError) as e:
-        field = getattr(e, "field", None)
-        file_name = "max_new_tokens" if field == "max_tokens" else field
-        raise ConfigError(f"{defaults.source} sets a default request field that no request could give"
-                          f"{f' ({file_name})' if file_name else ''}: {e}; fix it, or set "
+        params = SamplingParams(**given)
+    except InvalidRequestError as e:
+        named = "max_new_tokens" if e.field == "max_tokens" else e.field
+        raise ConfigError(f"{source} sets a default no request could give ({named}): {e}; fix it, or set "
                           "model.generation_config=none") from None
+    return SamplingDefaults(**{name: getattr(params, name) for name in given}, source=source)
