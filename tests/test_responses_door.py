@@ -176,5 +176,6 @@ def test_a_chat_grammar_this_server_cannot_run_names_the_field_that_asked_for_it
     assert_refused(chat(url, response_format={"type": "json_object"}), "response_format")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert_refused(chat(url, tools=tools, tool_choice="required"), "tool_choice")
+    assert_refused(chat(url, tools=tools, tool_choice="required", response_format={"type": "text"}), "tool_choice")
     assert_refused(chat(url, structured_outputs={"choice": ["a", "b"]}), "structured_outputs")
     assert_nothing_held(state)

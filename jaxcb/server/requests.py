@@ -121,7 +121,8 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
                                       "shorten the messages", "messages")
         max_tokens = defaults.left_out_max_tokens(max_model_len - len(plan.prompt_ids))
     if req.structured_outputs is None and plan.structured is not None:  # the grammar came from another field
-        renamed["structured_outputs"] = "response_format" if req.response_format is not None else "tool_choice"
+        json_format = isinstance(req.response_format, dict) and req.response_format.get("type") != "text"
+        renamed["structured_outputs"] = "response_format" if json_format else "tool_choice"
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs needs logprobs=true", "top_logprobs")
     top_n = req.top_logprobs or 0

@@ -322,9 +322,6 @@ def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokeni
     except InvalidRequestError as e:
         raise responses_field(_after_instructions(e, len(system))) from None
     planned.renamed_fields = {k: dict(_RENAMED).get(v, v) for k, v in planned.renamed_fields.items()}
-    # The engine names what holds the reply to a grammar structured_outputs: here text.format or tool_choice.
-    json_format = isinstance(response_format, dict) and response_format.get("type") != "text"
-    planned.renamed_fields["structured_outputs"] = "text.format" if json_format else "tool_choice"
     # The response echoes the sampling it got: a field left out takes the model's default, not OpenAI's.
     req.temperature = planned.params.temperature if req.temperature is None else req.temperature
     req.top_p = planned.params.top_p if req.top_p is None else req.top_p
