@@ -341,15 +341,16 @@ class StepInputBuilder:
             s = seqs[i]
             if not s.samples:
                 continue
-            if s.constraint is not None and not s.constraint.failed:
-                try:
-                    s.constraint.fill(bitmask[row])
-                except Exception:  # noqa: BLE001 -- one request's matcher failing must not stop the others
-                    log.exception("request %s: its constraints failed to give the allowed tokens; it ends here "
-                                  "(finish_reason abort)", s.seq_id.request_id)
-                    s.constraint.failed = s.constraint.dead_end = True
-            if s.constraint is not None and s.constraint.failed:
-                bitmask[row] = -1  # any token: the output processor drops the row's draw (dead_end) and ends it
+            if s.constraint is not None:
+                if not s.constraint.failed:
+                    try:
+                        s.constraint.fill(bitmask[row])
+                    except Exception:  # noqa: BLE001 -- one request's matcher failing must not stop the others
+                        log.exception("request %s: its constraints failed to give the allowed tokens; it ends here "
+                                      "(finish_reason abort)", s.seq_id.request_id)
+                        s.constraint.failed = s.constraint.dead_end = True
+                if s.constraint.failed:
+                    bitmask[row] = -1  # any token: the output processor drops the row's draw (dead_end), ends it
             bias = s.sampling_params.logit_bias
             if bias:
                 bias_ids[row, : len(bias)] = list(bias.keys())
