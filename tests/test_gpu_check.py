@@ -155,14 +155,15 @@ def test_the_quick_plans_workload_figures_are_those_of_its_serve_stage():
 def test_watchdog_writes_the_results_and_exits_inside_a_stage(tmp_path):
     out = tmp_path / "gpu.json"
     proc = run([sys.executable, GPU_CHECK, "--dry-run", "--json", str(out), "--out-dir", str(tmp_path),
-                "--stages", "preflight,correctness,step", "--budget", "6"], env=clean_env(), timeout=300)
+                "--stages", "correctness,step", "--budget", "6"], env=clean_env(), timeout=300)
+    # No stage before correctness: how long one takes (preflight's imports and ptxas) varies by machine,
+    # and correctness in a dry run takes well over 6 s on any of them.
     assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "WATCHDOG" in proc.stdout
     stages = json.loads(out.read_text())["stages"]
-    assert stages["preflight"]["status"] == "ok"
     assert stages["correctness"]["status"] == "timeout"
     assert stages["step"]["status"] == "skipped"
-    assert "decode" not in stages and "engine" not in stages  # not asked for: not reported
+    assert "preflight" not in stages and "engine" not in stages  # not asked for: not reported
 
 
 def test_rerunning_chosen_stages_keeps_the_others_results(tmp_path):

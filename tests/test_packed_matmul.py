@@ -444,6 +444,7 @@ def test_the_mlp_adds_each_rows_lora_update_before_its_activation_and_shrinks_it
                                      np.abs(bu).max(0)) * (1 + np.abs(g))
         want_d = np.einsum("tf,tfc->tc", h, ad[s_])
         bound = (np.abs(tol) + 1e-4 * np.abs(v)) @ np.abs(ad).max(0) + 1e-4 * np.abs(h) @ np.abs(ad).max(0)
+        assert np.all(np.asarray(down_u)[~mine] == 0)  # rows without a slot: zeros, never undefined
         assert np.all(np.abs(np.asarray(down_u) - want_d)[mine] <= bound[mine] + 1e-4)
         # y from the activation as down reads it (bf16: rounded), the residual added
         expected = round_(h if dtype == jnp.float32 else to_bf16(h)) @ db + residual

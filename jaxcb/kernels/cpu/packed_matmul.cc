@@ -1432,7 +1432,8 @@ void AddDownShrinks(const float* const* act, int64_t cols, const W* a, int64_t C
 // x of the layer), writing and reading the [M, 2F] gate/up product, and one pool wake-up.
 // With the optional rms-norm weight and residual of PackedMatmulImpl: y = residual + mlp(rms_norm(x)).
 // Multi-LoRA's gate/up and down updates: with `lora_slots` and the rest (MlpLora, above), down_u [M, Cd]
-// holds down's shrink of each row with a slot; every LoRA operand and result empty otherwise.
+// holds down's shrink of each row with a slot (zeros for a row without); every LoRA operand and result
+// empty otherwise.
 ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer gate_up, ffi::AnyBuffer down,
                          ffi::Buffer<ffi::F32> norm_weight, ffi::Buffer<ffi::F32> residual,
                          ffi::Buffer<ffi::S32> lora_slots, ffi::Buffer<ffi::F32> gate_up_u, ffi::AnyBuffer gate_up_b,
@@ -1714,8 +1715,11 @@ ffi::Error PackedMlpImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
       const int64_t m0 = rows.chunks.first_row(out.first_chunk(item));
       const int64_t m1 = out.end_chunk(item) < rows.chunks.count ? rows.chunks.first_row(out.end_chunk(item)) : M;
       for (int64_t m = m0; m < m1; ++m) {
-        if (lora->slots[m] < 0) continue;
         float* d = d_out + m * lora->Cd;
+        if (lora->slots[m] < 0) {  // no adapter: zeros, so that no reader meets undefined values
+          std::memset(d, 0, lora->Cd * sizeof(float));
+          continue;
+        }
         std::memcpy(d, partial + m * lora->Cd, lora->Cd * sizeof(float));
         for (int64_t p = 1; p < pairs.groups; ++p)
           for (int64_t j = 0; j < lora->Cd; ++j) d[j] += partial[(p * M + m) * lora->Cd + j];
