@@ -80,7 +80,7 @@ def test_reference_equals_dense_attention(params):
 
 
 @pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches())
 def test_implementation_equals_reference_in_fp32(impl, params):
     batch = make_ragged_batch(**params)
@@ -88,7 +88,7 @@ def test_implementation_equals_reference_in_fp32(impl, params):
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=160))
 def test_split_kv_kernel_equals_the_reference(num_splits, params):
     """Split-KV: each (query tile, KV head)'s context in num_splits shares (some empty), merged after."""
@@ -97,7 +97,7 @@ def test_split_kv_kernel_equals_the_reference(num_splits, params):
 
 
 @pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=24))
 def test_implementation_equals_reference_in_bf16(impl, params):
     batch = make_ragged_batch(**params)

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine_factory import generate_first_completions, make_engine, shared_engine
+from engine_factory import BASE, generate_first_completions, make_engine, shared_engine
 from hf_checkpoints import make_hf_llama, write_word_tokenizer
-from jaxcb.config import CacheConfig, ConfigError
+from jaxcb.config import CacheConfig, ConfigError, compose_config
+from jaxcb.engine import Engine
 from jaxcb.kernels.attention.quantization import quantized_max
 from jaxcb.kv_cache import plan_kv_cache
 from jaxcb.kv_scales import calibration_token_ids, checkpoint_kv_scales
@@ -87,12 +88,15 @@ def test_swap_preemption_of_an_int8_cache_gives_the_tokens_of_no_preemption(int8
 
 
 def test_the_scales_are_part_of_the_prefix_cache_root(int8_engine):
-    other = make_engine(*INT8, "cache.kv_calibration_tokens=64")  # other text, other scales
+    def uncompiled(*overrides: str) -> Engine:  # calibrated and hashed at start-up; no step needed here
+        return Engine(compose_config(BASE + overrides), compile_buckets=False, progress=False)
+
+    other = uncompiled(*INT8, "cache.kv_calibration_tokens=64")  # other text, other scales
     assert not np.array_equal(other.kv_scales.k, int8_engine.kv_scales.k)
     assert other.prefix_cache_root != int8_engine.prefix_cache_root
-    same = make_engine(*INT8)
+    same = uncompiled(*INT8)
     assert same.prefix_cache_root == int8_engine.prefix_cache_root, "stable across restarts"
-    assert make_engine("cache.dtype=float32").prefix_cache_root != int8_engine.prefix_cache_root
+    assert uncompiled("cache.dtype=float32").prefix_cache_root != int8_engine.prefix_cache_root
 
 
 def test_fp8_engine_on_cpu_through_the_xla_form_and_refused_by_the_cpu_kernel_by_name():
