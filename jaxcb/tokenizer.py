@@ -263,7 +263,7 @@ class HFTokenizer:
         # The template transformers renders with when tools are given (a checkpoint's named "tool_use"
         # one); dropped when chat_template is replaced (server.chat_template).
         self._tool_use_template = tool_use_template
-        if chat_template is None:
+        if chat_template is None and tool_use_template is None:  # (only "tool_use": warned by from_directory)
             log.warning(
                 "%s has no chat template: chat requests will be refused (completions work) unless "
                 "server.chat_template=FILE_OR_TEMPLATE is set", source,
@@ -312,7 +312,8 @@ class HFTokenizer:
                               f"model's tokenizer.json") from None
         templates = read_chat_templates(directory, config)
         if templates and "default" not in templates:
-            log.warning("%s names chat templates %s but none 'default': a chat without tools has no template",
+            log.warning("%s names chat templates %s but none 'default': a chat without tools has no template "
+                        "and is refused, as transformers refuses it (or set server.chat_template=FILE_OR_TEMPLATE)",
                         directory, ", ".join(sorted(templates)))
         return cls(tok, config, templates.get("default"), directory, tool_use_template=templates.get("tool_use"))
 
@@ -352,7 +353,9 @@ class HFTokenizer:
         tools: Optional[list[dict[str, Any]]] = None, **template_kwargs: Any,
     ) -> str:
         specials = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-        template = self._tool_use_template if tools and self._tool_use_template is not None else self.chat_template
+        # transformers' choice: "tool_use" whenever tools are passed (an empty list too), else the default
+        template = self._tool_use_template if tools is not None and self._tool_use_template is not None \
+            else self.chat_template
         return render_chat_template(
             template, messages, add_generation_prompt, tools, **{**specials, **template_kwargs}
         )

@@ -333,3 +333,21 @@ def test_a_mistral_config_without_sliding_window_takes_transformers_default_and_
     os.makedirs(tmp_path / "b")
     shutil.move(tmp_path / "b.json", tmp_path / "b" / "config.json")
     assert read_hf_config(str(tmp_path / "b"))["sliding_window"] == 0
+
+
+def test_a_checkpoint_whose_only_template_is_tool_use_serves_a_chat_with_tools_and_refuses_one_without(tmp_path):
+    """transformers renders a chat that passes tools with "tool_use", and refuses one that does not (no default)."""
+    from jaxcb.errors import InvalidRequestError
+    from jaxcb.server.protocol import ChatCompletionRequest
+    from jaxcb.server.requests import plan_chat_completion
+    from jaxcb.server.tool_parsers import get_tool_parser
+    from jaxcb.tokenizer import chat_prompt_ids, tools_chat_template
+
+    tok = load_tokenizer(tokenizer_dir(tmp_path, NAMED_TEMPLATES[1:]))
+    parser = get_tool_parser("auto", tools_chat_template(tok))
+    planned = plan_chat_completion(ChatCompletionRequest(model="m", messages=MESSAGES, tools=TOOLS), tok, parser, 4096)
+    assert tok.apply_chat_template(MESSAGES, tools=TOOLS) == "T:1:hi"
+    assert planned.prompts[0] == chat_prompt_ids(tok, MESSAGES, True, TOOLS)
+    with pytest.raises(InvalidRequestError, match="no chat template") as refusal:
+        plan_chat_completion(ChatCompletionRequest(model="m", messages=MESSAGES), tok, parser, 4096)
+    assert refusal.value.field == "messages"

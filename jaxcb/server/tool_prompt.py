@@ -88,7 +88,9 @@ def template_ignores_tools(tokenizer: Tokenizer, messages: list[dict[str, Any]],
     if not tools and not with_calls:
         return None
     whole = _render(tokenizer, messages, tools)
-    if tools and whole == _render(tokenizer, messages, None):
+    # Against the same template without tools: [] picks the one tools pick (a checkpoint's "tool_use",
+    # which may be its only template) and renders as no tools to `{% if tools %}`.
+    if tools and whole == _render(tokenizer, messages, []):
         return "tools"
     for i in with_calls:
         without = list(messages)
