@@ -351,3 +351,14 @@ def test_a_checkpoint_whose_only_template_is_tool_use_serves_a_chat_with_tools_a
     with pytest.raises(InvalidRequestError, match="no chat template") as refusal:
         plan_chat_completion(ChatCompletionRequest(model="m", messages=MESSAGES), tok, parser, 4096)
     assert refusal.value.field == "messages"
+
+
+@pytest.mark.parametrize("family, config_class", [("llama", "LlamaConfig"), ("mistral", "MistralConfig"),
+                                                  ("qwen2", "Qwen2Config"), ("qwen3", "Qwen3Config"),
+                                                  ("gemma2", "Gemma2Config"), ("gemma3_text", "Gemma3TextConfig")])
+def test_a_missing_max_position_embeddings_is_the_familys_transformers_default(tmp_path, family, config_class):
+    """It bounds engine.max_model_len: Llama's 2048 for a Qwen2 checkpoint would refuse prompts that fit."""
+    import transformers
+
+    cfg = read_hf_config(write_config(tmp_path, family, max_position_embeddings=None))
+    assert cfg["max_position_embeddings"] == getattr(transformers, config_class)().max_position_embeddings

@@ -177,7 +177,7 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # every family's config class defaults it to 1e-6
         rope_theta=_hf_rope_theta(hf),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),  # LlamaConfig's (others: families.py)
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=_hf_rope_scaling(hf),
         bos_token_id=hf.get("bos_token_id"),
