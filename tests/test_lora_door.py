@@ -137,6 +137,7 @@ REFUSED = {
     "pissa": (dict(config=lambda c: {**c, "init_lora_weights": "pissa_niter_4"}), "path_initial_model_for_weight"),
     "olora": (dict(config=lambda c: {**c, "init_lora_weights": "olora"}), "init_lora_weights='olora'"),
     "ia3": (dict(config=lambda c: {**c, "peft_type": "IA3"}), "peft_type='IA3' is not LORA"),
+    "no-peft_type": (dict(config=_without("peft_type")), 'there is no peft_type, so the kind of adapter is unknown'),
     "regex-with-layers": (dict(config=lambda c: {**c, "target_modules": ".*q_proj", "layers_to_transform": [0]}),
                           "layers_to_transform / layers_pattern cannot narrow"),
     # values PEFT could not have written

@@ -201,8 +201,11 @@ def plan_modules(config: Any, num_layers: int) -> tuple[dict[tuple[int, str], Mo
     problems (fields not honoured, targets not served): the plan is only good when there are none."""
     if not isinstance(config, dict):
         return {}, [f"adapter_config.json holds {type(config).__name__}, not a JSON object"]
-    if config.get("peft_type", "LORA") != "LORA":
-        return {}, [f"peft_type={config.get('peft_type')!r} is not LORA (only LoRA adapters are served)"]
+    if "peft_type" not in config:  # PeftModel.from_pretrained reads the adapter's kind from it, and fails without
+        return {}, ['there is no peft_type, so the kind of adapter is unknown (PEFT cannot load it either); add '
+                    '"peft_type": "LORA" if it is a LoRA adapter']
+    if config["peft_type"] != "LORA":
+        return {}, [f"peft_type={config['peft_type']!r} is not LORA (only LoRA adapters are served)"]
     problems = _type_problems(config)
     if problems:
         return {}, problems
