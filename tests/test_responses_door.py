@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from jaxcb.errors import InvalidRequestError
 from jaxcb.sampling_defaults import SamplingDefaults
 from server_harness import running_server
 
@@ -56,6 +57,8 @@ def assert_refused(response: httpx.Response, param: str) -> None:
     ({"input": [{"role": "user", "content": "x", "status": "weird"}]}, "input.0.status"),
     ({"input": [USER, CALL, {**RESULT, "call_id": "call_2"}]}, "input.2.call_id"),
     ({"input": [RESULT]}, "input.0.call_id"),
+    ({"input": [USER, CALL]}, "input.1"),  # a call without its output (OpenAI: "No tool output found")
+    ({"input": [USER, CALL, RESULT, {**CALL, "call_id": "call_2"}, USER]}, "input.3"),
     ({"input": [USER, CALL, {**RESULT, "output": [{"type": "input_image", "image_url": "x"}]}]}, "input.2.output.0"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}, "foo": 1}}}, "text.format.foo"),
     ({"text": {"format": {"type": "json_schema", "json_schema": {"name": "x"}}}}, "text.format.json_schema"),
@@ -96,6 +99,22 @@ def test_a_function_call_output_answers_a_call_of_the_previous_response(server):
     assert chained.status_code == 200, chained.text  # call_1 is in the stored conversation's input
     assert_refused(respond(url, input=[{**RESULT, "call_id": "call_9"}], previous_response_id=first["id"]),
                    "input.0.call_id")
+
+
+def test_the_previous_responses_function_calls_need_their_outputs_in_input():
+    from jaxcb.server.responses import _unanswered_call_ids, input_messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for value in ("thanks", [USER]):
+        with pytest.raises(InvalidRequestError, match="no tool output found for the function call 'c1' \\(the "
+                                                      "previous response made\\)") as refusal:
+            input_messages(value, frozenset({"c1"}), frozenset({"c1"}))
+        assert refusal.value.field == "input"
+    answered = input_messages([{**RESULT, "call_id": "c1"}], frozenset({"c1"}), frozenset({"c1"}))
+    assert answered == [{"role": "tool", "tool_call_id": "c1", "content": RESULT["output"]}]
+    assert _unanswered_call_ids(history) == {"c1"}  # a stored conversation's: its last reply's call
+    assert _unanswered_call_ids(history + answered) == set()
 
 
 def test_metadata_is_kept_with_the_response_and_the_stream_says_store_from_the_start(server, client):

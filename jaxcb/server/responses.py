@@ -180,16 +180,20 @@ def _item_text(content: Union[str, list[dict[str, Any]]], at: str) -> str:
     return "".join(texts)
 
 
-def input_messages(value: Union[str, list[Any]],
-                   earlier_call_ids: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+def input_messages(value: Union[str, list[Any]], earlier_call_ids: frozenset[str] = frozenset(),
+                   unanswered: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """`input` as chat messages: items in order, function calls folded into the assistant turn before them,
     function outputs as tool messages. Reasoning items are left out, as chat templates leave out past
-    reasoning. A function output answers a call made before it, here or in `earlier_call_ids` (the calls of
-    the previous_response_id's conversation), as OpenAI requires."""
+    reasoning. As OpenAI requires, a function output answers a call made before it, here or in
+    `earlier_call_ids` (the calls of the previous_response_id's conversation), and every call has its
+    output: those made here, and the `unanswered` ones of that conversation (its last reply's)."""
     if isinstance(value, str):
+        if unanswered:
+            raise _no_output(sorted(unanswered)[0], "input")
         return [{"role": "user", "content": value}]
     messages: list[dict[str, Any]] = []
     call_ids = set(earlier_call_ids)
+    waiting = {call_id: "input" for call_id in sorted(unanswered)}  # call_id -> where the call was made, in order
     for i, data in enumerate(value):
         where = f"input.{i}."
         if not isinstance(data, dict):
@@ -207,6 +211,7 @@ def input_messages(value: Union[str, list[Any]],
                 raise InvalidRequestError(f"input.{i}.arguments must be a JSON object as a string",
                                           f"input.{i}.arguments")
             call_ids.add(item.call_id)
+            waiting[item.call_id] = f"input.{i}"
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
@@ -219,15 +224,29 @@ def input_messages(value: Union[str, list[Any]],
                                           "before this function_call_output (in input, or in the conversation of "
                                           "previous_response_id); send the function_call item first",
                                           f"input.{i}.call_id")
+            waiting.pop(item.call_id, None)
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": _item_text(item.output, f"input.{i}.output")})
+    if waiting:  # the model would read a call without its result (OpenAI: "No tool output found ...")
+        call_id = next(iter(waiting))
+        raise _no_output(call_id, waiting[call_id])
     if not messages:
         raise InvalidRequestError("input has no message; give at least one", "input")
     return messages
 
 
+def _no_output(call_id: str, where: str) -> InvalidRequestError:
+    made = "the previous response made" if where == "input" else "this item is"
+    return InvalidRequestError(f"{where}: no tool output found for the function call {call_id!r} ({made}); send its "
+                               "function_call_output item in input", where)
+
+
 def _call_ids(messages: Sequence[dict[str, Any]]) -> frozenset[str]:
     return frozenset(call["id"] for m in messages for call in m.get("tool_calls") or ())
+
+
+def _unanswered_call_ids(messages: Sequence[dict[str, Any]]) -> frozenset[str]:
+    return _call_ids(messages) - {m["tool_call_id"] for m in messages if m.get("role") == "tool"}
 
 
 def _is_json_object(text: str) -> bool:
@@ -305,7 +324,7 @@ def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokeni
     """The engine request of a Responses body; InvalidRequestError or APIError (404: an unknown
     previous_response_id) naming the field at fault."""
     history = list(store.history(req.previous_response_id)) if req.previous_response_id is not None else []
-    history += input_messages(req.input, _call_ids(history))
+    history += input_messages(req.input, _call_ids(history), _unanswered_call_ids(history))
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
     response_format = _response_format(req.text)
     # auto without tools asks for nothing (OpenAI's and vLLM's default choice, which clients send back as it is)
