@@ -128,6 +128,16 @@ def test_metadata_is_kept_with_the_response_and_the_stream_says_store_from_the_s
     assert events[-1]["response"]["metadata"] == {"a": "b"}
 
 
+def test_user_safety_identifier_and_prompt_cache_key_are_echoed_and_the_tier_is_default(server, client):
+    url, _ = server
+    response = client.responses.create(model="tiny", input="hi", max_output_tokens=2, user="u1",
+                                       safety_identifier="s1", prompt_cache_key="k1", service_tier="flex")
+    assert (response.user, response.safety_identifier, response.prompt_cache_key) == ("u1", "s1", "k1")
+    assert response.service_tier == "default"  # the tier it was served at
+    assert client.responses.retrieve(response.id).user == "u1"
+    assert_refused(respond(url, user=5), "user")
+
+
 def test_a_response_echoes_the_models_sampling_defaults_it_was_served_with(server, monkeypatch):
     url, state = server
     monkeypatch.setattr(state.client, "sampling_defaults", SamplingDefaults(temperature=0.6, top_p=0.9))

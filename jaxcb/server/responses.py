@@ -61,6 +61,10 @@ class ResponsesRequest(_Strict):
     include: Optional[list[str]] = None  # only empty: no extra output is available
     truncation: Optional[Literal["disabled"]] = None  # a prompt too long is refused, never cut
     metadata: Optional[dict[str, str]] = None  # generates nothing; kept with the response and echoed, as OpenAI does
+    # Generate nothing either; echoed as OpenAI echoes them (`service_tier` stays ignored: every response is "default")
+    user: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
 
 
 class FunctionTool(_Strict):

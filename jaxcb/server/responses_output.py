@@ -99,7 +99,8 @@ class ResponseWriter:
             "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
             # `store` as asked until the store says whether it kept the response (the app sets it then)
             "reasoning": {"effort": None, "summary": None}, "store": req.store, "metadata": req.metadata or {},
-            "background": False,
+            "background": False, "service_tier": "default", "user": req.user,
+            "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         }
 
     def whole(self, final: RequestOutput) -> dict[str, Any]:
