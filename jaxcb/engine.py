@@ -64,6 +64,7 @@ from jaxcb.sampling_defaults import read_sampling_defaults
 from jaxcb.huge_pages import collapse_onto_huge_pages
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
+from jaxcb.prompts import EncodedText, PromptType, prompt_text_and_ids
 from jaxcb.core.sequence import Sequence, SequenceId
 from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.runner.compiler import compile_plan
@@ -83,7 +84,6 @@ from jaxcb.tokenizer import Tokenizer, read_chat_template_override
 from jaxcb.validation import RequestLimits, validate_request
 
 log = logging.getLogger(__name__)
-PromptType = Union[str, abc.Sequence[int]]
 
 
 def variant_needed(params: SamplingParams) -> Optional[StepVariant]:
@@ -189,6 +189,15 @@ def check_against_model(cfg: Config, vocab_size: int) -> None:
     if cfg.engine.max_logprobs > vocab_size:
         raise ConfigError(f"engine.max_logprobs={cfg.engine.max_logprobs} must be <= the model's vocabulary of "
                           f"{vocab_size} tokens (model={cfg.model.name}); lower engine.max_logprobs")
+    # Both widen every step's sampler inputs (a row each): past the vocabulary, a width only costs memory.
+    if cfg.engine.max_stop_token_ids > vocab_size:
+        raise ConfigError(f"engine.max_stop_token_ids={cfg.engine.max_stop_token_ids} must be <= the model's vocabulary "
+                          f"of {vocab_size} tokens (model={cfg.model.name}): a row never bans more ids than there are; "
+                          f"lower engine.max_stop_token_ids")
+    if cfg.engine.max_logit_bias > max(vocab_size, 300):
+        raise ConfigError(f"engine.max_logit_bias={cfg.engine.max_logit_bias} must be <= the model's vocabulary of "
+                          f"{vocab_size} tokens (model={cfg.model.name}), or 300 (OpenAI's limit) where that is more: "
+                          f"a request's logit_bias names each token at most once; lower engine.max_logit_bias")
 
 
 def check_host_buffers(cfg: Config) -> None:
@@ -505,17 +514,9 @@ class Engine:
             self._next_id += 1
         if request_id in self.output.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text = prompt if isinstance(prompt, str) else None
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
-        # bytes iterate as ints: b"hi" would silently run as token ids 104, 105.
-        if not isinstance(prompt, str) and not (isinstance(prompt, (list, tuple, np.ndarray)) and all(
-                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)):
-            raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
-        if isinstance(prompt, str) and not is_text(prompt):
-            raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
-                                      "prompt")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        text, ids = prompt_text_and_ids(prompt, self.tokenizer)
         validate_request(ids, params, self.limits, priority)
         self._admission_control(len(ids), params.n)
         new_constraint = self._constraint_factory(params)
@@ -870,8 +871,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """`lora`: the LoRA adapter (a loaded one's name, as a request's `model` names it) every prompt runs
         with, or one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or (isinstance(prompts, _PROMPT_LISTS) and len(prompts)
-                                        and isinstance(prompts[0], numbers.Integral)):
+        if isinstance(prompts, (str, EncodedText)) or (isinstance(prompts, _PROMPT_LISTS) and len(prompts)
+                                                       and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]  # one prompt, as text or token ids
         if not isinstance(prompts, _PROMPT_LISTS):
             raise InvalidRequestError(f"prompts must be a string, a list of token ids or a list of those, "

@@ -42,7 +42,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "include_stop_str_in_output": "include_stop_str_in_output is not supported: stop strings are never in the text",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
-    "add_special_tokens": "add_special_tokens is not supported",
+    "add_special_tokens": "add_special_tokens: true is not supported for chat, whose template writes the special "
+                          "tokens itself (a second BOS would follow); leave it out",
     "chat_template": "a per-request chat_template is not supported; start the server with server.chat_template",
     "documents": "documents are not supported",
     "echo": "echo is supported by /v1/completions only",

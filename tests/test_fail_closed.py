@@ -231,3 +231,28 @@ def test_docs_api_names_every_ignored_refused_and_honoured_value_field():
     doc = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "api.md")).read()
     missing = [f for f in sorted(IGNORED | set(NOT_SUPPORTED) | set(HONOURED_VALUES)) if f"`{f}" not in doc]
     assert not missing, f"docs/api.md does not list {missing}"
+
+
+def test_add_special_tokens_false_encodes_a_completions_text_prompt_without_bos_by_every_door(server):
+    """vLLM's field: a prompt that already holds its specials (a chat written by hand) gets no second BOS. Chat's
+    template writes them itself: true there is refused, naming the field."""
+    from jaxcb.config import compose_config
+    from jaxcb.prompts import EncodedText
+    from jaxcb.tokenizer import ByteTokenizer
+
+    url, state = server
+    counts = {}
+    for flag in (True, False):
+        r = post(url, "/v1/completions", {**COMPLETION, "echo": True, "add_special_tokens": flag})
+        assert r.status_code == 200, r.text
+        counts[flag] = r.json()["usage"]["prompt_tokens"]
+        assert r.json()["choices"][0]["text"].startswith("hi")  # echo gives the text back as sent
+    assert counts == {True: 3, False: 2}  # <bos> h i, then h i
+    r = post(url, "/v1/chat/completions", {**CHAT, "add_special_tokens": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens"
+    assert "template writes the special tokens" in r.json()["error"]["message"]
+    assert_nothing_queued(state)
+    ctx = JobContext(compose_config(()), tokenizer=ByteTokenizer(), max_model_len=64)
+    _, planned = plan_record(ctx, {"id": "a", "prompt": ["hi", "yo"], "add_special_tokens": False})
+    assert planned.prompts == [EncodedText("hi", (104, 105)), EncodedText("yo", (121, 111))]
+    assert plan_record(ctx, {"id": "a", "prompt": [1, 2], "add_special_tokens": False})[1].prompts == [[1, 2]]

@@ -43,7 +43,7 @@ from jaxcb.config import Config
 from jaxcb.distributed.ray_cluster import check_room, connect, import_ray, replica_options, wait_until_ready
 from jaxcb.distributed.replica_metrics import QUERY_TIMEOUT_S, ReplicaDashboard, RouterMetrics, await_ref
 from jaxcb.distributed.routing import make_chooser
-from jaxcb.engine import PromptType
+from jaxcb.prompts import PromptType, prompt_text_and_ids
 from jaxcb.errors import InvalidRequestError
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -271,7 +271,7 @@ class ReplicaRouter:
             raise InvalidRequestError(f"model {lora!r} is not served here: LoRA adapters are not served with "
                                       "server.backend=ray", "model")
         request_id = request_id or uuid.uuid4().hex
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        _, prompt_ids = prompt_text_and_ids(prompt, self.tokenizer)
         cost = _Cost(len(prompt_ids), params.n * params.max_tokens)
         tried: set[int] = set()
         while True:  # a replica found dead here has generated nothing yet: the next one may take the request

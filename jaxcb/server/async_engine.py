@@ -18,7 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional
 
-from jaxcb.engine import Engine, PromptType
+from jaxcb.engine import Engine
+from jaxcb.prompts import PromptType
 from jaxcb.errors import EngineDeadError  # noqa: F401  (the server's modules import it from here)
 from jaxcb.engine_stats import EngineStats
 from jaxcb.output import OutputKind

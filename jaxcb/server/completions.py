@@ -59,7 +59,8 @@ def plan_body(state: "ServerState", endpoint: str, body: Any) -> PlannedBody:
     if endpoint == COMPLETIONS:
         req = parse_request(CompletionRequest, body)
         check_model(state, req.model)
-        return PlannedBody(endpoint, req, plan_completion(req, state.client.sampling_defaults))
+        return PlannedBody(endpoint, req, plan_completion(req, state.client.sampling_defaults,
+                                                          tokenizer=state.client.tokenizer))
     assert endpoint == CHAT_COMPLETIONS, endpoint
     req = parse_request(ChatCompletionRequest, body)
     check_model(state, req.model)

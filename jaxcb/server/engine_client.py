@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, AsyncIterator, Optional, Protocol, runtime_checkable
 
 from jaxcb.config import Config
-from jaxcb.engine import Engine, PromptType
+from jaxcb.engine import Engine
+from jaxcb.prompts import PromptType
 from jaxcb.metrics import EngineMetrics
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_defaults import SamplingDefaults

@@ -89,6 +89,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Optional[int] = None  # null: 16 (OpenAI's), at most the model's max_new_tokens
     logprobs: Optional[int] = None
     echo: bool = False  # the prompt comes back before the completion (with its logprobs when logprobs is set)
+    add_special_tokens: bool = True  # false: a text prompt is encoded without the tokenizer's BOS (vLLM's field)
 
 
 class FunctionCall(_Strict):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from jaxcb.errors import InvalidRequestError
+from jaxcb.prompts import EncodedText, encode_text
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.chat import ChatPlan, plan_chat
@@ -26,7 +27,7 @@ from jaxcb.server.tool_parsers import ToolParser
 from jaxcb.structured.spec import StructuredOutputs, from_structured_outputs
 from jaxcb.tokenizer import Tokenizer
 
-Prompt = Union[str, list[int]]
+Prompt = Union[str, list[int], EncodedText]
 
 
 @dataclass
@@ -85,11 +86,17 @@ def _check_stream_options(req: Union[CompletionRequest, ChatCompletionRequest]) 
                                   "stream_options", "stream_options")
 
 
-def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFAULTS) -> PlannedRequest:
+def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFAULTS, *,
+                    tokenizer: Optional[Tokenizer] = None) -> PlannedRequest:
     """A /v1/completions body (or a job record with `prompt`) as engine requests; `defaults`: the model's for
-    the sampling fields it leaves out (`Engine.sampling_defaults`)."""
+    the sampling fields it leaves out (`Engine.sampling_defaults`); `tokenizer` encodes a text prompt sent
+    with add_special_tokens=false (with true, the engine encodes it)."""
     _check_stream_options(req)
     prompts = _prompts(req.prompt)
+    if not req.add_special_tokens:
+        if tokenizer is None:
+            raise ValueError("add_special_tokens=false needs the tokenizer to encode the prompt")
+        prompts = [encode_text(p, tokenizer, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
     structured: Optional[StructuredOutputs] = (
         from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
     _check_timeout(req.timeout)

@@ -1,0 +1,55 @@
+"""What a request's prompt may be: text (encoded with the tokenizer's special tokens, as
+transformers' `tokenizer(text)` encodes it and /v1/completions by default), token ids, or
+`EncodedText`: text encoded some other way (a completions body's `add_special_tokens: false`),
+served as its ids and kept as the request's prompt text (echo gives it back as sent). No jax."""
+
+from __future__ import annotations
+
+import numbers
+from collections import abc
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import numpy as np
+
+from jaxcb.errors import InvalidRequestError
+from jaxcb.request_fields import is_text
+from jaxcb.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class EncodedText:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+PromptType = Union[str, abc.Sequence[int], EncodedText]
+
+
+def encode_text(text: str, tokenizer: Tokenizer, add_special_tokens: bool) -> Union[str, EncodedText]:
+    """`text` as the engine takes it: the text itself when the tokenizer's own encoding (with special
+    tokens) is wanted, else encoded here without them."""
+    if add_special_tokens:
+        return text
+    _check_text(text)
+    return EncodedText(text, tuple(tokenizer.encode(text, add_special_tokens=False)))
+
+
+def prompt_text_and_ids(prompt: PromptType, tokenizer: Tokenizer) -> tuple[Optional[str], list[int]]:
+    """(the prompt's text or None for token ids, its token ids); InvalidRequestError naming `prompt` for
+    anything else (bytes iterate as ints: b"hi" would silently run as token ids 104, 105)."""
+    if isinstance(prompt, EncodedText):
+        return prompt.text, list(prompt.token_ids)
+    if isinstance(prompt, str):
+        _check_text(prompt)
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple, np.ndarray)) and all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        return None, [int(t) for t in prompt]
+    raise InvalidRequestError("prompt must be a string or a list of token ids", "prompt")
+
+
+def _check_text(text: str) -> None:
+    if not is_text(text):
+        raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
+                                  "prompt")
