@@ -9,8 +9,9 @@ token, in Rust for HF tokenizers) does it where it has one; windows decoded here
 
 Text grows only by whole characters: a token that ends inside a multi-byte character (the
 window's text ends in U+FFFD) is held back until the character completes. Stop strings are
-searched in the text; the text never includes one (it is cut where the stop string starts), and
-`stream_text` holds back any tail that could still become the start of one.
+searched in the text; the text is cut where the stop string starts (or, with
+`include_stop_str_in_output`, where it ends), and `stream_text` holds back any tail that could
+still become the start of one.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ log = logging.getLogger(__name__)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool = True,
+                 include_stop_str: bool = False):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop_str = include_stop_str
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.text = ""
@@ -97,7 +100,7 @@ class IncrementalDetokenizer:
         if not hits:
             return None
         index, stop = min(hits)
-        self.text = self.text[:index]
+        self.text = self.text[: index + len(stop) if self.include_stop_str else index]
         self.stopped = True
         return stop
 

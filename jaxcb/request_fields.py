@@ -39,7 +39,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "logits_processors": "logits_processors are not supported",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported; send a prompt that fits max_model_len",
-    "include_stop_str_in_output": "include_stop_str_in_output is not supported: stop strings are never in the text",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "add_special_tokens": "add_special_tokens: true is not supported for chat, whose template writes the special "
@@ -60,7 +59,6 @@ NOT_SUPPORTED: dict[str, str] = {
 }
 # Fields accepted when their value is what jaxcb does anyway (the OpenAI and vLLM defaults).
 HONOURED_VALUES: dict[str, tuple[Any, ...]] = {
-    "include_stop_str_in_output": (False,),
     "spaces_between_special_tokens": (True,),
     "echo": (False,),
     "best_of": (None, 1),

@@ -34,7 +34,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once from tokens already generated
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     seed: Optional[int] = None  # same seed -> same tokens, whatever else is in the batch
-    stop: list[str] = field(default_factory=list)  # stop strings (not included in the text)
+    stop: list[str] = field(default_factory=list)  # stop strings (cut from the text, unless the next is true)
+    include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it (vLLM's field)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # False: special tokens (a Mistral model's [TOOL_CALLS]) are in the text; the EOS or stop token
@@ -69,6 +70,9 @@ class SamplingParams:
             setattr(self, name, float(value))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos={self.ignore_eos!r} must be true or false", "ignore_eos")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequestError(f"include_stop_str_in_output={self.include_stop_str_in_output!r} must be true "
+                                      "or false", "include_stop_str_in_output")
         if not isinstance(self.skip_special_tokens, bool):
             raise InvalidRequestError(f"skip_special_tokens={self.skip_special_tokens!r} must be true or false",
                                       "skip_special_tokens")

@@ -4,8 +4,8 @@ from jaxcb.detokenizer import IncrementalDetokenizer
 from jaxcb.tokenizer import ByteTokenizer
 
 
-def feed(text_bytes: bytes, stop=()):
-    detok = IncrementalDetokenizer(ByteTokenizer(), list(stop))
+def feed(text_bytes: bytes, stop=(), include_stop_str=False):
+    detok = IncrementalDetokenizer(ByteTokenizer(), list(stop), include_stop_str=include_stop_str)
     seen = []
     for b in text_bytes:
         hit = detok.add_token(b)
@@ -25,6 +25,11 @@ def test_multibyte_characters_appear_only_when_complete():
 def test_stop_string_is_cut_and_generation_stops():
     detok, _ = feed(b"hello world, goodbye", stop=["wor"])
     assert detok.stopped and detok.text == "hello "
+
+
+def test_with_include_stop_str_the_text_ends_with_the_stop_string_that_ended_it():
+    detok, _ = feed(b"hello world, goodbye", stop=["d,", "wor"], include_stop_str=True)
+    assert detok.stopped and detok.text == "hello wor"
 
 
 def test_stream_text_holds_back_a_possible_stop_prefix():

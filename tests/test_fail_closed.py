@@ -256,3 +256,28 @@ def test_add_special_tokens_false_encodes_a_completions_text_prompt_without_bos_
     _, planned = plan_record(ctx, {"id": "a", "prompt": ["hi", "yo"], "add_special_tokens": False})
     assert planned.prompts == [EncodedText("hi", (104, 105)), EncodedText("yo", (121, 111))]
     assert plan_record(ctx, {"id": "a", "prompt": [1, 2], "add_special_tokens": False})[1].prompts == [[1, 2]]
+
+
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_by_every_door(server):
+    url, _ = server
+    body = {**COMPLETION, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    assert len(whole) >= 4, whole
+    stop = whole[len(whole) // 2: len(whole) // 2 + 2]
+    cut = whole.index(stop)
+    for include, want in ((False, whole[:cut]), (True, whole[:cut + len(stop)])):
+        for stream in (False, True):
+            r = post(url, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": include,
+                                              "stream": stream})
+            assert r.status_code == 200, r.text
+            if stream:
+                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            else:
+                text = r.json()["choices"][0]["text"]
+            assert text == want, (include, stream)
+    from jaxcb.config import compose_config
+
+    ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
+    _, planned = plan_record(ctx, {"id": "a", "prompt": "hi", "stop": "x", "include_stop_str_in_output": True})
+    assert planned.params.include_stop_str_in_output

@@ -70,6 +70,7 @@ class _SamplingFields(_Strict):
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None
     priority: int = 0
@@ -223,6 +224,7 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
         frequency_penalty=req.frequency_penalty or 0.0,
         seed=req.seed,
         stop=stop,
+        include_stop_str_in_output=req.include_stop_str_in_output,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
