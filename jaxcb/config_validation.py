@@ -21,6 +21,7 @@ from jaxcb.config import (
     ConfigError,
     DistributedConfig,
     ModelConfig,
+    RopeScalingConfig,
     ServerConfig,
     SpeculativeConfig,
     resolve_draft_model,
@@ -35,6 +36,11 @@ def require(ok: bool, message: str) -> None:
 def validate_batch_and_tracing_config(srv: ServerConfig) -> None:
     """server.batch_dir, server.max_file_bytes (/v1/files, /v1/batches) and server.otlp_endpoint (tracing)."""
     require(bool(srv.batch_dir), "server.batch_dir must name a folder for /v1/files and /v1/batches")
+    found = os.path.abspath(srv.batch_dir)  # made by the first upload: what is already there must be a folder
+    while not os.path.exists(found) and os.path.dirname(found) != found:
+        found = os.path.dirname(found)
+    require(os.path.isdir(found), f"server.batch_dir={srv.batch_dir} cannot be a folder: {found} is a file; give a "
+                                  f"folder for /v1/files and /v1/batches")
     require(srv.max_file_bytes >= srv.max_request_bytes,
             f"server.max_file_bytes={srv.max_file_bytes} must be >= server.max_request_bytes={srv.max_request_bytes} "
             "(a batch file holds request bodies)")
@@ -43,6 +49,22 @@ def validate_batch_and_tracing_config(srv: ServerConfig) -> None:
                                  and len(endpoint.split("://", 1)[1]) > 0),
             f"server.otlp_endpoint={endpoint!r} must be an http:// or https:// URL of an OTLP/HTTP collector "
             "(e.g. http://127.0.0.1:4318/v1/traces), or null for no tracing")
+
+
+def validate_text_fields(cfg: Config) -> None:
+    """The text knobs that an empty string would silently turn into something else: a default, every network
+    interface, or a key that guards nothing."""
+    for where, value, instead in (
+        ("model.name", cfg.model.name, "a name (the served model's, unless server.served_model_name is set)"),
+        ("engine.compilation_cache_dir", cfg.engine.compilation_cache_dir, "a folder, or null for ~/.cache/jaxcb/xla"),
+        ("server.host", cfg.server.host, "the address to listen on (127.0.0.1: this machine only; 0.0.0.0: every "
+                                         "interface)"),
+        ("server.served_model_name", cfg.server.served_model_name,
+         "the name requests give, or null for model.name (the checkpoint's folder for model=hf)"),
+        ("server.api_key", cfg.server.api_key, "a key, or null to serve /v1/* without one"),
+        ("ray.address", cfg.ray.address, "auto or ray://HOST:10001 to join a cluster, or null to start one here"),
+    ):
+        require(value is None or value.strip() != "", f"{where}={value!r} is empty; give {instead}")
 
 
 def _non_finite(node: Any, path: str = "") -> list[str]:
@@ -65,6 +87,7 @@ def validate_config(cfg: Config) -> None:
     bad = _non_finite(cfg)
     require(not bad, f"{', '.join(bad)}: not a finite number; give a number (or null where the field takes none)")
     validate_model_config(cfg.model)
+    validate_text_fields(cfg)
     c, s, e, srv = cfg.cache, cfg.scheduler, cfg.engine, cfg.server
     require(
         c.block_size in SUPPORTED_BLOCK_SIZES,
@@ -450,6 +473,8 @@ def validate_model_config(m: ModelConfig, group: str = "model") -> None:
               "max_position_embeddings"):
         v = getattr(m, f)
         require(v is None or v >= 1, f"{p}{f}={v} must be >= 1")
+    require(m.head_dim is None or m.head_dim % 2 == 0,
+            f"{p}head_dim={m.head_dim} must be even: RoPE rotates each head's dimensions in pairs")
     # One token id could only ever be sampled: the smallest vocabulary sampling draws from is two.
     require(m.vocab_size is None or m.vocab_size >= 2, f"{p}vocab_size={m.vocab_size} must be >= 2")
     # Null: the checkpoint's, else Llama's; 0 is what a checkpoint without one reads as (no cap, head_dim's
@@ -466,6 +491,9 @@ def validate_model_config(m: ModelConfig, group: str = "model") -> None:
         or os.path.isfile(os.path.join(m.generation_config, "generation_config.json"))),
         f"{p}generation_config={m.generation_config!r} must be auto (the checkpoint's generation_config.json or "
         f"GGUF sampling keys), none (jaxcb's own defaults) or a directory holding a generation_config.json")
+    negative = [t for t in m.eos_token_ids or () if t < 0]
+    require(not negative, f"{p}eos_token_ids={list(m.eos_token_ids or ())} holds {negative}: token ids are >= 0, and a "
+                          f"negative one is never drawn; drop it")
     require(m.bos_token_id is None,
             f"{p}bos_token_id={m.bos_token_id} is not read: the tokenizer's own BOS is used (tokenizer_config.json's "
             f"bos_token, and whether it adds one); drop {p}bos_token_id")
@@ -493,6 +521,27 @@ def validate_model_config(m: ModelConfig, group: str = "model") -> None:
             f"{p}rope_scaling.rope_type={m.rope_scaling.rope_type!r} is not supported; use 'llama3', 'yarn', "
             f"'linear' or set {p}rope_scaling=null",
         )
+        validate_rope_scaling(m.rope_scaling, f"{p}rope_scaling")
+
+
+def validate_rope_scaling(r: RopeScalingConfig, where: str) -> None:
+    """The ranges the RoPE frequencies are computed in (model/llama.py: rope_inv_freq): a value outside them
+    divides by zero or takes the log of a non-positive number, or gives frequencies of NaN."""
+    require(r.factor > 0, f"{where}.factor={r.factor} must be > 0 (the context's stretch; 1: none)")
+    if r.rope_type in ("llama3", "yarn"):
+        require(r.original_max_position_embeddings >= 1,
+                f"{where}.original_max_position_embeddings={r.original_max_position_embeddings} must be >= 1 (the "
+                f"context the model was trained on)")
+    if r.rope_type == "llama3":
+        require(0 < r.low_freq_factor < r.high_freq_factor,
+                f"{where}.low_freq_factor={r.low_freq_factor} and high_freq_factor={r.high_freq_factor} must satisfy "
+                f"0 < low_freq_factor < high_freq_factor (Llama 3.1's: 1 and 4)")
+    if r.rope_type == "yarn":
+        require(0 < r.beta_slow <= r.beta_fast,
+                f"{where}.beta_fast={r.beta_fast} and beta_slow={r.beta_slow} must satisfy 0 < beta_slow <= beta_fast "
+                f"(rotations; YaRN's: 32 and 1)")
+        require(r.attention_factor is None or r.attention_factor > 0,
+                f"{where}.attention_factor={r.attention_factor} must be > 0, or null (0.1 ln(factor) + 1)")
 
 
 def validate_lora_config(cfg: Config) -> None:

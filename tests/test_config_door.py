@@ -1,0 +1,66 @@
+"""Bad values found by trying every knob of every group: each is refused at start-up with a sentence
+naming the knob, not a traceback from deep inside the engine or a value silently taken as another."""
+
+import pytest
+
+from engine_factory import BASE
+from jaxcb.config import ConfigError, compose_config
+
+
+@pytest.mark.parametrize("override, message", [
+    # Divisions by zero, logs of a non-positive number or NaN frequencies in the RoPE tables.
+    ("model.rope_scaling={rope_type:llama3,factor:0}", r"^model\.rope_scaling\.factor=0\.0 must be > 0"),
+    ("model.rope_scaling={rope_type:linear,factor:-2}", r"^model\.rope_scaling\.factor=-2\.0 must be > 0"),
+    ("model.rope_scaling={rope_type:llama3,low_freq_factor:0}",
+     r"^model\.rope_scaling\.low_freq_factor=0\.0 and high_freq_factor=4\.0 must satisfy 0 < low_freq_factor"),
+    ("model.rope_scaling={rope_type:llama3,low_freq_factor:4,high_freq_factor:4}",
+     r"^model\.rope_scaling\.low_freq_factor=4\.0 and high_freq_factor=4\.0 must satisfy"),
+    ("model.rope_scaling={rope_type:yarn,original_max_position_embeddings:0}",
+     r"^model\.rope_scaling\.original_max_position_embeddings=0 must be >= 1"),
+    ("model.rope_scaling={rope_type:yarn,beta_fast:0,beta_slow:0}",
+     r"^model\.rope_scaling\.beta_fast=0\.0 and beta_slow=0\.0 must satisfy 0 < beta_slow <= beta_fast"),
+    ("model.rope_scaling={rope_type:yarn,beta_fast:1,beta_slow:32}",
+     r"^model\.rope_scaling\.beta_fast=1\.0 and beta_slow=32\.0 must satisfy 0 < beta_slow <= beta_fast"),
+    ("model.rope_scaling={rope_type:yarn,attention_factor:0}",
+     r"^model\.rope_scaling\.attention_factor=0\.0 must be > 0, or null"),
+    # The packed matmul's RoPE refused it with a ValueError at the first compile.
+    ("model.head_dim=15", r"^model\.head_dim=15 must be even"),
+    # A negative end-of-sequence id is never drawn: it was taken without a word.
+    ("model.eos_token_ids=[257,-1]", r"^model\.eos_token_ids=\[257, -1\] holds \[-1\]: token ids are >= 0"),
+])
+def test_a_model_knob_out_of_its_range_is_refused_naming_it(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_config(BASE + (override,))
+
+
+def test_the_draft_models_rope_scaling_is_checked_as_the_served_models_is():
+    with pytest.raises(ConfigError, match=r"^speculative\.draft_model's rope_scaling\.beta_fast=0\.0 and beta_slow"):
+        compose_config(BASE + ("speculative.method=draft",
+                               "speculative.draft_model={name:tiny,rope_scaling:{rope_type:yarn,beta_fast:0,beta_slow:0}}"))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.name=", r"^model\.name='' is empty; give a name"),
+    ("engine.compilation_cache_dir=", r"^engine\.compilation_cache_dir='' is empty; give a folder, or null"),
+    ("server.host=", r"^server\.host='' is empty; give the address to listen on"),
+    ("server.served_model_name=", r"^server\.served_model_name='' is empty; give the name requests give, or null"),
+    ("server.api_key=", r"^server\.api_key='' is empty; give a key, or null"),
+    ("ray.address=", r"^ray\.address='' is empty; give auto or ray://HOST:10001"),
+])
+def test_an_empty_text_knob_is_refused_naming_it_not_taken_as_its_default(override, message):
+    with pytest.raises(ConfigError, match=message):
+        compose_config(BASE + (override,))
+
+
+def test_a_batch_dir_under_a_file_is_refused_naming_it_not_a_500_at_the_first_upload(tmp_path):
+    (tmp_path / "notes").write_text("a file, not a folder")
+    with pytest.raises(ConfigError, match=r"^server\.batch_dir=.*/notes/batches cannot be a folder: .*/notes is a file"):
+        compose_config(BASE + (f"server.batch_dir={tmp_path}/notes/batches",))
+
+
+def test_the_values_next_to_the_refused_ones_still_start():
+    from jaxcb.engine import Engine
+
+    Engine(compose_config(BASE + ("engine.max_stop_token_ids=259", "engine.max_logit_bias=300",
+                                  "model.rope_scaling={rope_type:yarn,factor:4,beta_fast:1,beta_slow:1}",
+                                  "server.host=0.0.0.0", "server.api_key=k")), compile_buckets=False, progress=False)
