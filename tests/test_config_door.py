@@ -58,6 +58,20 @@ def test_a_batch_dir_under_a_file_is_refused_naming_it_not_a_500_at_the_first_up
         compose_config(BASE + (f"server.batch_dir={tmp_path}/notes/batches",))
 
 
+@pytest.mark.parametrize("override, message", [
+    # Each widens every step's sampler inputs: a huge one ran out of memory (numpy's MemoryError) at the first step.
+    ("engine.max_stop_token_ids=1000000000000",
+     r"^engine\.max_stop_token_ids=1000000000000 must be <= the model's vocabulary of 259 tokens"),
+    ("engine.max_logit_bias=1000000000000",
+     r"^engine\.max_logit_bias=1000000000000 must be <= the model's vocabulary of 259 tokens .*, or 300"),
+])
+def test_a_sampler_width_past_the_vocabulary_is_refused_at_start_up_naming_it(override, message):
+    from jaxcb.engine import Engine
+
+    with pytest.raises(ConfigError, match=message):
+        Engine(compose_config(BASE + (override,)), compile_buckets=False, progress=False)
+
+
 def test_the_values_next_to_the_refused_ones_still_start():
     from jaxcb.engine import Engine
 
