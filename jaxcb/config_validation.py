@@ -145,6 +145,11 @@ def validate_config(cfg: Config) -> None:
         f"scheduler.long_prefill_token_threshold={s.long_prefill_token_threshold} must be >= 1, or null for no cap",
     )
     require(
+        s.long_prefill_token_threshold is None or s.enable_chunked_prefill,
+        f"scheduler.long_prefill_token_threshold={s.long_prefill_token_threshold} splits prefills into chunks, but "
+        f"scheduler.enable_chunked_prefill=false runs each whole in one step; drop one of them",
+    )
+    require(
         s.max_num_partial_prefills >= 1,
         f"scheduler.max_num_partial_prefills={s.max_num_partial_prefills} must be >= 1",
     )

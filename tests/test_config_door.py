@@ -52,6 +52,13 @@ def test_an_empty_text_knob_is_refused_naming_it_not_taken_as_its_default(overri
         compose_config(BASE + (override,))
 
 
+def test_a_prefill_chunk_cap_with_chunked_prefill_off_is_refused_naming_both():
+    # The cap chunked the prompts that enable_chunked_prefill=false was set to run whole.
+    with pytest.raises(ConfigError, match=r"^scheduler\.long_prefill_token_threshold=16 splits prefills into chunks, "
+                                          r"but scheduler\.enable_chunked_prefill=false"):
+        compose_config(BASE + ("scheduler.enable_chunked_prefill=false", "scheduler.long_prefill_token_threshold=16"))
+
+
 def test_a_batch_dir_under_a_file_is_refused_naming_it_not_a_500_at_the_first_upload(tmp_path):
     (tmp_path / "notes").write_text("a file, not a folder")
     with pytest.raises(ConfigError, match=r"^server\.batch_dir=.*/notes/batches cannot be a folder: .*/notes is a file"):
