@@ -38,7 +38,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "logits_processors": "logits_processors are not supported",
-    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported; send a prompt that fits max_model_len",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "add_special_tokens": "add_special_tokens: true is not supported for chat, whose template writes the special "

@@ -281,3 +281,27 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_by_every_
     ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
     _, planned = plan_record(ctx, {"id": "a", "prompt": "hi", "stop": "x", "include_stop_str_in_output": True})
     assert planned.params.include_stop_str_in_output
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_by_every_door(server):
+    """vLLM's field: the last k tokens of the prompt (of the rendered chat too); -1 keeps engine.max_model_len of them."""
+    from jaxcb.config import compose_config
+    from jaxcb.tokenizer import ByteTokenizer
+
+    url, state = server
+    long = "abcdefghij" * 30  # 301 tokens with <bos>: more than the tiny server's max_model_len
+    for path, body in (("/v1/completions", {**COMPLETION, "prompt": long, "echo": True}),
+                       ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": long}]})):
+        assert post(url, path, body).status_code == 400  # too long without it
+        r = post(url, path, {**body, "truncate_prompt_tokens": 20})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 20
+        if "prompt" in body:  # echo gives back the text the model read: the prompt's last 20 characters
+            assert r.json()["choices"][0]["text"].startswith(long[-20:])
+        for bad in (0, -2, state.client.max_model_len + 1):
+            r = post(url, path, {**body, "truncate_prompt_tokens": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+    assert_nothing_queued(state)
+    ctx = JobContext(compose_config(()), tokenizer=ByteTokenizer(), max_model_len=8)
+    for prompt, kept in (("hi", "hi"), (list(range(1, 10)), list(range(2, 10))), ("abcdefghi", list(b"bcdefghi"))):
+        assert plan_record(ctx, {"id": "a", "prompt": prompt, "truncate_prompt_tokens": -1})[1].prompts == [kept]

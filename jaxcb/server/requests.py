@@ -87,21 +87,43 @@ def _check_stream_options(req: Union[CompletionRequest, ChatCompletionRequest]) 
 
 
 def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFAULTS, *,
-                    tokenizer: Optional[Tokenizer] = None) -> PlannedRequest:
+                    tokenizer: Optional[Tokenizer] = None, max_model_len: Optional[int] = None) -> PlannedRequest:
     """A /v1/completions body (or a job record with `prompt`) as engine requests; `defaults`: the model's for
     the sampling fields it leaves out (`Engine.sampling_defaults`); `tokenizer` encodes a text prompt sent
-    with add_special_tokens=false (with true, the engine encodes it)."""
+    with add_special_tokens=false or truncate_prompt_tokens (otherwise the engine encodes it), whose -1
+    means `max_model_len`."""
     _check_stream_options(req)
     prompts = _prompts(req.prompt)
-    if not req.add_special_tokens:
-        if tokenizer is None:
-            raise ValueError("add_special_tokens=false needs the tokenizer to encode the prompt")
-        prompts = [encode_text(p, tokenizer, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
+    if not req.add_special_tokens or req.truncate_prompt_tokens is not None:
+        if tokenizer is None or max_model_len is None:
+            raise ValueError("add_special_tokens=false and truncate_prompt_tokens need the tokenizer and max_model_len")
+        prompts = [encode_text(p, tokenizer, req.add_special_tokens) if isinstance(p, str) else p for p in prompts]
+    if req.truncate_prompt_tokens is not None:
+        keep = _tokens_to_keep(req.truncate_prompt_tokens, max_model_len)
+        prompts = [_last_tokens(p, keep, tokenizer) for p in prompts]
     structured: Optional[StructuredOutputs] = (
         from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
     _check_timeout(req.timeout)
     params = sampling_params(req, req.max_tokens, req.logprobs, structured, defaults)
     return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout, model=req.model)
+
+
+def _tokens_to_keep(truncate_prompt_tokens: int, max_model_len: int) -> int:
+    """vLLM's truncate_prompt_tokens: a prompt's last k tokens (-1: as many as engine.max_model_len)."""
+    k = truncate_prompt_tokens
+    if k == -1:
+        return max_model_len
+    if not 1 <= k <= max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens={k} must be -1 (the last engine.max_model_len={max_model_len} "
+                                  f"tokens) or from 1 to {max_model_len}", "truncate_prompt_tokens")
+    return k
+
+
+def _last_tokens(prompt: Prompt, keep: int, tokenizer: Tokenizer) -> Prompt:
+    """The prompt's last `keep` tokens: token ids once cut (echo then gives back the text the model read)."""
+    ids = list(prompt.token_ids) if isinstance(prompt, EncodedText) else (
+        tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
+    return prompt if len(ids) <= keep else ids[-keep:]
 
 
 def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,
@@ -116,6 +138,8 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
                                   "disagree; give one (max_completion_tokens is OpenAI's current name)",
                                   "max_completion_tokens")
     plan = plan_chat(req, tokenizer, parser, tool_prompt_fallback, reasoning, structured_in_reasoning)
+    if req.truncate_prompt_tokens is not None:  # the rendered conversation's last tokens, as vLLM cuts it
+        plan.prompt_ids = plan.prompt_ids[-_tokens_to_keep(req.truncate_prompt_tokens, max_model_len):]
     renamed = {}
     if req.max_completion_tokens is not None:
         max_tokens, renamed["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
