@@ -348,6 +348,10 @@ def validate_distributed_config(d: DistributedConfig) -> None:
         f"num_processes and process_id (or none of them, for one host)",
     )
     if not unset:
+        host, _, port = d.coordinator_address.rpartition(":")
+        require(host.strip() != "" and port.isdigit() and 1 <= int(port) <= 65535,
+                f"engine.distributed.coordinator_address={d.coordinator_address!r} must be HOST:PORT (process 0's "
+                f"address and a port in 1..65535, e.g. 10.0.0.1:1234), the same on every host")
         require(d.num_processes >= 1, f"engine.distributed.num_processes={d.num_processes} must be >= 1")
         require(
             0 <= d.process_id < d.num_processes,

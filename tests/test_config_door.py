@@ -59,6 +59,14 @@ def test_a_prefill_chunk_cap_with_chunked_prefill_off_is_refused_naming_both():
         compose_config(BASE + ("scheduler.enable_chunked_prefill=false", "scheduler.long_prefill_token_threshold=16"))
 
 
+@pytest.mark.parametrize("address", ["nohost", "", "127.0.0.1:0", ":1234", "host:99999"])
+def test_a_coordinator_address_that_is_not_host_and_port_is_refused_naming_it(address):
+    # JAX answered an IndexError (no port), a ValueError (empty), or waited minutes to reach port 0.
+    with pytest.raises(ConfigError, match=r"^engine\.distributed\.coordinator_address=.* must be HOST:PORT"):
+        compose_config(BASE + (f"engine.distributed.coordinator_address={address}",
+                               "engine.distributed.num_processes=1", "engine.distributed.process_id=0"))
+
+
 def test_a_batch_dir_under_a_file_is_refused_naming_it_not_a_500_at_the_first_upload(tmp_path):
     (tmp_path / "notes").write_text("a file, not a folder")
     with pytest.raises(ConfigError, match=r"^server\.batch_dir=.*/notes/batches cannot be a folder: .*/notes is a file"):
