@@ -218,11 +218,12 @@ def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
                     if key in message:
                         choice[key] = message[key]
                 if req.logprobs:
-                    choice["logprobs"] = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0)
+                    choice["logprobs"] = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0,
+                                                           req.return_tokens_as_token_ids)
             elif req.logprobs is not None:
-                choice["logprobs"] = fmt.completion_logprobs(tok, shown, 0, 0, skip)
+                choice["logprobs"] = fmt.completion_logprobs(tok, shown, 0, 0, skip, req.return_tokens_as_token_ids)
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
             choices.append(choice)
     usage = {"prompt_tokens": sum(len(o.prompt_token_ids) for o in rec.outputs),
              "completion_tokens": sum(len(c.token_ids) for o in rec.outputs for c in o.outputs)}

@@ -39,7 +39,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "logits_processors": "logits_processors are not supported",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "add_special_tokens": "add_special_tokens: true is not supported for chat, whose template writes the special "
                           "tokens itself (a second BOS would follow); leave it out",
     "chat_template": "a per-request chat_template is not supported; start the server with server.chat_template",
@@ -63,7 +62,6 @@ HONOURED_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "use_beam_search": (False,),
     "add_special_tokens": (False,),
-    "return_tokens_as_token_ids": (False,),
     "refusal": (None,),
 }
 

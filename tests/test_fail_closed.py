@@ -305,3 +305,35 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_by_every_door(serv
     ctx = JobContext(compose_config(()), tokenizer=ByteTokenizer(), max_model_len=8)
     for prompt, kept in (("hi", "hi"), (list(range(1, 10)), list(range(2, 10))), ("abcdefghi", list(b"bcdefghi"))):
         assert plan_record(ctx, {"id": "a", "prompt": prompt, "truncate_prompt_tokens": -1})[1].prompts == [kept]
+
+
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_by_every_door(server):
+    url, _ = server
+    for stream in (False, True):
+        r = post(url, "/v1/completions", {**COMPLETION, "logprobs": 2, "stream": stream,
+                                          "return_tokens_as_token_ids": True})
+        chunks = ([json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream
+                  else [r.json()])
+        choices = [c for chunk in chunks for c in chunk["choices"]]
+        tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        tops = [k for c in choices if c["logprobs"] for top in c["logprobs"]["top_logprobs"] for k in top]
+        assert len(tokens) == 2 and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens + tops)
+        r = post(url, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "stream": stream,
+                                               "return_tokens_as_token_ids": True})
+        chunks = ([json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream
+                  else [r.json()])
+        content = [e for chunk in chunks for c in chunk["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+        assert len(content) == 2 and all(e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
+                                         and all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
+                                         for e in content)
+    from types import SimpleNamespace
+
+    from jaxcb.config import compose_config
+    from jaxcb.server import openai_format as fmt
+    from jaxcb.tokenizer import ByteTokenizer
+
+    out = SimpleNamespace(prompt_logprobs=[None, {104: -1.0}])  # prompt logprobs name tokens alike (no variant here)
+    assert fmt.prompt_logprobs(ByteTokenizer(), out, True) == [None, {"104": {"logprob": -1.0,
+                                                                           "decoded_token": "token_id:104"}}]
+    ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
+    assert plan_record(ctx, {"id": "a", "prompt": "hi", "return_tokens_as_token_ids": True})[0].return_tokens_as_token_ids

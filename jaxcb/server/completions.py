@@ -109,17 +109,19 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
                 n = reasoning_tokens(body.planned.chat, tok, c.token_ids, c.text)
                 thought = None if n is None else (thought or 0) + n
                 message, finish = assistant_message(body.planned.chat, c.text, fmt.finish_reason(c))
-                logprobs = fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0) if req.logprobs else None
+                logprobs = (fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0, req.return_tokens_as_token_ids)
+                            if req.logprobs else None)
                 choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}
             else:
                 if req.echo:  # the prompt, then the completion, as one text (and one logprobs list)
                     c = fmt.echo_output(tok, out, c, req.skip_special_tokens).followed_by(c)
-                logprobs = (fmt.completion_logprobs(tok, c, 0, 0, req.skip_special_tokens)
+                logprobs = (fmt.completion_logprobs(tok, c, 0, 0, req.skip_special_tokens,
+                                                    req.return_tokens_as_token_ids)
                             if req.logprobs is not None else None)
                 choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
                           "finish_reason": fmt.finish_reason(c)}
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
             choices.append(choice)
     if body.is_chat:
         return fmt.chat_response(rid, req.model, choices, *usage_of(finals), reasoning_tokens=thought)

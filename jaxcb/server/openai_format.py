@@ -33,27 +33,32 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
     return out
 
 
+def token_label(tok: Tokenizer, token: int, as_id: bool = False) -> str:
+    """How logprobs name a token: its text (a special token by its name), or with vLLM's
+    return_tokens_as_token_ids "token_id:N", which says which token even where texts coincide."""
+    return f"token_id:{token}" if as_id else tok.decode([token], skip_special_tokens=False)
+
+
 def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_offset: int,
-                        skip_special_tokens: bool = True) -> dict[str, Any]:
+                        skip_special_tokens: bool = True, as_ids: bool = False) -> dict[str, Any]:
     """Legacy completions logprobs for tokens start..: tokens, token_logprobs, top_logprobs, text_offset.
-    A token's string names a special token always; its offset advances by what it puts in the text,
-    which holds special tokens only with skip_special_tokens=false."""
+    A token's string names a special token always (`token_label`); its offset advances by what it puts in
+    the text, which holds special tokens only with skip_special_tokens=false."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
     for token, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-        text = tok.decode([token], skip_special_tokens=False)
-        tokens.append(text)
+        tokens.append(token_label(tok, token, as_ids))
         token_lps.append(lps.get(token))
-        tops.append({tok.decode([t], skip_special_tokens=False): lp for t, lp in lps.items()})
+        tops.append({token_label(tok, t, as_ids): lp for t, lp in lps.items()})
         offsets.append(offset)
-        offset += len(text) if not skip_special_tokens else len(tok.decode([token], skip_special_tokens=True))
+        offset += len(tok.decode([token], skip_special_tokens=skip_special_tokens))
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def prompt_logprobs(tok: Tokenizer, out) -> list[Optional[dict[str, Any]]]:
+def prompt_logprobs(tok: Tokenizer, out, as_ids: bool = False) -> list[Optional[dict[str, Any]]]:
     """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, decoded_token}}."""
     return [None if entry is None else {
-        str(t): {"logprob": lp, "decoded_token": tok.decode([t], skip_special_tokens=False)} for t, lp in entry.items()
+        str(t): {"logprob": lp, "decoded_token": token_label(tok, t, as_ids)} for t, lp in entry.items()
     } for entry in out.prompt_logprobs]
 
 
@@ -71,11 +76,11 @@ def echo_output(tok: Tokenizer, out, c: CompletionOutput, skip_special_tokens: b
     return CompletionOutput(c.index, text, list(out.prompt_token_ids), None, logprobs)
 
 
-def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, top_n: int) -> dict[str, Any]:
+def chat_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, top_n: int, as_ids: bool = False) -> dict[str, Any]:
     content = []
     for token, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
         def entry(t, lp):
-            text = tok.decode([t], skip_special_tokens=False)
+            text = token_label(tok, t, as_ids)
             return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
         top = sorted(lps.items(), key=lambda kv: -kv[1])[:top_n]

@@ -71,6 +71,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's field)
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: only the prompt's last k tokens (-1: engine.max_model_len)
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None

@@ -180,12 +180,12 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
             if first and req.echo:  # the prompt leads the choice's first chunk
                 c = fmt.echo_output(tok, out, c, req.skip_special_tokens).followed_by(c)
             t0 = sent_text.get(key, 0)
-            logprobs = (fmt.completion_logprobs(tok, c, 0, t0, req.skip_special_tokens)
+            logprobs = (fmt.completion_logprobs(tok, c, 0, t0, req.skip_special_tokens, req.return_tokens_as_token_ids)
                         if req.logprobs is not None else None)
             sent_text[key] = t0 + len(c.text)
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             if first and req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
             yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [choice]))
         if out.finished:
             finals[p_idx] = out
@@ -250,14 +250,14 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             delta, calls = _chat_delta(plan, streamers, c.index, c.text, done)
             if calls:
                 called.add(c.index)
-            logprobs = fmt.chat_logprobs(tok, c, 0, top_n) if req.logprobs else None
+            logprobs = fmt.chat_logprobs(tok, c, 0, top_n, req.return_tokens_as_token_ids) if req.logprobs else None
             if not delta and not done and logprobs is None:
                 continue  # held back by the tool-call streamer
             finish = "tool_calls" if done == "stop" and c.index in called else done
             choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if req.prompt_logprobs is not None and c.index not in sent_prompt:
                 sent_prompt.add(c.index)
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
             yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice]))
         if out.finished:
             final = out
