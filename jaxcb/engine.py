@@ -77,7 +77,7 @@ from jaxcb.draft_setup import load_draft_model
 from jaxcb.runner.draft_runner import DraftProposer, DraftRunner
 from jaxcb.sharding import initialize_distributed, make_tensor_parallel
 from jaxcb.startup_log import StartupLog, report_memory
-from jaxcb.startup_memory import check_weights_fit
+from jaxcb.startup_memory import check_weights_fit, weight_bytes
 from jaxcb.structured import GrammarCompiler, TokenConstraint, bitmask_words
 from jaxcb.structured.constraints import clear_tokens
 from jaxcb.tokenizer import Tokenizer, read_chat_template_override
@@ -250,6 +250,10 @@ class Engine:
         if self.lora is not None:  # unloads and dropped host copies wait for an adapter's requests
             self.lora.in_use = self._adapter_in_use
         memory = read_device_memory()
+        if memory is None and cfg.model.init == "random":  # the CPU: random weights past the machine, by their knobs
+            check_host_bytes(f"model={cfg.model.name} (random {arch.dtype} weights of model.hidden_size, "
+                             f"intermediate_size, num_layers and vocab_size)", weight_bytes(arch, tp_size).total,
+                             "choose a smaller model or lower those sizes")
         if memory is not None:  # weights that cannot be loaded and prepared fail here, in a sentence
             backend = select_backend(cfg.model, arch, cfg.attention, mesh=self.tp.mesh if self.tp is not None else None)
             slots = None

@@ -87,6 +87,14 @@ def test_a_sampler_width_past_the_vocabulary_is_refused_at_start_up_naming_it(ov
         Engine(compose_config(BASE + (override,)), compile_buckets=False, progress=False)
 
 
+def test_random_weights_past_the_machines_memory_are_refused_naming_the_sizes_not_an_xla_out_of_memory():
+    from jaxcb.engine import Engine
+
+    with pytest.raises(ConfigError, match=r"^model=tiny \(random float32 weights of model\.hidden_size, "
+                                          r"intermediate_size, num_layers and vocab_size\) takes .* GiB of host memory"):
+        Engine(compose_config(BASE + ("model.num_layers=100000000",)), compile_buckets=False, progress=False)
+
+
 def test_the_values_next_to_the_refused_ones_still_start():
     from jaxcb.engine import Engine
 
