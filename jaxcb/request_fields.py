@@ -42,7 +42,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "add_special_tokens": "add_special_tokens: true is not supported for chat, whose template writes the special "
                           "tokens itself (a second BOS would follow); leave it out",
     "chat_template": "a per-request chat_template is not supported; start the server with server.chat_template",
-    "documents": "documents are not supported",
     "echo": "echo is supported by /v1/completions only",
     "audio": "audio output is not supported",
     "modalities": "modalities other than text are not supported",

@@ -337,3 +337,27 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_by_every_
                                                                            "decoded_token": "token_id:104"}}]
     ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
     assert plan_record(ctx, {"id": "a", "prompt": "hi", "return_tokens_as_token_ids": True})[0].return_tokens_as_token_ids
+
+
+def test_documents_reach_a_template_that_renders_them_and_are_refused_where_it_does_not(server):
+    """vLLM's RAG field, passed to the chat template as transformers passes it; a template without documents
+    would drop them silently (as vLLM does), so there it is a 400 naming the field."""
+    from jaxcb.server.protocol import parse_request
+    from jaxcb.server.requests import plan_chat_completion
+    from jaxcb.server.tool_parsers import get_tool_parser
+    from jaxcb.tokenizer import ByteTokenizer
+
+    url, state = server
+    docs = [{"title": "t", "text": "the sky is green"}]
+    r = post(url, "/v1/chat/completions", {**CHAT, "documents": docs})  # the tiny model's template has no documents
+    assert r.status_code == 400 and r.json()["error"]["param"] == "documents", r.text
+    assert_nothing_queued(state)
+    tok = ByteTokenizer()
+    tok.chat_template = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                         "{% for m in messages %}{{ m.content }}{% endfor %}")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "documents": docs}
+    planned = plan_chat_completion(ChatCompletionRequest(**body), tok, get_tool_parser("auto", None), 256)
+    assert tok.decode(planned.prompts[0]) == "[t: the sky is green]hi"
+    with pytest.raises(InvalidRequestError) as e:
+        parse_request(ChatCompletionRequest, {**body, "documents": [{"title": 5}]})
+    assert e.value.field == "documents.0.title"

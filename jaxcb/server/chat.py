@@ -163,15 +163,21 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
         raise InvalidRequestError(f"chat_template_kwargs.{reserved[0]} is set by the request itself (its own field "
                                   "or messages); remove it from chat_template_kwargs",
                                   f"chat_template_kwargs.{reserved[0]}")
-    try:
-        prompt_ids = chat_prompt_ids(
-            tokenizer, messages, req.add_generation_prompt, template_tools,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}),
-        )
-    except InvalidRequestError as e:
-        raise _naming_messages(e) from None
-    except TypeError as e:  # a chat_template_kwargs key that clashes with the template's own arguments
-        raise InvalidRequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
+    def render(**documents: Any) -> list[int]:
+        try:
+            return chat_prompt_ids(
+                tokenizer, messages, req.add_generation_prompt, template_tools,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}), **documents,
+            )
+        except InvalidRequestError as e:
+            raise _naming_messages(e) from None
+        except TypeError as e:  # a chat_template_kwargs key that clashes with the template's own arguments
+            raise InvalidRequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
+
+    prompt_ids = render(documents=req.documents) if req.documents else render()
+    if req.documents and prompt_ids == render():  # vLLM would drop them silently
+        raise InvalidRequestError("documents: this model's chat template does not render documents, so the model "
+                                  "would never see them; put them in the messages instead", "documents")
     reply_start = None
     if reasoning is not None:
         reply_start = reasoning.reply_start(tokenizer.decode(prompt_ids, skip_special_tokens=False))
