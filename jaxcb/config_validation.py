@@ -295,7 +295,10 @@ def validate_speculative_config(cfg: Config) -> None:
     d = sp.disable_by_batch_size
     require(d == "auto" or (isinstance(d, int) and d >= 1),
             f"speculative.disable_by_batch_size={d!r} must be a positive number of sequences, or auto")
-    require(sp.min_mean_accepted >= 0, f"speculative.min_mean_accepted={sp.min_mean_accepted} must be >= 0")
+    require(0 <= sp.min_mean_accepted <= sp.num_speculative_tokens,
+            f"speculative.min_mean_accepted={sp.min_mean_accepted} must be in 0..speculative.num_speculative_tokens="
+            f"{sp.num_speculative_tokens}: a verify step accepts at most that many, so more is never met and every "
+            f"sequence backs off (0: never back off)")
     require(sp.acceptance_window >= 1, f"speculative.acceptance_window={sp.acceptance_window} must be >= 1")
     budget = cfg.scheduler.max_num_batched_tokens
     if budget != "auto":  # auto is checked at start-up, once resolved

@@ -67,6 +67,13 @@ def test_a_coordinator_address_that_is_not_host_and_port_is_refused_naming_it(ad
                                "engine.distributed.num_processes=1", "engine.distributed.process_id=0"))
 
 
+def test_a_speculation_back_off_bar_no_verify_step_can_meet_is_refused_naming_it():
+    # A verify step accepts at most num_speculative_tokens: above it, every sequence backed off, without a word.
+    with pytest.raises(ConfigError, match=r"^speculative\.min_mean_accepted=5\.0 must be in "
+                                          r"0\.\.speculative\.num_speculative_tokens=4"):
+        compose_config(BASE + ("speculative.method=ngram", "speculative.min_mean_accepted=5"))
+
+
 def test_a_batch_dir_under_a_file_is_refused_naming_it_not_a_500_at_the_first_upload(tmp_path):
     (tmp_path / "notes").write_text("a file, not a folder")
     with pytest.raises(ConfigError, match=r"^server\.batch_dir=.*/notes/batches cannot be a folder: .*/notes is a file"):
