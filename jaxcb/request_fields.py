@@ -47,7 +47,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "modalities": "modalities other than text are not supported",
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning_effort is not supported by this model",
     "verbosity": "verbosity is not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",

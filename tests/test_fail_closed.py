@@ -361,3 +361,23 @@ def test_documents_reach_a_template_that_renders_them_and_are_refused_where_it_d
     with pytest.raises(InvalidRequestError) as e:
         parse_request(ChatCompletionRequest, {**body, "documents": [{"title": 5}]})
     assert e.value.field == "documents.0.title"
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_where_it_does_not(server):
+    from jaxcb.server.protocol import ChatCompletionRequest
+    from jaxcb.server.requests import plan_chat_completion
+    from jaxcb.server.tool_parsers import get_tool_parser
+    from jaxcb.tokenizer import ByteTokenizer
+
+    url, state = server
+    r = post(url, "/v1/chat/completions", {**CHAT, "reasoning_effort": "low"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort", r.text
+    assert "does not read a reasoning effort" in r.json()["error"]["message"]
+    assert post(url, "/v1/chat/completions", {**CHAT, "reasoning_effort": "huge"}).json()["error"]["param"] == \
+        "reasoning_effort"
+    assert_nothing_queued(state)
+    tok = ByteTokenizer()
+    tok.chat_template = "effort={{ reasoning_effort | default('medium') }}:{{ messages[0].content }}"
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}
+    planned = plan_chat_completion(ChatCompletionRequest(**body), tok, get_tool_parser("auto", None), 256)
+    assert tok.decode(planned.prompts[0]) == "effort=high:hi"

@@ -163,21 +163,24 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
         raise InvalidRequestError(f"chat_template_kwargs.{reserved[0]} is set by the request itself (its own field "
                                   "or messages); remove it from chat_template_kwargs",
                                   f"chat_template_kwargs.{reserved[0]}")
-    def render(**documents: Any) -> list[int]:
+    def render(**extra: Any) -> list[int]:
         try:
             return chat_prompt_ids(
                 tokenizer, messages, req.add_generation_prompt, template_tools,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}), **documents,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}), **extra,
             )
         except InvalidRequestError as e:
             raise _naming_messages(e) from None
         except TypeError as e:  # a chat_template_kwargs key that clashes with the template's own arguments
             raise InvalidRequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
 
-    prompt_ids = render(documents=req.documents) if req.documents else render()
-    if req.documents and prompt_ids == render():  # vLLM would drop them silently
-        raise InvalidRequestError("documents: this model's chat template does not render documents, so the model "
-                                  "would never see them; put them in the messages instead", "documents")
+    # Fields passed to the template as vLLM passes them; one the template leaves unread is refused (vLLM would
+    # drop it silently).
+    extra = {k: v for k, v in (("documents", req.documents), ("reasoning_effort", req.reasoning_effort)) if v}
+    prompt_ids = render(**extra)
+    for name in extra:
+        if prompt_ids == render(**{k: v for k, v in extra.items() if k != name}):
+            raise InvalidRequestError(f"{name}: this model's chat template {_UNREAD_BY_TEMPLATE[name]}", name)
     reply_start = None
     if reasoning is not None:
         reply_start = reasoning.reply_start(tokenizer.decode(prompt_ids, skip_special_tokens=False))
@@ -187,6 +190,10 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
                     reasoning, reply_start)
 
 
+_UNREAD_BY_TEMPLATE = {
+    "documents": "does not render documents, so the model would never see them; put them in the messages instead",
+    "reasoning_effort": "does not read a reasoning effort, so it would change nothing; leave it out",
+}
 # What the template gets from the request itself: chat_template_kwargs may not set them.
 _TEMPLATE_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                                  "documents", "chat_template", "tokenizer", "tokenize"})

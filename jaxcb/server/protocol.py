@@ -147,6 +147,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None  # null: true, as OpenAI
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
     documents: Optional[list[dict[str, str]]] = None  # RAG documents for a template that renders them (vLLM's)
+    reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None  # for a template that reads it
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message
 

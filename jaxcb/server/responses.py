@@ -57,7 +57,7 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     previous_response_id: Optional[str] = None
     store: bool = True
-    reasoning: Optional[dict[str, Any]] = None  # only without effort or summary: neither can be honoured
+    reasoning: Optional[dict[str, Any]] = None  # effort: chat's reasoning_effort; a summary cannot be honoured
     include: Optional[list[str]] = None  # only empty: no extra output is available
     truncation: Optional[Literal["disabled"]] = None  # a prompt too long is refused, never cut
     metadata: Optional[dict[str, str]] = None  # generates nothing; kept with the response and echoed, as OpenAI does
@@ -113,7 +113,7 @@ _ITEMS: dict[str, type[_Strict]] = {"message": MessageItem, "function_call": Fun
                                     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 # Chat's field (as a path prefix) -> the Responses field it came from, for refusals.
 _RENAMED = (("max_completion_tokens", "max_output_tokens"), ("response_format.json_schema", "text.format"),
-            ("response_format", "text.format"), ("messages", "input"))
+            ("response_format", "text.format"), ("messages", "input"), ("reasoning_effort", "reasoning.effort"))
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -124,9 +124,9 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     _check_metadata(req.metadata or {})
     reasoning = req.reasoning or {}
     for key, value in reasoning.items():
-        if key in ("effort", "summary", "generate_summary") and value is not None:
-            raise RefusedFieldError(f"reasoning.{key}: jaxcb cannot set how much a model reasons nor summarize "
-                                    "it; the reasoning comes whole as a reasoning item", f"reasoning.{key}")
+        if key in ("summary", "generate_summary") and value is not None:
+            raise RefusedFieldError(f"reasoning.{key}: jaxcb cannot summarize a model's reasoning; it comes whole "
+                                    "as a reasoning item", f"reasoning.{key}")
         if key not in ("effort", "summary", "generate_summary"):
             raise RefusedFieldError(f"reasoning.{key} is not a field jaxcb knows; remove it", f"reasoning.{key}")
     if req.include:
@@ -338,7 +338,7 @@ def plan_response(req: ResponsesRequest, store: ResponseStore, tokenizer: Tokeni
             "model": req.model, "messages": system + history, "tools": _chat_tools(req.tools),
             "tool_choice": tool_choice, "parallel_tool_calls": req.parallel_tool_calls,
             "response_format": response_format, "max_completion_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p,
+            "temperature": req.temperature, "top_p": req.top_p, "reasoning_effort": (req.reasoning or {}).get("effort"),
         })
         planned = plan_chat_completion(chat, tokenizer, parser, max_model_len, tool_prompt_fallback, reasoning,
                                        structured_in_reasoning, defaults)
