@@ -51,7 +51,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
     "request_id": "a client-chosen request_id is not supported",
-    "continuous_usage_stats": "continuous_usage_stats is not supported; include_usage sends usage in the last chunk",
 }
 # Fields accepted when their value is what jaxcb does anyway (the OpenAI and vLLM defaults).
 HONOURED_VALUES: dict[str, tuple[Any, ...]] = {

@@ -381,3 +381,24 @@ def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_where_
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}
     planned = plan_chat_completion(ChatCompletionRequest(**body), tok, get_tool_parser("auto", None), 256)
     assert tok.decode(planned.prompts[0]) == "effort=high:hi"
+
+
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(server):
+    url, _ = server
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for path, body in (("/v1/completions", {**COMPLETION, "max_tokens": 4, "n": 2}),
+                       ("/v1/chat/completions", {**CHAT, "max_tokens": 4, "n": 2})):
+        r = post(url, path, {**body, "stream": True, "stream_options": options, "ignore_eos": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        *with_choices, last = chunks
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+        prompt = last["usage"]["prompt_tokens"]
+        counts: dict[int, list[int]] = {}
+        for chunk in with_choices:
+            [choice] = chunk["choices"]
+            usage = chunk["usage"]
+            assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
+            counts.setdefault(choice["index"], []).append(usage["completion_tokens"])
+        assert all(c == sorted(c) and c[-1] == 4 for c in counts.values()) and len(counts) == 2, counts
+        refused = post(url, path, {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"

@@ -51,6 +51,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries its choice's usage so far (with include_usage)
 
 
 class _SamplingFields(_Strict):

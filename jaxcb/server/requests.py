@@ -84,6 +84,11 @@ def _check_stream_options(req: Union[CompletionRequest, ChatCompletionRequest]) 
     if req.stream_options is not None and not req.stream:  # as OpenAI and vLLM answer it
         raise InvalidRequestError("stream_options applies to a streamed response only; set stream=true or drop "
                                   "stream_options", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats and \
+            not req.stream_options.include_usage:  # vLLM ignores it then
+        raise InvalidRequestError("stream_options.continuous_usage_stats adds usage to every chunk of a stream that "
+                                  "reports it: set stream_options.include_usage=true too",
+                                  "stream_options.continuous_usage_stats")
 
 
 def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFAULTS, *,

@@ -161,16 +161,25 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             t.cancel()
 
 
+def _continuous_usage(req) -> Optional[dict[tuple[int, int], int]]:
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage is its choice's prompt and the tokens it
+    generated so far. The counts by (prompt, choice) where asked for, else None."""
+    return {} if req.stream_options is not None and req.stream_options.continuous_usage_stats else None
+
+
 async def completion_events(state, rid, req: CompletionRequest, streams, include_usage) -> AsyncIterator[str]:
     created, tok = int(time.time()), state.client.tokenizer
     sent_text: dict[tuple[int, int], int] = {}  # characters sent so far: the legacy logprobs' text offsets
     sent_done: set[tuple[int, int]] = set()
     finals: dict[int, RequestOutput] = {}
+    generated = _continuous_usage(req)
     async for p_idx, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             key = (p_idx, c.index)
             if key in sent_done:
                 continue
+            if generated is not None:
+                generated[key] = generated.get(key, 0) + len(c.token_ids)
             done = fmt.finish_reason(c)
             if done:
                 sent_done.add(key)
@@ -186,7 +195,8 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             if first and req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
-            yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [choice]))
+            so_far = None if generated is None else fmt.usage(len(out.prompt_token_ids), generated[key])
+            yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [choice], so_far))
         if out.finished:
             finals[p_idx] = out
     if include_usage:
@@ -228,13 +238,18 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     sent_prompt: set[int] = set()  # choices whose prompt_logprobs went out (with their first chunk)
     final = None
     replies: dict[int, tuple[list[int], list[str]]] = {}  # choice -> its token ids and text so far (usage's reasoning)
+    generated = _continuous_usage(req)
+    num_prompt = len(plan.prompt_ids) if plan is not None else 0
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice]))
+        yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice],
+                                     None if generated is None or plan is None else fmt.usage(num_prompt, 0)))
     async for _, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
                 continue
+            if generated is not None:
+                generated[0, c.index] = generated.get((0, c.index), 0) + len(c.token_ids)
             if include_usage and plan is not None and plan.reasoning is not None:  # kept only where usage counts them
                 ids, texts = replies.setdefault(c.index, ([], []))
                 ids.extend(c.token_ids)
@@ -258,7 +273,8 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             if req.prompt_logprobs is not None and c.index not in sent_prompt:
                 sent_prompt.add(c.index)
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
-            yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice]))
+            so_far = None if generated is None else fmt.usage(len(out.prompt_token_ids), generated[0, c.index])
+            yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice], so_far))
         if out.finished:
             final = out
     if include_usage and final is not None:
