@@ -519,6 +519,18 @@ def validate_model_config(m: ModelConfig, group: str = "model") -> None:
     require(m.architecture is None or m.architecture in FAMILIES,
             f"{p}architecture={m.architecture!r} must be one of {', '.join(FAMILIES)}")
     require(m.hidden_act in (None, "silu", "gelu_tanh"), f"{p}hidden_act={m.hidden_act!r} must be silu or gelu_tanh")
+    if m.architecture in FAMILIES and m.checkpoint is None:  # random weights: the fields build the layers, not the name
+        family = FAMILIES[m.architecture]
+        traits = {"qkv_bias": family.qkv_bias, "qk_norm": family.qk_norm, "embed_scale": family.gemma,
+                  "norm_offset": family.gemma, "sandwich_norms": family.gemma,
+                  "hidden_act": "gelu_tanh" if family.gemma else "silu"}
+        unset_is = {"qkv_bias": False, "qk_norm": False, "embed_scale": False, "norm_offset": False,
+                    "sandwich_norms": False, "hidden_act": "silu"}  # Llama's, where no checkpoint says otherwise
+        differ = [f"{p}{f}={getattr(m, f)}" for f, want in traits.items()
+                  if (unset_is[f] if getattr(m, f) is None else getattr(m, f)) != want]
+        require(not differ, f"{p}architecture={m.architecture} but {', '.join(differ)}: with random weights the "
+                            f"fields build the layers and the name only labels them; set the fields {m.architecture} "
+                            f"has (as conf/model/ presets of it do), or drop {p}architecture")
     require(m.sliding_window is None or m.sliding_window >= 0,
             f"{p}sliding_window={m.sliding_window} must be >= 0 (0: no window)")
     if m.layer_types is not None:

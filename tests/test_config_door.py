@@ -33,6 +33,17 @@ def test_a_model_knob_out_of_its_range_is_refused_naming_it(override, message):
         compose_config(BASE + (override,))
 
 
+@pytest.mark.parametrize("override, differ", [
+    ("model.architecture=gemma2", r"model\.embed_scale=None, model\.norm_offset=None, model\.sandwich_norms=None, "
+                                  r"model\.hidden_act=None"),
+    ("model.architecture=qwen2", r"model\.qkv_bias=None"),
+])
+def test_a_family_name_on_random_weights_whose_fields_are_llamas_is_refused_naming_them(override, differ):
+    # The tiny Llama was built and served as before, only logged under the family's name.
+    with pytest.raises(ConfigError, match=rf"^model\.architecture=\w+ but {differ}: with random weights the fields"):
+        compose_config(BASE + (override,))
+
+
 def test_the_draft_models_rope_scaling_is_checked_as_the_served_models_is():
     with pytest.raises(ConfigError, match=r"^speculative\.draft_model's rope_scaling\.beta_fast=0\.0 and beta_slow"):
         compose_config(BASE + ("speculative.method=draft",
