@@ -514,7 +514,7 @@ def validate_model_config(m: ModelConfig, group: str = "model") -> None:
             m.num_heads % m.num_kv_heads == 0,
             f"{p}num_heads={m.num_heads} must be a multiple of {p}num_kv_heads={m.num_kv_heads}",
         )
-    from jaxcb.model.families import FAMILIES, LAYER_TYPES
+    from jaxcb.model.families import FAMILIES, LAYER_TYPES, SLIDING_ATTENTION
 
     require(m.architecture is None or m.architecture in FAMILIES,
             f"{p}architecture={m.architecture!r} must be one of {', '.join(FAMILIES)}")
@@ -539,6 +539,9 @@ def validate_model_config(m: ModelConfig, group: str = "model") -> None:
                              f"{', '.join(LAYER_TYPES)}")
         require(m.num_layers is None or len(m.layer_types) == m.num_layers,
                 f"{p}layer_types has {len(m.layer_types)} entries but {p}num_layers={m.num_layers}")
+        require(m.sliding_window != 0 or SLIDING_ATTENTION not in m.layer_types,
+                f"{p}layer_types has sliding_attention layers but {p}sliding_window=0 (no window): set the window's "
+                f"tokens, or make every layer full_attention")
     if m.rope_scaling is not None:
         require(
             m.rope_scaling.rope_type in ("llama3", "yarn", "linear"),

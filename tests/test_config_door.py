@@ -44,6 +44,13 @@ def test_a_family_name_on_random_weights_whose_fields_are_llamas_is_refused_nami
         compose_config(BASE + (override,))
 
 
+def test_sliding_layers_without_a_window_are_refused_naming_both():
+    # sliding_window=0 is no window: the layers listed as sliding ran full attention.
+    with pytest.raises(ConfigError, match=r"^model\.layer_types has sliding_attention layers but model\.sliding_window=0"):
+        compose_config(BASE + ("model.layer_types=[sliding_attention,full_attention,full_attention]",
+                               "model.sliding_window=0"))
+
+
 def test_the_draft_models_rope_scaling_is_checked_as_the_served_models_is():
     with pytest.raises(ConfigError, match=r"^speculative\.draft_model's rope_scaling\.beta_fast=0\.0 and beta_slow"):
         compose_config(BASE + ("speculative.method=draft",
