@@ -99,7 +99,7 @@ class IncrementalDetokenizer:
         hits = [(i, s) for i, s in hits if i >= 0]
         if not hits:
             return None
-        index, stop = min(hits)
+        index, stop = min(hits, key=lambda hit: (hit[0], self.stop.index(hit[1])))  # ties: the first listed
         self.text = self.text[: index + len(stop) if self.include_stop_str else index]
         self.stopped = True
         return stop
@@ -112,7 +112,7 @@ class IncrementalDetokenizer:
     @property
     def stream_length(self) -> int:
         """len(stream_text), without copying the text."""
-        if self.stopped or not self.stop:
+        if self.stopped or not self.stop or self.include_stop_str:  # a stop string in the text stays: no hold
             return len(self.text)
         hold = 0
         for s in self.stop:

@@ -129,7 +129,8 @@ class OutputProcessor:
     def add(self, group: RequestGroup) -> None:
         want_logprobs = group.params.logprobs is not None
         group.completions = [
-            CompletionState(i, IncrementalDetokenizer(self.tokenizer, group.params.stop, group.params.skip_special_tokens,
+            CompletionState(i, IncrementalDetokenizer(self.tokenizer, group.params.stop,
+                                                      group.params.skip_special_tokens,
                                                       group.params.include_stop_str_in_output),
                             [] if want_logprobs else None)
             for i in range(group.params.n)

@@ -30,6 +30,10 @@ def test_stop_string_is_cut_and_generation_stops():
 def test_with_include_stop_str_the_text_ends_with_the_stop_string_that_ended_it():
     detok, _ = feed(b"hello world, goodbye", stop=["d,", "wor"], include_stop_str=True)
     assert detok.stopped and detok.text == "hello wor"
+    streaming = IncrementalDetokenizer(ByteTokenizer(), ["STOP"], include_stop_str=True)
+    for b in b"abcST":
+        streaming.add_token(b)
+    assert streaming.stream_text == "abcST"  # nothing held back: the stop string would be shown anyway
 
 
 def test_stream_text_holds_back_a_possible_stop_prefix():

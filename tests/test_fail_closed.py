@@ -32,6 +32,11 @@ def post(url, path, body):
                       headers={"Content-Type": "application/json"})
 
 
+def sse_chunks(response) -> list[dict]:
+    """A streamed response's JSON chunks (not its [DONE])."""
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+
+
 def assert_nothing_queued(state):
     pool = state.client.engine.block_pool
     assert pool.num_free_blocks == pool.num_blocks - 1 and not state.client.engine.has_unfinished_requests()
@@ -271,7 +276,7 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_by_every_
                                               "stream": stream})
             assert r.status_code == 200, r.text
             if stream:
-                chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+                chunks = sse_chunks(r)
                 text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
             else:
                 text = r.json()["choices"][0]["text"]
@@ -284,8 +289,10 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_by_every_
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_by_every_door(server):
-    """vLLM's field: the last k tokens of the prompt (of the rendered chat too); -1 keeps engine.max_model_len of them."""
+    """vLLM's field: the last k tokens of the prompt (of the rendered chat too); -1 keeps engine.max_model_len of
+    them."""
     from jaxcb.config import compose_config
+    from jaxcb.prompts import EncodedText
     from jaxcb.tokenizer import ByteTokenizer
 
     url, state = server
@@ -296,15 +303,22 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_by_every_door(serv
         r = post(url, path, {**body, "truncate_prompt_tokens": 20})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == 20
-        if "prompt" in body:  # echo gives back the text the model read: the prompt's last 20 characters
-            assert r.json()["choices"][0]["text"].startswith(long[-20:])
+        if "prompt" in body:  # the BOS kept, as vLLM keeps it; echo gives back the text the model read
+            assert r.json()["choices"][0]["text"].startswith(long[-19:])
         for bad in (0, -2, state.client.max_model_len + 1):
             r = post(url, path, {**body, "truncate_prompt_tokens": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     assert_nothing_queued(state)
     ctx = JobContext(compose_config(()), tokenizer=ByteTokenizer(), max_model_len=8)
-    for prompt, kept in (("hi", "hi"), (list(range(1, 10)), list(range(2, 10))), ("abcdefghi", list(b"bcdefghi"))):
-        assert plan_record(ctx, {"id": "a", "prompt": prompt, "truncate_prompt_tokens": -1})[1].prompts == [kept]
+    for prompt, extra, kept in (("hi", {}, EncodedText("hi", (256, 104, 105))),
+                                (list(range(1, 10)), {}, list(range(2, 10))),
+                                ("abcdefghi", {}, [256] + list(b"cdefghi")),  # <bos> kept, as vLLM keeps it
+                                ("abcdefghi", {"add_special_tokens": False}, list(b"bcdefghi"))):
+        record = {"id": "a", "prompt": prompt, "truncate_prompt_tokens": -1, **extra}
+        assert plan_record(ctx, record)[1].prompts == [kept]
+    with pytest.raises(InvalidRequestError, match="no room for the prompt's text") as e:
+        plan_record(ctx, {"id": "a", "prompt": "abc", "truncate_prompt_tokens": 1})
+    assert e.value.field == "truncate_prompt_tokens"
 
 
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_by_every_door(server):
@@ -312,17 +326,16 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_by_every_
     for stream in (False, True):
         r = post(url, "/v1/completions", {**COMPLETION, "logprobs": 2, "stream": stream,
                                           "return_tokens_as_token_ids": True})
-        chunks = ([json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream
-                  else [r.json()])
+        chunks = sse_chunks(r) if stream else [r.json()]
         choices = [c for chunk in chunks for c in chunk["choices"]]
         tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
         tops = [k for c in choices if c["logprobs"] for top in c["logprobs"]["top_logprobs"] for k in top]
         assert len(tokens) == 2 and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens + tops)
         r = post(url, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "stream": stream,
                                                "return_tokens_as_token_ids": True})
-        chunks = ([json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")] if stream
-                  else [r.json()])
-        content = [e for chunk in chunks for c in chunk["choices"] if c.get("logprobs") for e in c["logprobs"]["content"]]
+        chunks = sse_chunks(r) if stream else [r.json()]
+        content = [e for chunk in chunks for c in chunk["choices"] if c.get("logprobs")
+                   for e in c["logprobs"]["content"]]
         assert len(content) == 2 and all(e["token"].startswith("token_id:") and e["bytes"] == list(e["token"].encode())
                                          and all(t["token"].startswith("token_id:") for t in e["top_logprobs"])
                                          for e in content)
@@ -332,11 +345,11 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_by_every_
     from jaxcb.server import openai_format as fmt
     from jaxcb.tokenizer import ByteTokenizer
 
-    out = SimpleNamespace(prompt_logprobs=[None, {104: -1.0}])  # prompt logprobs name tokens alike (no variant here)
-    assert fmt.prompt_logprobs(ByteTokenizer(), out, True) == [None, {"104": {"logprob": -1.0,
-                                                                           "decoded_token": "token_id:104"}}]
+    out = SimpleNamespace(prompt_logprobs=[None, {104: -1.0}])  # keyed by id already: decoded_token stays text
+    assert fmt.prompt_logprobs(ByteTokenizer(), out) == [None, {"104": {"logprob": -1.0, "decoded_token": "h"}}]
     ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
-    assert plan_record(ctx, {"id": "a", "prompt": "hi", "return_tokens_as_token_ids": True})[0].return_tokens_as_token_ids
+    record = {"id": "a", "prompt": "hi", "return_tokens_as_token_ids": True}
+    assert plan_record(ctx, record)[0].return_tokens_as_token_ids
 
 
 def test_documents_reach_a_template_that_renders_them_and_are_refused_where_it_does_not(server):
@@ -381,6 +394,16 @@ def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_where_
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high"}
     planned = plan_chat_completion(ChatCompletionRequest(**body), tok, get_tool_parser("auto", None), 256)
     assert tok.decode(planned.prompts[0]) == "effort=high:hi"
+    medium = {**body, "reasoning_effort": "medium"}  # the template's own default: read all the same
+    planned = plan_chat_completion(ChatCompletionRequest(**medium), tok, get_tool_parser("auto", None), 256)
+    assert tok.decode(planned.prompts[0]) == "effort=medium:hi"
+    twice = {**body, "chat_template_kwargs": {"reasoning_effort": "low"}}
+    with pytest.raises(InvalidRequestError) as e:
+        plan_chat_completion(ChatCompletionRequest(**twice), tok, get_tool_parser("auto", None), 256)
+    assert e.value.field == "chat_template_kwargs.reasoning_effort"
+    alone = {k: v for k, v in twice.items() if k != "reasoning_effort"}  # vLLM's other way of passing it
+    planned = plan_chat_completion(ChatCompletionRequest(**alone), tok, get_tool_parser("auto", None), 256)
+    assert tok.decode(planned.prompts[0]) == "effort=low:hi"
 
 
 def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(server):
@@ -389,7 +412,7 @@ def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(se
     for path, body in (("/v1/completions", {**COMPLETION, "max_tokens": 4, "n": 2}),
                        ("/v1/chat/completions", {**CHAT, "max_tokens": 4, "n": 2})):
         r = post(url, path, {**body, "stream": True, "stream_options": options, "ignore_eos": True})
-        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        chunks = sse_chunks(r)
         *with_choices, last = chunks
         assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
         prompt = last["usage"]["prompt_tokens"]

@@ -198,3 +198,29 @@ def test_a_full_waiting_queue_makes_records_wait_not_fail(monkeypatch):
     assert all(results[f"r{i}"]["finish_reason"] == "length" for i in range(6))
     assert "requests are waiting" in results["n2"]["error"]  # never fits a queue of 1: its own error, not a hang
     assert not engine.has_unfinished_requests()
+
+
+def test_job_results_carry_the_fields_that_shape_them_as_the_http_response_does():
+    """return_tokens_as_token_ids, include_stop_str_in_output, truncate_prompt_tokens and add_special_tokens
+    through a job record: the result line as /v1/completions would answer it."""
+    from types import SimpleNamespace
+
+    from engine_factory import shared_engine
+    from jaxcb import jobs
+
+    engine = shared_engine()
+    llm = SimpleNamespace(engine=engine, tokenizer=engine.tokenizer)
+    base = {"prompt": "Hello", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = next(jobs.generate_results(llm, [jobs.JobRecord(1, "w", {"id": "w", **base})], 1))["text"]
+    stop = whole[2:4]
+    records = {"ids": {"logprobs": 1, "return_tokens_as_token_ids": True},
+               "stop": {"stop": [stop], "include_stop_str_in_output": True},
+               "cut": {"truncate_prompt_tokens": 2, "echo": True, "max_tokens": 1},
+               "raw": {"add_special_tokens": False, "echo": True, "max_tokens": 1}}
+    lines = [jobs.JobRecord(i, name, {"id": name, **base, **extra}) for i, (name, extra) in enumerate(records.items())]
+    results = {r["id"]: r for r in jobs.generate_results(llm, lines, max_in_flight=4)}
+    assert all(t.startswith("token_id:") for t in results["ids"]["logprobs"]["tokens"])
+    assert results["stop"]["text"] == whole[:whole.index(stop) + len(stop)]
+    assert results["cut"]["usage"]["prompt_tokens"] == 2 and results["cut"]["text"].startswith("o")  # <bos> + "o"
+    assert results["raw"]["usage"]["prompt_tokens"] == 5 and results["raw"]["text"].startswith("Hello")
+    assert not engine.has_unfinished_requests()

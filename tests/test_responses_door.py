@@ -208,3 +208,20 @@ def test_a_chat_grammar_this_server_cannot_run_names_the_field_that_asked_for_it
     assert_refused(chat(url, tools=tools, tool_choice="required", response_format={"type": "text"}), "tool_choice")
     assert_refused(chat(url, structured_outputs={"choice": ["a", "b"]}), "structured_outputs")
     assert_nothing_held(state)
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_echoed(server):
+    url, state = server
+    assert_refused(respond(url, reasoning={"effort": "high"}), "reasoning.effort")  # the tiny template reads none
+    tokenizer = state.client.tokenizer
+    template = tokenizer.chat_template
+    tokenizer.chat_template = ("{{ reasoning_effort | default('medium') }}:"
+                               "{% for m in messages %}{{ m.content }}{% endfor %}")
+    try:
+        response = respond(url, reasoning={"effort": "high"})
+        assert response.status_code == 200, response.text
+        assert response.json()["reasoning"] == {"effort": "high", "summary": None}
+        assert response.json()["usage"]["input_tokens"] == len("high:hi") + 1  # and <bos>
+    finally:
+        tokenizer.chat_template = template
+    assert_refused(respond(url, reasoning={"summary": "auto"}), "reasoning.summary")

@@ -149,6 +149,13 @@ def _check_rotary_dims(hf: dict[str, Any]) -> None:
                               f"of each head, so it cannot serve a partial rotary embedding")
 
 
+def _max_positions(hf: dict[str, Any]) -> int:
+    """config.json's max_position_embeddings; left out or null, LlamaConfig's 2048 (the other families' defaults
+    are filled in by families.text_config)."""
+    value = hf.get("max_position_embeddings")
+    return 2048 if value is None else int(value)
+
+
 def _hf_rope_theta(hf: dict[str, Any]) -> float:
     if "rope_theta" in hf:
         return float(hf["rope_theta"])
@@ -177,7 +184,7 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // num_heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # every family's config class defaults it to 1e-6
         rope_theta=_hf_rope_theta(hf),
-        max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),  # LlamaConfig's (others: families.py)
+        max_position_embeddings=_max_positions(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         rope_scaling=_hf_rope_scaling(hf),
         bos_token_id=hf.get("bos_token_id"),

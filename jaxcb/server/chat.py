@@ -159,6 +159,8 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
     except InvalidRequestError as e:
         raise _naming_messages(e) from None
     reserved = sorted(set(req.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+    if req.reasoning_effort is not None and "reasoning_effort" in (req.chat_template_kwargs or {}):
+        reserved = ["reasoning_effort"]  # given twice: the request's own field is the one to keep
     if reserved:
         raise InvalidRequestError(f"chat_template_kwargs.{reserved[0]} is set by the request itself (its own field "
                                   "or messages); remove it from chat_template_kwargs",
@@ -175,11 +177,19 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
             raise InvalidRequestError(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
 
     # Fields passed to the template as vLLM passes them; one the template leaves unread is refused (vLLM would
-    # drop it silently).
+    # drop it silently). A template reads a field when the prompt changes without it, or with another value
+    # in its place (the value given may be the template's own default: gpt-oss's "medium").
     extra = {k: v for k, v in (("documents", req.documents), ("reasoning_effort", req.reasoning_effort)) if v}
     prompt_ids = render(**extra)
     for name in extra:
-        if prompt_ids == render(**{k: v for k, v in extra.items() if k != name}):
+        others = {k: v for k, v in extra.items() if k != name}
+        if prompt_ids != render(**others):
+            continue
+        try:
+            unread = render(**others, **{name: _PROBES[name]}) == prompt_ids
+        except InvalidRequestError:  # the template looked at the value, and refused the probe
+            unread = False
+        if unread:
             raise InvalidRequestError(f"{name}: this model's chat template {_UNREAD_BY_TEMPLATE[name]}", name)
     reply_start = None
     if reasoning is not None:
@@ -190,6 +200,7 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
                     reasoning, reply_start)
 
 
+_PROBES = {"documents": [{"title": "\x00", "text": "\x00"}], "reasoning_effort": "\x00"}
 _UNREAD_BY_TEMPLATE = {
     "documents": "does not render documents, so the model would never see them; put them in the messages instead",
     "reasoning_effort": "does not read a reasoning effort, so it would change nothing; leave it out",

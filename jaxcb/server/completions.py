@@ -121,7 +121,7 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
                 choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs,
                           "finish_reason": fmt.finish_reason(c)}
             if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             choices.append(choice)
     if body.is_chat:
         return fmt.chat_response(rid, req.model, choices, *usage_of(finals), reasoning_tokens=thought)

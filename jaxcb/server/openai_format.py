@@ -55,10 +55,11 @@ def completion_logprobs(tok: Tokenizer, c: CompletionOutput, start: int, text_of
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def prompt_logprobs(tok: Tokenizer, out, as_ids: bool = False) -> list[Optional[dict[str, Any]]]:
-    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, decoded_token}}."""
+def prompt_logprobs(tok: Tokenizer, out) -> list[Optional[dict[str, Any]]]:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id: {logprob, decoded_token}}
+    (keyed by id already: return_tokens_as_token_ids leaves them as they are, as in vLLM)."""
     return [None if entry is None else {
-        str(t): {"logprob": lp, "decoded_token": token_label(tok, t, as_ids)} for t, lp in entry.items()
+        str(t): {"logprob": lp, "decoded_token": tok.decode([t], skip_special_tokens=False)} for t, lp in entry.items()
     } for entry in out.prompt_logprobs]
 
 

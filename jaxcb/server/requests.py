@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from jaxcb.errors import InvalidRequestError
-from jaxcb.prompts import EncodedText, encode_text
+from jaxcb.prompts import EncodedText, encode_text, prompt_text_and_ids
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.chat import ChatPlan, plan_chat
@@ -100,10 +100,12 @@ def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFA
     _check_stream_options(req)
     prompts = _prompts(req.prompt)
     if not req.add_special_tokens or req.truncate_prompt_tokens is not None:
-        if tokenizer is None or max_model_len is None:
-            raise ValueError("add_special_tokens=false and truncate_prompt_tokens need the tokenizer and max_model_len")
+        if tokenizer is None:
+            raise ValueError("add_special_tokens=false and truncate_prompt_tokens need the tokenizer")
         prompts = [encode_text(p, tokenizer, req.add_special_tokens) if isinstance(p, str) else p for p in prompts]
     if req.truncate_prompt_tokens is not None:
+        if max_model_len is None:
+            raise ValueError("truncate_prompt_tokens needs max_model_len")
         keep = _tokens_to_keep(req.truncate_prompt_tokens, max_model_len)
         prompts = [_last_tokens(p, keep, tokenizer) for p in prompts]
     structured: Optional[StructuredOutputs] = (
@@ -119,16 +121,30 @@ def _tokens_to_keep(truncate_prompt_tokens: int, max_model_len: int) -> int:
     if k == -1:
         return max_model_len
     if not 1 <= k <= max_model_len:
-        raise InvalidRequestError(f"truncate_prompt_tokens={k} must be -1 (the last engine.max_model_len={max_model_len} "
-                                  f"tokens) or from 1 to {max_model_len}", "truncate_prompt_tokens")
+        raise InvalidRequestError(f"truncate_prompt_tokens={k} must be -1 (the last engine.max_model_len="
+                                  f"{max_model_len} tokens) or from 1 to {max_model_len}", "truncate_prompt_tokens")
     return k
 
 
 def _last_tokens(prompt: Prompt, keep: int, tokenizer: Tokenizer) -> Prompt:
-    """The prompt's last `keep` tokens: token ids once cut (echo then gives back the text the model read)."""
-    ids = list(prompt.token_ids) if isinstance(prompt, EncodedText) else (
-        tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt))
-    return prompt if len(ids) <= keep else ids[-keep:]
+    """The prompt's last `keep` tokens, as vLLM cuts them (its tokenizer truncating on the left): a text prompt
+    keeps the special tokens its encoding adds (the BOS) and loses its text's first tokens; token ids, and text
+    encoded without specials, lose their first ids. Once cut, the ids alone: echo gives back what the model read."""
+    text, ids = prompt_text_and_ids(prompt, tokenizer)
+    if len(ids) <= keep:
+        return prompt if not isinstance(prompt, str) else EncodedText(text, tuple(ids))  # encoded once
+    if not isinstance(prompt, str):
+        return ids[-keep:]
+    content = tokenizer.encode(text, add_special_tokens=False)
+    starts = [i for i in range(len(ids) - len(content) + 1) if ids[i:i + len(content)] == content]
+    if not starts:  # specials merged into the text's tokens: nothing to keep apart
+        return ids[-keep:]
+    head, tail = ids[:starts[0]], ids[starts[0] + len(content):]
+    room = keep - len(head) - len(tail)
+    if room < 1:
+        raise InvalidRequestError(f"truncate_prompt_tokens={keep} leaves no room for the prompt's text beside the "
+                                  f"{len(head) + len(tail)} special tokens its encoding adds", "truncate_prompt_tokens")
+    return head + content[-room:] + tail
 
 
 def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,

@@ -98,7 +98,8 @@ class ResponseWriter:
             "tool_choice": req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none"),
             "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
             # `store` as asked until the store says whether it kept the response (the app sets it then)
-            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "store": req.store, "metadata": req.metadata or {},
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "store": req.store,
+            "metadata": req.metadata or {},
             "background": False, "service_tier": "default", "user": req.user,
             "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         }

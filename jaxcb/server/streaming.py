@@ -194,7 +194,7 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
             sent_text[key] = t0 + len(c.text)
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             if first and req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             so_far = None if generated is None else fmt.usage(len(out.prompt_token_ids), generated[key])
             yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [choice], so_far))
         if out.finished:
@@ -272,7 +272,7 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if req.prompt_logprobs is not None and c.index not in sent_prompt:
                 sent_prompt.add(c.index)
-                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out, req.return_tokens_as_token_ids)
+                choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
             so_far = None if generated is None else fmt.usage(len(out.prompt_token_ids), generated[0, c.index])
             yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice], so_far))
         if out.finished:
