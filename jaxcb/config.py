@@ -93,7 +93,7 @@ class ModelConfig:
     tie_word_embeddings: Optional[bool] = None
     # The family's differences from Llama (jaxcb/model/families.py); unset: read from the checkpoint,
     # else Llama's (no bias, no q/k norm, no window).
-    architecture: Optional[str] = None  # llama | mistral | qwen2 | qwen3
+    architecture: Optional[str] = None  # llama | mistral | qwen2 | qwen3 | gemma2 | gemma3_text
     qkv_bias: Optional[bool] = None  # a bias on the q, k and v projections (qwen2)
     qk_norm: Optional[bool] = None  # RMSNorm over each head's q and k before RoPE (qwen3)
     sliding_window: Optional[int] = None  # tokens a query sees, its own included, on windowed layers; 0: none

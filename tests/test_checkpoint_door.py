@@ -114,6 +114,25 @@ def test_llama3_rope_scaling_without_its_frequency_factors_names_them(tmp_path):
         read_hf_config(write_config(tmp_path, rope_scaling=rope))
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("rope, named", [
+    (dict(LLAMA3, factor=0), r"rope_scaling\.factor=0\.0 must be > 0"),
+    (dict(LLAMA3, low_freq_factor=0), r"rope_scaling\.low_freq_factor=0\.0 and high_freq_factor=4\.0"),
+    (dict(LLAMA3, low_freq_factor=4.0), r"rope_scaling\.low_freq_factor=4\.0 and high_freq_factor=4\.0"),
+    (dict(YARN, beta_fast=0.5), r"rope_scaling\.beta_fast=0\.5 and beta_slow=1\.0"),
+    (dict(YARN, original_max_position_embeddings=-1), r"rope_scaling\.original_max_position_embeddings=-1 must"),
+])
+def test_rope_scaling_outside_the_ranges_its_frequencies_are_computed_in_is_refused_naming_the_file(
+        tmp_path, rope, named):
+    """A zero divided by, or NaN frequencies: config.json's values checked as model.rope_scaling's are."""
+    with pytest.raises(ConfigError, match=r"config\.json: " + named):
+        read_hf_config(write_config(tmp_path, rope_scaling=rope))
+
+
 def test_yarn_with_both_mscales_and_no_attention_factor_is_refused(tmp_path):
     """transformers scales cos/sin by the mscales' ratio (1.0 here), vLLM's Llama by 0.1 ln(factor) + 1."""
     yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1, "mscale_all_dim": 1}

@@ -149,6 +149,15 @@ def _check_rotary_dims(hf: dict[str, Any]) -> None:
                               f"of each head, so it cannot serve a partial rotary embedding")
 
 
+def _checked_rope_scaling(rs: Optional[RopeScaling], path: str) -> Optional[RopeScaling]:
+    """config.json's rope scaling in the ranges its frequencies are computed in, as model.rope_scaling's are."""
+    from jaxcb.config_validation import validate_rope_scaling
+
+    if rs is not None:
+        validate_rope_scaling(rs, f"{path}: rope_scaling")
+    return rs
+
+
 def _max_positions(hf: dict[str, Any]) -> int:
     """config.json's max_position_embeddings; left out or null, LlamaConfig's 2048 (the other families' defaults
     are filled in by families.text_config)."""
@@ -186,7 +195,7 @@ def read_hf_config(checkpoint_dir: str) -> dict[str, Any]:
         rope_theta=_hf_rope_theta(hf),
         max_position_embeddings=_max_positions(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        rope_scaling=_hf_rope_scaling(hf),
+        rope_scaling=_checked_rope_scaling(_hf_rope_scaling(hf), path),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[eos] if isinstance(eos, int) else (list(eos) if eos else None),
         checkpoint_dtype=hf.get("torch_dtype") or hf.get("dtype"),
