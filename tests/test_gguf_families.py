@@ -16,7 +16,7 @@ import torch
 from gguf_checkpoints import hf_state_dict, write_gguf
 from hf_checkpoints import TINY_HF, make_hf_family, make_hf_llama
 from test_hf_parity import PROMPTS, hf_logits, jax_logits
-from jaxcb.config import ModelConfig
+from jaxcb.config import ConfigError, ModelConfig
 from jaxcb.model.config import read_hf_config
 from jaxcb.model.gguf import GGUFCheckpoint, read_gguf_config
 from jaxcb.model.gguf_to_hf import convert_gguf_to_hf
@@ -245,6 +245,13 @@ def test_gemma_metadata_jaxcb_does_not_read_is_refused_by_name(gemma_ggufs, tmp_
     _, hf = gemma_ggufs[family]
     path = write_gguf(str(tmp_path / "m.gguf"), {}, hf.config.to_dict(), metadata=metadata, omit=omit)
     with pytest.raises(CheckpointError, match=message):
+        read_gguf_config(path)
+
+
+def test_a_linear_rope_factor_that_is_not_positive_is_refused_naming_the_key(gemma_ggufs, tmp_path):
+    _, hf = gemma_ggufs["gemma3"]
+    path = write_gguf(str(tmp_path / "m.gguf"), {}, hf.config.to_dict(), metadata={"gemma3.rope.scaling.factor": -2.0})
+    with pytest.raises(ConfigError, match=r"m\.gguf: gemma3\.rope\.scaling\.factor=-2\.0 must be > 0"):
         read_gguf_config(path)
 
 

@@ -339,7 +339,11 @@ def _metadata_problems(reader, arch: str) -> list[str]:
 def _rope_scaling(reader, path: str, head_dim: int, theta: float) -> Optional[RopeScaling]:
     arch = metadata(reader, "general.architecture")
     if metadata(reader, f"{arch}.rope.scaling.type", "none") == "linear":  # positions / factor (Gemma 3's full layers)
-        return RopeScaling(_f32(metadata(reader, f"{arch}.rope.scaling.factor")), 1.0, 4.0, 0, rope_type="linear")
+        from jaxcb.config_validation import validate_rope_scaling
+
+        scaling = RopeScaling(_f32(metadata(reader, f"{arch}.rope.scaling.factor")), 1.0, 4.0, 0, rope_type="linear")
+        validate_rope_scaling(scaling, f"{path}: {arch}.rope.scaling")
+        return scaling
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is None:
         return None
