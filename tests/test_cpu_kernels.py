@@ -29,6 +29,16 @@ def test_auto_picks_the_cpu_kernel_on_cpu_and_pallas_on_gpu():
     assert select_attention(AttentionConfig(impl="auto"), platform="gpu").name == "pallas"
 
 
+def test_interpret_under_auto_where_auto_takes_no_pallas_kernel_is_said_to_be_unused(caplog):
+    with caplog.at_level(logging.WARNING, logger="jaxcb.kernels.attention"):
+        assert select_attention(AttentionConfig(impl="auto", interpret=True), platform="cpu").name == "cpu"
+    assert "attention.interpret=true is not used: attention.impl=auto takes the cpu form on cpu" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxcb.kernels.attention"):
+        assert select_attention(AttentionConfig(impl="auto", interpret=True), platform="gpu").name == "pallas-interpret"
+    assert "not used" not in caplog.text
+
+
 def test_auto_falls_back_to_xla_when_the_kernel_cannot_be_built(monkeypatch, caplog):
     def no_compiler():
         raise cpu_kernels.CpuKernelUnavailable("no C++ compiler found")

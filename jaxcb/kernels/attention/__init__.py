@@ -239,6 +239,9 @@ def select_attention(
         raise ConfigError(f"attention.impl={impl!r} must be one of {', '.join(IMPLS)}")
     if impl == "auto":
         impl = {"gpu": "pallas", "cpu": "cpu"}.get(platform, "xla")
+        if cfg.interpret and impl != "pallas":  # (an explicit impl other than pallas: config_unused says so)
+            log.warning("attention.interpret=true is not used: attention.impl=auto takes the %s form on %s; set "
+                        "attention.impl=pallas to run the Pallas kernel in the interpreter", impl, platform)
         if impl == "cpu":
             try:
                 return cpu_form().with_mesh(mesh)
