@@ -224,6 +224,8 @@ def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
                 choice["logprobs"] = fmt.completion_logprobs(tok, shown, 0, 0, skip, req.return_tokens_as_token_ids)
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+            if req.return_token_ids:  # (a result always has its token_ids)
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choices.append(choice)
     usage = {"prompt_tokens": sum(len(o.prompt_token_ids) for o in rec.outputs),
              "completion_tokens": sum(len(c.token_ids) for o in rec.outputs for c in o.outputs)}

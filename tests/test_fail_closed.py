@@ -425,3 +425,27 @@ def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(se
         assert all(c == sorted(c) and c[-1] == 4 for c in counts.values()) and len(counts) == 2, counts
         refused = post(url, path, {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+
+
+def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids_where_vllm_puts_them(server):
+    url, _ = server
+    prompt_ids = [256] + list(b"hi")  # the tiny model's byte tokenizer: <bos> h i
+    for stream in (False, True):
+        body = {**COMPLETION, "max_tokens": 3, "n": 2, "ignore_eos": True, "stream": stream, "return_token_ids": True}
+        r = post(url, "/v1/completions", body)
+        choices = [c for chunk in (sse_chunks(r) if stream else [r.json()]) for c in chunk["choices"]]
+        by_index: dict[int, list[int]] = {}
+        for c in choices:
+            by_index.setdefault(c["index"], []).extend(c["token_ids"])
+        assert [c["prompt_token_ids"] for c in choices if "prompt_token_ids" in c] == [prompt_ids] * 2
+        assert sorted(by_index) == [0, 1] and all(len(ids) == 3 for ids in by_index.values())
+        r = post(url, "/v1/chat/completions", {**CHAT, "max_tokens": 3, "ignore_eos": True, "stream": stream,
+                                               "return_token_ids": True})
+        chunks = sse_chunks(r) if stream else [r.json()]
+        assert len(chunks[0]["prompt_token_ids"]) > 3  # the rendered chat's
+        ids = [t for chunk in chunks for c in chunk["choices"] for t in c.get("token_ids", [])]
+        assert len(ids) == 3 and all("prompt_token_ids" not in chunk for chunk in chunks[1:])
+    from jaxcb.config import compose_config
+
+    ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
+    assert plan_record(ctx, {"id": "a", "prompt": "hi", "return_token_ids": True})[0].return_token_ids

@@ -216,11 +216,14 @@ def test_job_results_carry_the_fields_that_shape_them_as_the_http_response_does(
     records = {"ids": {"logprobs": 1, "return_tokens_as_token_ids": True},
                "stop": {"stop": [stop], "include_stop_str_in_output": True},
                "cut": {"truncate_prompt_tokens": 2, "echo": True, "max_tokens": 1},
-               "raw": {"add_special_tokens": False, "echo": True, "max_tokens": 1}}
+               "raw": {"add_special_tokens": False, "echo": True, "max_tokens": 1},
+               "tids": {"return_token_ids": True, "max_tokens": 1}}
     lines = [jobs.JobRecord(i, name, {"id": name, **base, **extra}) for i, (name, extra) in enumerate(records.items())]
     results = {r["id"]: r for r in jobs.generate_results(llm, lines, max_in_flight=4)}
     assert all(t.startswith("token_id:") for t in results["ids"]["logprobs"]["tokens"])
     assert results["stop"]["text"] == whole[:whole.index(stop) + len(stop)]
     assert results["cut"]["usage"]["prompt_tokens"] == 2 and results["cut"]["text"].startswith("o")  # <bos> + "o"
     assert results["raw"]["usage"]["prompt_tokens"] == 5 and results["raw"]["text"].startswith("Hello")
+    assert results["tids"]["prompt_token_ids"] == engine.tokenizer.encode("Hello")
+    assert len(results["tids"]["token_ids"]) == 1
     assert not engine.has_unfinished_requests()

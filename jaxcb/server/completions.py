@@ -105,6 +105,7 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
     thought = None  # chat replies read by a reasoning parser: their reasoning tokens, summed
     for p_idx, out in enumerate(finals):
         for c in out.outputs:
+            generated = list(c.token_ids)
             if body.is_chat:
                 n = reasoning_tokens(body.planned.chat, tok, c.token_ids, c.text)
                 thought = None if n is None else (thought or 0) + n
@@ -122,7 +123,14 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
                           "finish_reason": fmt.finish_reason(c)}
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+            if req.return_token_ids:  # vLLM's places: chat's prompt ids beside the choices, a completion's in each
+                choice["token_ids"] = generated
+                if not body.is_chat:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choices.append(choice)
     if body.is_chat:
-        return fmt.chat_response(rid, req.model, choices, *usage_of(finals), reasoning_tokens=thought)
+        response = fmt.chat_response(rid, req.model, choices, *usage_of(finals), reasoning_tokens=thought)
+        if req.return_token_ids:
+            response["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+        return response
     return fmt.completion_response(rid, req.model, choices, *usage_of(finals))

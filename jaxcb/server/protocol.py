@@ -73,6 +73,7 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM's field)
+    return_token_ids: bool = False  # the prompt's and each choice's token ids beside the text (vLLM's field)
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: only the prompt's last k tokens (-1: engine.max_model_len)
     min_tokens: int = 0
     stop_token_ids: Optional[list[int]] = None

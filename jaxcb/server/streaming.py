@@ -183,9 +183,10 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
             done = fmt.finish_reason(c)
             if done:
                 sent_done.add(key)
-            if not c.text and not done and (req.logprobs is None or not c.token_ids):
-                continue
+            if not c.text and not done and ((req.logprobs is None and not req.return_token_ids) or not c.token_ids):
+                continue  # nothing to send yet (the text of a character not yet whole)
             first = key not in sent_text
+            new_ids = list(c.token_ids)
             if first and req.echo:  # the prompt leads the choice's first chunk
                 c = fmt.echo_output(tok, out, c, req.skip_special_tokens).followed_by(c)
             t0 = sent_text.get(key, 0)
@@ -195,6 +196,10 @@ async def completion_events(state, rid, req: CompletionRequest, streams, include
             choice = {"index": p_idx * req.n + c.index, "text": c.text, "logprobs": logprobs, "finish_reason": done}
             if first and req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
+            if req.return_token_ids:  # as vLLM streams them: the prompt's with a choice's first chunk, then deltas
+                choice["token_ids"] = new_ids
+                if first:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
             so_far = None if generated is None else fmt.usage(len(out.prompt_token_ids), generated[key])
             yield fmt.sse(fmt.completion_chunk(rid, req.model, created, [choice], so_far))
         if out.finished:
@@ -242,8 +247,11 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
     num_prompt = len(plan.prompt_ids) if plan is not None else 0
     for i in range(req.n):  # the role comes first, as OpenAI sends it
         choice = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [choice],
-                                     None if generated is None or plan is None else fmt.usage(num_prompt, 0)))
+        chunk = fmt.chat_chunk(rid, req.model, created, [choice],
+                               None if generated is None or plan is None else fmt.usage(num_prompt, 0))
+        if req.return_token_ids and i == 0 and plan is not None:  # vLLM's: the prompt's ids in the first chunk
+            chunk["prompt_token_ids"] = list(plan.prompt_ids)
+        yield fmt.sse(chunk)
     async for _, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
@@ -266,10 +274,12 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
             if calls:
                 called.add(c.index)
             logprobs = fmt.chat_logprobs(tok, c, 0, top_n, req.return_tokens_as_token_ids) if req.logprobs else None
-            if not delta and not done and logprobs is None:
+            if not delta and not done and logprobs is None and not req.return_token_ids:
                 continue  # held back by the tool-call streamer
             finish = "tool_calls" if done == "stop" and c.index in called else done
             choice = {"index": c.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if req.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
             if req.prompt_logprobs is not None and c.index not in sent_prompt:
                 sent_prompt.add(c.index)
                 choice["prompt_logprobs"] = fmt.prompt_logprobs(tok, out)
