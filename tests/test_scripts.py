@@ -120,3 +120,26 @@ def test_serve_starts_the_http_server_and_exits_0_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_engine_watch_stops_the_server_once_the_engine_dies_and_not_before():
+    """serve() exits 1 after it (server.exit_on_engine_death): a supervisor restarts what would answer only 503s."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from jaxcb.server.run import watch_engine
+
+    alive = [False]  # not started yet
+    server, died = SimpleNamespace(should_exit=False), threading.Event()
+    thread = watch_engine(server, lambda: alive[0], died, interval_s=0.01)
+    time.sleep(0.05)
+    alive[0] = True
+    time.sleep(0.05)
+    assert not server.should_exit and not died.is_set()
+    alive[0] = False
+    thread.join(timeout=5)
+    assert server.should_exit and died.is_set()
+    server, died = SimpleNamespace(should_exit=True), threading.Event()  # a SIGTERM first: the watch just ends
+    watch_engine(server, lambda: False, died, interval_s=0.01).join(timeout=5)
+    assert not died.is_set()

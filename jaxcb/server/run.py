@@ -8,7 +8,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import uvicorn
 
@@ -39,6 +39,7 @@ class _GracefulServer(uvicorn.Server):
 
 
 def serve(cfg: Config) -> None:
+    """Serve until SIGTERM/SIGINT (exit 0) or, with server.exit_on_engine_death, until the engine dies (exit 1)."""
     app = build_app(cfg)
     log.info("serving %s on http://%s:%d", app.state.jaxcb.model_name, cfg.server.host, cfg.server.port)
     config = uvicorn.Config(
@@ -48,7 +49,35 @@ def serve(cfg: Config) -> None:
         log_level="info",
         timeout_graceful_shutdown=int(cfg.server.shutdown_timeout_s) + 1,
     )
-    _GracefulServer(config).run()
+    server = _GracefulServer(config)
+    died = threading.Event()
+    if cfg.server.exit_on_engine_death:
+        watch_engine(server, lambda: app.state.jaxcb.client.is_alive, died)
+    server.run()
+    if died.is_set():
+        raise SystemExit(1)
+
+
+def watch_engine(server: uvicorn.Server, is_alive: Callable[[], bool], died: threading.Event,
+                 interval_s: float = 1.0) -> threading.Thread:
+    """Stop `server` once the engine, having started, is dead, setting `died`: a supervisor restarts the process,
+    where a server left up would answer every request with a 503."""
+    def watch() -> None:
+        started = False  # the engine loop starts with the app (its lifespan), after this watch
+        while not server.should_exit:
+            alive = is_alive()
+            started = started or alive
+            if started and not alive:
+                log.error("the engine loop stopped (its error is logged above): shutting the server down to exit 1 "
+                          "(server.exit_on_engine_death=false keeps it up, answering 503)")
+                died.set()
+                server.should_exit = True
+                return
+            time.sleep(interval_s)
+
+    thread = threading.Thread(target=watch, daemon=True, name="jaxcb-engine-watch")
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager
