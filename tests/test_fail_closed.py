@@ -449,3 +449,22 @@ def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids_where_vll
 
     ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
     assert plan_record(ctx, {"id": "a", "prompt": "hi", "return_token_ids": True})[0].return_token_ids
+
+
+def test_requests_in_flight_when_the_engine_loop_dies_get_503s_in_openais_shape():
+    """An error inside the step itself stops the loop: a whole response is a 503 (not a bare 500), a stream ends
+    with an error event, /health says so, and the next request is a 503 at once."""
+    from engine_factory import make_engine
+
+    engine = make_engine()
+
+    def broken_step():
+        raise RuntimeError("a device error")
+
+    engine.step_with_stats = broken_step
+    with running_server(engine=engine) as (url, _):
+        r = post(url, "/v1/completions", COMPLETION)
+        assert r.status_code == 503 and "a device error" in r.json()["error"]["message"], r.text
+        assert httpx.get(url + "/health", timeout=10).status_code == 503
+        r = post(url, "/v1/completions", {**COMPLETION, "stream": True})
+        assert r.status_code == 503, r.text

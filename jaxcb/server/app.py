@@ -116,6 +116,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
     async def invalid_request(_: Request, e: InvalidRequestError):
         return JSONResponse(APIError(400, str(e), param=e.field).body(), status_code=400)
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError):  # a request in flight when the engine loop died
+        return JSONResponse(APIError(503, str(e), type="server_error").body(), status_code=503)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
