@@ -117,14 +117,20 @@ async def read_upload(request: "Request", max_bytes: int) -> tuple[bytes, str, s
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "POST /v1/files takes multipart/form-data with the fields file and purpose")
     try:
-        form = await request.form(max_files=1, max_fields=16)  # more than it takes: the extra one is named below
+        form = await request.form(max_files=2, max_fields=16)  # more than it takes: the extra one is named below
     except Exception as e:  # the multipart parser's errors: too many parts, a malformed body
-        raise APIError(400, f"the upload is not a form of the fields file and purpose: {e}") from None
+        reason = getattr(e, "detail", e)  # an HTTPException's detail, without its status
+        raise APIError(400, f"the upload is not a form of the fields file and purpose: {reason}") from None
     try:
-        for key in form:
+        seen = set()
+        for key, _ in form.multi_items():
             if key not in UPLOAD_FIELDS:
                 raise APIError(400, f"{key} is not a field jaxcb takes in an upload; remove it (known: "
                                     f"{', '.join(UPLOAD_FIELDS)})", param=key)
+            if key in seen:  # a form keeps every part of a name; reading one would drop the others silently
+                raise APIError(400, f"{key} is given more than once; an upload is one file with one purpose",
+                               param=key)
+            seen.add(key)
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str):
             raise APIError(400, "file is required: the file's content, as a form file", param="file")
