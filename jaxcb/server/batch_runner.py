@@ -122,6 +122,8 @@ class BatchRunner:
         task = self._tasks.get(batch.id)
         if task is not None:
             task.cancel()  # its lines in flight are aborted; the task then answers the rest and finalizes
+        else:  # stopped (the engine failed): it would stay cancelling until a restart; it finalizes now
+            self._launch(batch)
         return batch
 
     def uses_file(self, file_id: str) -> bool:
