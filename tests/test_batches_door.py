@@ -1,0 +1,210 @@
+"""The door of the Files and Batch APIs: every form field, query parameter and input-file line is
+honoured as OpenAI's API does or refused with a 400 naming it, and a batch the engine stopped can
+still be cancelled. One server for the module; its batches are a line or two of one token."""
+
+import json
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from engine_factory import shared_engine
+from server_harness import running_server
+
+FINISHED = ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    batch_dir = tmp_path_factory.mktemp("batches")
+    with running_server(f"server.batch_dir={batch_dir}", engine=shared_engine()) as (url, state):
+        yield url, state
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server[0], timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0)
+
+
+def line(custom_id, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": "x", "max_tokens": 1, "temperature": 0, **body}}
+
+
+def jsonl(lines, end="\n") -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + end for x in lines).encode()
+
+
+def upload(http, content: bytes) -> dict:
+    r = http.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def create(http, file_id: str) -> dict:
+    r = http.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                       "completion_window": "24h"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def wait_until_finished(http, batch_id: str, timeout_s: float = 60) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (batch := http.get(f"/v1/batches/{batch_id}").json())["status"] not in FINISHED:
+        assert time.monotonic() < deadline, f"batch still {batch['status']}"
+        time.sleep(0.05)
+    return batch
+
+
+def answered(http, batch: dict) -> list[dict]:
+    return [json.loads(x) for fid in (batch["output_file_id"], batch["error_file_id"]) if fid
+            for x in http.get(f"/v1/files/{fid}/content").text.splitlines()]
+
+
+def refused(r: httpx.Response, param: str, status: int = 400) -> str:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    return error["message"]
+
+
+ONE_LINE = jsonl([line("a")])
+
+
+@pytest.mark.parametrize("parts, param, named", [
+    # Starlette's form keeps every part of a name; reading one dropped the other silently (the last purpose won).
+    ([("file", ("a", ONE_LINE)), ("purpose", (None, "fine-tune")), ("purpose", (None, "batch"))], "purpose",
+     "purpose is given more than once"),
+    ([("file", ("a", ONE_LINE)), ("file", ("b", ONE_LINE)), ("purpose", (None, "batch"))], "file",
+     "file is given more than once"),
+    ([("file", ("a", ONE_LINE)), ("purpose", (None, "batch")), ("expires_after[anchor]", (None, "created_at"))],
+     "expires_after[anchor]", "expires_after[anchor] is not a field jaxcb takes in an upload"),
+    ([("purpose", (None, "batch"))], "file", "file is required"),
+    ([("file", (None, "text, not a file")), ("purpose", (None, "batch"))], "file", "file is required"),
+    ([("file", ("a", ONE_LINE))], "purpose", "purpose is required"),
+    ([("file", ("a", ONE_LINE)), ("purpose", (None, "fine-tune"))], "purpose", "purpose 'fine-tune' is not taken"),
+])
+def test_an_upload_form_field_repeated_unknown_or_missing_is_refused_naming_it(http, parts, param, named):
+    assert named in refused(http.post("/v1/files", files=parts), param)
+
+
+@pytest.mark.parametrize("content, named", [
+    (b"", "needs at least one line"),
+    (b"\n \r\n\n", "needs at least one line"),
+    (b"\xff" + ONE_LINE, "must be UTF-8 JSONL"),
+    (jsonl(["[1, 2]"]), "line 1 is not a JSON object"),
+    (jsonl([{**line("a"), "custom_id": 7}]), "custom_id must be a non-empty string"),
+    (jsonl([line("a"), line("a")]), "custom_id 'a' is used by an earlier line"),
+    (jsonl([{**line("a"), "method": "post"}]), "method 'post' must be 'POST'"),
+    (jsonl([{**line("a"), "url": "/v1/responses"}]), "url '/v1/responses' is not an endpoint batches serve"),
+    (jsonl([{**line("a"), "body": "prompt"}]), "body must be a JSON object"),
+    # JSON keeps the last of a repeated key: one custom_id (or one prompt) was dropped silently.
+    (b'{"custom_id": "a", "custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {}}\n',
+     "line 1 gives the key 'custom_id' more than once"),
+    (jsonl([line("a"), '{"custom_id": "b", "method": "POST", "url": "/v1/completions", '
+                       '"body": {"prompt": "x", "prompt": "y"}}']), "line 2 gives the key 'prompt' more than once"),
+])
+def test_an_input_file_that_could_never_run_is_refused_naming_file_and_its_line(http, content, named):
+    r = http.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+    assert named in refused(r, "file")
+
+
+def test_crlf_line_ends_and_blank_lines_are_read_as_lines_and_every_custom_id_is_answered_once(http):
+    content = b"\xef\xbb\xbf" + jsonl([line("a"), "", "   ", line("b")], end="\r\n")
+    batch = wait_until_finished(http, create(http, upload(http, content)["id"])["id"])
+    assert batch["status"] == "completed" and batch["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert sorted(r["custom_id"] for r in answered(http, batch)) == ["a", "b"]
+
+
+@pytest.mark.parametrize("method, path", [
+    ("POST", "/v1/files"), ("GET", "/v1/files/{file}"), ("GET", "/v1/files/{file}/content"),
+    ("DELETE", "/v1/files/{file}"), ("POST", "/v1/batches"), ("GET", "/v1/batches/{batch}"),
+    ("POST", "/v1/batches/{batch}/cancel"), ("GET", "/v1/files"), ("GET", "/v1/batches"),
+])
+def test_a_query_parameter_a_route_does_not_take_is_refused_naming_it(http, method, path):
+    # Before, every route but the two lists ignored its query string (POST /v1/files?purpose=... too).
+    file_id = upload(http, ONE_LINE)["id"]
+    url = path.format(file=file_id, batch="batch_0") + "?colour=blue"
+    assert "colour is not a query parameter jaxcb takes here" in refused(http.request(method, url), "colour")
+    assert http.get(f"/v1/files/{file_id}").status_code == 200  # nothing was done
+
+
+@pytest.mark.parametrize("path, query", [("/v1/files", "purpose=batch&purpose=batch_output"),
+                                         ("/v1/batches", "limit=1&limit=2"), ("/v1/files", "order=asc&order=desc")])
+def test_a_query_parameter_given_twice_is_refused_naming_it(http, path, query):
+    name = query.split("=")[0]
+    assert f"{name} is given more than once" in refused(http.get(f"{path}?{query}"), name)
+
+
+def test_files_are_listed_and_paged_with_openais_limit_order_after_and_purpose(http, client):
+    # Before, limit, order and after were refused as unknown and the list had no first_id or last_id.
+    ids = [upload(http, ONE_LINE)["id"] for _ in range(3)]
+    newest = [f["id"] for f in http.get("/v1/files").json()["data"]]
+    assert newest[:3] == ids[::-1]
+    page = http.get("/v1/files?limit=2").json()
+    assert [f["id"] for f in page["data"]] == newest[:2] and page["has_more"]
+    assert (page["first_id"], page["last_id"]) == (newest[0], newest[1])
+    page = http.get(f"/v1/files?limit=2&after={page['last_id']}").json()
+    assert [f["id"] for f in page["data"]] == newest[2:4]
+    oldest = http.get("/v1/files?order=asc").json()
+    assert [f["id"] for f in oldest["data"]] == newest[::-1] and not oldest["has_more"]
+    assert [f["id"] for f in http.get(f"/v1/files?order=asc&after={ids[0]}&limit=1").json()["data"]] == [ids[1]]
+    assert all(f["purpose"] == "batch" for f in http.get("/v1/files?purpose=batch").json()["data"])
+    assert [f.id for f in client.files.list(limit=1)] == newest  # the client pages with after to the end
+
+
+@pytest.mark.parametrize("query, param, named", [
+    ("limit=0", "limit", "limit='0' must be a whole number from 1 to 10000"),
+    ("limit=10001", "limit", "limit='10001' must be a whole number from 1 to 10000"),
+    ("order=newest", "order", "order='newest' must be 'asc' (oldest first) or 'desc' (newest first)"),
+    ("after=file-nothere", "after", "after='file-nothere' is not a file of this server"),
+])
+def test_a_files_list_query_out_of_range_is_refused_naming_it(http, query, param, named):
+    assert named in refused(http.get(f"/v1/files?{query}"), param)
+
+
+def test_an_input_file_reads_back_as_uploaded_and_the_output_as_result_lines(http):
+    content = jsonl([line("a")], end="\r\n")
+    file = upload(http, content)
+    assert http.get(f"/v1/files/{file['id']}/content").content == content and file["bytes"] == len(content)
+    batch = wait_until_finished(http, create(http, file["id"])["id"])
+    [result] = answered(http, batch)
+    assert result["custom_id"] == "a" and result["response"]["status_code"] == 200
+    assert http.get(f"/v1/files/{batch['output_file_id']}").json()["purpose"] == "batch_output"
+
+
+def test_a_batch_the_engine_stopped_is_cancelled_with_every_custom_id_answered_once(server, http, monkeypatch):
+    # Before, a batch whose lines met a dead engine had no task left: cancelling it left it "cancelling" until a
+    # restart. Its input is kept while it is unfinished; once cancelled it can be deleted.
+    from jaxcb.server import batch_runner
+    from jaxcb.server.async_engine import EngineDeadError
+
+    async def dead(*args, **kwargs):
+        raise EngineDeadError("the engine loop is not running")
+
+    monkeypatch.setattr(batch_runner, "serve_planned", dead)
+    file_id = upload(http, jsonl([line(f"c{i}") for i in range(5)]))["id"]
+    batch = create(http, file_id)
+    runner = server[1].batches
+    deadline = time.monotonic() + 30
+    while batch["id"] in runner._tasks:  # the batch stops, in progress
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    monkeypatch.undo()
+    assert http.get(f"/v1/batches/{batch['id']}").json()["status"] == "in_progress"
+    assert refused(http.delete(f"/v1/files/{file_id}"), "file_id", 409)
+    assert http.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] in ("cancelling", "cancelled")
+    batch = wait_until_finished(http, batch["id"])
+    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    results = answered(http, batch)
+    assert sorted(r["custom_id"] for r in results) == [f"c{i}" for i in range(5)]
+    assert all(r["error"]["code"] == "batch_cancelled" for r in results)
+    assert http.delete(f"/v1/files/{file_id}").json()["deleted"] is True
+    assert not server[1].client.engine.has_unfinished_requests()
