@@ -89,10 +89,19 @@ ONE_LINE = jsonl([line("a")])
     ([("purpose", (None, "batch"))], "file", "file is required"),
     ([("file", (None, "text, not a file")), ("purpose", (None, "batch"))], "file", "file is required"),
     ([("file", ("a", ONE_LINE))], "purpose", "purpose is required"),
+    ([("file", ("a", ONE_LINE)), ("purpose", ("p.txt", b"batch"))], "purpose", "purpose must be a plain form field"),
     ([("file", ("a", ONE_LINE)), ("purpose", (None, "fine-tune"))], "purpose", "purpose 'fine-tune' is not taken"),
 ])
 def test_an_upload_form_field_repeated_unknown_or_missing_is_refused_naming_it(http, parts, param, named):
     assert named in refused(http.post("/v1/files", files=parts), param)
+
+
+def test_an_upload_whose_media_type_is_not_lower_case_is_read_as_multipart(http):
+    # Before, "Multipart/Form-Data" was refused as not multipart: a media type's case is free.
+    request = http.build_request("POST", "/v1/files", files={"file": ("a", ONE_LINE)}, data={"purpose": "batch"})
+    content_type = request.headers["content-type"].replace("multipart/form-data", "Multipart/Form-Data")
+    r = http.post("/v1/files", content=request.read(), headers={"content-type": content_type})
+    assert r.status_code == 200 and r.json()["bytes"] == len(ONE_LINE)
 
 
 @pytest.mark.parametrize("content, named", [

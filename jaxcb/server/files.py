@@ -114,7 +114,7 @@ UPLOAD_FIELDS = ("file", "purpose")
 async def read_upload(request: "Request", max_bytes: int) -> tuple[bytes, str, str]:
     """(content, filename, purpose) of a multipart `POST /v1/files`, as OpenAI's clients send it; a 400
     naming what is missing or not taken, a 413 past `max_bytes` (server.max_file_bytes)."""
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    if not request.headers.get("content-type", "").lower().startswith("multipart/form-data"):  # any case, as RFC 9110
         raise APIError(400, "POST /v1/files takes multipart/form-data with the fields file and purpose")
     try:
         form = await request.form(max_files=2, max_fields=16)  # more than it takes: the extra one is named below
@@ -134,8 +134,10 @@ async def read_upload(request: "Request", max_bytes: int) -> tuple[bytes, str, s
         upload, purpose = form.get("file"), form.get("purpose")
         if upload is None or isinstance(upload, str):
             raise APIError(400, "file is required: the file's content, as a form file", param="file")
-        if not isinstance(purpose, str):
+        if purpose is None:
             raise APIError(400, "purpose is required ('batch')", param="purpose")
+        if not isinstance(purpose, str):
+            raise APIError(400, "purpose must be a plain form field ('batch'), not a file", param="purpose")
         content = await upload.read(max_bytes + 1)
         if len(content) > max_bytes:
             raise APIError(413, f"the file is larger than server.max_file_bytes={max_bytes}", param="file")
