@@ -178,7 +178,7 @@ def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, Ch
                                        get_reasoning_parser(cfg.server.reasoning_parser, template),
                                        cfg.server.structured_outputs_in_reasoning, ctx.sampling_defaults)
     else:
-        planned = plan_completion(req, ctx.sampling_defaults, tokenizer=ctx.tokenizer, max_model_len=ctx.max_model_len)
+        planned = plan_completion(req, ctx.sampling_defaults, tokenizer=ctx.tokenizer)
     if req.model is not None and req.model != served_model_name(cfg) and not cfg.lora.enabled:
         # (with LoRA, Engine.add_request checks the name: the base's or a loaded adapter's)
         raise InvalidRequestError(f"model {req.model!r} is not the model of this job ({served_model_name(cfg)!r}); "

@@ -53,3 +53,36 @@ def _check_text(text: str) -> None:
     if not is_text(text):
         raise InvalidRequestError("the prompt holds a lone UTF-16 surrogate, which is not text; send valid Unicode",
                                   "prompt")
+
+
+def tokens_to_keep(truncate_prompt_tokens: int, max_model_len: int) -> int:
+    """vLLM's truncate_prompt_tokens: a prompt's last k tokens (-1: as many as engine.max_model_len)."""
+    k = truncate_prompt_tokens
+    if k == -1:
+        return max_model_len
+    if not 1 <= k <= max_model_len:
+        raise InvalidRequestError(f"truncate_prompt_tokens={k} must be -1 (the last engine.max_model_len="
+                                  f"{max_model_len} tokens) or from 1 to {max_model_len}", "truncate_prompt_tokens")
+    return k
+
+
+def truncated(prompt: PromptType, text: Optional[str], ids: list[int], keep: int,
+              tokenizer: Tokenizer) -> tuple[Optional[str], list[int]]:
+    """(text, ids) of the prompt's last `keep` tokens, as vLLM cuts them (its tokenizer truncating on the left):
+    a text prompt keeps the special tokens its encoding adds (the BOS) and loses its text's first tokens; token
+    ids, and text encoded without specials, lose their first ids. Once cut, no text: echo gives back the text
+    of the ids the model read."""
+    if len(ids) <= keep:
+        return text, ids
+    if not isinstance(prompt, str):
+        return None, ids[-keep:]
+    content = tokenizer.encode(prompt, add_special_tokens=False)
+    starts = [i for i in range(len(ids) - len(content) + 1) if ids[i:i + len(content)] == content]
+    if not starts:  # specials merged into the text's tokens: nothing to keep apart
+        return None, ids[-keep:]
+    head, tail = ids[:starts[0]], ids[starts[0] + len(content):]
+    room = keep - len(head) - len(tail)
+    if room < 1:
+        raise InvalidRequestError(f"truncate_prompt_tokens={keep} leaves no room for the prompt's text beside the "
+                                  f"{len(head) + len(tail)} special tokens its encoding adds", "truncate_prompt_tokens")
+    return None, head + content[-room:] + tail

@@ -36,6 +36,8 @@ class SamplingParams:
     seed: Optional[int] = None  # same seed -> same tokens, whatever else is in the batch
     stop: list[str] = field(default_factory=list)  # stop strings (cut from the text, unless the next is true)
     include_stop_str_in_output: bool = False  # the text ends with the stop string that ended it (vLLM's field)
+    # only the prompt's last k tokens (-1: engine.max_model_len of them); a text prompt keeps its BOS (vLLM's field)
+    truncate_prompt_tokens: Optional[int] = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # False: special tokens (a Mistral model's [TOOL_CALLS]) are in the text; the EOS or stop token
@@ -94,6 +96,9 @@ class SamplingParams:
                                       f"not {type(self.structured_outputs).__name__}", "structured_outputs")
 
         checks = [
+            (self.truncate_prompt_tokens in (None, -1) or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
+             f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be -1 (as many as engine.max_model_len) "
+             "or >= 1"),
             (self.n >= 1, "n", f"n={self.n} must be >= 1"),
             (self.max_tokens >= 1, "max_tokens", f"max_tokens={self.max_tokens} must be >= 1"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
@@ -161,8 +166,9 @@ def sample_seed(seed: int, index: int) -> int:
 # A seed is a signed or unsigned 64-bit integer, as OpenAI's API and vLLM take it.
 MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 
-_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
-_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs"})
+_INT_FIELDS = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_OPTIONAL = frozenset({"seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"})
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 

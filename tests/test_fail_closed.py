@@ -291,8 +291,7 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string_by_every_
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_by_every_door(server):
     """vLLM's field: the last k tokens of the prompt (of the rendered chat too); -1 keeps engine.max_model_len of
     them."""
-    from jaxcb.config import compose_config
-    from jaxcb.prompts import EncodedText
+    from jaxcb.prompts import EncodedText, prompt_text_and_ids, tokens_to_keep, truncated
     from jaxcb.tokenizer import ByteTokenizer
 
     url, state = server
@@ -309,15 +308,14 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_by_every_door(serv
             r = post(url, path, {**body, "truncate_prompt_tokens": bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
     assert_nothing_queued(state)
-    ctx = JobContext(compose_config(()), tokenizer=ByteTokenizer(), max_model_len=8)
-    for prompt, extra, kept in (("hi", {}, EncodedText("hi", (256, 104, 105))),
-                                (list(range(1, 10)), {}, list(range(2, 10))),
-                                ("abcdefghi", {}, [256] + list(b"cdefghi")),  # <bos> kept, as vLLM keeps it
-                                ("abcdefghi", {"add_special_tokens": False}, list(b"bcdefghi"))):
-        record = {"id": "a", "prompt": prompt, "truncate_prompt_tokens": -1, **extra}
-        assert plan_record(ctx, record)[1].prompts == [kept]
+    tok = ByteTokenizer()  # the engine cuts: one place for every door (LLM.generate's SamplingParams too)
+    for prompt, kept in (("hi", [256, 104, 105]), (list(range(1, 10)), list(range(2, 10))),
+                         ("abcdefghi", [256] + list(b"cdefghi")),  # <bos> kept, as vLLM keeps it
+                         (EncodedText("abcdefghi", tuple(b"abcdefghi")), list(b"bcdefghi"))):
+        text, ids = prompt_text_and_ids(prompt, tok)
+        assert truncated(prompt, text, ids, tokens_to_keep(-1, 8), tok)[1] == kept
     with pytest.raises(InvalidRequestError, match="no room for the prompt's text") as e:
-        plan_record(ctx, {"id": "a", "prompt": "abc", "truncate_prompt_tokens": 1})
+        truncated("abc", "abc", tok.encode("abc"), 1, tok)
     assert e.value.field == "truncate_prompt_tokens"
 
 

@@ -231,6 +231,7 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
         seed=req.seed,
         stop=stop,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,

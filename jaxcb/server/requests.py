@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from jaxcb.errors import InvalidRequestError
-from jaxcb.prompts import EncodedText, encode_text, prompt_text_and_ids
+from jaxcb.prompts import EncodedText, encode_text, tokens_to_keep
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.server.chat import ChatPlan, plan_chat
@@ -92,59 +92,21 @@ def _check_stream_options(req: Union[CompletionRequest, ChatCompletionRequest]) 
 
 
 def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFAULTS, *,
-                    tokenizer: Optional[Tokenizer] = None, max_model_len: Optional[int] = None) -> PlannedRequest:
+                    tokenizer: Optional[Tokenizer] = None) -> PlannedRequest:
     """A /v1/completions body (or a job record with `prompt`) as engine requests; `defaults`: the model's for
     the sampling fields it leaves out (`Engine.sampling_defaults`); `tokenizer` encodes a text prompt sent
-    with add_special_tokens=false or truncate_prompt_tokens (otherwise the engine encodes it), whose -1
-    means `max_model_len`."""
+    with add_special_tokens=false (otherwise the engine encodes it)."""
     _check_stream_options(req)
     prompts = _prompts(req.prompt)
-    if not req.add_special_tokens or req.truncate_prompt_tokens is not None:
+    if not req.add_special_tokens:
         if tokenizer is None:
-            raise ValueError("add_special_tokens=false and truncate_prompt_tokens need the tokenizer")
-        prompts = [encode_text(p, tokenizer, req.add_special_tokens) if isinstance(p, str) else p for p in prompts]
-    if req.truncate_prompt_tokens is not None:
-        if max_model_len is None:
-            raise ValueError("truncate_prompt_tokens needs max_model_len")
-        keep = _tokens_to_keep(req.truncate_prompt_tokens, max_model_len)
-        prompts = [_last_tokens(p, keep, tokenizer) for p in prompts]
+            raise ValueError("add_special_tokens=false needs the tokenizer")
+        prompts = [encode_text(p, tokenizer, add_special_tokens=False) if isinstance(p, str) else p for p in prompts]
     structured: Optional[StructuredOutputs] = (
         from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
     _check_timeout(req.timeout)
     params = sampling_params(req, req.max_tokens, req.logprobs, structured, defaults)
     return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout, model=req.model)
-
-
-def _tokens_to_keep(truncate_prompt_tokens: int, max_model_len: int) -> int:
-    """vLLM's truncate_prompt_tokens: a prompt's last k tokens (-1: as many as engine.max_model_len)."""
-    k = truncate_prompt_tokens
-    if k == -1:
-        return max_model_len
-    if not 1 <= k <= max_model_len:
-        raise InvalidRequestError(f"truncate_prompt_tokens={k} must be -1 (the last engine.max_model_len="
-                                  f"{max_model_len} tokens) or from 1 to {max_model_len}", "truncate_prompt_tokens")
-    return k
-
-
-def _last_tokens(prompt: Prompt, keep: int, tokenizer: Tokenizer) -> Prompt:
-    """The prompt's last `keep` tokens, as vLLM cuts them (its tokenizer truncating on the left): a text prompt
-    keeps the special tokens its encoding adds (the BOS) and loses its text's first tokens; token ids, and text
-    encoded without specials, lose their first ids. Once cut, the ids alone: echo gives back what the model read."""
-    text, ids = prompt_text_and_ids(prompt, tokenizer)
-    if len(ids) <= keep:
-        return prompt if not isinstance(prompt, str) else EncodedText(text, tuple(ids))  # encoded once
-    if not isinstance(prompt, str):
-        return ids[-keep:]
-    content = tokenizer.encode(text, add_special_tokens=False)
-    starts = [i for i in range(len(ids) - len(content) + 1) if ids[i:i + len(content)] == content]
-    if not starts:  # specials merged into the text's tokens: nothing to keep apart
-        return ids[-keep:]
-    head, tail = ids[:starts[0]], ids[starts[0] + len(content):]
-    room = keep - len(head) - len(tail)
-    if room < 1:
-        raise InvalidRequestError(f"truncate_prompt_tokens={keep} leaves no room for the prompt's text beside the "
-                                  f"{len(head) + len(tail)} special tokens its encoding adds", "truncate_prompt_tokens")
-    return head + content[-room:] + tail
 
 
 def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,
@@ -160,7 +122,7 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
                                   "max_completion_tokens")
     plan = plan_chat(req, tokenizer, parser, tool_prompt_fallback, reasoning, structured_in_reasoning)
     if req.truncate_prompt_tokens is not None:  # the rendered conversation's last tokens, as vLLM cuts it
-        plan.prompt_ids = plan.prompt_ids[-_tokens_to_keep(req.truncate_prompt_tokens, max_model_len):]
+        plan.prompt_ids = plan.prompt_ids[-tokens_to_keep(req.truncate_prompt_tokens, max_model_len):]
     renamed = {}
     if req.max_completion_tokens is not None:
         max_tokens, renamed["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
