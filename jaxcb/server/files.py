@@ -124,6 +124,9 @@ async def read_upload(request: "Request", max_bytes: int) -> tuple[bytes, str, s
     try:
         seen = set()
         for key, _ in form.multi_items():
+            if key.startswith("expires_after"):  # OpenAI's expires_after[anchor] and expires_after[seconds]
+                raise APIError(400, f"{key} is not supported: a file is kept until it is deleted; remove it",
+                               param=key)
             if key not in UPLOAD_FIELDS:
                 raise APIError(400, f"{key} is not a field jaxcb takes in an upload; remove it (known: "
                                     f"{', '.join(UPLOAD_FIELDS)})", param=key)
