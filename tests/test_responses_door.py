@@ -55,6 +55,10 @@ def assert_refused(response: httpx.Response, param: str) -> None:
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "foo": 1}]}]},
      "input.0.content.0.foo"),
     ({"input": [{"role": "user", "content": "x", "status": "weird"}]}, "input.0.status"),
+    # as OpenAI: a reply's parts are output_text, what is written to the model input_text
+    ({"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]}, "input.0.content.0.type"),
+    ({"input": [USER, {"role": "assistant", "content": [{"type": "input_text", "text": "x"}]}]},
+     "input.1.content.0.type"),
     ({"input": [USER, CALL, {**RESULT, "call_id": "call_2"}]}, "input.2.call_id"),
     ({"input": [RESULT]}, "input.0.call_id"),
     ({"input": [USER, CALL]}, "input.1"),  # a call without its output (OpenAI: "No tool output found")

@@ -164,9 +164,10 @@ def _parse_item(cls: type[_Strict], data: dict[str, Any], where: str) -> Any:
         raise InvalidRequestError(f"{param}: {err['msg']}{forms}", param) from None
 
 
-def _item_text(content: Union[str, list[dict[str, Any]]], at: str) -> str:
+def _item_text(content: Union[str, list[dict[str, Any]]], at: str, role: Optional[str] = None) -> str:
     """A message's or a tool output's text (`at`: its path, "input.2.content"); parts other than text are
-    refused by name."""
+    refused by name, and as OpenAI refuses them, a reply's output_text in a `role` that writes input and
+    an input_text in an assistant message."""
     if isinstance(content, str):
         return content
     texts = []
@@ -176,6 +177,11 @@ def _item_text(content: Union[str, list[dict[str, Any]]], at: str) -> str:
             raise InvalidRequestError(f"{at}.{j}: a content part of type {kind!r} is not supported: "
                                       f"jaxcb serves text models; give parts of type {', '.join(_TEXT_PARTS)}",
                                       f"{at}.{j}")
+        wrong = "input_text" if role == "assistant" else "output_text" if role is not None else None
+        if kind == wrong:
+            right = "output_text" if role == "assistant" else "input_text"
+            raise InvalidRequestError(f"{at}.{j}.type: a {role} message's text parts are {right!r}, not {kind!r}",
+                                      f"{at}.{j}.type")
         check_fields(part, _PART_FIELDS[kind], f"{at}.{j}.")
         if not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{at}.{j}.text must be a string (a part is {{'type': {kind!r}, 'text': ...}})",
@@ -209,7 +215,8 @@ def input_messages(value: Union[str, list[Any]], earlier_call_ids: frozenset[str
                                     "function_call_output and reasoning items", f"input.{i}.type")
         item = _parse_item(_ITEMS[kind], data, where)
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _item_text(item.content, f"input.{i}.content")})
+            text = _item_text(item.content, f"input.{i}.content", item.role)
+            messages.append({"role": item.role, "content": text})
         elif isinstance(item, FunctionCallItem):
             if not _is_json_object(item.arguments):
                 raise InvalidRequestError(f"input.{i}.arguments must be a JSON object as a string",
