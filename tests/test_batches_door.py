@@ -191,9 +191,8 @@ def test_an_input_file_reads_back_as_uploaded_and_the_output_as_result_lines(htt
     assert http.get(f"/v1/files/{batch['output_file_id']}").json()["purpose"] == "batch_output"
 
 
-def test_a_batch_the_engine_stopped_is_cancelled_with_every_custom_id_answered_once(server, http, monkeypatch):
-    # Before, a batch whose lines met a dead engine had no task left: cancelling it left it "cancelling" until a
-    # restart. Its input is kept while it is unfinished; once cancelled it can be deleted.
+def stopped_batch(server, http, monkeypatch, content: bytes) -> tuple[str, dict]:
+    """(input file id, batch) of a batch whose lines met a dead engine: it stopped, in progress, with no task."""
     from jaxcb.server import batch_runner
     from jaxcb.server.async_engine import EngineDeadError
 
@@ -201,21 +200,43 @@ def test_a_batch_the_engine_stopped_is_cancelled_with_every_custom_id_answered_o
         raise EngineDeadError("the engine loop is not running")
 
     monkeypatch.setattr(batch_runner, "serve_planned", dead)
-    file_id = upload(http, jsonl([line(f"c{i}") for i in range(5)]))["id"]
+    file_id = upload(http, content)["id"]
     batch = create(http, file_id)
-    runner = server[1].batches
     deadline = time.monotonic() + 30
-    while batch["id"] in runner._tasks:  # the batch stops, in progress
+    while batch["id"] in server[1].batches._tasks:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     monkeypatch.undo()
     assert http.get(f"/v1/batches/{batch['id']}").json()["status"] == "in_progress"
-    assert refused(http.delete(f"/v1/files/{file_id}"), "file_id", 409)
+    return file_id, batch
+
+
+def cancel_until_cancelled(http, batch: dict, custom_ids: list[str]) -> None:
     assert http.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] in ("cancelling", "cancelled")
     batch = wait_until_finished(http, batch["id"])
-    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    n = len(custom_ids)
+    assert batch["status"] == "cancelled" and batch["request_counts"] == {"total": n, "completed": 0, "failed": n}
     results = answered(http, batch)
-    assert sorted(r["custom_id"] for r in results) == [f"c{i}" for i in range(5)]
+    assert sorted(r["custom_id"] for r in results) == sorted(custom_ids)  # each exactly once
     assert all(r["error"]["code"] == "batch_cancelled" for r in results)
+
+
+def test_a_batch_the_engine_stopped_is_cancelled_with_every_custom_id_answered_once(server, http, monkeypatch):
+    # Before, a batch whose lines met a dead engine had no task left: cancelling it left it "cancelling" until a
+    # restart. Its input is kept while it is unfinished; once cancelled it can be deleted.
+    ids = [f"c{i}" for i in range(5)]
+    file_id, batch = stopped_batch(server, http, monkeypatch, jsonl([line(i) for i in ids]))
+    assert refused(http.delete(f"/v1/files/{file_id}"), "file_id", 409)
+    cancel_until_cancelled(http, batch, ids)
     assert http.delete(f"/v1/files/{file_id}").json()["deleted"] is True
     assert not server[1].client.engine.has_unfinished_requests()
+
+
+def test_a_batch_is_run_and_finalized_from_its_file_as_taken_whatever_was_refused_since(server, http, monkeypatch):
+    # A file taken by a server that allowed a repeated key, or a longer line (a larger server.max_request_bytes),
+    # once failed every later reading: the batch stayed in progress, or cancelling, through every restart.
+    file_id, batch = stopped_batch(server, http, monkeypatch, jsonl([line("t0"), line("t1")]))
+    as_taken = jsonl([line("t0"), '{"custom_id": "t1", "method": "POST", "url": "/v1/completions", '
+                                  '"body": {"prompt": "x", "prompt": "' + "y" * (1 << 20) + '"}}'])
+    server[1].batches.files.create(as_taken, "in.jsonl", "batch", file_id)
+    cancel_until_cancelled(http, batch, ["t0", "t1"])

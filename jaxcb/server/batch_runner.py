@@ -99,7 +99,7 @@ class BatchRunner:
         if file["purpose"] != "batch":
             raise APIError(400, f"file {req.input_file_id} has purpose {file['purpose']!r}; a batch's input is a "
                                 "file uploaded with purpose 'batch'", param="input_file_id")
-        lines = self._lines(req.input_file_id)
+        lines = self._lines(req.input_file_id, taken=False)
         for line in lines:
             if line.url != req.endpoint:
                 raise APIError(400, f"line {line.line} of {req.input_file_id} is for {line.url}, not the batch's "
@@ -132,10 +132,11 @@ class BatchRunner:
 
     # --- running one batch ----------------------------------------------------------------------
 
-    def _lines(self, file_id: str) -> list[BatchLine]:
+    def _lines(self, file_id: str, taken: bool = True) -> list[BatchLine]:
+        """`taken`: the lines of a batch created, read as they were when it was (batches.read_batch_lines)."""
         content = self.files.read(file_id, "input_file_id")
         try:
-            return read_batch_lines(content, self.state.cfg.server.max_request_bytes)
+            return read_batch_lines(content, self.state.cfg.server.max_request_bytes, taken)
         except InvalidRequestError as e:
             raise APIError(400, str(e), param="input_file_id") from None
 

@@ -43,8 +43,10 @@ class BatchLine:
     body: dict[str, Any]
 
 
-def read_batch_lines(content: bytes, max_line_bytes: int) -> list[BatchLine]:
-    """The lines of a batch input file; InvalidRequestError (param `file`) naming the first bad line."""
+def read_batch_lines(content: bytes, max_line_bytes: int, taken: bool = False) -> list[BatchLine]:
+    """The lines of a batch input file; InvalidRequestError (param `file`) naming the first bad line.
+    `taken`: the file of a batch already created, read as it was taken: a limit lowered since
+    (server.max_request_bytes) or a check added since (a key given twice) must not strand it in progress."""
     try:
         text = content.decode("utf-8-sig")  # an editor's byte order mark is not part of the first line
     except UnicodeDecodeError as e:
@@ -55,7 +57,7 @@ def read_batch_lines(content: bytes, max_line_bytes: int) -> list[BatchLine]:
         if not raw.strip():
             continue
         where = f"file line {n}"
-        if len(raw.encode("utf-8")) > max_line_bytes:
+        if not taken and len(raw.encode("utf-8")) > max_line_bytes:
             raise InvalidRequestError(f"{where} is longer than server.max_request_bytes={max_line_bytes}, the "
                                       "largest request body this server takes", "file")
         try:
@@ -64,7 +66,7 @@ def read_batch_lines(content: bytes, max_line_bytes: int) -> list[BatchLine]:
             raise InvalidRequestError(f"{where} is not a JSON object a batch takes ({e})", "file") from None
         if not isinstance(data, dict):
             raise InvalidRequestError(f"{where} is not a JSON object", "file")
-        twice = _repeated_key(raw)
+        twice = None if taken else _repeated_key(raw)
         if twice is not None:  # JSON keeps the last of a repeated key: the others would be dropped silently
             raise InvalidRequestError(f"{where} gives the key {twice!r} more than once in one object; give each "
                                       "key once", "file")
