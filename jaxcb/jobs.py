@@ -208,12 +208,12 @@ def result_record(tok: Tokenizer, rec: _PendingRecord) -> dict[str, Any]:
     for p_idx, out in enumerate(rec.outputs):
         for c in out.outputs:
             skip = rec.planned.params.skip_special_tokens
-            shown = fmt.echo_output(tok, out, c, skip).followed_by(c) if getattr(req, "echo", False) else c
+            shown = fmt.echo_output(tok, out, c, skip).followed_by(c) if chat is None and req.echo else c
             choice: dict[str, Any] = {"index": p_idx * req.n + c.index, "text": shown.text,
                                       "token_ids": c.token_ids, "finish_reason": fmt.finish_reason(c)}
             if chat is not None:
                 message, choice["finish_reason"] = assistant_message(chat, c.text, fmt.finish_reason(c))
-                choice["text"] = message["content"]
+                choice["text"] = chat.echo + (message["content"] or "") if chat.echo else message["content"]
                 for key in ("tool_calls", "reasoning_content"):
                     if key in message:
                         choice[key] = message[key]

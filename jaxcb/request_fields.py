@@ -42,7 +42,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "add_special_tokens": "add_special_tokens: true is not supported for chat, whose template writes the special "
                           "tokens itself (a second BOS would follow); leave it out",
     "chat_template": "a per-request chat_template is not supported; start the server with server.chat_template",
-    "echo": "echo is supported by /v1/completions only",
     "audio": "audio output is not supported",
     "modalities": "modalities other than text are not supported",
     "prediction": "predicted outputs are not supported",
@@ -55,7 +54,6 @@ NOT_SUPPORTED: dict[str, str] = {
 # Fields accepted when their value is what jaxcb does anyway (the OpenAI and vLLM defaults).
 HONOURED_VALUES: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
-    "echo": (False,),
     "best_of": (None, 1),
     "use_beam_search": (False,),
     "add_special_tokens": (False,),

@@ -322,7 +322,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_by_every_door(serv
 def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_by_every_door(server):
     url, _ = server
     for stream in (False, True):
-        r = post(url, "/v1/completions", {**COMPLETION, "logprobs": 2, "stream": stream,
+        r = post(url, "/v1/completions", {**COMPLETION, "logprobs": 2, "stream": stream, "ignore_eos": True,
                                           "return_tokens_as_token_ids": True})
         chunks = sse_chunks(r) if stream else [r.json()]
         choices = [c for chunk in chunks for c in chunk["choices"]]
@@ -330,7 +330,7 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id_by_every_
         tops = [k for c in choices if c["logprobs"] for top in c["logprobs"]["top_logprobs"] for k in top]
         assert len(tokens) == 2 and all(t.startswith("token_id:") and t[9:].isdigit() for t in tokens + tops)
         r = post(url, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "stream": stream,
-                                               "return_tokens_as_token_ids": True})
+                                               "ignore_eos": True, "return_tokens_as_token_ids": True})
         chunks = sse_chunks(r) if stream else [r.json()]
         content = [e for chunk in chunks for c in chunk["choices"] if c.get("logprobs")
                    for e in c["logprobs"]["content"]]
@@ -466,3 +466,19 @@ def test_requests_in_flight_when_the_engine_loop_dies_get_503s_in_openais_shape(
         assert httpx.get(url + "/health", timeout=10).status_code == 503
         r = post(url, "/v1/completions", {**COMPLETION, "stream": True})
         assert r.status_code == 503, r.text
+
+
+def test_chat_echo_starts_the_reply_with_the_message_it_continues_as_vllm_does(server):
+    url, _ = server
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    body = {**CHAT, "messages": messages, "max_tokens": 3, "echo": True, "add_generation_prompt": False,
+            "continue_final_message": True}
+    whole = post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    assert whole.startswith("Once upon") and len(whole) > len("Once upon")
+    chunks = sse_chunks(post(url, "/v1/chat/completions", {**body, "stream": True, "temperature": 0}))
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    plain = post(url, "/v1/chat/completions", {**body, "echo": False, "temperature": 0}).json()
+    assert streamed == "Once upon" + plain["choices"][0]["message"]["content"]
+    # the last message is the user's, the reply the assistant's: nothing to echo (vLLM's rule)
+    replies = [post(url, "/v1/chat/completions", {**CHAT, "echo": echo, "temperature": 0}).json() for echo in (True, False)]
+    assert replies[0]["choices"][0]["message"]["content"] == replies[1]["choices"][0]["message"]["content"]

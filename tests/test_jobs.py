@@ -218,7 +218,10 @@ def test_job_results_carry_the_fields_that_shape_them_as_the_http_response_does(
                "cut": {"truncate_prompt_tokens": 2, "echo": True, "max_tokens": 1},
                "raw": {"add_special_tokens": False, "echo": True, "max_tokens": 1},
                "tids": {"return_token_ids": True, "max_tokens": 1}}
+    chat = {"id": "chat", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}],
+            "echo": True, "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 2}
     lines = [jobs.JobRecord(i, name, {"id": name, **base, **extra}) for i, (name, extra) in enumerate(records.items())]
+    lines.append(jobs.JobRecord(len(lines), "chat", chat))
     results = {r["id"]: r for r in jobs.generate_results(llm, lines, max_in_flight=4)}
     assert all(t.startswith("token_id:") for t in results["ids"]["logprobs"]["tokens"])
     assert results["stop"]["text"] == whole[:whole.index(stop) + len(stop)]
@@ -226,4 +229,5 @@ def test_job_results_carry_the_fields_that_shape_them_as_the_http_response_does(
     assert results["raw"]["usage"]["prompt_tokens"] == 5 and results["raw"]["text"].startswith("Hello")
     assert results["tids"]["prompt_token_ids"] == engine.tokenizer.encode("Hello")
     assert len(results["tids"]["token_ids"]) == 1
+    assert results["chat"]["text"].startswith("Once") and len(results["chat"]["token_ids"]) == 2
     assert not engine.has_unfinished_requests()

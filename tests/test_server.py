@@ -150,7 +150,6 @@ MALFORMED_CHAT = [
     ("content wrong type", {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400),
     ("image part", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
     ("top_logprobs without logprobs", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400),
-    ("echo is for completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}, 400),
 ]
 
 

@@ -40,6 +40,7 @@ class ChatPlan:
     max_tool_calls: Optional[int]  # 1 when parallel_tool_calls is false
     reasoning: Optional[ReasoningParser] = None  # reads the reasoning out of the reply; None: all content
     reply_start: Optional[ReplyStart] = None  # with `reasoning`: where the reply starts
+    echo: str = ""  # vLLM's echo: the last message's text, which the reply's content starts with
 
     def streamer(self) -> "ReplyStreamer":
         return ReplyStreamer(self)
@@ -197,7 +198,17 @@ def plan_chat(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolPars
         if structured is not None and reply_start.may_reason and not structured_in_reasoning:
             structured = hold_answer(structured, reply_start, tokenizer)
     return ChatPlan(prompt_ids, structured, parser if choice != "none" else None, None if parallel else 1,
-                    reasoning, reply_start)
+                    reasoning, reply_start, _echo_text(req))
+
+
+def _echo_text(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text when it is the reply's role (the assistant's, or with
+    add_generation_prompt=false the last message's own: a reply continuing it), else nothing."""
+    last = req.messages[-1] if req.messages else None
+    role = "assistant" if req.add_generation_prompt else (last.role if last is not None else None)
+    if not req.echo or last is None or last.role != role:
+        return ""
+    return message_text(last, f"messages.{len(req.messages) - 1}") or ""
 
 
 _PROBES = {"documents": [{"title": "\x00", "text": "\x00"}], "reasoning_effort": "\x00"}

@@ -109,6 +109,8 @@ def response_body(state: "ServerState", rid: str, body: PlannedBody, finals: lis
                 n = reasoning_tokens(body.planned.chat, tok, c.token_ids, c.text)
                 thought = None if n is None else (thought or 0) + n
                 message, finish = assistant_message(body.planned.chat, c.text, fmt.finish_reason(c))
+                if body.planned.chat.echo:
+                    message["content"] = body.planned.chat.echo + (message.get("content") or "")
                 logprobs = (fmt.chat_logprobs(tok, c, 0, req.top_logprobs or 0, req.return_tokens_as_token_ids)
                             if req.logprobs else None)
                 choice = {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish}

@@ -149,6 +149,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: Optional[bool] = None  # null: true, as OpenAI
     chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
     documents: Optional[list[dict[str, str]]] = None  # RAG documents for a template that renders them (vLLM's)
+    echo: bool = False  # vLLM's: the reply's content starts with the last message's, when that is the reply's role
     reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None  # for a template that reads it
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last (assistant) message
@@ -214,7 +215,7 @@ def sampling_params(req: _SamplingFields, max_tokens: Optional[int], logprobs: O
     model's default in `defaults`, else jaxcb's), every range checked by SamplingParams itself.
     `structured_outputs`: the request's spec (jaxcb.structured), already read from its fields."""
     prompt_logprobs = req.prompt_logprobs
-    if getattr(req, "echo", False) and logprobs is not None and isinstance(logprobs, int):
+    if isinstance(req, CompletionRequest) and req.echo and logprobs is not None and isinstance(logprobs, int):
         prompt_logprobs = max(prompt_logprobs or 0, logprobs)  # the echoed prompt carries logprobs too
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return SamplingParams(

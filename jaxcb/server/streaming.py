@@ -252,6 +252,9 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
         if req.return_token_ids and i == 0 and plan is not None:  # vLLM's: the prompt's ids in the first chunk
             chunk["prompt_token_ids"] = list(plan.prompt_ids)
         yield fmt.sse(chunk)
+        if plan is not None and plan.echo:  # then the text echoed, as vLLM streams it
+            echoed = {"index": i, "delta": {"content": plan.echo}, "logprobs": None, "finish_reason": None}
+            yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [echoed]))
     async for _, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
