@@ -173,6 +173,33 @@ def test_oversized_body_is_refused_with_413(server):
     assert r.status_code == 413 and "max_request_bytes" in r.json()["error"]["message"]
 
 
+def test_a_chunked_body_without_content_length_is_held_to_the_same_limits(server):
+    """Read no further than the limit (a handler, or the multipart parser spooling to disk, would take it all)."""
+    import json
+
+    url, state = server
+
+    import socket
+    from urllib.parse import urlparse
+
+    def chunks(data: bytes, size: int):
+        yield from (data[i:i + size] for i in range(0, len(data), size))
+
+    where = urlparse(url)
+    limit = state.cfg.server.max_request_bytes
+    with socket.create_connection((where.hostname, where.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        chunk = b"x" * (1 << 16)
+        for _ in range(limit // len(chunk) + 2):  # past the limit, and the body not ended
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        assert sock.recv(12) == b"HTTP/1.1 413"  # answered before the body ends: none of the rest is read
+    small = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    r = httpx.post(url + "/v1/completions", content=chunks(small, 5), headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert httpx.get(url + "/health").status_code == 200
+
+
 STEP_DELAY_S = 0.02
 
 
