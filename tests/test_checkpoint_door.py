@@ -381,3 +381,18 @@ def test_a_missing_max_position_embeddings_is_the_familys_transformers_default(t
 
     cfg = read_hf_config(write_config(tmp_path, family, max_position_embeddings=None))
     assert cfg["max_position_embeddings"] == getattr(transformers, config_class)().max_position_embeddings
+
+
+def test_a_tool_use_only_template_that_ignores_tools_gets_them_written_into_the_conversation(tmp_path):
+    """server.tool_prompt_fallback: the fallback renders with the template a chat with tools picks."""
+    from jaxcb.server.protocol import ChatCompletionRequest
+    from jaxcb.server.requests import plan_chat_completion
+    from jaxcb.server.tool_parsers import get_tool_parser
+    from jaxcb.tokenizer import tools_chat_template
+
+    ignoring = {"name": "tool_use", "template": "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"}
+    tok = load_tokenizer(tokenizer_dir(tmp_path, [ignoring]))
+    parser = get_tool_parser("auto", tools_chat_template(tok))
+    planned = plan_chat_completion(ChatCompletionRequest(model="m", messages=MESSAGES, tools=TOOLS), tok, parser, 4096)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "x"}], tools=[])
+    assert rendered == "<x>" and len(planned.prompts[0]) > len(tok.encode("<hi>"))  # the definitions written in

@@ -29,7 +29,7 @@ from jaxcb.structured.spec import (
     from_structured_outputs,
     strict_schema,
 )
-from jaxcb.tokenizer import ChatTemplateError, Tokenizer, chat_prompt_ids
+from jaxcb.tokenizer import ChatTemplateError, Tokenizer, chat_prompt_ids, tools_chat_template
 
 
 @dataclass
@@ -283,12 +283,15 @@ def _messages_with_tools(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
             f"{dropped}: this model's chat template does not render tools, so the model would never see them; "
             "start the server with a chat template that does (server.chat_template=FILE) or with "
             "server.tool_prompt_fallback=true, or send the request without them", dropped)
+    # Rendered without tools by the template tools pick: [] picks a checkpoint's "tool_use" one where it has
+    # no default (and reads as no tools to `{% if tools %}`).
+    no_tools = [] if tokenizer.chat_template is None and tools_chat_template(tokenizer) is not None else None
     written = with_tools_in_messages(parser.name, messages, tools or None)
     try:
-        tokenizer.apply_chat_template(written, True, None)
+        tokenizer.apply_chat_template(written, True, no_tools)
     except ChatTemplateError:  # a template that refuses a system turn (Gemma 2's): the definitions go to the user
         written = with_tools_in_messages(parser.name, messages, tools or None, system_turn=False)
-    return written, None
+    return written, no_tools
 
 
 def _strict_tool(tool: dict[str, Any]) -> dict[str, Any]:
