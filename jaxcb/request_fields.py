@@ -102,12 +102,15 @@ def reject_non_finite(constant: str) -> float:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-def loads_request(text: str | bytes) -> Any:
+def loads_request(text: str | bytes, repeated_keys: bool = False) -> Any:
     """`json.loads` for a request body, a batch line or a job record. InvalidRequestError with the
     reason for what no request may hold: text that is not JSON, NaN or Infinity, an integer past
-    Python's 4,300-digit limit, nesting too deep, or a lone UTF-16 surrogate (with its path)."""
+    Python's 4,300-digit limit, nesting too deep, a key given twice in one object (JSON keeps the
+    last: the others would be dropped silently; `repeated_keys` allows it, for a batch file taken
+    before this was refused), or a lone UTF-16 surrogate (with its path)."""
     try:
-        data = json.loads(text, parse_constant=reject_non_finite, parse_float=_finite_float)
+        data = json.loads(text, parse_constant=reject_non_finite, parse_float=_finite_float,
+                          object_pairs_hook=None if repeated_keys else _once_each)
     except InvalidRequestError:
         raise
     except ValueError as e:  # not JSON, not UTF-8, or an integer of more than 4,300 digits
@@ -124,6 +127,15 @@ def loads_request(text: str | bytes) -> Any:
             where = (f" in a key of {path or 'the top-level object'}" if in_key else f" at {path}" if path else "")
             raise InvalidRequestError(f"the JSON holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF){where}, "
                                       "which is not text; send valid Unicode", path or None)
+    return data
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    data = dict(pairs)
+    if len(data) < len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise InvalidRequestError(f"it gives the key {twice!r} more than once in one object; give each key once")
     return data
 
 

@@ -118,9 +118,9 @@ def test_an_upload_whose_media_type_is_not_lower_case_is_read_as_multipart(http)
     (jsonl([{**line("a"), "body": "prompt"}]), "body must be a JSON object"),
     # JSON keeps the last of a repeated key: one custom_id (or one prompt) was dropped silently.
     (b'{"custom_id": "a", "custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {}}\n',
-     "line 1 gives the key 'custom_id' more than once"),
+     "line 1 is not a JSON object a batch takes (it gives the key 'custom_id' more than once"),
     (jsonl([line("a"), '{"custom_id": "b", "method": "POST", "url": "/v1/completions", '
-                       '"body": {"prompt": "x", "prompt": "y"}}']), "line 2 gives the key 'prompt' more than once"),
+                       '"body": {"prompt": "x", "prompt": "y"}}']), "it gives the key 'prompt' more than once"),
 ])
 def test_an_input_file_that_could_never_run_is_refused_naming_file_and_its_line(http, content, named):
     r = http.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})

@@ -482,3 +482,17 @@ def test_chat_echo_starts_the_reply_with_the_message_it_continues_as_vllm_does(s
     # the last message is the user's, the reply the assistant's: nothing to echo (vLLM's rule)
     replies = [post(url, "/v1/chat/completions", {**CHAT, "echo": echo, "temperature": 0}).json() for echo in (True, False)]
     assert replies[0]["choices"][0]["message"]["content"] == replies[1]["choices"][0]["message"]["content"]
+
+
+def test_a_key_given_twice_in_one_object_is_refused_by_every_door(server, tmp_path):
+    """JSON keeps the last of a repeated key: the first would be dropped silently (a batch line: test_batches_door)."""
+    url, state = server
+    r = post(url, "/v1/completions", '{"model": "tiny", "prompt": "a", "max_tokens": 1, "prompt": "b"}')
+    assert r.status_code == 400 and "gives the key 'prompt' more than once" in r.json()["error"]["message"]
+    r = post(url, "/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "a", '
+                                          '"role": "system"}]}')
+    assert r.status_code == 400 and "gives the key 'role' more than once" in r.json()["error"]["message"]
+    assert_nothing_queued(state)
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "a", "prompt": "x", "id": "b"}\n')
+    assert "gives the key 'id' more than once" in read_input(str(path))[0].error

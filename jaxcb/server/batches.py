@@ -61,15 +61,11 @@ def read_batch_lines(content: bytes, max_line_bytes: int, taken: bool = False) -
             raise InvalidRequestError(f"{where} is longer than server.max_request_bytes={max_line_bytes}, the "
                                       "largest request body this server takes", "file")
         try:
-            data = loads_request(raw)
+            data = loads_request(raw, repeated_keys=taken)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"{where} is not a JSON object a batch takes ({e})", "file") from None
         if not isinstance(data, dict):
             raise InvalidRequestError(f"{where} is not a JSON object", "file")
-        twice = None if taken else _repeated_key(raw)
-        if twice is not None:  # JSON keeps the last of a repeated key: the others would be dropped silently
-            raise InvalidRequestError(f"{where} gives the key {twice!r} more than once in one object; give each "
-                                      "key once", "file")
         for key in data:
             if key not in LINE_FIELDS:
                 raise InvalidRequestError(f"{where}: {key} is not a field of a batch line; remove it (known: "
@@ -95,20 +91,6 @@ def read_batch_lines(content: bytes, max_line_bytes: int, taken: bool = False) -
     if not lines:
         raise InvalidRequestError("file: a batch file needs at least one line", "file")
     return lines
-
-
-def _repeated_key(raw: str) -> Optional[str]:
-    """The first key found twice in one object of the JSON text `raw` (already read whole), else None."""
-    found: list[str] = []
-
-    def pairs(items: list[tuple[str, Any]]) -> dict:
-        keys = [k for k, _ in items]
-        if not found and len(set(keys)) < len(keys):
-            found.append(next(k for i, k in enumerate(keys) if k in keys[:i]))
-        return dict(items)
-
-    json.loads(raw, object_pairs_hook=pairs)
-    return found[0] if found else None
 
 
 @dataclass
