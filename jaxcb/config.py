@@ -299,8 +299,9 @@ class ServerConfig:
     stream_buffer_tokens: int = 1024  # generated tokens that may wait for one streaming reader before it is aborted
     stream_stall_timeout_s: float = 30.0  # a streaming reader that reads nothing for this long is aborted
     shutdown_timeout_s: float = 10.0  # on SIGTERM: time in-flight requests get to finish before they are aborted
-    # The engine loop (every Ray replica) dead: stop serving and exit 1, as vLLM's server exits when its engine
-    # dies, so that a supervisor restarts it; false: stay up, /health and every request answering 503.
+    # The engine loop dead (with ray: no replica back within ray.replica_start_timeout_s): stop serving and exit 1,
+    # as vLLM's server exits when its engine dies, so that a supervisor restarts it; false: stay up, /health and
+    # every request answering 503.
     exit_on_engine_death: bool = True
     backend: str = "local"  # local: one engine in this process | ray: num_replicas engines on Ray behind this endpoint
     num_replicas: int = 1  # ray: engine replicas; server.routing says which one takes each request

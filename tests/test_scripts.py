@@ -130,16 +130,24 @@ def test_the_engine_watch_stops_the_server_once_the_engine_dies_and_not_before()
 
     from jaxcb.server.run import watch_engine
 
-    alive = [False]  # not started yet
-    server, died = SimpleNamespace(should_exit=False), threading.Event()
+    alive = [False]  # the server not started yet: its lifespan starts the engine
+    server, died = SimpleNamespace(should_exit=False, started=False), threading.Event()
     thread = watch_engine(server, lambda: alive[0], died, interval_s=0.01)
     time.sleep(0.05)
-    alive[0] = True
-    time.sleep(0.05)
-    assert not server.should_exit and not died.is_set()
-    alive[0] = False
+    server.started = True  # an engine that died before any check saw it alive counts too
     thread.join(timeout=5)
     assert server.should_exit and died.is_set()
-    server, died = SimpleNamespace(should_exit=True), threading.Event()  # a SIGTERM first: the watch just ends
+    server, died = SimpleNamespace(should_exit=True, started=True), threading.Event()  # a SIGTERM's stop: nothing
     watch_engine(server, lambda: False, died, interval_s=0.01).join(timeout=5)
     assert not died.is_set()
+    # Ray: a replica restarting (no replica alive for a while) is not a dead engine, one gone for grace_s is
+    server, died = SimpleNamespace(should_exit=False, started=True), threading.Event()
+    alive[0] = False
+    thread = watch_engine(server, lambda: alive[0], died, interval_s=0.01, grace_s=0.3)
+    time.sleep(0.1)
+    alive[0] = True
+    time.sleep(0.4)
+    assert not died.is_set()
+    alive[0] = False
+    thread.join(timeout=5)
+    assert died.is_set()

@@ -1,4 +1,5 @@
-"""Run the app with uvicorn until SIGTERM/SIGINT, then shut down gracefully and exit 0."""
+"""Run the app with uvicorn until SIGTERM/SIGINT, then shut down gracefully and exit 0 (or, with
+server.exit_on_engine_death, exit 1 once the engine is dead)."""
 
 from __future__ import annotations
 
@@ -52,27 +53,33 @@ def serve(cfg: Config) -> None:
     server = _GracefulServer(config)
     died = threading.Event()
     if cfg.server.exit_on_engine_death:
-        watch_engine(server, lambda: app.state.jaxcb.client.is_alive, died)
+        # Ray restarts a replica that dies (minutes, to load the model): the router is dead only when none comes
+        # back within the start-up time a replica has.
+        grace_s = cfg.ray.replica_start_timeout_s if cfg.server.backend == "ray" else 0.0
+        watch_engine(server, lambda: app.state.jaxcb.client.is_alive, died, grace_s=grace_s)
     server.run()
     if died.is_set():
         raise SystemExit(1)
 
 
 def watch_engine(server: uvicorn.Server, is_alive: Callable[[], bool], died: threading.Event,
-                 interval_s: float = 1.0) -> threading.Thread:
-    """Stop `server` once the engine, having started, is dead, setting `died`: a supervisor restarts the process,
-    where a server left up would answer every request with a 503."""
+                 interval_s: float = 1.0, grace_s: float = 0.0) -> threading.Thread:
+    """Stop `server` once its engine has been dead for `grace_s`, counted from when the server has started
+    (its lifespan starts the engine), setting `died`: a supervisor restarts the process, where a server left
+    up would answer every request with a 503."""
     def watch() -> None:
-        started = False  # the engine loop starts with the app (its lifespan), after this watch
+        dead_since: Optional[float] = None
         while not server.should_exit:
-            alive = is_alive()
-            started = started or alive
-            if started and not alive:
-                log.error("the engine loop stopped (its error is logged above): shutting the server down to exit 1 "
-                          "(server.exit_on_engine_death=false keeps it up, answering 503)")
-                died.set()
-                server.should_exit = True
-                return
+            if server.started and not is_alive():
+                dead_since = time.monotonic() if dead_since is None else dead_since
+                if time.monotonic() - dead_since >= grace_s and not server.should_exit:  # (not a SIGTERM's stop)
+                    log.error("the engine loop stopped (its error is logged above): shutting the server down to "
+                              "exit 1 (server.exit_on_engine_death=false keeps it up, answering 503)")
+                    died.set()
+                    server.should_exit = True
+                    return
+            else:
+                dead_since = None
             time.sleep(interval_s)
 
     thread = threading.Thread(target=watch, daemon=True, name="jaxcb-engine-watch")
