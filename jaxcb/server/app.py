@@ -273,34 +273,45 @@ class GuardMiddleware:
                                                                                   "max_request_bytes")
             if error is None and length.isascii() and length.isdigit() and (len(length) > 18 or int(length) > limit):
                 error = APIError(413, f"request body of {length} bytes exceeds server.{knob}={limit}")
-            if error is None and not length and scope.get("method") in ("POST", "PUT", "PATCH"):
-                # A body without Content-Length (chunked) is read here up to the limit: a handler (or the
-                # multipart parser, which spools to disk) would otherwise take all of it before its check.
-                receive, error = await _bounded_body(receive, limit, knob)
             if error is not None:
                 await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
                 return
+            if not length:  # a body without Content-Length (chunked): counted as it is read, stopped at the limit
+                await self._bounded(scope, receive, send, limit, knob)
+                return
         await self.app(scope, receive, send)
 
+    async def _bounded(self, scope, receive, send, limit: int, knob: str) -> None:
+        """The app, its body read no further than `limit` bytes (a handler, or the multipart parser spooling to
+        disk, would take all of it before its own check): a 413 there, if no response has started."""
+        size, started = 0, False
 
-async def _bounded_body(receive, limit: int, knob: str):
-    """(a receive that replays the body read, None), or (receive, a 413) once the body passes `limit` bytes."""
-    messages, size = [], 0
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request":  # the client went away: the handler sees it as it would
-            break
-        size += len(message.get("body", b""))
-        if size > limit:
-            return receive, APIError(413, f"request body of more than {limit} bytes exceeds server.{knob}={limit}")
-        if not message.get("more_body", False):
-            break
+        async def counted():
+            nonlocal size
+            message = await receive()
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > limit:
+                    raise _BodyTooLarge
+            return message
 
-    async def replay():
-        return messages.pop(0) if messages else await receive()
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
 
-    return replay, None
+        try:
+            await self.app(scope, counted, tracked)
+        except _BodyTooLarge:
+            if started:
+                raise
+            error = APIError(413, f"request body of more than {limit} bytes exceeds server.{knob}={limit}")
+            await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+
+
+class _BodyTooLarge(BaseException):
+    """Raised out of a receive past the body limit: a BaseException, so that no handler's `except Exception`
+    (the multipart parser's errors) takes it for a bad body."""
 
 
 
