@@ -64,7 +64,7 @@ from jaxcb.sampling_defaults import read_sampling_defaults
 from jaxcb.huge_pages import collapse_onto_huge_pages
 from jaxcb.output import OutputKind, OutputProcessor, RequestGroup
 from jaxcb.outputs import RequestOutput
-from jaxcb.prompts import EncodedText, PromptType, prompt_text_and_ids, tokens_to_keep, truncated
+from jaxcb.prompts import EncodedText, PromptType, prompt_text_and_ids, truncated_ids
 from jaxcb.core.sequence import Sequence, SequenceId
 from jaxcb.runner import ModelRunner, StepHandle, make_buckets
 from jaxcb.runner.compiler import compile_plan
@@ -521,9 +521,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         text, ids = prompt_text_and_ids(prompt, self.tokenizer)
-        if params.truncate_prompt_tokens is not None:
-            keep = tokens_to_keep(params.truncate_prompt_tokens, self.limits.max_model_len)
-            text, ids = truncated(prompt, text, ids, keep, self.tokenizer)
+        text, ids = truncated_ids(prompt, text, ids, params.truncate_prompt_tokens, self.limits.max_model_len,
+                                  self.tokenizer)
         validate_request(ids, params, self.limits, priority)
         self._admission_control(len(ids), params.n)
         new_constraint = self._constraint_factory(params)

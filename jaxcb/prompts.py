@@ -86,3 +86,11 @@ def truncated(prompt: PromptType, text: Optional[str], ids: list[int], keep: int
         raise InvalidRequestError(f"truncate_prompt_tokens={keep} leaves no room for the prompt's text beside the "
                                   f"{len(head) + len(tail)} special tokens its encoding adds", "truncate_prompt_tokens")
     return None, head + content[-room:] + tail
+
+
+def truncated_ids(prompt: PromptType, text: Optional[str], ids: list[int], truncate_prompt_tokens: Optional[int],
+                  max_model_len: int, tokenizer: Tokenizer) -> tuple[Optional[str], list[int]]:
+    """(text, ids) as SamplingParams.truncate_prompt_tokens cuts them (`truncated`), or as they are without it."""
+    if truncate_prompt_tokens is None:
+        return text, ids
+    return truncated(prompt, text, ids, tokens_to_keep(truncate_prompt_tokens, max_model_len), tokenizer)

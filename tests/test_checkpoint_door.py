@@ -396,3 +396,9 @@ def test_a_tool_use_only_template_that_ignores_tools_gets_them_written_into_the_
     planned = plan_chat_completion(ChatCompletionRequest(model="m", messages=MESSAGES, tools=TOOLS), tok, parser, 4096)
     rendered = tok.apply_chat_template([{"role": "user", "content": "x"}], tools=[])
     assert rendered == "<x>" and len(planned.prompts[0]) > len(tok.encode("<hi>"))  # the definitions written in
+
+
+def test_a_yarn_factor_of_zero_is_refused_not_derived_from_the_context_lengths(tmp_path):
+    rope = {"rope_type": "yarn", "factor": 0, "original_max_position_embeddings": 64}
+    with pytest.raises(ConfigError, match=r"rope_scaling\.factor=0\.0 must be > 0"):
+        read_hf_config(write_config(tmp_path, rope_scaling=rope))

@@ -422,7 +422,8 @@ def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk(se
             counts.setdefault(choice["index"], []).append(usage["completion_tokens"])
         assert all(c == sorted(c) and c[-1] == 4 for c in counts.values()) and len(counts) == 2, counts
         refused = post(url, path, {**body, "stream": True, "stream_options": {"continuous_usage_stats": True}})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "stream_options.continuous_usage_stats"
 
 
 def test_return_token_ids_gives_the_prompts_and_each_choices_token_ids_where_vllm_puts_them(server):
@@ -480,7 +481,8 @@ def test_chat_echo_starts_the_reply_with_the_message_it_continues_as_vllm_does(s
     plain = post(url, "/v1/chat/completions", {**body, "echo": False, "temperature": 0}).json()
     assert streamed == "Once upon" + plain["choices"][0]["message"]["content"]
     # the last message is the user's, the reply the assistant's: nothing to echo (vLLM's rule)
-    replies = [post(url, "/v1/chat/completions", {**CHAT, "echo": echo, "temperature": 0}).json() for echo in (True, False)]
+    replies = [post(url, "/v1/chat/completions", {**CHAT, "echo": echo, "temperature": 0}).json()
+               for echo in (True, False)]
     assert replies[0]["choices"][0]["message"]["content"] == replies[1]["choices"][0]["message"]["content"]
 
 

@@ -43,7 +43,7 @@ from jaxcb.config import Config
 from jaxcb.distributed.ray_cluster import check_room, connect, import_ray, replica_options, wait_until_ready
 from jaxcb.distributed.replica_metrics import QUERY_TIMEOUT_S, ReplicaDashboard, RouterMetrics, await_ref
 from jaxcb.distributed.routing import make_chooser
-from jaxcb.prompts import PromptType, prompt_text_and_ids, tokens_to_keep, truncated
+from jaxcb.prompts import PromptType, prompt_text_and_ids, truncated_ids
 from jaxcb.errors import InvalidRequestError
 from jaxcb.outputs import RequestOutput
 from jaxcb.sampling_params import SamplingParams
@@ -272,9 +272,8 @@ class ReplicaRouter:
                                       "server.backend=ray", "model")
         request_id = request_id or uuid.uuid4().hex
         _, prompt_ids = prompt_text_and_ids(prompt, self.tokenizer)
-        if params.truncate_prompt_tokens is not None:  # routed by what the replica will serve
-            keep = tokens_to_keep(params.truncate_prompt_tokens, self.max_model_len)
-            _, prompt_ids = truncated(prompt, None, prompt_ids, keep, self.tokenizer)
+        _, prompt_ids = truncated_ids(prompt, None, prompt_ids, params.truncate_prompt_tokens,  # as the replica will
+                                      self.max_model_len, self.tokenizer)
         cost = _Cost(len(prompt_ids), params.n * params.max_tokens)
         tried: set[int] = set()
         while True:  # a replica found dead here has generated nothing yet: the next one may take the request

@@ -115,7 +115,7 @@ def _hf_rope_scaling(hf: dict[str, Any]) -> Optional[RopeScaling]:
         return RopeScaling(float(rs["factor"]), 1.0, 4.0, 0, rope_type="linear")
     if kind == "yarn":
         original = rs.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
-        factor = rs.get("factor") or hf["max_position_embeddings"] / original
+        factor = rs["factor"] if rs.get("factor") is not None else hf["max_position_embeddings"] / original
         attention_factor = rs.get("attention_factor")
         refused = [k for k in ("mscale", "mscale_all_dim") if rs.get(k) not in (None, 1, 1.0)]
         if attention_factor is None and (refused or rs.get("mscale") and rs.get("mscale_all_dim")):

@@ -314,7 +314,6 @@ class _BodyTooLarge(BaseException):
     (the multipart parser's errors) takes it for a bad body."""
 
 
-
 async def _json_body(request: Request, cfg: Config) -> Any:
     raw = await request.body()
     if len(raw) > cfg.server.max_request_bytes:

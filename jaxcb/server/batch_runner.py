@@ -120,7 +120,7 @@ class BatchRunner:
         batch.status, batch.cancelling_at = "cancelling", int(time.time())
         self.store.save(batch)
         task = self._tasks.get(batch.id)
-        if task is not None:
+        if task is not None and not task.done():  # (a task just ended may not have left _tasks yet)
             task.cancel()  # its lines in flight are aborted; the task then answers the rest and finalizes
         else:  # stopped (the engine failed): it would stay cancelling until a restart; it finalizes now
             self._launch(batch)

@@ -254,7 +254,8 @@ async def chat_events(state, rid, req: ChatCompletionRequest, streams, include_u
         yield fmt.sse(chunk)
         if plan is not None and plan.echo:  # then the text echoed, as vLLM streams it
             echoed = {"index": i, "delta": {"content": plan.echo}, "logprobs": None, "finish_reason": None}
-            yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [echoed]))
+            yield fmt.sse(fmt.chat_chunk(rid, req.model, created, [echoed],
+                                         None if generated is None else fmt.usage(num_prompt, 0)))
     async for _, out in served_outputs(streams):  # deltas: each output holds only what is new
         for c in out.outputs:
             if c.index in sent_done:
