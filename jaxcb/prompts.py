@@ -76,16 +76,22 @@ def truncated(prompt: PromptType, text: Optional[str], ids: list[int], keep: int
         return text, ids
     if not isinstance(prompt, str):
         return None, ids[-keep:]
-    content = tokenizer.encode(prompt, add_special_tokens=False)
-    starts = [i for i in range(len(ids) - len(content) + 1) if ids[i:i + len(content)] == content]
-    if not starts:  # specials merged into the text's tokens: nothing to keep apart
-        return None, ids[-keep:]
-    head, tail = ids[:starts[0]], ids[starts[0] + len(content):]
-    room = keep - len(head) - len(tail)
+    before, after = _special_tokens_around(tokenizer)  # (the prompt is not encoded again: long, on the engine thread)
+    room = keep - before - after
     if room < 1:
         raise InvalidRequestError(f"truncate_prompt_tokens={keep} leaves no room for the prompt's text beside the "
-                                  f"{len(head) + len(tail)} special tokens its encoding adds", "truncate_prompt_tokens")
-    return None, head + content[-room:] + tail
+                                  f"{before + after} special tokens its encoding adds", "truncate_prompt_tokens")
+    return None, ids[:before] + ids[len(ids) - after - room:]
+
+
+def _special_tokens_around(tokenizer: Tokenizer) -> tuple[int, int]:
+    """How many special tokens the tokenizer's encoding puts before and after a text's own (a BOS: (1, 0)),
+    read off a one-character text."""
+    full, bare = tokenizer.encode("a"), tokenizer.encode("a", add_special_tokens=False)
+    for i in range(len(full) - len(bare) + 1):
+        if full[i:i + len(bare)] == bare:
+            return i, len(full) - i - len(bare)
+    return 0, 0  # specials merged into the text's tokens: nothing to keep apart
 
 
 def truncated_ids(prompt: PromptType, text: Optional[str], ids: list[int], truncate_prompt_tokens: Optional[int],
