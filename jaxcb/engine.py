@@ -192,8 +192,8 @@ def check_against_model(cfg: Config, vocab_size: int) -> None:
     # Both widen every step's sampler inputs (a row each): past the vocabulary, a width only costs memory.
     if cfg.engine.max_stop_token_ids > vocab_size:
         raise ConfigError(f"engine.max_stop_token_ids={cfg.engine.max_stop_token_ids} must be <= the model's "
-                          f"vocabulary of {vocab_size} tokens (model={cfg.model.name}): a row never bans more ids than there are; "
-                          f"lower engine.max_stop_token_ids")
+                          f"vocabulary of {vocab_size} tokens (model={cfg.model.name}): a row never bans more ids "
+                          f"than there are; lower engine.max_stop_token_ids")
     if cfg.engine.max_logit_bias > max(vocab_size, 300):
         raise ConfigError(f"engine.max_logit_bias={cfg.engine.max_logit_bias} must be <= the model's vocabulary of "
                           f"{vocab_size} tokens (model={cfg.model.name}), or 300 (OpenAI's limit) where that is more: "
