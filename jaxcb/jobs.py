@@ -183,6 +183,9 @@ def plan_record(ctx: JobContext, data: dict) -> tuple[Union[CompletionRecord, Ch
         # (with LoRA, Engine.add_request checks the name: the base's or a loaded adapter's)
         raise InvalidRequestError(f"model {req.model!r} is not the model of this job ({served_model_name(cfg)!r}); "
                                   "drop model or give that name", "model")
+    if req.request_id is not None:
+        raise InvalidRequestError("request_id: a job's result is named by the record's id (there is no response id "
+                                  "to set); drop request_id", "request_id")
     if req.stream or req.stream_options is not None:
         raise InvalidRequestError("stream: a job writes each result whole; drop stream and stream_options",
                                   "stream" if req.stream else "stream_options")

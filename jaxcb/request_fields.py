@@ -49,7 +49,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "verbosity": "verbosity is not supported",
     "mm_processor_kwargs": "multimodal inputs are not supported",
     "kv_transfer_params": "kv_transfer_params (disaggregated serving) is not supported",
-    "request_id": "a client-chosen request_id is not supported",
+    "request_id": "request_id is taken by /v1/completions and /v1/chat/completions (it names the response); "
+                  "a response of /v1/responses is stored under an id jaxcb chooses",
 }
 # Fields accepted when their value is what jaxcb does anyway (the OpenAI and vLLM defaults).
 HONOURED_VALUES: dict[str, tuple[Any, ...]] = {

@@ -72,6 +72,7 @@ def run_batch(client, lines, endpoint):
 
 def test_the_openai_client_runs_a_50_line_batch_to_completion_with_one_result_per_custom_id(server, client):
     lines = [chat_line(f"req-{i}", f"Tell me about {i}", max_tokens=4 + i % 5, temperature=0) for i in range(50)]
+    lines[7]["body"]["request_id"] = "line-7"  # vLLM's field: it names the line's response, as a POST's
     batch, output, errors = run_batch(client, lines, "/v1/chat/completions")
     assert batch.status == "completed" and batch.error_file_id is None and errors == []
     assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (50, 50, 0)
@@ -84,6 +85,8 @@ def test_the_openai_client_runs_a_50_line_batch_to_completion_with_one_result_pe
     # A line's response is the response the same body POSTed gets (greedy: the same text).
     direct = httpx.post(server[0] + "/v1/chat/completions", json=lines[7]["body"], timeout=60).json()
     assert by_id["req-7"]["response"]["body"]["choices"] == direct["choices"]
+    assert by_id["req-7"]["response"]["body"]["id"] == direct["id"] == "chatcmpl-line-7"
+    assert len({r["response"]["body"]["id"] for r in output}) == 50
     assert by_id["req-7"]["response"]["body"]["usage"]["completion_tokens"] == 4 + 7 % 5
     # The batch's usage is its lines' usage, summed.
     lines_usage = [r["response"]["body"]["usage"] for r in output]

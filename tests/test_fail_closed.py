@@ -498,3 +498,39 @@ def test_a_key_given_twice_in_one_object_is_refused_by_every_door(server, tmp_pa
     path = tmp_path / "in.jsonl"
     path.write_text('{"id": "a", "prompt": "x", "id": "b"}\n')
     assert "gives the key 'id' more than once" in read_input(str(path))[0].error
+
+
+def test_request_id_names_the_response_and_an_x_request_id_header_wins_as_in_vllm(server):
+    """vLLM's field and header: the response's id is the prefix and the client's id, whole and streamed, and the
+    response's own X-Request-Id header gives the id back (a fresh one when the request gave none)."""
+    from jaxcb.config import compose_config
+
+    url, state = server
+    for path, body, prefix in (("/v1/completions", COMPLETION, "cmpl-"), ("/v1/chat/completions", CHAT, "chatcmpl-")):
+        r = post(url, path, {**body, "request_id": "trace-42.a"})
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == prefix + "trace-42.a" and r.headers["x-request-id"] == "trace-42.a"
+        r = httpx.post(url + path, json={**body, "request_id": "from-body", "stream": True},
+                       headers={"X-Request-Id": "from-header"}, timeout=60)
+        assert r.status_code == 200 and r.headers["x-request-id"] == "from-header"
+        assert {c["id"] for c in sse_chunks(r)} == {prefix + "from-header"}
+        ids = set()
+        for _ in range(2):  # none given: a fresh id each time, the header its part after the prefix
+            r = post(url, path, body)
+            assert r.json()["id"] == prefix + r.headers["x-request-id"]
+            ids.add(r.json()["id"])
+        assert len(ids) == 2
+        for bad in ("", "two words", "x" * 257, "caf\u00e9", "line\nbreak"):
+            r = post(url, path, {**body, "request_id": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", (bad, r.text)
+            assert "visible ASCII" in r.json()["error"]["message"]
+        r = httpx.post(url + path, json=body, headers={"X-Request-Id": "a b"}, timeout=60)
+        assert r.status_code == 400 and "X-Request-Id header" in r.json()["error"]["message"]
+        assert_nothing_queued(state)
+    r = post(url, "/v1/responses", {"model": "tiny", "input": "hi", "request_id": "x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    assert "stored under an id jaxcb chooses" in r.json()["error"]["message"]
+    ctx = JobContext(compose_config(()), tokenizer=None, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match="named by the record's id") as e:
+        plan_record(ctx, {"id": "a", "prompt": "hi", "request_id": "x"})
+    assert e.value.field == "request_id"

@@ -32,6 +32,7 @@ from jaxcb.server.completions import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     check_model,
+    checked_request_id,
     compile_grammar,
     plan_body,
     request_deadlines,
@@ -175,20 +176,22 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         return detokenize(req, state.client.tokenizer)
 
     async def serve(request: Request, endpoint: str):
+        header = checked_request_id(request.headers.get("x-request-id"), "the X-Request-Id header")
         body = plan_body(state, endpoint, await _json_body(request, cfg))
         await compile_grammar(state, body.planned)
         streams = await _start(state, body.planned)
-        req, rid = body.req, body.new_response_id()
+        req, (rid, base) = body.req, body.response_id(header)
         streams = _traced(request, streams, body.planned, rid)
+        headers = {"X-Request-Id": base}  # the id the response is known by, for the client's logs (vLLM's header)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             if body.is_chat:
                 events = chat_events(state, rid, req, streams, include_usage, req.top_logprobs or 0, body.planned.chat)
             else:
                 events = completion_events(state, rid, req, streams, include_usage)
-            return sse_response(state, streams, events)
+            return sse_response(state, streams, events, headers=headers)
         finals = await collect_final_outputs(state, request, streams)
-        return response_body(state, rid, body, finals)
+        return JSONResponse(response_body(state, rid, body, finals), headers=headers)
 
     @app.post(COMPLETIONS)
     async def completions(request: Request):

@@ -192,7 +192,7 @@ class BatchRunner:
             await compile_grammar(self.state, body.planned)
             deadlines = request_deadlines(self.state, body.planned.timeout, queued=False)
             finals = await serve_planned(self.state.client, body.planned, deadlines=deadlines, background=True)
-            rid = body.new_response_id()
+            rid, _ = body.response_id()
             if self.state.tracer is not None:  # a line is a request too: one span, in a trace of its own
                 trace = RequestTrace({}, start_ns, rid, body.planned.params, dict(enumerate(finals)))
                 self.state.tracer.record(trace, self.state.model_name, time.time_ns())

@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+from jaxcb.errors import InvalidRequestError
 from jaxcb.outputs import RequestOutput
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.chat import assistant_message, reasoning_tokens
@@ -38,8 +39,28 @@ class PlannedBody:
     def is_chat(self) -> bool:
         return self.endpoint == CHAT_COMPLETIONS
 
-    def new_response_id(self) -> str:
-        return f"{'chatcmpl' if self.is_chat else 'cmpl'}-{uuid.uuid4().hex}"
+    def response_id(self, header: Optional[str] = None) -> tuple[str, str]:
+        """The response's id and its base (what follows "cmpl-" or "chatcmpl-"), vLLM's way: the request's
+        X-Request-Id header (`header`), else the body's request_id, else a fresh uuid. Ids are the
+        client's to keep apart: two requests given one id get responses of one id (the engine's own
+        request ids stay unique)."""
+        base = header or self.req.request_id or uuid.uuid4().hex
+        return f"{'chatcmpl' if self.is_chat else 'cmpl'}-{base}", base
+
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+def checked_request_id(value: Optional[str], name: str) -> Optional[str]:
+    """`value` (a body's request_id, or an X-Request-Id header; None: not given) as it may name a response:
+    it goes into the response's id and back out in a header, so 1 to MAX_REQUEST_ID_CHARS visible ASCII
+    characters. InvalidRequestError naming `name` otherwise."""
+    if value is None or (0 < len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= ch <= "~" for ch in value)):
+        return value
+    shown = value if len(value) <= 40 else value[:40] + "..."
+    raise InvalidRequestError(f"{name} must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters (letters, "
+                              f"digits, punctuation; no spaces or control characters), not {shown!r} "
+                              f"({len(value)} characters)", "request_id" if name == "request_id" else None)
 
 
 def check_model(state: "ServerState", model: str) -> None:
@@ -59,11 +80,13 @@ def plan_body(state: "ServerState", endpoint: str, body: Any) -> PlannedBody:
     if endpoint == COMPLETIONS:
         req = parse_request(CompletionRequest, body)
         check_model(state, req.model)
+        checked_request_id(req.request_id, "request_id")
         return PlannedBody(endpoint, req, plan_completion(req, state.client.sampling_defaults,
                                                           tokenizer=state.client.tokenizer))
     assert endpoint == CHAT_COMPLETIONS, endpoint
     req = parse_request(ChatCompletionRequest, body)
     check_model(state, req.model)
+    checked_request_id(req.request_id, "request_id")
     planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
                                    srv.tool_prompt_fallback, state.reasoning_parser,
                                    srv.structured_outputs_in_reasoning, state.client.sampling_defaults)

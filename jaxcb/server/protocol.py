@@ -87,6 +87,7 @@ class _SamplingFields(_Strict):
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and the top-n at its place
+    request_id: Optional[str] = None  # vLLM's: the response's id is "cmpl-"/"chatcmpl-" + this (X-Request-Id wins)
 
 
 class CompletionRequest(_SamplingFields):

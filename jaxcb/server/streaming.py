@@ -93,7 +93,7 @@ async def collect_final_outputs(state: "ServerState", request: Request, streams:
 
 def sse_response(state: "ServerState", streams: list[RequestStream], events: AsyncIterator[str],
                  error_event: Callable[[APIError], str] = lambda e: fmt.sse(e.body()),
-                 done: str = fmt.SSE_DONE) -> StreamingResponse:
+                 done: str = fmt.SSE_DONE, headers: Optional[dict[str, str]] = None) -> StreamingResponse:
     """`events` as a stream; an error on the way ends it with `error_event` (then `done` after a queue
     timeout): the chat and completions chunk streams by default, the Responses API's its own."""
     async def body():
@@ -110,7 +110,7 @@ def sse_response(state: "ServerState", streams: list[RequestStream], events: Asy
             state.num_in_flight -= 1
             close_streams(streams)
 
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
 # Tasks cancelled by a consumer that is gone (a client that disconnected): held until they have run their
