@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from engine_factory import shared_engine
+import jaxcb
 from jaxcb.sampling_params import SamplingParams
 from server_harness import post_all_at_once, running_server
 
@@ -104,7 +105,13 @@ def test_completion_logprobs_and_token_id_prompts(client):
 def test_models_health_and_metrics(server, client):
     url, _ = server
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    retrieved, listed = client.models.retrieve("tiny").model_dump(), client.models.list().data[0].model_dump()
+    assert retrieved | {"created": 0} == listed | {"created": 0} and retrieved["max_model_len"] > 0
+    with pytest.raises(openai.NotFoundError, match="'org/other' is not served here"):
+        client.models.retrieve("org/other")  # a name with '/' reaches the route, and is named in the 404
     assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert httpx.get(url + "/ping").json() == httpx.post(url + "/ping").json() == {"status": "ok"}
+    assert httpx.get(url + "/version").json() == {"version": jaxcb.__version__}
     text = httpx.get(url + "/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "time_to_first_token_seconds",
                  "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",

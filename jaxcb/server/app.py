@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from jaxcb import __version__ as jaxcb_version
 from jaxcb.config import Config
 from jaxcb.engine import Engine
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
@@ -151,14 +152,31 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
     async def dashboard_data():
         return {"model": state.model_name, "samples": await state.client.dashboard_samples()}
 
-    @app.get("/v1/models")
-    async def models():
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping():  # vLLM's (SageMaker's) liveness probe: /health's answer
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": jaxcb_version}
+
+    def served_models() -> list[dict[str, Any]]:
         created = int(time.time())
         base = {"id": state.model_name, "object": "model", "created": created, "owned_by": "jaxcb",
                 "root": state.model_name, "parent": None, "max_model_len": state.client.max_model_len}
         # LoRA adapters as vLLM lists them: their own id, the base as parent
         adapters = [dict(base, id=name, root=name, parent=state.model_name) for name in state.client.served_adapters()]
-        return {"object": "list", "data": [base, *adapters]}
+        return [base, *adapters]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": served_models()}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):  # OpenAI's retrieve (client.models.retrieve); a name may hold '/'
+        check_model(state, model)
+        return next(m for m in served_models() if m["id"] == model)
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request):
