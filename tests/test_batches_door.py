@@ -240,3 +240,25 @@ def test_a_batch_is_run_and_finalized_from_its_file_as_taken_whatever_was_refuse
                                   '"body": {"prompt": "x", "prompt": "' + "y" * (1 << 20) + '"}}'])
     server[1].batches.files.create(as_taken, "in.jsonl", "batch", file_id)
     cancel_until_cancelled(http, batch, ["t0", "t1"])
+
+
+def test_a_file_deleted_while_it_downloads_still_downloads_whole(tmp_path, http):
+    """The content is read from the file opened before the response starts: a delete in between (the bytes'
+    name goes) neither cuts the download nor turns it into a 500; a delete before it is a 404."""
+    from jaxcb.server.files import FileStore
+
+    store = FileStore(str(tmp_path))
+    obj = store.create(b"x" * 10, "in.jsonl", "batch")
+    opened = store.open_content(obj["id"])
+    store.delete(obj["id"])
+    with opened:
+        assert opened.read() == b"x" * 10
+    with pytest.raises(Exception, match="no file with id"):
+        store.open_content(obj["id"])
+    content = jsonl([line(str(i), prompt="y" * 200) for i in range(6000)])  # > 1 MiB: several blocks
+    file = upload(http, content)
+    with http.stream("GET", f"/v1/files/{file['id']}/content") as r:
+        assert r.status_code == 200 and int(r.headers["content-length"]) == len(content)
+        assert http.delete(f"/v1/files/{file['id']}").json()["deleted"]
+        assert r.read() == content
+    assert http.get(f"/v1/files/{file['id']}/content").status_code == 404

@@ -5,10 +5,11 @@ batches.py's and batch_runner.py's; this module only maps requests to them.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 
 from jaxcb.server.batches import parse_batch_create, read_batch_lines
 from jaxcb.server.files import read_upload
@@ -57,7 +58,16 @@ def add_batch_routes(app: FastAPI, state: "ServerState", json_body: Callable[[Re
     @app.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str):
         _query(request, ())
-        return FileResponse(runner.files.content_path(file_id), media_type="application/octet-stream")
+        content = runner.files.open_content(file_id)
+        size = os.fstat(content.fileno()).st_size
+
+        def blocks():  # from the open file: a delete while it downloads leaves it whole
+            with content:
+                while block := content.read(1 << 20):
+                    yield block
+
+        return StreamingResponse(blocks(), media_type="application/octet-stream",
+                                 headers={"Content-Length": str(size)})
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str):

@@ -14,7 +14,7 @@ import os
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Optional
 
 from jaxcb.server.protocol import APIError
 
@@ -82,9 +82,14 @@ class FileStore:
     def exists(self, file_id: str) -> bool:
         return bool(_ID.match(file_id)) and os.path.exists(os.path.join(self.folder, file_id + ".json"))
 
-    def content_path(self, file_id: str) -> str:
+    def open_content(self, file_id: str) -> BinaryIO:
+        """The file's bytes, opened for reading: a delete after this does not cut a download in progress
+        (an open file outlives its name), and one before it is the same 404 as an unknown id."""
         self.get(file_id)
-        return self._path(file_id)
+        try:
+            return open(self._path(file_id), "rb")
+        except FileNotFoundError:  # deleted between the two (its object goes first, then its bytes)
+            raise self._not_found(file_id, "file_id") from None
 
     def read(self, file_id: str, param: str = "file_id") -> bytes:
         self.get(file_id, param)
