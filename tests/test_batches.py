@@ -119,6 +119,46 @@ def test_a_line_its_endpoint_would_refuse_is_answered_with_that_refusal_in_the_e
     assert by_id["temperature"]["body"]["error"]["param"] == "temperature"
 
 
+def response_line(custom_id, input, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+            "body": {"model": "tiny", "input": input, **body}}
+
+
+def test_a_responses_batch_answers_each_line_as_its_post_would_and_keeps_what_it_stores(server, client):
+    """OpenAI's Batch API takes /v1/responses too: each line is the Responses body POSTed (greedy: the same output),
+    a stored one can be continued by previous_response_id, a refused one gets the POST's refusal, and the batch's
+    usage sums the Responses usage (input/output tokens)."""
+    lines = [response_line("plain", "Tell me a story", max_output_tokens=5, temperature=0),
+             response_line("instructed", "Hi", instructions="Be brief.", max_output_tokens=4, temperature=0,
+                           store=False),
+             response_line("bad-format", "x", text={"format": {"type": "xml"}}),
+             response_line("stream", "x", stream=True)]
+    batch, output, errors = run_batch(client, lines, "/v1/responses")
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (2, 2)
+    by_id = {r["custom_id"]: r["response"] for r in output + errors}
+    for line in lines[:3]:
+        direct = httpx.post(server[0] + "/v1/responses", json=line["body"], timeout=60)
+        assert by_id[line["custom_id"]]["status_code"] == direct.status_code
+        if direct.status_code == 200:
+            assert by_id[line["custom_id"]]["body"]["output"][0]["content"] == direct.json()["output"][0]["content"]
+        else:
+            assert by_id[line["custom_id"]]["body"] == direct.json()
+    assert by_id["bad-format"]["body"]["error"]["param"] == "text.format.type"
+    assert by_id["stream"]["status_code"] == 400 and by_id["stream"]["body"]["error"]["param"] == "stream"
+    plain, instructed = by_id["plain"]["body"], by_id["instructed"]["body"]
+    assert plain["object"] == "response" and plain["status"] == "incomplete" and plain["store"] is True
+    assert instructed["store"] is False
+    assert batch.usage.input_tokens == plain["usage"]["input_tokens"] + instructed["usage"]["input_tokens"]
+    assert batch.usage.output_tokens == plain["usage"]["output_tokens"] + instructed["usage"]["output_tokens"] == 9
+    # The stored line's response is kept as a POSTed one is: retrievable, and continued by previous_response_id.
+    assert client.responses.retrieve(plain["id"]).id == plain["id"]
+    later = client.responses.create(model="tiny", input="And then?", previous_response_id=plain["id"],
+                                    max_output_tokens=2, temperature=0)
+    assert later.previous_response_id == plain["id"] and later.usage.input_tokens > plain["usage"]["input_tokens"]
+    with pytest.raises(NotFoundError):
+        client.responses.retrieve(instructed["id"])
+
+
 def test_a_line_the_server_fails_on_is_answered_with_a_500_and_the_batch_goes_on(server, client, monkeypatch):
     # Before, the exception stopped the batch "until the server restarts", where the same line stopped it again.
     from jaxcb.server import batch_runner

@@ -114,7 +114,7 @@ def test_an_upload_whose_media_type_is_not_lower_case_is_read_as_multipart(http)
     (jsonl([{**line("a"), "custom_id": 7}]), "custom_id must be a non-empty string"),
     (jsonl([line("a"), line("a")]), "custom_id 'a' is used by an earlier line"),
     (jsonl([{**line("a"), "method": "post"}]), "method 'post' must be 'POST'"),
-    (jsonl([{**line("a"), "url": "/v1/responses"}]), "url '/v1/responses' is not an endpoint batches serve"),
+    (jsonl([{**line("a"), "url": "/v1/embeddings"}]), "url '/v1/embeddings' is not an endpoint batches serve"),
     (jsonl([{**line("a"), "body": "prompt"}]), "body must be a JSON object"),
     # JSON keeps the last of a repeated key: one custom_id (or one prompt) was dropped silently.
     (b'{"custom_id": "a", "custom_id": "b", "method": "POST", "url": "/v1/completions", "body": {}}\n',

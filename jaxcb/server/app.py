@@ -45,8 +45,8 @@ from jaxcb.server.streaming import chat_events, close_streams, collect_final_out
 from jaxcb.request_fields import loads_request
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.response_store import ResponseStore
-from jaxcb.server.responses import parse_responses_request, plan_response, responses_field
-from jaxcb.server.responses_output import ResponseWriter, reply_messages
+from jaxcb.server.responses_output import ResponseWriter
+from jaxcb.server.responses_serving import RESPONSES, compile_response_grammar, plan_responses_body, store_response
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.server.tracing import SCOPE_KEY as TRACE_SCOPE_KEY, RequestTracer, TracingMiddleware
@@ -219,30 +219,20 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
     async def chat_completions(request: Request):
         return await serve(request, CHAT_COMPLETIONS)
 
-    @app.post("/v1/responses")
+    @app.post(RESPONSES)
     async def responses(request: Request):
-        req = parse_responses_request(await _json_body(request, cfg))
-        check_model(state, req.model)
-        plan = plan_response(req, state.responses, state.client.tokenizer, state.tool_parser(),
-                             state.client.max_model_len, cfg.server.tool_prompt_fallback, state.reasoning_parser,
-                             cfg.server.structured_outputs_in_reasoning, state.client.sampling_defaults)
-        try:
-            await compile_grammar(state, plan.planned)
-        except InvalidRequestError as e:  # named by the Responses field it came from (text.format, not response_format)
-            raise responses_field(e) from None
-        streams = await _start(state, plan.planned)
-        writer = ResponseWriter(req, plan.planned.chat, req.model, state.client.tokenizer)
-        streams = _traced(request, streams, plan.planned, writer.id)
-
-        def store(response: dict) -> None:  # `store` says whether it was kept (not with responses_store_size=0)
-            response["store"] = req.store and state.responses.put(
-                response, plan.history + reply_messages(response["output"]))
-
+        planned = plan_responses_body(state, await _json_body(request, cfg))
+        await compile_response_grammar(state, planned)
+        req = planned.req
+        streams = await _start(state, planned.planned)
+        writer = ResponseWriter(req, planned.planned.chat, req.model, state.client.tokenizer)
+        streams = _traced(request, streams, planned.planned, writer.id)
         if req.stream:
-            return sse_response(state, streams, writer.events(streams, store), writer.error_event, done="")
+            return sse_response(state, streams, writer.events(streams, lambda r: store_response(state, planned, r)),
+                                writer.error_event, done="")
         [out] = await collect_final_outputs(state, request, streams)
         response = writer.whole(out)
-        store(response)
+        store_response(state, planned, response)
         return response
 
     @app.get("/v1/responses/{response_id}")

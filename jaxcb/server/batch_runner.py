@@ -8,7 +8,8 @@ Life of a batch:
 2. Its lines are served concurrently, at most 2 x max_num_seqs lines of all batches at a time, as
    background work (the scheduler admits it after every waiting interactive request and preempts
    it first). Each line goes through the HTTP endpoint's own steps (completions.py): a body the
-   endpoint would refuse gets the same refusal as an error line. Each result is appended and
+   endpoint would refuse gets the same refusal as an error line (completions.py's steps, or
+   responses_serving.py's for /v1/responses). Each result is appended and
    flushed to `<batch>.results.jsonl` as it finishes, at most once per `custom_id`
    (jobs.ExactlyOnceWriter); `request_counts` follow.
 3. When every line has its result: `finalizing`, the results split into the output file (lines
@@ -36,9 +37,11 @@ from jaxcb.errors import InvalidRequestError
 from jaxcb.jobs import ExactlyOnceWriter, repair_and_read_output, serve_planned
 from jaxcb.server.async_engine import EngineDeadError
 from jaxcb.server.batches import Batch, BatchCreate, BatchLine, BatchStore, batch_usage, read_batch_lines
-from jaxcb.server.completions import PlannedBody, compile_grammar, plan_body, request_deadlines, response_body
+from jaxcb.server.completions import compile_grammar, plan_body, request_deadlines, response_body
 from jaxcb.server.files import FileStore
 from jaxcb.server.protocol import APIError
+from jaxcb.server.responses_output import ResponseWriter
+from jaxcb.server.responses_serving import RESPONSES, compile_response_grammar, plan_responses_body, store_response
 from jaxcb.server.tracing import RequestTrace
 
 if TYPE_CHECKING:
@@ -185,20 +188,33 @@ class BatchRunner:
         if time.time() > batch.expires_at:
             return _unanswered(line.custom_id, "batch_expired", "the batch's completion_window (24h) ended "
                                                                 "before this request started")
-        line_id, body, start_ns = uuid.uuid4().hex, None, time.time_ns()
+        line_id, planned, start_ns = uuid.uuid4().hex, None, time.time_ns()
         try:
-            body = plan_body(self.state, line.url, line.body)
-            _refuse_stream(body)
-            await compile_grammar(self.state, body.planned)
-            deadlines = request_deadlines(self.state, body.planned.timeout, queued=False)
-            finals = await serve_planned(self.state.client, body.planned, deadlines=deadlines, background=True)
-            rid, _ = body.response_id()
+            if line.url == RESPONSES:
+                body = plan_responses_body(self.state, line.body)
+                planned = body.planned
+                _refuse_stream(body.req)
+                await compile_response_grammar(self.state, body)
+            else:
+                body = plan_body(self.state, line.url, line.body)
+                planned = body.planned
+                _refuse_stream(body.req)
+                await compile_grammar(self.state, planned)
+            deadlines = request_deadlines(self.state, planned.timeout, queued=False)
+            finals = await serve_planned(self.state.client, planned, deadlines=deadlines, background=True)
+            if line.url == RESPONSES:
+                writer = ResponseWriter(body.req, planned.chat, body.req.model, self.state.client.tokenizer)
+                rid, response = writer.id, writer.whole(finals[0])
+                store_response(self.state, body, response)
+            else:
+                rid, _ = body.response_id()
+                response = response_body(self.state, rid, body, finals)
             if self.state.tracer is not None:  # a line is a request too: one span, in a trace of its own
-                trace = RequestTrace({}, start_ns, rid, body.planned.params, dict(enumerate(finals)))
+                trace = RequestTrace({}, start_ns, rid, planned.params, dict(enumerate(finals)))
                 self.state.tracer.record(trace, self.state.model_name, time.time_ns())
-            return _answered(line_id, line.custom_id, 200, response_body(self.state, rid, body, finals))
+            return _answered(line_id, line.custom_id, 200, response)
         except InvalidRequestError as e:
-            e = body.planned.refusal(e) if body is not None else e
+            e = planned.refusal(e) if planned is not None else e
             return _answered(line_id, line.custom_id, 400, APIError(400, str(e), param=e.field).body())
         except APIError as e:
             return _answered(line_id, line.custom_id, e.status, e.body())
@@ -265,8 +281,8 @@ def _add_usage(a: Optional[dict], b: dict) -> dict:
     return {k: _add_usage(a[k], v) if isinstance(v, dict) else a[k] + v for k, v in b.items()}
 
 
-def _refuse_stream(body: PlannedBody) -> None:
+def _refuse_stream(req: Any) -> None:
     """A batch line's response is written whole: streaming is refused, as a JSONL job refuses it."""
-    if body.req.stream or body.req.stream_options is not None:
-        field = "stream" if body.req.stream else "stream_options"
+    if req.stream or getattr(req, "stream_options", None) is not None:
+        field = "stream" if req.stream else "stream_options"
         raise InvalidRequestError(f"{field}: a batch writes each response whole; drop {field}", field)

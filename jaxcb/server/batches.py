@@ -4,7 +4,7 @@ batch_runner.py's.
 
 A batch file is JSONL of `{"custom_id", "method": "POST", "url", "body"}`: each line is checked when
 the file is uploaded (a line that could never be run is a 400 naming its line), its body when it runs,
-by the code that checks the same body POSTed to `url` (completions.py). Fail closed: every field of
+by the code that checks the same body POSTed to `url` (completions.py, responses_serving.py). Fail closed: every field of
 a line and of a create body is honoured or refused by name. No jax.
 """
 
@@ -22,8 +22,9 @@ from jaxcb.request_fields import loads_request
 from jaxcb.server.completions import CHAT_COMPLETIONS, COMPLETIONS
 from jaxcb.server.files import sortable_id, write_json_atomically
 from jaxcb.server.protocol import APIError
+from jaxcb.server.responses_serving import RESPONSES
 
-ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS, RESPONSES)
 COMPLETION_WINDOW = "24h"  # the one window OpenAI offers; a batch unfinished by then expires
 COMPLETION_WINDOW_S = 24 * 3600
 LINE_FIELDS = ("custom_id", "method", "url", "body")
@@ -193,6 +194,12 @@ def batch_usage(results: list[dict[str, Any]]) -> dict[str, Any]:
         body = (r.get("response") or {}).get("body") or {}
         u = body.get("usage") if isinstance(body, dict) else None
         if not u:
+            continue
+        if "input_tokens" in u:  # a Responses body's usage
+            prompt += u["input_tokens"]
+            completion += u["output_tokens"]
+            cached += (u.get("input_tokens_details") or {}).get("cached_tokens", 0)
+            reasoning += (u.get("output_tokens_details") or {}).get("reasoning_tokens", 0)
             continue
         prompt += u["prompt_tokens"]
         completion += u["completion_tokens"]
