@@ -126,3 +126,34 @@ def test_the_values_next_to_the_refused_ones_still_start():
     Engine(compose_config(BASE + ("engine.max_stop_token_ids=259", "engine.max_logit_bias=300",
                                   "model.rope_scaling={rope_type:yarn,factor:4,beta_fast:1,beta_slow:1}",
                                   "server.host=0.0.0.0", "server.api_key=k")), compile_buckets=False, progress=False)
+
+
+def test_the_servers_socket_is_bound_before_the_model_loads_and_a_bad_host_or_port_is_named():
+    """As vLLM binds first: a port in use or a host not of this machine is a sentence at once, never after a
+    start-up's compiles (serve() binds, then builds the app)."""
+    import socket
+
+    from jaxcb.server import run
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"^server\.port={port} on server\.host='127\.0\.0\.1' is in use"):
+            run.bind_listener("127.0.0.1", port)
+        built = []
+        cfg = compose_config(BASE + ("server.host=127.0.0.1", f"server.port={port}"))
+        original, run.build_app = run.build_app, lambda *a: built.append(a)
+        try:
+            with pytest.raises(ConfigError, match="is in use by another process"):
+                run.serve(cfg)
+        finally:
+            run.build_app = original
+        assert built == []  # refused before anything was built
+    with pytest.raises(ConfigError, match=r"^server\.host='no-such-host\.invalid' does not resolve"):
+        run.bind_listener("no-such-host.invalid", 8000)
+    with pytest.raises(ConfigError, match=r"^server\.host='192\.0\.2\.1' is not an address of this machine"):
+        run.bind_listener("192.0.2.1", 8000)  # TEST-NET-1: no machine's own address
+    listener = run.bind_listener("127.0.0.1", 0)
+    assert listener.getsockname()[0] == "127.0.0.1"
+    listener.close()

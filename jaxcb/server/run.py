@@ -4,6 +4,7 @@ server.exit_on_engine_death, exit 1 once the engine is dead)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import signal
 import socket
@@ -15,7 +16,7 @@ import uvicorn
 
 from fastapi import FastAPI
 
-from jaxcb.config import Config
+from jaxcb.config import Config, ConfigError
 from jaxcb.server.app import build_app
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,42 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(s, h)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound to server.host:server.port before anything is loaded or compiled (as vLLM
+    binds first): a port in use or a host that is not this machine's is said at once, in a sentence, not
+    after minutes of start-up. ConfigError naming the knob otherwise."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"server.host={host!r} does not resolve ({e.strerror}): give an address of this machine "
+                          "(127.0.0.1 for this machine only, 0.0.0.0 for every interface) or a name that resolves "
+                          "to one") from None
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port this server just left: TIME_WAIT
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"server.port={port} on server.host={host!r} is in use by another process: stop it "
+                              "or give another server.port") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"server.host={host!r} is not an address of this machine: give one of its "
+                              "addresses (127.0.0.1, 0.0.0.0 for every interface)") from None
+        if e.errno == errno.EACCES:
+            raise ConfigError(f"server.port={port} needs privileges to bind on this machine: give a port from 1024 "
+                              "up") from None
+        raise ConfigError(f"server.host={host!r}, server.port={port}: cannot bind ({e.strerror})") from None
+    listener.set_inheritable(True)
+    return listener
+
+
 def serve(cfg: Config) -> None:
     """Serve until SIGTERM/SIGINT (exit 0) or, with server.exit_on_engine_death, until the engine dies (exit 1)."""
+    listener = bind_listener(cfg.server.host, cfg.server.port)
     app = build_app(cfg)
-    log.info("serving %s on http://%s:%d", app.state.jaxcb.model_name, cfg.server.host, cfg.server.port)
+    log.info("serving %s on http://%s:%d", app.state.jaxcb.model_name, cfg.server.host, listener.getsockname()[1])
     config = uvicorn.Config(
         app,
         host=cfg.server.host,
@@ -57,7 +90,7 @@ def serve(cfg: Config) -> None:
         # back within the start-up time a replica has.
         grace_s = cfg.ray.replica_start_timeout_s if cfg.server.backend == "ray" else 0.0
         watch_engine(server, lambda: app.state.jaxcb.client.is_alive, died, grace_s=grace_s)
-    server.run()
+    server.run(sockets=[listener])
     if died.is_set():
         raise SystemExit(1)
 
