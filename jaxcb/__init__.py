@@ -8,7 +8,7 @@ The names load on first use, so that `import jaxcb.config` (host-side modules) d
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "Engine", "SamplingParams"]
+__all__ = ["LLM", "Engine", "SamplingParams", "BeamSearchParams"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from jaxcb.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "BeamSearchParams":  # LLM.beam_search's
+        from jaxcb.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(f"module 'jaxcb' has no attribute {name!r}")

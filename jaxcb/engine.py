@@ -38,6 +38,7 @@ from jaxcb.lora.manager import LoraManager
 from jaxcb.model.lora import empty_lora_weights, slot_values
 from jaxcb.core.host_prefix_cache import HostPrefixCache
 from jaxcb.engine_stats import EMPTY_STEP, EngineStats
+from jaxcb.beam_search import BeamSearchParams, EngineBeamSearches, beam_searches
 from jaxcb.errors import EngineOverloadedError
 from jaxcb.request_fields import is_text
 from jaxcb.backends import select_backend
@@ -908,3 +909,24 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[rid] for rid in ids]
+
+    def beam_search(self, prompts: Union[PromptType, abc.Sequence[PromptType]], params: BeamSearchParams, *,
+                    lora: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None) -> list[RequestOutput]:
+        """Beam search (vLLM's algorithm, `jaxcb.beam_search`) of each prompt: one RequestOutput each, whose
+        `params.beam_width` outputs are its best beams, best first (vLLM's LLM.beam_search returns its own
+        BeamSearchOutput instead). The prompts' rounds run side by side in the engine's steps."""
+        if isinstance(prompts, (str, EncodedText)) or (isinstance(prompts, _PROMPT_LISTS) and len(prompts)
+                                                       and isinstance(prompts[0], numbers.Integral)):
+            prompts = [prompts]
+        searches = beam_searches(prompts, params, self.tokenizer, self.engine.max_model_len, truncate_prompt_tokens)
+        driver = EngineBeamSearches(self.engine, searches, lora=lora)
+        driver.start()
+        try:
+            while not driver.done:
+                for out in self.engine.step():
+                    if out.finished:
+                        driver.take(out)
+        except BaseException:
+            driver.abort()
+            raise
+        return driver.results()

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Union
 
 from tqdm import tqdm
 
+from jaxcb.beam_search import EngineBeamSearches, beam_searches
 from jaxcb.config import Config
 from jaxcb.engine import LLM
 from jaxcb.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError, UserError
@@ -40,7 +41,7 @@ from jaxcb.sampling_params import SamplingParams
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.chat import assistant_message
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, served_model_name
-from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
+from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion, start_planned_beam_search
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
@@ -336,8 +337,9 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
     engine, ctx = llm.engine, JobContext.of(llm)
     queue = deque(records)
     in_flight: dict[str, tuple[_PendingRecord, int]] = {}  # engine request id -> (its record, prompt index)
-    while queue or in_flight:
-        while queue and len(in_flight) < max_in_flight:
+    searching: list[tuple[_PendingRecord, EngineBeamSearches]] = []  # records with use_beam_search, their rounds
+    while queue or in_flight or searching:
+        while queue and len(in_flight) + sum(s.num_in_flight for _, s in searching) < max_in_flight:
             rec = queue.popleft()
             if rec.id is None or rec.error:  # unreadable line: report it, keyed by its line
                 yield {"id": rec.id, "line": rec.line, "error": rec.error}
@@ -347,6 +349,15 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
             try:
                 req, planned = plan_record(ctx, rec.data)
                 pending = _PendingRecord(rec.id, req, planned, [None] * len(planned.prompts))
+                if planned.beam is not None:
+                    searches = beam_searches(planned.prompts, planned.beam, ctx.tokenizer, ctx.max_model_len,
+                                             planned.params.truncate_prompt_tokens)
+                    driver = EngineBeamSearches(engine, searches, priority=planned.priority,
+                                                cache_salt=planned.cache_salt, lora=planned.model,
+                                                timeout_s=planned.timeout)
+                    driver.start()
+                    searching.append((pending, driver))
+                    continue
                 for i, prompt in enumerate(planned.prompts):
                     rid = engine.add_request(prompt, planned.params, priority=planned.priority, final_only=True,
                                              cache_salt=planned.cache_salt, timeout_s=planned.timeout,
@@ -373,7 +384,22 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 yield _failed_record(rec.id, e)
         for out in engine.step():  # final outputs only
             entry = in_flight.pop(out.request_id, None)
-            if entry is None:  # a request aborted above, after its record was refused
+            if entry is None:  # a round of a beam search, or a request aborted above after its record was refused
+                for k, (pending, driver) in enumerate(searching):
+                    try:
+                        if not driver.take(out):
+                            continue
+                    except Exception as e:  # (its next round refused: a failure of this record alone)
+                        driver.abort()
+                        del searching[k]
+                        log.exception("job record %s failed", pending.id)
+                        yield _failed_record(pending.id, e)
+                        break
+                    if driver.done:
+                        pending.outputs = driver.results()
+                        del searching[k]
+                        yield result_record(ctx.tokenizer, pending)
+                    break
                 continue
             pending, i = entry
             pending.outputs[i] = out
@@ -390,6 +416,9 @@ async def serve_planned(client: "EngineClient", planned: PlannedRequest, *, dead
     while True:
         streams = []
         try:
+            if planned.beam is not None:
+                streams = await start_planned_beam_search(client, planned, deadlines, background)
+                break
             for prompt in planned.prompts:
                 streams.append(await client.add(prompt, planned.params, priority=planned.priority, deadlines=deadlines,
                                                 cache_salt=planned.cache_salt, background=background,

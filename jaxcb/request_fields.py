@@ -35,8 +35,8 @@ NOT_SUPPORTED: dict[str, str] = {
     "function_call": "function_call (OpenAI's deprecated form of tool_choice): " + _TOOLS,
     "suffix": "suffix (insertion between a prompt and a suffix) is not supported",
     "best_of": "best_of is not supported; ask for n completions instead",
-    "use_beam_search": "beam search is not supported",
-    "length_penalty": "length_penalty applies to beam search, which is not supported",
+    "use_beam_search": "beam search is taken by /v1/completions and /v1/chat/completions",
+    "length_penalty": "length_penalty applies to beam search, which /v1/completions and /v1/chat/completions take",
     "logits_processors": "logits_processors are not supported",
     "spaces_between_special_tokens": "spaces_between_special_tokens is not supported",
     "add_special_tokens": "add_special_tokens: true is not supported for chat, whose template writes the special "

@@ -1,16 +1,18 @@
-"""The public API is three names on the package, and importing the host-side config imports no jax."""
+"""The public API is four names on the package, and importing the host-side config imports no jax."""
 
 import subprocess
 import sys
 
 
-def test_the_package_exports_llm_engine_and_sampling_params():
+def test_the_package_exports_llm_engine_sampling_and_beam_search_params():
     import jaxcb
+    from jaxcb.beam_search import BeamSearchParams
     from jaxcb.engine import LLM, Engine
     from jaxcb.sampling_params import SamplingParams
 
-    assert (jaxcb.LLM, jaxcb.Engine, jaxcb.SamplingParams) == (LLM, Engine, SamplingParams)
-    assert sorted(jaxcb.__all__) == ["Engine", "LLM", "SamplingParams"]
+    assert (jaxcb.LLM, jaxcb.Engine, jaxcb.SamplingParams, jaxcb.BeamSearchParams) == (
+        LLM, Engine, SamplingParams, BeamSearchParams)
+    assert sorted(jaxcb.__all__) == ["BeamSearchParams", "Engine", "LLM", "SamplingParams"]
 
 
 def test_importing_the_package_and_its_config_imports_no_jax():

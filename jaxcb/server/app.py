@@ -40,7 +40,7 @@ from jaxcb.server.completions import (
     response_body,
 )
 from jaxcb.server.protocol import APIError, served_model_name, parse_request
-from jaxcb.server.requests import PlannedRequest
+from jaxcb.server.requests import PlannedRequest, start_planned_beam_search
 from jaxcb.server.streaming import chat_events, close_streams, collect_final_outputs, completion_events, sse_response
 from jaxcb.request_fields import loads_request
 from jaxcb.server.reasoning import get_reasoning_parser
@@ -360,6 +360,8 @@ async def _start(state: ServerState, planned: PlannedRequest) -> list[RequestStr
     deadlines = request_deadlines(state, planned.timeout)
     streams: list[RequestStream] = []
     try:
+        if planned.beam is not None:
+            return await start_planned_beam_search(state.client, planned, deadlines)
         for prompt in planned.prompts:
             streams.append(await state.client.add(prompt, planned.params, priority=planned.priority,
                                                         deadlines=deadlines, cache_salt=planned.cache_salt,

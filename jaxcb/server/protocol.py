@@ -88,6 +88,8 @@ class _SamplingFields(_Strict):
     bad_words: Optional[list[str]] = None
     prompt_logprobs: Optional[int] = None  # vLLM's: each prompt token's logprob and the top-n at its place
     request_id: Optional[str] = None  # vLLM's: the response's id is "cmpl-"/"chatcmpl-" + this (X-Request-Id wins)
+    use_beam_search: bool = False  # vLLM's: n beams ranked by the model's log-probabilities (jaxcb.beam_search)
+    length_penalty: float = 1.0  # beam search's: a beam's score divides by its length ** length_penalty
 
 
 class CompletionRequest(_SamplingFields):

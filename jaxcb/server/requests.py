@@ -14,8 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
+from jaxcb.beam_search import BeamSearchParams, beam_searches, start_beam_searches
 from jaxcb.errors import InvalidRequestError
 from jaxcb.prompts import EncodedText, encode_text, tokens_to_keep
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
@@ -26,6 +27,9 @@ from jaxcb.server.reasoning import ReasoningParser
 from jaxcb.server.tool_parsers import ToolParser
 from jaxcb.structured.spec import StructuredOutputs, from_structured_outputs
 from jaxcb.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxcb.server.engine_client import EngineClient
 
 Prompt = Union[str, list[int], EncodedText]
 
@@ -40,6 +44,7 @@ class PlannedRequest:
     chat: Optional[ChatPlan] = None  # a chat request's plan: how tool calls are read back out of the reply
     renamed_fields: dict[str, str] = field(default_factory=dict)  # the engine's field name -> the body's
     model: Optional[str] = None  # the body's `model`: the base model's name or a LoRA adapter's (Engine.add_request's lora)
+    beam: Optional[BeamSearchParams] = None  # use_beam_search: each prompt is beam-searched (jaxcb.beam_search)
 
     def body_field(self, name: Optional[str]) -> Optional[str]:
         return self.renamed_fields.get(name, name) if name is not None else None
@@ -91,6 +96,38 @@ def _check_stream_options(req: Union[CompletionRequest, ChatCompletionRequest]) 
                                   "stream_options.continuous_usage_stats")
 
 
+# What beam search reads of a body (with temperature 0 or left out): any other field set to other than its
+# default is refused by name, never dropped (vLLM's beam search ignores the sampling fields).
+BEAM_SEARCH_FIELDS = frozenset({
+    "id", "model", "prompt", "messages", "n", "max_tokens", "max_completion_tokens", "use_beam_search",
+    "length_penalty", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "stream", "stream_options",
+    "echo", "add_special_tokens", "truncate_prompt_tokens", "priority", "cache_salt", "timeout", "request_id",
+    "return_token_ids", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "documents",
+    "reasoning_effort", "add_generation_prompt", "continue_final_message"})
+
+
+def _beam_search(req: Union[CompletionRequest, ChatCompletionRequest], params: SamplingParams,
+                 structured_from: Optional[str] = None) -> Optional[BeamSearchParams]:
+    """The body's beam search (use_beam_search), or None; InvalidRequestError naming a field it would not
+    honour. `structured_from`: the field a grammar came from other than structured_outputs (chat's tool_choice)."""
+    if not req.use_beam_search:
+        if req.length_penalty != 1.0:
+            raise InvalidRequestError(f"length_penalty={req.length_penalty} applies to beam search; set "
+                                      "use_beam_search=true, or drop length_penalty", "length_penalty")
+        return None
+    for name in sorted(req.model_fields_set - BEAM_SEARCH_FIELDS):
+        value, default = getattr(req, name), type(req).model_fields[name].default
+        if (name == "temperature" and value == 0) or (value == default and type(value) is type(default)):
+            continue
+        raise InvalidRequestError(f"{name} is not used by beam search, which ranks beams by the model's "
+                                  f"log-probabilities alone: drop {name}, or use_beam_search", name)
+    if structured_from is not None:
+        raise InvalidRequestError(f"{structured_from} constrains the reply to a grammar, which beam search does not "
+                                  f"apply: drop {structured_from}, or use_beam_search", structured_from)
+    return BeamSearchParams(params.n, params.max_tokens, req.length_penalty, params.ignore_eos,
+                            params.include_stop_str_in_output, params.skip_special_tokens)
+
+
 def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFAULTS, *,
                     tokenizer: Optional[Tokenizer] = None) -> PlannedRequest:
     """A /v1/completions body (or a job record with `prompt`) as engine requests; `defaults`: the model's for
@@ -106,7 +143,8 @@ def plan_completion(req: CompletionRequest, defaults: SamplingDefaults = NO_DEFA
         from_structured_outputs(req.structured_outputs) if req.structured_outputs is not None else None)
     _check_timeout(req.timeout)
     params = sampling_params(req, req.max_tokens, req.logprobs, structured, defaults)
-    return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout, model=req.model)
+    return PlannedRequest(prompts, params, req.priority, req.cache_salt, req.timeout, model=req.model,
+                          beam=_beam_search(req, params))
 
 
 def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parser: ToolParser, max_model_len: int,
@@ -151,5 +189,26 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
         raise _renamed(e, renamed) from None
     if plan.tool_parser is not None and plan.tool_parser.reads_special_tokens:
         params = dataclasses.replace(params, skip_special_tokens=False)  # [TOOL_CALLS] must reach the parser
+    structured_from = renamed.get("structured_outputs") if plan.structured is not None else None
+    beam = _beam_search(req, params, structured_from)  # (its refusals name the body's fields already)
     return PlannedRequest([plan.prompt_ids], params, req.priority, req.cache_salt, req.timeout, plan, renamed,
-                          model=req.model)
+                          model=req.model, beam=beam)
+
+
+async def start_planned_beam_search(client: "EngineClient", planned: PlannedRequest,
+                                    deadlines: Optional[dict[str, float]] = None, background: bool = False) -> list:
+    """`planned`'s prompts beam-searched over `client` (planned.beam set): their first round queued (the engine's
+    refusal raised here, nothing left queued), one stream each whose one output is the prompt's result.
+    `deadlines` as Engine.add_request takes them: timeout_s bounds the whole search, queue_timeout_s each round."""
+    beam = planned.beam
+    deadlines = dict(deadlines or {})
+    timeout_s = deadlines.pop("timeout_s", None)
+    searches = beam_searches(planned.prompts, beam, client.tokenizer, client.max_model_len,
+                             planned.params.truncate_prompt_tokens)
+
+    async def add_round(prompt_ids: list[int], left_s: Optional[float]):
+        return await client.add(prompt_ids, beam.round_params, priority=planned.priority,
+                                deadlines=deadlines | ({} if left_s is None else {"timeout_s": left_s}),
+                                cache_salt=planned.cache_salt, background=background, lora=planned.model)
+
+    return await start_beam_searches(searches, add_round, client.tokenizer, timeout_s)

@@ -1,0 +1,316 @@
+"""Beam search, as vLLM runs it: above the engine, in rounds of one token.
+
+Each round, every live beam asks the engine for one token and the top 2 x beam_width log-probabilities
+of the model's next-token distribution (the raw logits' log-softmax), its prompt being the request's
+prompt followed by the beam's tokens so far (the prefix cache serves all but the last block). Every
+candidate extends its beam by one token; the candidates are ranked by cumulative log-probability over
+length ** length_penalty (length: the prompt's tokens and the beam's, an end token not counted), and
+the best beam_width go on to the next round. A candidate that is an end token (the model's EOS, unless
+ignore_eos) finishes its beam with "stop", kept aside. After max_tokens rounds, or when no beam is left,
+the best beam_width of the finished and the live beams (these "length") are the request's n
+completions, best first. Sampling fields other than these are refused at the door
+(`jaxcb.server.requests`): the ranking reads the model's log-probabilities alone.
+
+`BeamSearch` is one prompt's search, with no engine: a driver queues `round_prompts()` with
+`round_params`, and hands each request's final output to `advance`. The drivers: `start_beam_searches`
+(over an EngineClient: the server, its batches, jobs over a server) and `Engine.beam_search` (LLM and
+offline jobs). No jax.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence
+
+from jaxcb.errors import EngineOverloadedError, InvalidRequestError
+from jaxcb.outputs import CompletionOutput, RequestOutput
+from jaxcb.prompts import PromptType, prompt_text_and_ids, truncated_ids
+from jaxcb.sampling_params import SamplingParams
+from jaxcb.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from jaxcb.server.engine_client import OutputStream
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams: `beam_width` beams (a request's n), each at most `max_tokens` long."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0  # the score divides by length ** length_penalty: above 1 favours longer beams
+    ignore_eos: bool = False  # an end token is then a token like any other
+    include_stop_str_in_output: bool = False  # a beam finished by an end token keeps it in its tokens and text
+    skip_special_tokens: bool = True  # of the beams' text
+
+    def __post_init__(self) -> None:
+        if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise InvalidRequestError(f"n={self.beam_width!r} must be an integer >= 1 (the beam width)", "n")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens={self.max_tokens!r} must be an integer >= 1", "max_tokens")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or not math.isfinite(self.length_penalty):
+            raise InvalidRequestError(f"length_penalty={self.length_penalty!r} must be a finite number",
+                                      "length_penalty")
+
+    @property
+    def round_params(self) -> SamplingParams:
+        """What each beam asks of the engine in a round: one token, with the top 2 x beam_width log-probabilities."""
+        return SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.beam_width,
+                              skip_special_tokens=self.skip_special_tokens)
+
+
+def width_refusal(error: InvalidRequestError, params: BeamSearchParams) -> InvalidRequestError:
+    """The engine's refusal of a round's `logprobs` (past engine.max_logprobs), as the body's `n` says it."""
+    if error.field != "logprobs":
+        return error
+    return InvalidRequestError(f"n={params.beam_width} beams need the top {2 * params.beam_width} log-probabilities "
+                               f"of each token, past what this engine gives ({error}): ask for at most "
+                               "engine.max_logprobs / 2 beams, or raise engine.max_logprobs", "n")
+
+
+@dataclass
+class Beam:
+    tokens: list[int]  # generated, after the prompt
+    cum_logprob: float
+    finish_reason: Optional[str] = None  # "stop": ended by an end token; else None while live
+
+
+@dataclass
+class BeamSearch:
+    """One prompt's beam search (the module's docstring)."""
+
+    prompt: Optional[str]  # the prompt's text, None for token ids
+    prompt_ids: list[int]
+    params: BeamSearchParams
+    eos_token_ids: frozenset[int]
+    live: list[Beam] = field(default_factory=list)
+    finished: list[Beam] = field(default_factory=list)
+    rounds: int = 0
+    num_cached_tokens: int = 0  # of the first round: the prompt's own tokens found in the prefix cache
+    cut_short: Optional[str] = None  # a round's request that ended otherwise ("abort", a timeout): its reason
+
+    def __post_init__(self) -> None:
+        self.live = [Beam([], 0.0)]
+
+    @property
+    def done(self) -> bool:
+        return self.cut_short is not None or self.rounds >= self.params.max_tokens or not self.live
+
+    def round_prompts(self) -> list[list[int]]:
+        return [self.prompt_ids + beam.tokens for beam in self.live]
+
+    def score(self, beam: Beam) -> float:
+        length = len(self.prompt_ids) + len(beam.tokens)
+        if beam.tokens and beam.tokens[-1] in self.eos_token_ids and beam.finish_reason == "stop":
+            length -= 1
+        return beam.cum_logprob / (length ** self.params.length_penalty)
+
+    def advance(self, outputs: Sequence[RequestOutput]) -> None:
+        """One round's final outputs, one per `round_prompts()` entry, in that order."""
+        assert len(outputs) == len(self.live), (len(outputs), len(self.live))
+        if self.rounds == 0:
+            self.num_cached_tokens = outputs[0].num_cached_tokens
+        candidates: list[Beam] = []
+        for beam, out in zip(self.live, outputs):
+            [c] = out.outputs
+            if c.finish_reason not in ("length", "stop") or not c.logprobs:
+                self.cut_short = c.finish_reason or "abort"
+                return
+            ranked = sorted(c.logprobs[0].items(), key=lambda kv: -kv[1])[: 2 * self.params.beam_width]
+            for token, logprob in ranked:
+                if token in self.eos_token_ids and not self.params.ignore_eos:
+                    kept = beam.tokens + [token] if self.params.include_stop_str_in_output else beam.tokens
+                    self.finished.append(Beam(kept, beam.cum_logprob + logprob, "stop"))
+                else:
+                    candidates.append(Beam(beam.tokens + [token], beam.cum_logprob + logprob))
+        self.live = sorted(candidates, key=self.score, reverse=True)[: self.params.beam_width]
+        self.rounds += 1
+
+    def result(self, request_id: str, tokenizer: Tokenizer) -> RequestOutput:
+        """The request's output: its best beams as its n completions, best first."""
+        last = self.cut_short or "length"
+        best = sorted(self.finished + self.live, key=self.score, reverse=True)[: self.params.beam_width]
+        outputs = []
+        for i, beam in enumerate(best):
+            text = tokenizer.decode(beam.tokens, skip_special_tokens=self.params.skip_special_tokens)
+            outputs.append(CompletionOutput(i, text, list(beam.tokens), beam.finish_reason or last,
+                                            num_generated=len(beam.tokens)))
+        return RequestOutput(request_id, self.prompt, list(self.prompt_ids), outputs, finished=True,
+                             num_cached_tokens=self.num_cached_tokens)
+
+
+def beam_searches(prompts: Sequence[PromptType], params: BeamSearchParams, tokenizer: Tokenizer, max_model_len: int,
+                  truncate_prompt_tokens: Optional[int] = None) -> list[BeamSearch]:
+    """One search per prompt (text, EncodedText or token ids), each prompt cut as truncate_prompt_tokens
+    says; InvalidRequestError naming the field for a prompt that leaves no room for max_tokens."""
+    searches = []
+    for prompt in prompts:
+        text, ids = prompt_text_and_ids(prompt, tokenizer)
+        text, ids = truncated_ids(prompt, text, ids, truncate_prompt_tokens, max_model_len, tokenizer)
+        if not ids:
+            raise InvalidRequestError("prompt is empty; give a non-empty string or list of token ids", "prompt")
+        if len(ids) + params.max_tokens > max_model_len:
+            raise InvalidRequestError(f"the prompt's {len(ids)} tokens and max_tokens={params.max_tokens} exceed "
+                                      f"engine.max_model_len={max_model_len}; shorten the prompt or lower max_tokens",
+                                      "max_tokens")
+        searches.append(BeamSearch(text, ids, params, frozenset(tokenizer.eos_token_ids or ())))
+    return searches
+
+
+# Queues one round's request for `prompt_ids` with at most `timeout_s` left of the request's own deadline
+# (None: none), with the caller's priority, queue deadline, salt and adapter; returns its stream.
+AddRound = Callable[[list[int], Optional[float]], Awaitable["OutputStream"]]
+
+
+async def start_beam_searches(searches: list[BeamSearch], add_round: AddRound, tokenizer: Tokenizer,
+                              timeout_s: Optional[float] = None) -> list["BeamSearchStream"]:
+    """Queue every search's first round: the engine's refusal of it is raised here, with nothing left queued.
+    Then each search goes on by itself, its stream's one output its result. A later round waits out the
+    engine's "retry later" (admission control) rather than fail half-way; `timeout_s` bounds the whole
+    search (a search past it ends with what it has, its live beams' finish_reason "timeout")."""
+    from jaxcb.server.streaming import close_streams
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    first: list[list] = []
+    try:
+        for search in searches:
+            first.append([])
+            for prompt in search.round_prompts():
+                first[-1].append(await add_round(prompt, timeout_s))
+    except BaseException as e:
+        for streams in first:
+            close_streams(streams)
+        if isinstance(e, InvalidRequestError):
+            raise width_refusal(e, searches[0].params) from None
+        raise
+    return [BeamSearchStream(asyncio.ensure_future(_searched(search, streams, add_round, tokenizer, deadline)))
+            for search, streams in zip(searches, first)]
+
+
+async def _searched(search: BeamSearch, streams: list, add_round: AddRound, tokenizer: Tokenizer,
+                    deadline: Optional[float]) -> RequestOutput:
+    from jaxcb.server.streaming import close_streams, final_output
+
+    request_id = None
+    while True:
+        try:
+            finals = await asyncio.gather(*(final_output(s) for s in streams))
+        finally:
+            close_streams(streams)
+        request_id = request_id or finals[0].request_id
+        search.advance(finals)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0 and not search.done:
+            search.cut_short = "timeout"
+        if search.done:
+            return search.result(request_id, tokenizer)
+        streams = []
+        try:
+            for prompt in search.round_prompts():
+                while True:
+                    try:
+                        streams.append(await add_round(prompt, left))
+                        break
+                    except EngineOverloadedError as e:
+                        await asyncio.sleep(min(e.retry_after_s, 1.0))
+        except BaseException:
+            close_streams(streams)
+            raise
+
+
+class BeamSearchStream:
+    """A beam-searched prompt as the server's handlers read a request: one output, the whole result, when its
+    search ends; closing it cancels the search (its round in flight is aborted)."""
+
+    def __init__(self, task: "asyncio.Future[RequestOutput]"):
+        self.task = task
+
+    def __aiter__(self):
+        return self._outputs()
+
+    async def _outputs(self):
+        out = await asyncio.shield(self.task)
+        out.delta = True  # its only output: all of it is new
+        yield out
+
+    def close(self) -> None:
+        self.task.cancel()
+
+
+class EngineBeamSearches:
+    """Searches driven on an Engine by its caller's step loop (LLM.beam_search, offline jobs): `start()`
+    queues every first round, `take(out)` takes a finished output of a round's request (False: not one of
+    these) and queues the search's next round once its round is complete, `done` says when every search
+    has ended, and `results()` gives their outputs in order. `timeout_s` bounds each search as a whole;
+    `abort()` aborts the rounds in flight."""
+
+    def __init__(self, engine, searches: list[BeamSearch], *, priority: int = 0, cache_salt: Optional[str] = None,
+                 lora: Optional[str] = None, timeout_s: Optional[float] = None):
+        self.engine, self.searches = engine, searches
+        self._queue_args = {"priority": priority, "cache_salt": cache_salt, "lora": lora}
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._in_flight: dict[str, tuple[int, int]] = {}  # request id -> (search, beam)
+        self._round: list[list[Optional[RequestOutput]]] = [[] for _ in searches]
+        self._first_ids: list[Optional[str]] = [None] * len(searches)
+        self._results: list[Optional[RequestOutput]] = [None] * len(searches)
+
+    def start(self) -> None:
+        """Queue every first round; the engine's refusal raised (as the body's field), nothing left queued."""
+        try:
+            for i in range(len(self.searches)):
+                self._queue_round(i)
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, InvalidRequestError):
+                raise width_refusal(e, self.searches[0].params) from None
+            raise
+
+    @property
+    def done(self) -> bool:
+        return all(r is not None for r in self._results)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def results(self) -> list[RequestOutput]:
+        assert self.done
+        return list(self._results)
+
+    def take(self, out: RequestOutput) -> bool:
+        entry = self._in_flight.pop(out.request_id, None)
+        if entry is None:
+            return False
+        i, j = entry
+        self._round[i][j] = out
+        if any(o is None for o in self._round[i]):
+            return True
+        search = self.searches[i]
+        search.advance(self._round[i])
+        if not search.done and self._deadline is not None and time.monotonic() >= self._deadline:
+            search.cut_short = "timeout"
+        if search.done:
+            self._results[i] = search.result(self._first_ids[i], self.engine.tokenizer)
+        else:
+            self._queue_round(i)
+        return True
+
+    def abort(self) -> None:
+        for rid in list(self._in_flight):
+            self.engine.abort(rid)
+        self._in_flight.clear()
+
+    def _queue_round(self, i: int) -> None:
+        search = self.searches[i]
+        left = None if self._deadline is None else max(self._deadline - time.monotonic(), 1e-3)
+        prompts = search.round_prompts()
+        self._round[i] = [None] * len(prompts)
+        for j, prompt in enumerate(prompts):
+            rid = self.engine.add_request(prompt, search.params.round_params, final_only=True, timeout_s=left,
+                                          **self._queue_args)
+            self._first_ids[i] = self._first_ids[i] or rid
+            self._in_flight[rid] = (i, j)
