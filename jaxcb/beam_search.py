@@ -20,13 +20,14 @@ offline jobs). No jax.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence
 
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
-from jaxcb.outputs import CompletionOutput, RequestOutput
+from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.prompts import PromptType, prompt_text_and_ids, truncated_ids
 from jaxcb.sampling_params import SamplingParams
 from jaxcb.tokenizer import Tokenizer
@@ -92,6 +93,7 @@ class BeamSearch:
     rounds: int = 0
     num_cached_tokens: int = 0  # of the first round: the prompt's own tokens found in the prefix cache
     cut_short: Optional[str] = None  # a round's request that ended otherwise ("abort", a timeout): its reason
+    metrics: Optional[RequestMetrics] = None  # the first round's arrival and first token, the last round's end
 
     def __post_init__(self) -> None:
         self.live = [Beam([], 0.0)]
@@ -114,6 +116,8 @@ class BeamSearch:
         assert len(outputs) == len(self.live), (len(outputs), len(self.live))
         if self.rounds == 0:
             self.num_cached_tokens = outputs[0].num_cached_tokens
+            self.metrics = dataclasses.replace(outputs[0].metrics)
+        self.metrics.finished_time = max((o.metrics.finished_time or 0.0 for o in outputs), default=None) or None
         candidates: list[Beam] = []
         for beam, out in zip(self.live, outputs):
             [c] = out.outputs
@@ -140,7 +144,7 @@ class BeamSearch:
             outputs.append(CompletionOutput(i, text, list(beam.tokens), beam.finish_reason or last,
                                             num_generated=len(beam.tokens)))
         return RequestOutput(request_id, self.prompt, list(self.prompt_ids), outputs, finished=True,
-                             num_cached_tokens=self.num_cached_tokens)
+                             metrics=self.metrics or RequestMetrics(0.0), num_cached_tokens=self.num_cached_tokens)
 
 
 def beam_searches(prompts: Sequence[PromptType], params: BeamSearchParams, tokenizer: Tokenizer, max_model_len: int,
