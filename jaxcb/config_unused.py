@@ -47,6 +47,8 @@ def unused_settings(cfg: Config, script: Optional[str] = None) -> list[str]:
     if not cfg.lora.enabled:
         note("lora", _changed(cfg.lora, LoraConfig(), ("max_loras", "max_rank", "max_cpu_loras")),
              "no adapter is loaded and lora.enable=false")
+    if not cfg.server.log_requests and cfg.server.max_log_len is not None:
+        note("server", [("max_log_len", cfg.server.max_log_len)], "server.log_requests=false (set it to log requests)")
     job, job_default = cfg.job, JobConfig()
     if cfg.input is None:
         note("job", _changed(job, job_default, ("backend",) + _RAY_JOB_FIELDS), "no JSONL job (input= and output=)")

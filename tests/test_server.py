@@ -370,3 +370,26 @@ def test_overload_burst_gets_429_with_retry_after_and_the_rest_complete():
         assert httpx.get(url + "/health").status_code == 200
         assert wait_until_idle(state)
         assert 'reason="overloaded"' in httpx.get(url + "/metrics").text
+
+
+def test_log_requests_logs_each_request_by_its_response_id_with_its_prompt_cut_at_max_log_len(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="jaxcb.server.request_log")
+    with running_server("server.log_requests=true", "server.max_log_len=5", engine=shared_engine()) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hello world", "max_tokens": 2,
+                                                      "request_id": "log-me"}, timeout=60)
+        assert r.status_code == 200
+        chat = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "max_tokens": 2, "stream": True,
+                                                               "messages": [{"role": "user", "content": "hi"}]},
+                          timeout=60)
+        assert chat.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxcb.server.request_log"]
+    assert lines[0].startswith("received cmpl-log-me: /v1/completions, model tiny, prompt 'hello'... "
+                               "(6 more characters) (12 tokens), params SamplingParams(")
+    assert lines[1].startswith("received chatcmpl-") and "/v1/chat/completions" in lines[1] and len(lines) == 2
+    caplog.clear()
+    with running_server(engine=shared_engine()) as (url, _):  # off by default: prompts stay out of the logs
+        assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+                          timeout=60).status_code == 200
+    assert not [r for r in caplog.records if r.name == "jaxcb.server.request_log"]

@@ -40,6 +40,7 @@ from jaxcb.server.completions import (
     response_body,
 )
 from jaxcb.server.protocol import APIError, served_model_name, parse_request
+from jaxcb.server.request_log import log_received
 from jaxcb.server.requests import PlannedRequest, start_planned_beam_search
 from jaxcb.server.streaming import chat_events, close_streams, collect_final_outputs, completion_events, sse_response
 from jaxcb.request_fields import loads_request
@@ -197,8 +198,9 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         header = checked_request_id(request.headers.get("x-request-id"), "the X-Request-Id header")
         body = plan_body(state, endpoint, await _json_body(request, cfg))
         await compile_grammar(state, body.planned)
-        streams = await _start(state, body.planned)
         req, (rid, base) = body.req, body.response_id(header)
+        log_received(state, rid, endpoint, body.planned)
+        streams = await _start(state, body.planned)
         streams = _traced(request, streams, body.planned, rid)
         headers = {"X-Request-Id": base}  # the id the response is known by, for the client's logs (vLLM's header)
         if req.stream:
@@ -224,8 +226,9 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         planned = plan_responses_body(state, await _json_body(request, cfg))
         await compile_response_grammar(state, planned)
         req = planned.req
-        streams = await _start(state, planned.planned)
         writer = ResponseWriter(req, planned.planned.chat, req.model, state.client.tokenizer)
+        log_received(state, writer.id, RESPONSES, planned.planned)
+        streams = await _start(state, planned.planned)
         streams = _traced(request, streams, planned.planned, writer.id)
         if req.stream:
             return sse_response(state, streams, writer.events(streams, lambda r: store_response(state, planned, r)),

@@ -40,6 +40,7 @@ from jaxcb.server.batches import Batch, BatchCreate, BatchLine, BatchStore, batc
 from jaxcb.server.completions import compile_grammar, plan_body, request_deadlines, response_body
 from jaxcb.server.files import FileStore
 from jaxcb.server.protocol import APIError
+from jaxcb.server.request_log import log_received
 from jaxcb.server.responses_output import ResponseWriter
 from jaxcb.server.responses_serving import RESPONSES, compile_response_grammar, plan_responses_body, store_response
 from jaxcb.server.tracing import RequestTrace
@@ -201,13 +202,17 @@ class BatchRunner:
                 _refuse_stream(body.req)
                 await compile_grammar(self.state, planned)
             deadlines = request_deadlines(self.state, planned.timeout, queued=False)
-            finals = await serve_planned(self.state.client, planned, deadlines=deadlines, background=True)
             if line.url == RESPONSES:
                 writer = ResponseWriter(body.req, planned.chat, body.req.model, self.state.client.tokenizer)
-                rid, response = writer.id, writer.whole(finals[0])
-                store_response(self.state, body, response)
+                rid = writer.id
             else:
                 rid, _ = body.response_id()
+            log_received(self.state, rid, f"{line.url} (batch {batch.id}, line {line.custom_id!r})", planned)
+            finals = await serve_planned(self.state.client, planned, deadlines=deadlines, background=True)
+            if line.url == RESPONSES:
+                response = writer.whole(finals[0])
+                store_response(self.state, body, response)
+            else:
                 response = response_body(self.state, rid, body, finals)
             if self.state.tracer is not None:  # a line is a request too: one span, in a trace of its own
                 trace = RequestTrace({}, start_ns, rid, planned.params, dict(enumerate(finals)))
