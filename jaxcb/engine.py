@@ -910,6 +910,54 @@ class LLM:
                         bar.update(1)
         return [results[rid] for rid in ids]
 
+    def chat(
+        self,
+        messages: Union[abc.Sequence[dict], abc.Sequence[abc.Sequence[dict]]],
+        sampling_params: Union[SamplingParams, abc.Sequence[SamplingParams], None] = None,
+        *,
+        use_tqdm: bool = True,
+        lora: Union[str, None, abc.Sequence[Optional[str]]] = None,
+        tools: Optional[list[dict]] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: Optional[str] = None,
+        chat_template_kwargs: Optional[dict] = None,
+    ) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of OpenAI-style messages) or a list of them, each rendered as
+        the server's chat endpoint renders it (the model's chat template, or server.chat_template, or
+        `chat_template`: a template or a file's path; `tools` written in as the server writes them), then
+        generated as `generate` does. Messages and tools are checked as a request body's are (InvalidRequestError
+        naming the field). The outputs' text is the reply as generated: the chat endpoint reads tool calls and
+        reasoning out of it, this does not."""
+        import copy
+
+        from jaxcb.server.chat import plan_chat
+        from jaxcb.server.protocol import ChatCompletionRequest, parse_request
+        from jaxcb.server.tool_parsers import get_tool_parser
+        from jaxcb.tokenizer import tools_chat_template
+
+        if not isinstance(messages, _PROMPT_LISTS) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of messages, or a list of such lists",
+                                      "messages")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.tokenizer
+        if chat_template is not None:
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = read_chat_template_override(chat_template)
+        srv = self.engine.cfg.server
+        parser = get_tool_parser(srv.tool_call_parser, tools_chat_template(tokenizer))
+        prompts = []
+        for conversation in conversations:
+            body = {"model": "offline", "messages": conversation, "add_generation_prompt": add_generation_prompt,
+                    "continue_final_message": continue_final_message}
+            if tools is not None:
+                body["tools"] = tools
+            if chat_template_kwargs is not None:
+                body["chat_template_kwargs"] = chat_template_kwargs
+            prompts.append(plan_chat(parse_request(ChatCompletionRequest, body), tokenizer, parser,
+                                     srv.tool_prompt_fallback).prompt_ids)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora=lora)
+
     def beam_search(self, prompts: Union[PromptType, abc.Sequence[PromptType]], params: BeamSearchParams, *,
                     lora: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None) -> list[RequestOutput]:
         """Beam search (vLLM's algorithm, `jaxcb.beam_search`) of each prompt: one RequestOutput each, whose

@@ -171,3 +171,28 @@ def test_served_job_records_carry_what_was_asked(outcomes):
     assert plp["prompt_logprobs"][0] is None and len(plp["prompt_logprobs"]) == plp["usage"]["prompt_tokens"]
     refused = by_id[f"r{index[json.dumps({'seed': 'abc'})]}"]
     assert "seed" in refused["error"] and refused["field"] == "seed"
+
+
+def test_llm_chat_renders_as_the_chat_endpoint_does_and_generates_its_reply(engine, tmp_path):
+    """vLLM's LLM.chat: the conversation rendered by the one chat path (the server's /tokenize gives the same
+    ids), the greedy reply the chat endpoint's, messages checked as a body's; a chat_template of its own."""
+    llm = LLM.__new__(LLM)
+    llm.engine = engine
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    [one], [again] = llm.chat(conversation, greedy, use_tqdm=False), llm.chat([conversation], greedy, use_tqdm=False)
+    assert one.outputs[0].token_ids == again.outputs[0].token_ids
+    with pytest.raises(InvalidRequestError, match="images are not supported") as e:
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    assert e.value.field == "messages.0.content.0"
+    [own] = llm.chat(conversation, greedy, use_tqdm=False,
+                     chat_template="{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    assert llm.tokenizer.decode(own.prompt_token_ids) == "system: Be brief.\nuser: hi\n"
+    assert llm.tokenizer.chat_template != "{% for m in messages %}"  # the engine's own template is untouched
+    with running_server(engine=engine) as (url, _):
+        ids = httpx.post(f"{url}/tokenize", json={"model": "tiny", "messages": conversation}, timeout=60).json()
+        reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": conversation,
+                                                               "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                           timeout=60).json()
+    assert ids["tokens"] == one.prompt_token_ids
+    assert reply["choices"][0]["message"]["content"] == one.outputs[0].text
