@@ -57,9 +57,12 @@ def test_a_job_record_names_its_adapter_in_model(setup):
     records = [JobRecord(1, "x", {"id": "x", "model": "a1", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True,
                                   "temperature": 0}),
                JobRecord(2, "y", {"id": "y", "model": "nope", "prompt": PROMPT, "max_tokens": 5})]
+    # A beam search runs its rounds with the adapter too: one beam is the adapter's greedy decoding.
+    records.append(JobRecord(3, "z", {"id": "z", "model": "a1", "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True,
+                                      "use_beam_search": True, "n": 1}))
     results = {r["id"]: r for r in generate_results(llm, records, max_in_flight=4)}
     assert results["y"]["field"] == "model"
-    assert results["x"]["token_ids"] == greedy_tokens(merged["a1"], PROMPT, 5)
+    assert results["x"]["token_ids"] == results["z"]["token_ids"] == greedy_tokens(merged["a1"], PROMPT, 5)
 
 
 def test_load_and_unload_at_run_time_under_load_fail_nothing_and_leak_nothing(setup):
