@@ -88,6 +88,18 @@ def test_concurrent_requests_match_one_engine_and_use_both_replicas(client, serv
         assert metric(metrics, "jaxcb:replica_up", replica) == 1
 
 
+def test_a_beam_search_runs_its_rounds_over_the_replicas_with_one_engines_beams(client):
+    from jaxcb.beam_search import BeamSearchParams
+    from jaxcb.engine import LLM
+
+    reply = client.completions.create(model="tiny", prompt="hello", max_tokens=5, n=3,
+                                      extra_body={"use_beam_search": True})
+    llm = LLM.__new__(LLM)
+    llm.engine = shared_engine()
+    [one_engine] = llm.beam_search("hello", BeamSearchParams(3, 5))
+    assert [c.text for c in reply.choices] == [c.text for c in one_engine.outputs]
+
+
 def test_a_client_that_disconnects_aborts_its_request_on_the_replica(client, server):
     url = server[0]
     before = sum(metric(httpx.get(url + "/metrics").text, "jaxcb:request_abort_total", r) for r in (0, 1))
