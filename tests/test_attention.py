@@ -64,12 +64,22 @@ def run(impl, batch, dtype=jnp.float32, **kw):
         return np.asarray(compiled(impl, static)(*batch.args(jnp, dtype), **traced).astype(jnp.float32))
 
 
-def assert_matches(out, expected, batch, rtol):
+def assert_matches(out, expected, batch, rtol, label=""):
     n = batch.num_real_tokens
     scale = np.abs(expected[:n]).max() + 1e-6
     err = np.abs(out[:n] - expected[:n]).max() / scale
-    assert err <= rtol, f"relative error {err:.2e} > {rtol} for {batch.seqs}"
-    assert np.all(out[n:] == 0), "padding tokens must come back as 0"
+    assert err <= rtol, f"{label}relative error {err:.2e} > {rtol} for {batch.seqs}"
+    assert np.all(out[n:] == 0), f"{label}padding tokens must come back as 0"
+
+
+# The random-batch tests check every implementation on each drawn batch: each batch's shapes compile
+# every program anew, the reference's once for all the implementations.
+OTHER_IMPLS = ["xla", "xla-pairs", "pallas-interpret", "cpu"]
+
+
+def assert_each_matches(impls, batch, expected, rtol, dtype=jnp.float32, **kw):
+    for impl in impls:
+        assert_matches(run(impl, batch, dtype, **kw), expected, batch, rtol, label=f"{impl}: ")
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,30 +89,29 @@ def test_reference_equals_dense_attention(params):
     assert_matches(run("reference", batch), dense_attention(batch, SM_SCALE), batch, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches())
-def test_implementation_equals_reference_in_fp32(impl, params):
+def test_implementation_equals_reference_in_fp32(params):
     batch = make_ragged_batch(**params)
-    assert_matches(run(impl, batch), run("reference", batch), batch, 1e-5)
+    assert_each_matches(OTHER_IMPLS, batch, run("reference", batch), 1e-5)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3, 8])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=160))
-def test_split_kv_kernel_equals_the_reference(num_splits, params):
+def test_split_kv_kernel_equals_the_reference(params):
     """Split-KV: each (query tile, KV head)'s context in num_splits shares (some empty), merged after."""
     batch = make_ragged_batch(**params)
-    assert_matches(run("pallas-interpret", batch, num_splits=num_splits), run("reference", batch), batch, 1e-5)
+    expected = run("reference", batch)
+    for num_splits in (2, 3, 8):
+        assert_matches(run("pallas-interpret", batch, num_splits=num_splits), expected, batch, 1e-5,
+                       label=f"{num_splits} splits: ")
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=24))
-def test_implementation_equals_reference_in_bf16(impl, params):
+def test_implementation_equals_reference_in_bf16(params):
     batch = make_ragged_batch(**params)
-    expected = run("reference", batch, jnp.bfloat16)
-    assert_matches(run(impl, batch, jnp.bfloat16), expected, batch, 2e-2)
+    assert_each_matches(OTHER_IMPLS, batch, run("reference", batch, jnp.bfloat16), 2e-2, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("impl", ["pallas-interpret", "cpu"])
@@ -293,13 +302,12 @@ def test_implementation_with_a_window_equals_the_reference(impl, kind, window, b
     assert_matches(run(impl, batch, window=jnp.int32(window)), expected, batch, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=100), window=st.integers(1, 120))
-def test_implementation_with_a_window_equals_the_reference_on_random_batches(impl, params, window):
+def test_implementation_with_a_window_equals_the_reference_on_random_batches(params, window):
     batch = make_ragged_batch(**params)
     expected = run("reference", batch, window=jnp.int32(window))
-    assert_matches(run(impl, batch, window=jnp.int32(window)), expected, batch, 1e-5)
+    assert_each_matches(OTHER_IMPLS, batch, expected, 1e-5, window=jnp.int32(window))
 
 
 @pytest.mark.parametrize("window", [3, 37])
@@ -448,15 +456,14 @@ def test_implementation_with_a_softcap_equals_the_reference(impl, kind, softcap,
     assert_matches(run(impl, batch, softcap=softcap, **window_arg(window)), expected, batch, 1e-5)
 
 
-@pytest.mark.parametrize("impl", ["xla", "xla-pairs", "pallas-interpret", "cpu"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(params=ragged_batches(max_kv=100), softcap=st.sampled_from([1.0, 5.0, 50.0]),
        window=st.one_of(st.none(), st.integers(1, 120)))
-def test_implementation_with_a_softcap_equals_the_reference_on_random_batches(impl, params, softcap, window):
+def test_implementation_with_a_softcap_equals_the_reference_on_random_batches(params, softcap, window):
     batch = make_ragged_batch(**params)
     batch.q *= 3
     expected = run("reference", batch, softcap=softcap, **window_arg(window))
-    assert_matches(run(impl, batch, softcap=softcap, **window_arg(window)), expected, batch, 1e-5)
+    assert_each_matches(OTHER_IMPLS, batch, expected, 1e-5, softcap=softcap, **window_arg(window))
 
 
 @pytest.mark.parametrize("window", [None, 37])
