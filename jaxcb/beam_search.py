@@ -23,6 +23,7 @@ import asyncio
 import dataclasses
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence
 
@@ -142,15 +143,19 @@ class BeamSearch:
         for i, beam in enumerate(best):
             text = tokenizer.decode(beam.tokens, skip_special_tokens=self.params.skip_special_tokens)
             outputs.append(CompletionOutput(i, text, list(beam.tokens), beam.finish_reason or last,
-                                            num_generated=len(beam.tokens)))
+                                            num_generated=len(beam.tokens), cumulative_logprob=beam.cum_logprob))
         return RequestOutput(request_id, self.prompt, list(self.prompt_ids), outputs, finished=True,
                              metrics=self.metrics or RequestMetrics(0.0), num_cached_tokens=self.num_cached_tokens)
 
 
 def beam_searches(prompts: Sequence[PromptType], params: BeamSearchParams, tokenizer: Tokenizer, max_model_len: int,
-                  truncate_prompt_tokens: Optional[int] = None) -> list[BeamSearch]:
+                  max_n: int, truncate_prompt_tokens: Optional[int] = None) -> list[BeamSearch]:
     """One search per prompt (text, EncodedText or token ids), each prompt cut as truncate_prompt_tokens
-    says; InvalidRequestError naming the field for a prompt that leaves no room for max_tokens."""
+    says; InvalidRequestError naming the field for more beams than server.max_n (`max_n`) or a prompt
+    that leaves no room for max_tokens."""
+    if params.beam_width > max_n:
+        raise InvalidRequestError(f"n={params.beam_width} exceeds server.max_n={max_n}; ask for at most {max_n} "
+                                  "beams", "n")
     searches = []
     for prompt in prompts:
         text, ids = prompt_text_and_ids(prompt, tokenizer)
@@ -166,16 +171,19 @@ def beam_searches(prompts: Sequence[PromptType], params: BeamSearchParams, token
 
 
 # Queues one round's request for `prompt_ids` with at most `timeout_s` left of the request's own deadline
-# (None: none), with the caller's priority, queue deadline, salt and adapter; returns its stream.
-AddRound = Callable[[list[int], Optional[float]], Awaitable["OutputStream"]]
+# (None: none), with the caller's priority, salt and adapter (and, on the first round only, its queue
+# deadline: `first`); returns its stream.
+AddRound = Callable[[list[int], Optional[float], bool], Awaitable["OutputStream"]]
 
 
 async def start_beam_searches(searches: list[BeamSearch], add_round: AddRound, tokenizer: Tokenizer,
                               timeout_s: Optional[float] = None) -> list["BeamSearchStream"]:
     """Queue every search's first round: the engine's refusal of it is raised here, with nothing left queued.
     Then each search goes on by itself, its stream's one output its result. A later round waits out the
-    engine's "retry later" (admission control) rather than fail half-way; `timeout_s` bounds the whole
-    search (a search past it ends with what it has, its live beams' finish_reason "timeout")."""
+    engine's "retry later" (admission control) rather than fail half-way, and has no queue deadline (the
+    request has started); `timeout_s` bounds the whole search (past it, the search ends with what it has,
+    its live beams' finish_reason "timeout"), and a later round the engine refuses (its adapter unloaded
+    meanwhile) ends it with "abort"."""
     from jaxcb.server.streaming import close_streams
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -184,15 +192,20 @@ async def start_beam_searches(searches: list[BeamSearch], add_round: AddRound, t
         for search in searches:
             first.append([])
             for prompt in search.round_prompts():
-                first[-1].append(await add_round(prompt, timeout_s))
+                first[-1].append(await add_round(prompt, timeout_s, True))
     except BaseException as e:
         for streams in first:
             close_streams(streams)
         if isinstance(e, InvalidRequestError):
             raise width_refusal(e, searches[0].params) from None
         raise
-    return [BeamSearchStream(asyncio.ensure_future(_searched(search, streams, add_round, tokenizer, deadline)))
+    return [BeamSearchStream(asyncio.ensure_future(_searched(search, streams, add_round, tokenizer, deadline)),
+                             streams)
             for search, streams in zip(searches, first)]
+
+
+def _left(deadline: Optional[float]) -> Optional[float]:
+    return None if deadline is None else deadline - time.monotonic()
 
 
 async def _searched(search: BeamSearch, streams: list, add_round: AddRound, tokenizer: Tokenizer,
@@ -207,50 +220,67 @@ async def _searched(search: BeamSearch, streams: list, add_round: AddRound, toke
             close_streams(streams)
         request_id = request_id or finals[0].request_id
         search.advance(finals)
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0 and not search.done:
-            search.cut_short = "timeout"
-        if search.done:
-            return search.result(request_id, tokenizer)
         streams = []
         try:
-            for prompt in search.round_prompts():
-                while True:
+            for prompt in [] if search.done else search.round_prompts():
+                while (left := _left(deadline)) is None or left > 0:
                     try:
-                        streams.append(await add_round(prompt, left))
+                        streams.append(await add_round(prompt, left, False))
                         break
                     except EngineOverloadedError as e:
-                        await asyncio.sleep(min(e.retry_after_s, 1.0))
+                        await asyncio.sleep(min(e.retry_after_s, 1.0, *([] if left is None else [left])))
+                else:
+                    search.cut_short = "timeout"
+                    break
+        except InvalidRequestError:  # (the first round was taken: the request itself was not at fault)
+            search.cut_short = "abort"
         except BaseException:
             close_streams(streams)
             raise
+        if search.done:
+            close_streams(streams)
+            return search.result(request_id, tokenizer)
 
 
 class BeamSearchStream:
-    """A beam-searched prompt as the server's handlers read a request: one output, the whole result, when its
-    search ends; closing it cancels the search (its round in flight is aborted)."""
+    """A beam-searched prompt as the server's handlers read a request (an async iterator of outputs): one
+    output, the whole result, when its search ends; closing it cancels the search (its round in flight is
+    aborted, the first round's too if the search had not started)."""
 
-    def __init__(self, task: "asyncio.Future[RequestOutput]"):
-        self.task = task
+    def __init__(self, task: "asyncio.Future[RequestOutput]", first_round: list):
+        self.task, self._first_round, self._given = task, first_round, False
+        task.add_done_callback(_retrieve)  # a search whose reader left: its error is not reported as never read
 
-    def __aiter__(self):
-        return self._outputs()
+    def __aiter__(self) -> "BeamSearchStream":
+        return self
 
-    async def _outputs(self):
+    async def __anext__(self) -> RequestOutput:
+        if self._given:
+            raise StopAsyncIteration
         out = await asyncio.shield(self.task)
+        self._given = True
         out.delta = True  # its only output: all of it is new
-        yield out
+        return out
 
     def close(self) -> None:
+        from jaxcb.server.streaming import close_streams
+
         self.task.cancel()
+        close_streams(self._first_round)  # (closing a closed stream does nothing)
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class EngineBeamSearches:
     """Searches driven on an Engine by its caller's step loop (LLM.beam_search, offline jobs): `start()`
     queues every first round, `take(out)` takes a finished output of a round's request (False: not one of
-    these) and queues the search's next round once its round is complete, `done` says when every search
-    has ended, and `results()` gives their outputs in order. `timeout_s` bounds each search as a whole;
-    `abort()` aborts the rounds in flight."""
+    these) and queues the search's next round once its round is complete, `flush()` (after each step)
+    queues what the engine said to retry later (admission control: a later round waits, it never fails),
+    `done` says when every search has ended, and `results()` gives their outputs in order. `timeout_s`
+    bounds each search as a whole; `abort()` aborts the rounds in flight."""
 
     def __init__(self, engine, searches: list[BeamSearch], *, priority: int = 0, cache_salt: Optional[str] = None,
                  lora: Optional[str] = None, timeout_s: Optional[float] = None):
@@ -258,15 +288,20 @@ class EngineBeamSearches:
         self._queue_args = {"priority": priority, "cache_salt": cache_salt, "lora": lora}
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._in_flight: dict[str, tuple[int, int]] = {}  # request id -> (search, beam)
+        self._pending: deque[tuple[int, int, list[int]]] = deque()  # (search, beam, prompt) the engine has not taken
         self._round: list[list[Optional[RequestOutput]]] = [[] for _ in searches]
         self._first_ids: list[Optional[str]] = [None] * len(searches)
         self._results: list[Optional[RequestOutput]] = [None] * len(searches)
 
     def start(self) -> None:
-        """Queue every first round; the engine's refusal raised (as the body's field), nothing left queued."""
+        """Queue every first round; the engine's refusal raised (InvalidRequestError as the body's field, or
+        EngineOverloadedError: retry later), nothing left queued."""
         try:
-            for i in range(len(self.searches)):
-                self._queue_round(i)
+            for i, search in enumerate(self.searches):
+                prompts = search.round_prompts()
+                self._round[i] = [None] * len(prompts)
+                for j, prompt in enumerate(prompts):
+                    self._add(i, j, prompt)
         except BaseException as e:
             self.abort()
             if isinstance(e, InvalidRequestError):
@@ -279,7 +314,7 @@ class EngineBeamSearches:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._in_flight)
+        return len(self._in_flight) + len(self._pending)
 
     def results(self) -> list[RequestOutput]:
         assert self.done
@@ -298,23 +333,52 @@ class EngineBeamSearches:
         if not search.done and self._deadline is not None and time.monotonic() >= self._deadline:
             search.cut_short = "timeout"
         if search.done:
-            self._results[i] = search.result(self._first_ids[i], self.engine.tokenizer)
+            self._finish(i)
         else:
-            self._queue_round(i)
+            prompts = search.round_prompts()
+            self._round[i] = [None] * len(prompts)
+            self._pending.extend((i, j, prompt) for j, prompt in enumerate(prompts))
+            self.flush()
         return True
+
+    def flush(self) -> None:
+        """Queue the round requests waiting for room, in order, until the engine says to retry later."""
+        while self._pending:
+            i, j, prompt = self._pending[0]
+            if self._deadline is not None and time.monotonic() >= self._deadline:
+                self._cut(i, "timeout")
+                continue
+            try:
+                self._add(i, j, prompt)
+            except EngineOverloadedError:
+                return
+            except InvalidRequestError:  # (its adapter unloaded since the first round, say)
+                self._cut(i, "abort")
+                continue
+            self._pending.popleft()
 
     def abort(self) -> None:
         for rid in list(self._in_flight):
             self.engine.abort(rid)
         self._in_flight.clear()
+        self._pending.clear()
 
-    def _queue_round(self, i: int) -> None:
-        search = self.searches[i]
+    def _add(self, i: int, j: int, prompt: list[int]) -> None:
         left = None if self._deadline is None else max(self._deadline - time.monotonic(), 1e-3)
-        prompts = search.round_prompts()
-        self._round[i] = [None] * len(prompts)
-        for j, prompt in enumerate(prompts):
-            rid = self.engine.add_request(prompt, search.params.round_params, final_only=True, timeout_s=left,
-                                          **self._queue_args)
-            self._first_ids[i] = self._first_ids[i] or rid
-            self._in_flight[rid] = (i, j)
+        rid = self.engine.add_request(prompt, self.searches[i].params.round_params, final_only=True, timeout_s=left,
+                                      **self._queue_args)
+        self._first_ids[i] = self._first_ids[i] or rid
+        self._in_flight[rid] = (i, j)
+
+    def _cut(self, i: int, reason: str) -> None:
+        """Search i ends now with what it has (its round in flight aborted, the rest of it not queued)."""
+        for rid, (k, _) in list(self._in_flight.items()):
+            if k == i:
+                self.engine.abort(rid)
+                del self._in_flight[rid]
+        self._pending = deque(p for p in self._pending if p[0] != i)
+        self.searches[i].cut_short = reason
+        self._finish(i)
+
+    def _finish(self, i: int) -> None:
+        self._results[i] = self.searches[i].result(self._first_ids[i], self.engine.tokenizer)

@@ -966,7 +966,8 @@ class LLM:
         if isinstance(prompts, (str, EncodedText)) or (isinstance(prompts, _PROMPT_LISTS) and len(prompts)
                                                        and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
-        searches = beam_searches(prompts, params, self.tokenizer, self.engine.max_model_len, truncate_prompt_tokens)
+        searches = beam_searches(prompts, params, self.tokenizer, self.engine.max_model_len, self.engine.limits.max_n,
+                                 truncate_prompt_tokens)
         driver = EngineBeamSearches(self.engine, searches, lora=lora)
         driver.start()
         try:
@@ -974,6 +975,7 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         driver.take(out)
+                driver.flush()
         except BaseException:
             driver.abort()
             raise

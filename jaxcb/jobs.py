@@ -351,7 +351,7 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 pending = _PendingRecord(rec.id, req, planned, [None] * len(planned.prompts))
                 if planned.beam is not None:
                     searches = beam_searches(planned.prompts, planned.beam, ctx.tokenizer, ctx.max_model_len,
-                                             planned.params.truncate_prompt_tokens)
+                                             engine.limits.max_n, planned.params.truncate_prompt_tokens)
                     driver = EngineBeamSearches(engine, searches, priority=planned.priority,
                                                 cache_salt=planned.cache_salt, lora=planned.model,
                                                 timeout_s=planned.timeout)
@@ -368,7 +368,7 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
                 for rid in added:  # a record is served whole or not at all
                     engine.abort(rid)
                     in_flight.pop(rid, None)
-                if isinstance(e, EngineOverloadedError) and in_flight:
+                if isinstance(e, EngineOverloadedError) and (in_flight or searching):
                     # scheduler.max_waiting_* is full for now: the record waits for room (as over an EngineClient);
                     # only one that could not fit an idle queue is its own error
                     queue.appendleft(rec)
@@ -404,6 +404,12 @@ def generate_results(llm: LLM, records: list[JobRecord], max_in_flight: int) -> 
             pending, i = entry
             pending.outputs[i] = out
             if pending.done:
+                yield result_record(ctx.tokenizer, pending)
+        for pending, driver in list(searching):  # rounds the engine said to retry later, and searches past their time
+            driver.flush()
+            if driver.done:
+                pending.outputs = driver.results()
+                searching.remove((pending, driver))
                 yield result_record(ctx.tokenizer, pending)
 
 

@@ -14,12 +14,13 @@ class CompletionOutput:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"; None while running
     logprobs: Optional[list[dict[int, float]]] = None  # per token: {token id: logprob} (chosen + top-n)
     num_generated: int = 0  # tokens this completion has generated so far, whatever the output kind
+    cumulative_logprob: Optional[float] = None  # a beam's (jaxcb.beam_search): the sum its ranking read; else None
 
     def followed_by(self, later: "CompletionOutput") -> "CompletionOutput":
         """This delta with a later delta of the same completion appended."""
         logprobs = None if later.logprobs is None else (self.logprobs or []) + later.logprobs
         return CompletionOutput(later.index, self.text + later.text, self.token_ids + later.token_ids,
-                                later.finish_reason, logprobs, later.num_generated)
+                                later.finish_reason, logprobs, later.num_generated, later.cumulative_logprob)
 
 
 @dataclass
@@ -62,7 +63,8 @@ def join_deltas(outputs: list[RequestOutput]) -> RequestOutput:
             if c.logprobs is not None:
                 lps.setdefault(c.index, []).extend(c.logprobs)
     completions = [CompletionOutput(c.index, "".join(texts[c.index]), ids[c.index], c.finish_reason,
-                                    lps.get(c.index) if c.logprobs is not None else None, c.num_generated)
+                                    lps.get(c.index) if c.logprobs is not None else None, c.num_generated,
+                                    c.cumulative_logprob)
                    for c in last.outputs]
     return RequestOutput(last.request_id, last.prompt, last.prompt_token_ids, completions, last.finished,
                          last.metrics, delta=False, num_cached_tokens=last.num_cached_tokens,

@@ -221,3 +221,124 @@ def test_a_search_past_its_timeout_ends_with_its_beams_so_far_and_a_client_gone_
         assert r.status_code == 200
         time.sleep(0.3)  # a few rounds in, the client leaves without reading
     assert_idle(state)
+
+
+def test_offline_rounds_wait_for_room_under_admission_limits_as_plain_records_do():
+    """A later round the engine says to retry (scheduler.max_waiting_requests) waits for the next step, and a
+    plain record refused beside a search in flight waits too: every record is served, nothing is left."""
+    from jaxcb.jobs import JobRecord, generate_results
+
+    llm = LLM.__new__(LLM)
+    llm.engine = engine = shared_engine("scheduler.policy=fcfs")
+    saved = engine.max_waiting_requests
+    engine.max_waiting_requests = (1, "scheduler.max_waiting_requests=1")
+    try:
+        records = [JobRecord(1, "beam", {"id": "beam", "prompt": "hello", "max_tokens": 4, "n": 1,
+                                         "use_beam_search": True, "ignore_eos": True}),
+                   *(JobRecord(2 + i, f"p{i}", {"id": f"p{i}", "prompt": "hi", "max_tokens": 3}) for i in range(3))]
+        results = {r["id"]: r for r in generate_results(llm, records, 64)}
+        assert not any("error" in r for r in results.values()), results
+        assert len(results["beam"]["token_ids"]) == 4
+        [searched] = llm.beam_search("hello", BeamSearchParams(1, 4, ignore_eos=True))
+        assert searched.outputs[0].token_ids == results["beam"]["token_ids"]
+    finally:
+        engine.max_waiting_requests = saved
+    pool = engine.block_pool
+    assert not engine.has_unfinished_requests() and pool.num_free_blocks == pool.num_blocks - 1
+
+
+class _FakeClient:
+    """An EngineClient whose every request's one token ranks the vocabulary the same way; records each add."""
+
+    def __init__(self, overloaded_after: int = 10 ** 9):
+        from jaxcb.tokenizer import ByteTokenizer
+
+        self.tokenizer, self.max_model_len, self.max_n = ByteTokenizer(), 256, 16
+        self.adds, self.streams, self.overloaded_after = [], [], overloaded_after
+
+    async def add(self, prompt, params, **kw):
+        from jaxcb.errors import EngineOverloadedError
+
+        if len(self.adds) >= self.overloaded_after:
+            raise EngineOverloadedError("the queue is full; retry later", retry_after_s=0.01)
+        self.adds.append((list(prompt), params, kw))
+        top = {t: -0.1 * k - 0.01 * len(prompt) for k, t in enumerate(range(70, 70 + params.logprobs))}
+        out = RequestOutput(f"r{len(self.adds)}", None, list(prompt),
+                            [CompletionOutput(0, "", [70], "length", [top])], True)
+        stream = _FakeStream(out)
+        self.streams.append(stream)
+        return stream
+
+
+class _FakeStream:
+    def __init__(self, out):
+        self.out, self.closed = out, False
+
+    def __aiter__(self):
+        return self._outputs()
+
+    async def _outputs(self):
+        yield self.out
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_queue_deadline_holds_the_first_round_only_and_a_search_past_its_timeout_stops_retrying():
+    import asyncio
+
+    from jaxcb.server.requests import PlannedRequest, start_planned_beam_search
+
+    planned = PlannedRequest(["hi"], SamplingParams(n=2, max_tokens=3), beam=BeamSearchParams(2, 3))
+
+    async def run(client, deadlines):
+        streams = await start_planned_beam_search(client, planned, deadlines)
+        return [out for s in streams async for out in s]
+
+    client = _FakeClient()
+    [out] = asyncio.run(run(client, {"queue_timeout_s": 5.0, "timeout_s": 60.0}))
+    assert [c.finish_reason for c in out.outputs] == ["length", "length"] and len(client.adds) == 1 + 2 + 2
+    assert all("queue_timeout_s" in kw["deadlines"] for _, _, kw in client.adds[:1])
+    assert not any("queue_timeout_s" in kw["deadlines"] for _, _, kw in client.adds[1:])
+    assert all(s.closed for s in client.streams)
+    # Overloaded for good after the first round: the retries stop at the search's timeout, with what it has.
+    client = _FakeClient(overloaded_after=1)
+    [out] = asyncio.run(asyncio.wait_for(run(client, {"timeout_s": 0.3}), 10))
+    assert [c.finish_reason for c in out.outputs] == ["timeout", "timeout"]
+    assert [len(c.token_ids) for c in out.outputs] == [1, 1]
+
+
+def test_closing_a_search_before_it_has_run_closes_its_first_round():
+    import asyncio
+
+    from jaxcb.server.requests import PlannedRequest, start_planned_beam_search
+
+    planned = PlannedRequest(["hi"], SamplingParams(n=2, max_tokens=3), beam=BeamSearchParams(2, 3))
+    client = _FakeClient()
+
+    async def start_and_close():
+        [stream] = await start_planned_beam_search(client, planned)
+        stream.close()  # before its task ever ran
+        await asyncio.sleep(0.05)
+        return stream
+
+    stream = asyncio.run(start_and_close())
+    assert stream.task.cancelled() and [s.closed for s in client.streams] == [True]
+
+
+def test_more_beams_than_server_max_n_are_refused_naming_n(server):
+    from jaxcb.beam_search import beam_searches
+    from jaxcb.errors import InvalidRequestError
+    from jaxcb.tokenizer import ByteTokenizer
+
+    with pytest.raises(InvalidRequestError, match=r"n=3 exceeds server\.max_n=2; ask for at most 2 beams") as e:
+        beam_searches(["hi"], BeamSearchParams(3, 2), ByteTokenizer(), 64, max_n=2)
+    assert e.value.field == "n"
+    url, state = server
+    saved, state.client.max_n = state.client.max_n, 2
+    try:
+        r = post(url, "/v1/completions", COMPLETION)  # n=3 beams
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    finally:
+        state.client.max_n = saved
+    assert_idle(state)

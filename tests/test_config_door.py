@@ -156,4 +156,8 @@ def test_the_servers_socket_is_bound_before_the_model_loads_and_a_bad_host_or_po
         run.bind_listener("192.0.2.1", 8000)  # TEST-NET-1: no machine's own address
     listener = run.bind_listener("127.0.0.1", 0)
     assert listener.getsockname()[0] == "127.0.0.1"
-    listener.close()
+    try:  # a second server started on the same port at the same moment is refused at once too
+        with pytest.raises(ConfigError, match="is in use by another process"):
+            run.bind_listener("127.0.0.1", listener.getsockname()[1])
+    finally:
+        listener.close()

@@ -191,7 +191,8 @@ def test_a_full_waiting_queue_makes_records_wait_not_fail(monkeypatch):
 
     engine = shared_engine()
     monkeypatch.setattr(engine, "max_waiting_requests", (1, "scheduler.max_waiting_requests=1"))
-    records = [jobs.JobRecord(i, f"r{i}", {"id": f"r{i}", "prompt": "Hello", "max_tokens": 2}) for i in range(6)]
+    records = [jobs.JobRecord(i, f"r{i}", {"id": f"r{i}", "prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
+               for i in range(6)]  # (sampled: an EOS drawn would end one "stop")
     records.append(jobs.JobRecord(7, "n2", {"id": "n2", "prompt": "Hello", "max_tokens": 2, "n": 2}))
     llm = SimpleNamespace(engine=engine, tokenizer=engine.tokenizer)
     results = {r["id"]: r for r in jobs.generate_results(llm, records, max_in_flight=4)}

@@ -143,3 +143,21 @@ def test_with_tracing_off_nothing_of_opentelemetry_is_imported_or_exported(tmp_p
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_a_beam_search_is_one_span_over_its_rounds_whole_and_streamed(traced):
+    url, exporter = traced
+    body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 4, "n": 3, "use_beam_search": True,
+            "ignore_eos": True}
+    r, spans = spans_after(exporter, lambda: httpx.post(url + "/v1/completions", json=body, timeout=60))
+    assert r.status_code == 200 and len(spans) == 1
+    a = spans[0].attributes
+    assert a["gen_ai.request.id"] == r.json()["id"] and a["gen_ai.request.n"] == 3
+    assert a["gen_ai.request.temperature"] == 0 and a["gen_ai.usage.completion_tokens"] == 12
+    assert tuple(a["gen_ai.response.finish_reasons"]) == ("length",) * 3
+    assert 0 < a["gen_ai.latency.time_to_first_token"] <= a["gen_ai.latency.e2e"]
+    r, spans = spans_after(exporter, lambda: httpx.post(url + "/v1/completions", json={**body, "stream": True},
+                                                        timeout=60))
+    texts = [json.loads(line[6:])["choices"] for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]") and len(texts) == 3
+    assert spans[0].attributes["gen_ai.usage.completion_tokens"] == 12

@@ -228,6 +228,7 @@ class ReplicaRouter:
         self.max_model_len: int = infos[0]["max_model_len"]
         self.sampling_defaults: SamplingDefaults = infos[0]["sampling_defaults"]
         self.max_num_seqs: int = sum(info["max_num_seqs"] for info in infos)
+        self.max_n: int = cfg.server.max_n
         self.grammars = None  # each replica's engine compiles its own
         for replica, info in zip(self.replicas, infos, strict=True):
             replica.instance_id = info["instance_id"]

@@ -9,6 +9,7 @@ Responses, whole or streamed, are written by streaming.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import time
@@ -177,7 +178,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
     @app.get("/v1/models/{model:path}")
     async def model(model: str):  # OpenAI's retrieve (client.models.retrieve); a name may hold '/'
         check_model(state, model)
-        return next(m for m in served_models() if m["id"] == model)
+        found = next((m for m in served_models() if m["id"] == model), None)
+        if found is None:  # an adapter unloaded between the two looks
+            check_model(state, model)
+        return found
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request):
@@ -353,7 +357,10 @@ def _traced(request: Request, streams: list, planned: PlannedRequest, request_id
     if trace is None:
         return streams
     trace.request_id = request_id
-    return trace.watch(streams, planned.params)
+    # a beam search's span says what its ranking read: the model's log-probabilities, as at temperature 0
+    params = planned.params if planned.beam is None else dataclasses.replace(planned.params, temperature=0.0,
+                                                                              top_p=1.0)
+    return trace.watch(streams, params)
 
 
 async def _start(state: ServerState, planned: PlannedRequest) -> list[RequestStream]:

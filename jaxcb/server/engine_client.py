@@ -40,6 +40,7 @@ class EngineClient(Protocol):
     max_model_len: int
     sampling_defaults: SamplingDefaults  # the model's, for the sampling fields a request leaves out
     max_num_seqs: int  # sequences the engines run at once, all replicas together (how much batch work keeps them busy)
+    max_n: int  # server.max_n: the most completions, or beams, one request asks for
     # Compiles a request's grammar off the engine thread before it is queued (cached for the engine);
     # None where the engines compile their own (Ray replicas).
     grammars: Optional["GrammarCompiler"]
@@ -87,6 +88,7 @@ class LocalEngineClient:
         self.tokenizer, self.max_model_len, self.grammars = engine.tokenizer, engine.max_model_len, engine.grammars
         self.sampling_defaults = engine.sampling_defaults
         self.max_num_seqs: int = engine.scheduler_config.max_num_seqs
+        self.max_n: int = engine.limits.max_n
         self.metrics = EngineMetrics(model_name, extra_labels=extra_labels, prefix=cfg.server.metrics_prefix)
         self.history = DashboardHistory()
         self.async_engine = AsyncEngine(

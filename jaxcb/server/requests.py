@@ -117,13 +117,14 @@ def _beam_search(req: Union[CompletionRequest, ChatCompletionRequest], params: S
         return None
     for name in sorted(req.model_fields_set - BEAM_SEARCH_FIELDS):
         value, default = getattr(req, name), type(req).model_fields[name].default
-        if (name == "temperature" and value == 0) or (value == default and type(value) is type(default)):
+        if (name == "temperature" and value == 0) or (value == default and type(value) is type(default)) or \
+                (name == "response_format" and value == {"type": "text"}):
             continue
         raise InvalidRequestError(f"{name} is not used by beam search, which ranks beams by the model's "
-                                  f"log-probabilities alone: drop {name}, or use_beam_search", name)
+                                  f"log-probabilities alone: drop {name}, or drop use_beam_search", name)
     if structured_from is not None:
         raise InvalidRequestError(f"{structured_from} constrains the reply to a grammar, which beam search does not "
-                                  f"apply: drop {structured_from}, or use_beam_search", structured_from)
+                                  f"apply: drop {structured_from}, or drop use_beam_search", structured_from)
     return BeamSearchParams(params.n, params.max_tokens, req.length_penalty, params.ignore_eos,
                             params.include_stop_str_in_output, params.skip_special_tokens)
 
@@ -203,12 +204,13 @@ async def start_planned_beam_search(client: "EngineClient", planned: PlannedRequ
     beam = planned.beam
     deadlines = dict(deadlines or {})
     timeout_s = deadlines.pop("timeout_s", None)
-    searches = beam_searches(planned.prompts, beam, client.tokenizer, client.max_model_len,
+    searches = beam_searches(planned.prompts, beam, client.tokenizer, client.max_model_len, client.max_n,
                              planned.params.truncate_prompt_tokens)
 
-    async def add_round(prompt_ids: list[int], left_s: Optional[float]):
-        return await client.add(prompt_ids, beam.round_params, priority=planned.priority,
-                                deadlines=deadlines | ({} if left_s is None else {"timeout_s": left_s}),
+    async def add_round(prompt_ids: list[int], left_s: Optional[float], first: bool):
+        # queue_timeout_s: a request that has not started; a later round belongs to one that has
+        rounds_deadlines = (deadlines if first else {}) | ({} if left_s is None else {"timeout_s": left_s})
+        return await client.add(prompt_ids, beam.round_params, priority=planned.priority, deadlines=rounds_deadlines,
                                 cache_salt=planned.cache_salt, background=background, lora=planned.model)
 
     return await start_beam_searches(searches, add_round, client.tokenizer, timeout_s)

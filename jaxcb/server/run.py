@@ -67,7 +67,10 @@ def bind_listener(host: str, port: int) -> socket.socket:
             raise ConfigError(f"server.port={port} needs privileges to bind on this machine: give a port from 1024 "
                               "up") from None
         raise ConfigError(f"server.host={host!r}, server.port={port}: cannot bind ({e.strerror})") from None
-    listener.set_inheritable(True)
+    # Listening now: a second server started on the same port at the same time fails here too (a bound socket
+    # alone does not hold the port against another with SO_REUSEADDR); a client that connects while the model
+    # loads waits in the backlog.
+    listener.listen(2048)
     return listener
 
 
