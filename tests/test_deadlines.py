@@ -55,9 +55,10 @@ def test_engine_deadlines_end_requests_free_their_blocks_and_leave_the_others_un
     assert not engine.output.groups and not engine.output.timed_groups
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def slow_server():
-    """One sequence at a time, each step >= STEP_DELAY_S: a second request surely waits."""
+    """One sequence at a time, each step >= STEP_DELAY_S: a second request surely waits. One server (and
+    engine) for the module: each test leaves it idle, every block free (`wait_until_idle`)."""
     overrides = ("scheduler.max_num_seqs=1", "server.max_queue_time_s=0.5", "server.request_timeout_s=30")
     with running_server(*overrides) as (url, state):
         original = state.client.async_engine.on_step
