@@ -527,6 +527,13 @@ def test_request_id_names_the_response_and_an_x_request_id_header_wins_as_in_vll
         r = httpx.post(url + path, json=body, headers={"X-Request-Id": "a b"}, timeout=60)
         assert r.status_code == 400 and "X-Request-Id header" in r.json()["error"]["message"]
         assert_nothing_queued(state)
+    # Every answer to a request with the header carries it back: an error, a Responses answer.
+    r = httpx.post(url + "/v1/completions", json={**COMPLETION, "temperature": -1}, headers={"X-Request-Id": "e-1"},
+                   timeout=60)
+    assert r.status_code == 400 and r.headers["x-request-id"] == "e-1"
+    r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2},
+                   headers={"X-Request-Id": "resp-1"}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "resp-1" and r.json()["id"].startswith("resp_")
     r = post(url, "/v1/responses", {"model": "tiny", "input": "hi", "request_id": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert "stored under an id jaxcb chooses" in r.json()["error"]["message"]

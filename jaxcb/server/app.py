@@ -131,6 +131,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     app.add_middleware(GuardMiddleware, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes,
                        max_file_bytes=cfg.server.max_file_bytes)
+    app.add_middleware(RequestIdMiddleware)  # (added last: outermost, so that the guard's refusals carry it too)
     add_batch_routes(app, state, lambda request: _json_body(request, cfg))
     add_lora_routes(app, state, lambda request: _json_body(request, cfg))
     if tracer is not None:
@@ -268,6 +269,30 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
 
 # --- request handling helpers ------------------------------------------------------------------
+
+
+class RequestIdMiddleware:
+    """A request's X-Request-Id header comes back on its response, whatever the response (an error, a
+    /v1/responses answer), unless the handler set the header itself (completions and chat: the id their
+    response is named by, which the header gives)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        given = next((v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), None) \
+            if scope["type"] == "http" else None
+        if given is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def with_id(message):
+            if message["type"] == "http.response.start" and \
+                    not any(k.lower() == b"x-request-id" for k, _ in message.get("headers", ())):
+                message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", given)])
+            await send(message)
+
+        await self.app(scope, receive, with_id)
 
 
 class GuardMiddleware:
