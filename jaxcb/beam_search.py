@@ -27,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Optional, Sequence
 
-from jaxcb.errors import EngineOverloadedError, InvalidRequestError
+from jaxcb.errors import EngineDeadError, EngineOverloadedError, InvalidRequestError
 from jaxcb.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxcb.prompts import PromptType, prompt_text_and_ids, truncated_ids
 from jaxcb.sampling_params import SamplingParams
@@ -234,6 +234,11 @@ async def _searched(search: BeamSearch, streams: list, add_round: AddRound, toke
                     break
         except InvalidRequestError:  # (the first round was taken: the request itself was not at fault)
             search.cut_short = "abort"
+        except EngineDeadError as e:  # mid-search: as a request in flight meets it (a stream's 503 error event)
+            from jaxcb.server.async_engine import StreamAbortedError
+
+            close_streams(streams)
+            raise StreamAbortedError(str(e)) from None
         except BaseException:
             close_streams(streams)
             raise
