@@ -182,7 +182,7 @@ def test_a_stored_responses_query_parameters_are_refused_by_name(server, query):
     assert httpx.get(f"{url}/v1/responses/{stored}", timeout=60).json()["id"] == stored
 
 
-@pytest.mark.parametrize("method, route", [("GET", "input_items"), ("POST", "cancel")])
+@pytest.mark.parametrize("method, route", [("GET", "input_items")])
 def test_the_response_routes_jaxcb_does_not_serve_say_so_in_a_sentence(server, method, route):
     url, _ = server
     got = httpx.request(method, f"{url}/v1/responses/resp_x/{route}", timeout=60)
@@ -229,3 +229,57 @@ def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_echoed(server)
     finally:
         tokenizer.chat_template = template
     assert_refused(respond(url, reasoning={"summary": "auto"}), "reasoning.summary")
+
+
+def wait_while_running(client, response_id: str, timeout_s: float = 60):
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (got := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, got.status
+        time.sleep(0.02)
+    return got
+
+
+def test_a_background_response_answers_at_once_and_is_polled_to_the_foregrounds_result(server, client):
+    url, state = server
+    asked = dict(model="tiny", input="hello", max_output_tokens=12, temperature=0)
+    started = client.responses.create(**asked, background=True)
+    assert started.status == "queued" and started.background is True and started.output == []
+    done = wait_while_running(client, started.id)
+    foreground = client.responses.create(**asked)
+    assert done.status == foreground.status and done.output_text == foreground.output_text
+    assert done.usage.output_tokens == foreground.usage.output_tokens and done.background is True
+    later = client.responses.create(model="tiny", input="and?", max_output_tokens=2, previous_response_id=done.id)
+    assert later.usage.input_tokens > done.usage.input_tokens  # it continued the background response's conversation
+    assert_nothing_held(state)
+
+
+def test_a_background_response_is_cancelled_or_deleted_mid_run_and_its_request_aborted(server, client):
+    url, state = server
+    running = client.responses.create(model="tiny", input="hello", max_output_tokens=200, temperature=0,
+                                      background=True)
+    cancelled = client.responses.cancel(running.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(running.id).status == "cancelled"
+    assert_refused(httpx.post(f"{url}/v1/responses/{running.id}/cancel", timeout=60), "response_id")  # once
+    with pytest.raises(openai.BadRequestError, match="ended cancelled, with no reply to continue"):
+        client.responses.create(model="tiny", input="x", previous_response_id=running.id)
+    assert_refused(httpx.post(f"{url}/v1/responses/{respond(url).json()['id']}/cancel", timeout=60), "response_id")
+    running = client.responses.create(model="tiny", input="hello", max_output_tokens=200, temperature=0,
+                                      background=True)
+    client.responses.delete(running.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(running.id)
+    assert_nothing_held(state)
+
+
+def test_a_background_response_still_running_cannot_be_continued_yet():
+    from jaxcb.server.protocol import APIError
+    from jaxcb.server.response_store import ResponseStore
+
+    store = ResponseStore(4)
+    store.put({"id": "resp_1", "status": "in_progress"}, None)
+    with pytest.raises(APIError, match="is a background response still in_progress: continue it once"):
+        store.history("resp_1")
+    store.put({"id": "resp_1", "status": "completed"}, [USER])
+    assert store.history("resp_1") == (USER,)

@@ -48,7 +48,14 @@ from jaxcb.request_fields import loads_request
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.response_store import ResponseStore
 from jaxcb.server.responses_output import ResponseWriter
-from jaxcb.server.responses_serving import RESPONSES, compile_response_grammar, plan_responses_body, store_response
+from jaxcb.server.responses_serving import (
+    RESPONSES,
+    cancel_in_background,
+    compile_response_grammar,
+    plan_responses_body,
+    start_in_background,
+    store_response,
+)
 from jaxcb.server.tokenize import DetokenizeRequest, detokenize, parse_tokenize_request, tokenize
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.server.tracing import SCOPE_KEY as TRACE_SCOPE_KEY, RequestTracer, TracingMiddleware
@@ -69,6 +76,7 @@ class ServerState:
         self.client: EngineClient = make_engine_client(cfg, self.model_name, engine)
         self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
         self.responses = ResponseStore(cfg.server.responses_store_size)
+        self.background_responses: dict[str, asyncio.Task] = {}  # background: true, still running (by response id)
         self.batches = BatchRunner(self, cfg.server.batch_dir)
         # server.otlp_endpoint: one span per request (tracing.py); None: off, nothing of OpenTelemetry imported
         self.tracer = RequestTracer(cfg.server.otlp_endpoint, span_exporter) if cfg.server.otlp_endpoint else None
@@ -104,6 +112,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         while state.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         state.client.abort_all("shutdown")
+        for task in list(state.background_responses.values()):  # background responses: stored "cancelled"
+            task.cancel()
         await asyncio.sleep(0.1)
         state.client.stop()
         if tracer is not None:
@@ -233,8 +243,13 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         req = planned.req
         writer = ResponseWriter(req, planned.planned.chat, req.model, state.client.tokenizer)
         log_received(state, writer.id, RESPONSES, planned.planned)
+        if req.background and state.cfg.server.responses_store_size == 0:
+            raise APIError(400, "background: a background response is fetched from the response store, which "
+                                "server.responses_store_size=0 turns off", param="background")
         streams = await _start(state, planned.planned)
         streams = _traced(request, streams, planned.planned, writer.id)
+        if req.background:
+            return start_in_background(state, planned, writer, streams)
         if req.stream:
             return sse_response(state, streams, writer.events(streams, lambda r: store_response(state, planned, r)),
                                 writer.error_event, done="")
@@ -247,21 +262,28 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
     async def stored_response(response_id: str, request: Request):
         for key in request.query_params:  # OpenAI's stream / include[] / starting_after: never dropped silently
             raise APIError(400, f"GET /v1/responses/{{id}} does not take {key}: jaxcb returns the stored response "
-                                "whole, as it finished (no stream, include or starting_after)", param=key)
+                                "whole, as it stands (no stream, include or starting_after)", param=key)
         return state.responses.get(response_id).response
 
     @app.get("/v1/responses/{response_id}/input_items")
-    @app.post("/v1/responses/{response_id}/cancel")
     async def unserved_response_route(response_id: str, request: Request):
-        what = request.url.path.rsplit("/", 1)[-1]
-        raise APIError(404, f"{request.method} /v1/responses/{{id}}/{what} is not served by jaxcb: "
-                            + ("a response's input is the conversation you sent (previous_response_id carries it on)"
-                               if what == "input_items" else "responses run in the foreground (background=true is "
-                               "refused), so there is none to cancel; close the stream instead"),
+        raise APIError(404, "GET /v1/responses/{id}/input_items is not served by jaxcb: a response's input is the "
+                            "conversation you sent (previous_response_id carries it on)",
                        type="not_found_error", code="unsupported_route")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request):
+        _no_query(request, "POST /v1/responses/{id}/cancel")
+        stored = state.responses.get(response_id)
+        if not await cancel_in_background(state, response_id):
+            raise APIError(400, f"response {response_id!r} is {stored.response['status']}: only a background "
+                                "response still queued or in progress can be cancelled", param="response_id")
+        return state.responses.get(response_id).response
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
+        state.responses.get(response_id)  # (a 404 first)
+        await cancel_in_background(state, response_id)  # a background one still running stops too
         state.responses.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
@@ -365,6 +387,11 @@ async def _json_body(request: Request, cfg: Config) -> Any:
         return loads_request(raw)
     except InvalidRequestError as e:  # not JSON, NaN, a lone surrogate, ...
         raise APIError(400, f"the request body is not valid: {e}", param=e.field) from None
+
+
+def _no_query(request: Request, route: str) -> None:
+    for key in request.query_params:  # never dropped silently
+        raise APIError(400, f"{route} does not take {key}", param=key)
 
 
 def _without_framework_telemetry() -> dict[str, Any]:

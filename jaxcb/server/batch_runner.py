@@ -195,6 +195,9 @@ class BatchRunner:
                 body = plan_responses_body(self.state, line.body)
                 planned = body.planned
                 _refuse_stream(body.req)
+                if body.req.background:
+                    raise InvalidRequestError("background: a batch line's response is written to the batch's "
+                                              "output when it finishes; drop background", "background")
                 await compile_response_grammar(self.state, body)
             else:
                 body = plan_body(self.state, line.url, line.body)

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from jaxcb.server.protocol import APIError
 
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: dict[str, Any]  # the Response object as sent
-    conversation: tuple[dict[str, Any], ...]  # chat messages up to and including the reply
+    response: dict[str, Any]  # the Response object as sent (a background one: as it stands)
+    conversation: Optional[tuple[dict[str, Any], ...]]  # chat messages up to and including the reply; None: none yet
 
 
 class ResponseStore:
@@ -26,11 +26,13 @@ class ResponseStore:
         self.max_size = max_size
         self._stored: OrderedDict[str, StoredResponse] = OrderedDict()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> bool:
-        """Keep `response`; False when the store keeps none (server.responses_store_size=0)."""
+    def put(self, response: dict[str, Any], conversation: Optional[list[dict[str, Any]]]) -> bool:
+        """Keep `response` (in place of what its id held); False when the store keeps none
+        (server.responses_store_size=0). `conversation` None: a background response not finished, which
+        previous_response_id cannot continue yet."""
         if self.max_size == 0:
             return False
-        self._stored[response["id"]] = StoredResponse(response, tuple(conversation))
+        self._stored[response["id"]] = StoredResponse(response, None if conversation is None else tuple(conversation))
         while len(self._stored) > self.max_size:
             self._stored.popitem(last=False)
         return True
@@ -46,7 +48,19 @@ class ResponseStore:
 
     def history(self, response_id: str) -> tuple[dict[str, Any], ...]:
         """The conversation that `previous_response_id` continues."""
-        return self.get(response_id, "previous_response_id").conversation
+        stored = self.get(response_id, "previous_response_id")
+        if stored.conversation is None:
+            status = stored.response["status"]
+            if status in ("queued", "in_progress"):
+                raise APIError(400, f"previous_response_id {response_id!r} is a background response still {status}: "
+                                    "continue it once it has completed (GET /v1/responses/{id} says when)",
+                               param="previous_response_id")
+            raise APIError(400, f"previous_response_id {response_id!r} ended {status}, with no reply to continue; "
+                                "send the conversation as input instead", param="previous_response_id")
+        return stored.conversation
+
+    def contains(self, response_id: str) -> bool:
+        return response_id in self._stored
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)

@@ -57,6 +57,7 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     previous_response_id: Optional[str] = None
     store: bool = True
+    background: bool = False  # answered at once (status "queued"); GET /v1/responses/{id} polls it, /cancel stops it
     reasoning: Optional[dict[str, Any]] = None  # effort: chat's reasoning_effort; a summary cannot be honoured
     include: Optional[list[str]] = None  # only empty: no extra output is available
     truncation: Optional[Literal["disabled"]] = None  # a prompt too long is refused, never cut
@@ -119,8 +120,14 @@ _RENAMED = (("max_completion_tokens", "max_output_tokens"), ("response_format.js
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """A /v1/responses body, every field read or refused by name."""
     if isinstance(body, dict):  # null is the default, as OpenAI reads it (stream: false, store: true)
-        body = {k: v for k, v in body.items() if not (k in ("stream", "store") and v is None)}
+        body = {k: v for k, v in body.items() if not (k in ("stream", "store", "background") and v is None)}
     req: ResponsesRequest = parse_request(ResponsesRequest, body)
+    if req.background and not req.store:
+        raise InvalidRequestError("background: a background response is fetched later (GET /v1/responses/{id}), so "
+                                  "it must be stored: drop store=false, or background", "background")
+    if req.background and req.stream:
+        raise InvalidRequestError("stream: a background response is polled with GET /v1/responses/{id}; jaxcb does "
+                                  "not stream one (nor resume its stream): drop stream, or background", "stream")
     _check_metadata(req.metadata or {})
     reasoning = req.reasoning or {}
     for key, value in reasoning.items():

@@ -100,7 +100,7 @@ class ResponseWriter:
             # `store` as asked until the store says whether it kept the response (the app sets it then)
             "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "store": req.store,
             "metadata": req.metadata or {},
-            "background": False, "service_tier": "default", "user": req.user,
+            "background": req.background, "service_tier": "default", "user": req.user,
             "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         }
 

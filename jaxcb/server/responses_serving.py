@@ -1,11 +1,14 @@
 """/v1/responses as the steps that the HTTP handler and the batch runner share, as completions.py is
 for chat and completions: a body checked and planned (`plan_responses_body`), its grammar compiled
 off the engine's thread, and a whole response kept in the response store as `store` asks. One path,
-so that a batch line is served, or refused, exactly as the same body POSTed would be. No jax.
+so that a batch line is served, or refused, exactly as the same body POSTed would be. And background
+responses (`background: true`): answered at once, run as a task whose progress the store shows. No jax.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,12 +16,13 @@ from jaxcb.errors import InvalidRequestError
 from jaxcb.server.completions import check_model, compile_grammar
 from jaxcb.server.requests import PlannedRequest
 from jaxcb.server.responses import ResponsePlan, ResponsesRequest, parse_responses_request, plan_response, responses_field
-from jaxcb.server.responses_output import reply_messages
+from jaxcb.server.responses_output import ResponseWriter, reply_messages
 
 if TYPE_CHECKING:
     from jaxcb.server.app import ServerState
 
 RESPONSES = "/v1/responses"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,3 +61,58 @@ def store_response(state: "ServerState", planned: PlannedResponse, response: dic
     says whether it was kept (not with server.responses_store_size=0)."""
     response["store"] = planned.req.store and state.responses.put(
         response, planned.plan.history + reply_messages(response["output"]))
+
+
+def start_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter, streams: list
+                        ) -> dict[str, Any]:
+    """A background response, its request queued (`streams`): stored "queued" and returned at once, then run
+    by a task that marks it "in_progress" at its first token and stores it whole when it ends ("failed" with
+    its error if it fails, "cancelled" if cancelled: POST /v1/responses/{id}/cancel, or a DELETE)."""
+    queued = writer.response("queued", [])
+    state.responses.put(queued, None)
+    task = asyncio.get_running_loop().create_task(_run_in_background(state, planned, writer, streams),
+                                                  name=writer.id)
+    state.background_responses[writer.id] = task
+    task.add_done_callback(lambda _: state.background_responses.pop(writer.id, None))
+    return dict(queued)
+
+
+async def _run_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter,
+                             streams: list) -> None:
+    from jaxcb.outputs import join_deltas
+    from jaxcb.server.streaming import _QueueTimedOut, close_streams, queue_timeout_error, served_outputs
+
+    def stand(status: str, **fields: Any) -> None:  # the stored response as it now stands (if still stored)
+        if state.responses.contains(writer.id):
+            state.responses.put(writer.response(status, []) | fields, None)
+
+    outputs = []
+    try:
+        async for _, out in served_outputs(streams):
+            if not outputs:
+                stand("in_progress")
+            outputs.append(out)
+        response = writer.whole(join_deltas(outputs))
+        if state.responses.contains(writer.id):  # (not when deleted meanwhile)
+            store_response(state, planned, response)
+    except asyncio.CancelledError:
+        stand("cancelled")
+        raise
+    except _QueueTimedOut:
+        error = queue_timeout_error(state)
+        stand("failed", error={"code": "queue_timeout", "message": error.message})
+    except Exception as e:  # the engine died, the server is stopping, or a bug: the response says it failed
+        log.warning("background response %s failed: %r", writer.id, e)
+        stand("failed", error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
+    finally:
+        close_streams(streams)
+
+
+async def cancel_in_background(state: "ServerState", response_id: str) -> bool:
+    """Cancel the background response's run (its request aborted, its status "cancelled"); False: none runs."""
+    task = state.background_responses.get(response_id)
+    if task is None:
+        return False
+    task.cancel()
+    await asyncio.wait({task})
+    return True
