@@ -316,6 +316,9 @@ class ServerConfig:
     routing_imbalance_slack_tokens: int = 2048  # prefix_aware: see routing (lets an idle cluster follow prefixes)
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind api_key); false: both are 404s.
     allow_runtime_lora: bool = False
+    # Cross-origin requests from browsers (CORS): the origins whose pages may call the API ("*": any, vLLM's
+    # default; []: none, only same-origin pages such as /dashboard). Credentials (cookies) are never allowed.
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
     # One INFO line per completions / chat / responses request (HTTP or batch line) as it arrives: its id,
     # endpoint, model, prompt and sampling parameters (vLLM's --enable-log-requests); off: prompts stay out of logs.
     log_requests: bool = False

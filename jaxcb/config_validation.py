@@ -215,6 +215,10 @@ def validate_config(cfg: Config) -> None:
             f"server.responses_store_size={srv.responses_store_size} must be >= 0 (0: store no responses)")
     require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
     require(srv.stream_stall_timeout_s > 0, f"server.stream_stall_timeout_s={srv.stream_stall_timeout_s} must be > 0")
+    require(isinstance(srv.allowed_origins, (list, tuple)) and all(isinstance(o, str) and o and (
+        o == "*" or o.startswith(("http://", "https://"))) and not o.endswith("/") for o in srv.allowed_origins),
+        f"server.allowed_origins={srv.allowed_origins!r} must be a list of origins such as "
+        "[\"https://app.example.com\"] (scheme and host, no path or trailing slash), [\"*\"] for any, or []")
     require(srv.max_log_len is None or (not isinstance(srv.max_log_len, bool) and srv.max_log_len >= 0),
             f"server.max_log_len={srv.max_log_len} must be >= 0 (the characters of a prompt a log line shows), or null")
     require(srv.shutdown_timeout_s >= 0, f"server.shutdown_timeout_s={srv.shutdown_timeout_s} must be >= 0")

@@ -393,3 +393,28 @@ def test_log_requests_logs_each_request_by_its_response_id_with_its_prompt_cut_a
         assert httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1},
                           timeout=60).status_code == 200
     assert not [r for r in caplog.records if r.name == "jaxcb.server.request_log"]
+
+
+def test_browser_pages_of_the_allowed_origins_may_call_the_api_and_others_may_not():
+    """CORS (server.allowed_origins, "*" by default as in vLLM): a preflight needs no API key, the answers carry
+    the allow header (and expose X-Request-Id), and an origin not allowed gets none."""
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    with running_server("server.api_key=k", engine=shared_engine()) as (url, _):
+        r = httpx.options(url + "/v1/completions", headers=preflight)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "https://ui.example",
+                                                                   "Authorization": "Bearer k"}, timeout=60)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "https://ui.example"}, timeout=60)
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"  # the page can read why
+    with running_server("server.allowed_origins=[https://ui.example]", engine=shared_engine()) as (url, _):
+        assert httpx.options(url + "/v1/completions", headers=preflight).headers["access-control-allow-origin"] == \
+            "https://ui.example"
+        r = httpx.options(url + "/v1/completions", headers={**preflight, "Origin": "https://other.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    with running_server("server.allowed_origins=[]", engine=shared_engine()) as (url, _):
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "https://ui.example"}, timeout=60)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -141,7 +142,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     app.add_middleware(GuardMiddleware, api_key=cfg.server.api_key, max_request_bytes=cfg.server.max_request_bytes,
                        max_file_bytes=cfg.server.max_file_bytes)
-    app.add_middleware(RequestIdMiddleware)  # (added last: outermost, so that the guard's refusals carry it too)
+    app.add_middleware(RequestIdMiddleware)  # (added after the guard: outside it, so that its refusals carry it too)
+    if cfg.server.allowed_origins:  # outside the guard too: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.server.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["X-Request-Id", "Retry-After"])
     add_batch_routes(app, state, lambda request: _json_body(request, cfg))
     add_lora_routes(app, state, lambda request: _json_body(request, cfg))
     if tracer is not None:
