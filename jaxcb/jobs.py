@@ -486,9 +486,16 @@ def max_in_flight(llm: LLM) -> int:
 
 
 def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
-    """Run the records of `input_path` not yet in `output_path`, on cfg.job.backend; append their results."""
+    """Run the records of `input_path` not yet in `output_path`, on cfg.job.backend; append their results. An
+    OpenAI batch file (lines with custom_id, url and body) runs as jaxcb.batch_job runs it."""
+    if not os.path.isfile(input_path):
+        read_input(input_path)  # its sentence
+    from jaxcb.batch_job import is_batch_file, run_batch_file
+
+    if is_batch_file(input_path):
+        return run_batch_file(cfg, input_path, output_path)
     records = read_input(input_path)
-    _check_output(input_path, output_path)
+    check_output(input_path, output_path)
     done = repair_and_read_output(output_path)
     pending = [r for r in records if done_key(r) not in done]
     report = JobReport(num_input=len(records), num_skipped=len(records) - len(pending))
@@ -513,7 +520,7 @@ def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
     return report
 
 
-def _check_output(input_path: str, output_path: str) -> None:
+def check_output(input_path: str, output_path: str) -> None:
     """Refuse, before any work, an output that would lose records: the input itself (its records would
     read as results and its last line could be cut as torn) or a path that cannot be written."""
     if os.path.exists(output_path) and os.path.samefile(input_path, output_path):

@@ -1,6 +1,7 @@
 """Offline generation: a JSONL job, or `generate.prompts`, with the configured model.
 
     python scripts/generate.py input=prompts.jsonl output=results.jsonl   # crash-safe; rerun to resume
+    python scripts/generate.py input=batch.jsonl output=out.jsonl   # an OpenAI batch file (vLLM run_batch format)
     python scripts/generate.py input=prompts.jsonl output=results.jsonl job.backend=ray job.num_replicas=4   # jaxcb[dist]
     python scripts/generate.py
     python scripts/generate.py 'generate.prompts=[Hello,"Once upon a time"]' generate.max_tokens=16

@@ -232,3 +232,57 @@ def test_job_results_carry_the_fields_that_shape_them_as_the_http_response_does(
     assert len(results["tids"]["token_ids"]) == 1
     assert results["chat"]["text"].startswith("Once") and len(results["chat"]["token_ids"]) == 2
     assert not engine.has_unfinished_requests()
+
+
+def test_an_openai_batch_file_runs_offline_as_vllms_run_batch_runs_it(tmp_path, monkeypatch):
+    """generate.py input=batch.jsonl: each line answered as /v1/batches answers it (the same body POSTed: the
+    same greedy text), every result line in OpenAI's batch output format in one file, exactly once per
+    custom_id across reruns; a file a /v1/files upload would refuse stops the job naming its line."""
+    import pytest
+
+    from engine_factory import BASE, generate_first_completions, shared_engine
+    from jaxcb import jobs
+    from jaxcb.batch_job import is_batch_file, run_batch_file
+    from jaxcb.config import compose_config
+    from jaxcb.errors import UserError
+    from jaxcb.sampling_params import SamplingParams
+
+    def line(custom_id, url, **body):
+        return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "tiny", **body}}
+
+    lines = [line("plain", "/v1/completions", prompt="hello", max_tokens=5, temperature=0, ignore_eos=True),
+             line("chat", "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=3),
+             line("bad", "/v1/completions", prompt="x", temperature=-1),
+             line("resp", "/v1/responses", input="x", max_output_tokens=3)]
+    path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    cfg, engine = compose_config(BASE), shared_engine()
+    (tmp_path / "records.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
+    assert is_batch_file(str(path)) and not is_batch_file(str(tmp_path / "records.jsonl"))
+    report = run_batch_file(cfg, str(path), str(out), engine=engine)
+    assert (report.num_input, report.num_done, report.num_errors) == (4, 3, 1)
+    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert results.keys() == {"plain", "chat", "bad", "resp"}
+    assert all(r["id"].startswith("batch_req_") and r["error"] is None for r in results.values())
+    assert results["bad"]["response"]["status_code"] == 400
+    assert results["bad"]["response"]["body"]["error"]["param"] == "temperature"
+    assert results["resp"]["response"]["body"]["object"] == "response"
+    [greedy] = generate_first_completions(engine, ["hello"], SamplingParams(temperature=0, max_tokens=5,
+                                                                           ignore_eos=True))
+    assert results["plain"]["response"]["body"]["choices"][0]["text"] == greedy.text
+    with open(out, "a") as f:
+        f.write('{"id": "batch_req_torn", "custom_id": "plain", "resp')  # a crash mid-line
+    again = run_batch_file(cfg, str(path), str(out), engine=engine)
+    assert (again.num_skipped, again.num_done) == (4, 0)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()].count("plain") == 1
+    # run_job takes either kind of file; a batch file that could never run stops at once, naming its line
+    called = []
+    monkeypatch.setattr("jaxcb.batch_job.run_batch_file", lambda *a: called.append(a) or "report")
+    assert jobs.run_job(cfg, str(path), str(tmp_path / "o2.jsonl")) == "report" and len(called) == 1
+    monkeypatch.undo()
+    path.write_text(json.dumps(lines[0]) + "\n" + json.dumps({**lines[1], "url": "/v1/embeddings"}) + "\n")
+    with pytest.raises(UserError, match=r"line 2: url '/v1/embeddings' is not an endpoint batches serve"):
+        run_batch_file(cfg, str(path), str(tmp_path / "o3.jsonl"), engine=engine)
+    with pytest.raises(UserError, match="job.backend=local"):
+        run_batch_file(compose_config(BASE + ("job.backend=ray",)), str(path), str(out), engine=engine)
+    assert not engine.has_unfinished_requests()

@@ -189,50 +189,7 @@ class BatchRunner:
         if time.time() > batch.expires_at:
             return _unanswered(line.custom_id, "batch_expired", "the batch's completion_window (24h) ended "
                                                                 "before this request started")
-        line_id, planned, start_ns = uuid.uuid4().hex, None, time.time_ns()
-        try:
-            if line.url == RESPONSES:
-                body = plan_responses_body(self.state, line.body)
-                planned = body.planned
-                _refuse_stream(body.req)
-                if body.req.background:
-                    raise InvalidRequestError("background: a batch line's response is written to the batch's "
-                                              "output when it finishes; drop background", "background")
-                await compile_response_grammar(self.state, body)
-            else:
-                body = plan_body(self.state, line.url, line.body)
-                planned = body.planned
-                _refuse_stream(body.req)
-                await compile_grammar(self.state, planned)
-            deadlines = request_deadlines(self.state, planned.timeout, queued=False)
-            if line.url == RESPONSES:
-                writer = ResponseWriter(body.req, planned.chat, body.req.model, self.state.client.tokenizer)
-                rid = writer.id
-            else:
-                rid, _ = body.response_id()
-            log_received(self.state, rid, f"{line.url} (batch {batch.id}, line {line.custom_id!r})", planned)
-            finals = await serve_planned(self.state.client, planned, deadlines=deadlines, background=True)
-            if line.url == RESPONSES:
-                response = writer.whole(finals[0])
-                store_response(self.state, body, response)
-            else:
-                response = response_body(self.state, rid, body, finals)
-            if self.state.tracer is not None:  # a line is a request too: one span, in a trace of its own
-                trace = RequestTrace({}, start_ns, rid, planned.params, dict(enumerate(finals)))
-                self.state.tracer.record(trace, self.state.model_name, time.time_ns())
-            return _answered(line_id, line.custom_id, 200, response)
-        except InvalidRequestError as e:
-            e = planned.refusal(e) if planned is not None else e
-            return _answered(line_id, line.custom_id, 400, APIError(400, str(e), param=e.field).body())
-        except APIError as e:
-            return _answered(line_id, line.custom_id, e.status, e.body())
-        except EngineDeadError:
-            raise  # the batch stops and resumes when the server starts again
-        except Exception as e:  # a failure of this line alone is its answer: it never holds the batch back for good
-            log.exception("batch %s: line %s failed", batch.id, line.custom_id)
-            return _answered(line_id, line.custom_id, 500, APIError(
-                500, f"the server failed on this line ({type(e).__name__}); the batch went on without it",
-                type="server_error").body())
+        return await serve_batch_line(self.state, line, f"batch {batch.id}")
 
     def _recount(self, batch: Batch) -> list[dict]:
         """Its results so far (the results file, repaired), with request_counts set from them."""
@@ -280,6 +237,56 @@ class BatchRunner:
             return None
         content = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results).encode("utf-8")
         return self.files.create(content, f"{batch.id}_{kind}.jsonl", "batch_output", batch.planned_file_id(kind))["id"]
+
+
+async def serve_batch_line(state: "ServerState", line: BatchLine, where: str) -> dict[str, Any]:
+    """One batch line's result line: its endpoint's response, or the error response it would give, as the same
+    body POSTed gets it (`where` names the batch in logs). A line's own failure is its answer (a 500); a dead
+    engine is raised (the batch stops, to resume when the engine is back)."""
+    line_id, planned, start_ns = uuid.uuid4().hex, None, time.time_ns()
+    try:
+        if line.url == RESPONSES:
+            body = plan_responses_body(state, line.body)
+            planned = body.planned
+            _refuse_stream(body.req)
+            if body.req.background:
+                raise InvalidRequestError("background: a batch line's response is written to the batch's "
+                                          "output when it finishes; drop background", "background")
+            await compile_response_grammar(state, body)
+        else:
+            body = plan_body(state, line.url, line.body)
+            planned = body.planned
+            _refuse_stream(body.req)
+            await compile_grammar(state, planned)
+        deadlines = request_deadlines(state, planned.timeout, queued=False)
+        if line.url == RESPONSES:
+            writer = ResponseWriter(body.req, planned.chat, body.req.model, state.client.tokenizer)
+            rid = writer.id
+        else:
+            rid, _ = body.response_id()
+        log_received(state, rid, f"{line.url} ({where}, line {line.custom_id!r})", planned)
+        finals = await serve_planned(state.client, planned, deadlines=deadlines, background=True)
+        if line.url == RESPONSES:
+            response = writer.whole(finals[0])
+            store_response(state, body, response)
+        else:
+            response = response_body(state, rid, body, finals)
+        if state.tracer is not None:  # a line is a request too: one span, in a trace of its own
+            trace = RequestTrace({}, start_ns, rid, planned.params, dict(enumerate(finals)))
+            state.tracer.record(trace, state.model_name, time.time_ns())
+        return _answered(line_id, line.custom_id, 200, response)
+    except InvalidRequestError as e:
+        e = planned.refusal(e) if planned is not None else e
+        return _answered(line_id, line.custom_id, 400, APIError(400, str(e), param=e.field).body())
+    except APIError as e:
+        return _answered(line_id, line.custom_id, e.status, e.body())
+    except EngineDeadError:
+        raise  # the batch stops and resumes when the server starts again
+    except Exception as e:  # a failure of this line alone is its answer: it never holds the batch back for good
+        log.exception("%s: line %s failed", where, line.custom_id)
+        return _answered(line_id, line.custom_id, 500, APIError(
+            500, f"the server failed on this line ({type(e).__name__}); the batch went on without it",
+            type="server_error").body())
 
 
 def _add_usage(a: Optional[dict], b: dict) -> dict:

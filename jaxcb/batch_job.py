@@ -1,0 +1,102 @@
+"""An OpenAI batch input file run offline (`scripts/generate.py input=batch.jsonl output=out.jsonl`), as vLLM's
+`run_batch` runs one: lines of `{"custom_id", "method": "POST", "url", "body"}` for /v1/chat/completions,
+/v1/completions or /v1/responses, each answered by the steps the server's /v1/batches runs (the same body
+POSTed gets the same answer), its result line in OpenAI's batch output format, errors included, in one file.
+
+The file is checked whole before anything runs, by the rules of a /v1/files upload (a line that could
+never run stops the job, naming it). Crash-safe as every job: each result is appended and flushed as it
+finishes, at most once per custom_id; a rerun skips the custom_ids already in the output. Beside
+`jobs.py`, whose records are `{"id", "prompt" | "messages", ...}`; `run_job` takes either kind of file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import os
+import time
+from jaxcb.config import Config
+from jaxcb.errors import InvalidRequestError, UserError
+
+LINES_PER_SEQ = 2  # lines in flight per sequence slot: every step full, as the server's batches run
+
+
+def is_batch_file(path: str) -> bool:
+    """Whether `path`'s first record is an OpenAI batch line (it has a custom_id) rather than a job record."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    first = json.loads(raw.removeprefix(codecs.BOM_UTF8))
+                except ValueError:
+                    return False  # the job reader names the line that is not JSON
+                return isinstance(first, dict) and "custom_id" in first
+    return False
+
+
+def run_batch_file(cfg: Config, input_path: str, output_path: str, engine=None):
+    """Answer every line of the batch file `input_path` not yet in `output_path`; append the result lines.
+    `engine`: one already built (tests), else one is built from cfg. Returns the job's report."""
+    from jaxcb.jobs import JobReport, check_output, repair_and_read_output
+    from jaxcb.server.batches import read_batch_lines
+
+    if cfg.job.backend == "ray" or cfg.server.backend == "ray":
+        raise UserError("input= is an OpenAI batch file: it runs on one engine in this process (job.backend=local); "
+                        "for Ray replicas, serve it with scripts/serve.py server.backend=ray and POST /v1/batches")
+    with open(input_path, "rb") as f:
+        content = f.read()
+    try:
+        lines = read_batch_lines(content, cfg.server.max_request_bytes)
+    except InvalidRequestError as e:
+        raise UserError(f"input={input_path} is not a batch file that can run: {e}") from None
+    check_output(input_path, output_path)
+    done = repair_and_read_output(output_path, key="custom_id")
+    pending = [line for line in lines if line.custom_id not in done]
+    report = JobReport(num_input=len(lines), num_skipped=len(lines) - len(pending))
+    if pending:
+        asyncio.run(_serve(cfg, pending, output_path, done, report, engine))
+    return report
+
+
+async def _serve(cfg: Config, lines: list, output_path: str, done: set, report, engine) -> None:
+    from tqdm import tqdm
+
+    from jaxcb.jobs import ExactlyOnceWriter
+    from jaxcb.server.app import ServerState
+    from jaxcb.server.batch_runner import serve_batch_line, succeeded
+
+    from jaxcb.engine import Engine
+
+    # The server's state without its HTTP app: its engine in this process, without admission control (offline
+    # work waits for room), nothing of /v1/batches' own store touched.
+    state = ServerState(cfg, engine if engine is not None else Engine(cfg, progress=False))
+    state.client.start()
+    out = ExactlyOnceWriter(output_path, done, key="custom_id")
+    pending = iter(lines)
+    bar = tqdm(total=len(lines), desc="batch", unit="line")
+    start = time.perf_counter()
+    where = f"batch file {os.path.basename(output_path)}"
+
+    async def worker() -> None:
+        for line in pending:  # shared by the workers: each line is taken by one
+            result = await serve_batch_line(state, line, where)
+            if not out.write(result):
+                continue
+            if succeeded(result):
+                report.num_done += 1
+                usage = result["response"]["body"].get("usage") or {}
+                report.output_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
+            else:
+                report.num_errors += 1
+            bar.update(1)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for _ in range(LINES_PER_SEQ * state.client.max_num_seqs):
+                group.create_task(worker())
+    finally:
+        report.seconds = time.perf_counter() - start
+        bar.close()
+        out.close()
+        state.client.stop()
