@@ -117,8 +117,11 @@ class BeamSearch:
         assert len(outputs) == len(self.live), (len(outputs), len(self.live))
         if self.rounds == 0:
             self.num_cached_tokens = outputs[0].num_cached_tokens
-            self.metrics = dataclasses.replace(outputs[0].metrics)
-        self.metrics.finished_time = max((o.metrics.finished_time or 0.0 for o in outputs), default=None) or None
+            self.metrics = dataclasses.replace(outputs[0].metrics, finished_time=outputs[0].metrics.arrival_time)
+        # Each round's length by its requests' own clocks (over Ray its beams may run on replicas, even hosts,
+        # whose clocks differ), added to the first round's arrival: the search's end on that clock.
+        self.metrics.finished_time += max((o.metrics.finished_time - o.metrics.arrival_time for o in outputs
+                                           if o.metrics.finished_time is not None), default=0.0)
         candidates: list[Beam] = []
         for beam, out in zip(self.live, outputs):
             [c] = out.outputs
