@@ -22,16 +22,18 @@ from jaxcb.errors import InvalidRequestError, UserError
 LINES_PER_SEQ = 2  # lines in flight per sequence slot: every step full, as the server's batches run
 
 
-def is_batch_file(path: str) -> bool:
-    """Whether `path`'s first record is an OpenAI batch line (it has a custom_id) rather than a job record."""
+def is_batch_file(path: str, lines_read: int = 20) -> bool:
+    """Whether `path` holds OpenAI batch lines (objects with a custom_id) rather than job records: the first of
+    its first `lines_read` lines that is a JSON object says (lines split as a batch upload splits them)."""
     with open(path, "rb") as f:
-        for raw in f:
-            if raw.strip():
-                try:
-                    first = json.loads(raw.removeprefix(codecs.BOM_UTF8))
-                except ValueError:
-                    return False  # the job reader names the line that is not JSON
-                return isinstance(first, dict) and "custom_id" in first
+        head = f.read(1 << 20).removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="replace")
+    for raw in [line for line in head.splitlines() if line.strip()][:lines_read]:
+        try:
+            first = json.loads(raw)
+        except ValueError:
+            continue  # (its reader names that line)
+        if isinstance(first, dict):
+            return "custom_id" in first
     return False
 
 
@@ -55,7 +57,13 @@ def run_batch_file(cfg: Config, input_path: str, output_path: str, engine=None):
     pending = [line for line in lines if line.custom_id not in done]
     report = JobReport(num_input=len(lines), num_skipped=len(lines) - len(pending))
     if pending:
-        asyncio.run(_serve(cfg, pending, output_path, done, report, engine))
+        from jaxcb.errors import EngineDeadError
+
+        try:
+            asyncio.run(_serve(cfg, pending, output_path, done, report, engine))
+        except* EngineDeadError as group:
+            raise UserError(f"the engine failed ({group.exceptions[0]}); the lines answered so far are in "
+                            f"output={output_path}: rerun to answer the rest") from None
     return report
 
 
@@ -70,7 +78,7 @@ async def _serve(cfg: Config, lines: list, output_path: str, done: set, report, 
 
     # The server's state without its HTTP app: its engine in this process, without admission control (offline
     # work waits for room), nothing of /v1/batches' own store touched.
-    state = ServerState(cfg, engine if engine is not None else Engine(cfg, progress=False))
+    state = ServerState(cfg, engine if engine is not None else Engine(cfg, progress=False), batches=False)
     state.client.start()
     out = ExactlyOnceWriter(output_path, done, key="custom_id")
     pending = iter(lines)
@@ -100,3 +108,5 @@ async def _serve(cfg: Config, lines: list, output_path: str, done: set, report, 
         bar.close()
         out.close()
         state.client.stop()
+        if state.tracer is not None:
+            state.tracer.shutdown()  # its spans flushed

@@ -317,8 +317,9 @@ class ServerConfig:
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind api_key); false: both are 404s.
     allow_runtime_lora: bool = False
     # Cross-origin requests from browsers (CORS): the origins whose pages may call the API ("*": any, vLLM's
-    # default; []: none, only same-origin pages such as /dashboard). Credentials (cookies) are never allowed.
-    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    # default); [] (jaxcb's default): none, only same-origin pages such as /dashboard, so that a web page the
+    # user opens cannot read a local server's answers. Credentials (cookies) are never allowed.
+    allowed_origins: list[str] = field(default_factory=list)
     # One INFO line per completions / chat / responses request (HTTP or batch line) as it arrives: its id,
     # endpoint, model, prompt and sampling parameters (vLLM's --enable-log-requests); off: prompts stay out of logs.
     log_requests: bool = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from typing import Any
 
 from jaxcb.batch_limits import validate_batch_limits
@@ -215,10 +216,12 @@ def validate_config(cfg: Config) -> None:
             f"server.responses_store_size={srv.responses_store_size} must be >= 0 (0: store no responses)")
     require(srv.stream_buffer_tokens >= 1, f"server.stream_buffer_tokens={srv.stream_buffer_tokens} must be >= 1")
     require(srv.stream_stall_timeout_s > 0, f"server.stream_stall_timeout_s={srv.stream_stall_timeout_s} must be > 0")
-    require(isinstance(srv.allowed_origins, (list, tuple)) and all(isinstance(o, str) and o and (
-        o == "*" or o.startswith(("http://", "https://"))) and not o.endswith("/") for o in srv.allowed_origins),
-        f"server.allowed_origins={srv.allowed_origins!r} must be a list of origins such as "
-        "[\"https://app.example.com\"] (scheme and host, no path or trailing slash), [\"*\"] for any, or []")
+    require(isinstance(srv.allowed_origins, (list, tuple)) and all(
+        isinstance(o, str) and (o == "*" or re.fullmatch(r"https?://[a-z0-9.\-\[\]:]+", o) is not None)
+        for o in srv.allowed_origins),
+        f"server.allowed_origins={list(srv.allowed_origins)!r} must be a list of origins as browsers send them, "
+        "such as [\"https://app.example.com\"] (scheme, lowercase host and port: no path or trailing slash), "
+        "[\"*\"] for any, or []")
     require(srv.max_log_len is None or (not isinstance(srv.max_log_len, bool) and srv.max_log_len >= 0),
             f"server.max_log_len={srv.max_log_len} must be >= 0 (the characters of a prompt a log line shows), or null")
     require(srv.shutdown_timeout_s >= 0, f"server.shutdown_timeout_s={srv.shutdown_timeout_s} must be >= 0")

@@ -256,9 +256,14 @@ def test_an_openai_batch_file_runs_offline_as_vllms_run_batch_runs_it(tmp_path, 
              line("resp", "/v1/responses", input="x", max_output_tokens=3)]
     path, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    cfg, engine = compose_config(BASE), shared_engine()
+    stale = tmp_path / "batches" / "batches"  # the server's batch store, with a file it could not read: not read
+    stale.mkdir(parents=True)
+    (stale / "batch_old.json").write_text('{"an_old_field": 1}')
+    cfg, engine = compose_config(BASE + (f"server.batch_dir={tmp_path / 'batches'}",)), shared_engine()
     (tmp_path / "records.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
-    assert is_batch_file(str(path)) and not is_batch_file(str(tmp_path / "records.jsonl"))
+    (tmp_path / "cr.jsonl").write_text("{not json\r" + json.dumps(lines[0]) + "\r")  # CR endings, a bad line first
+    assert is_batch_file(str(path)) and is_batch_file(str(tmp_path / "cr.jsonl"))
+    assert not is_batch_file(str(tmp_path / "records.jsonl"))
     report = run_batch_file(cfg, str(path), str(out), engine=engine)
     assert (report.num_input, report.num_done, report.num_errors) == (4, 3, 1)
     results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}

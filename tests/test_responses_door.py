@@ -37,7 +37,12 @@ def respond(url: str, **fields) -> httpx.Response:
 
 
 def assert_nothing_held(state) -> None:
+    import time
+
     engine = state.client.engine
+    deadline = time.monotonic() + 30  # (an abort reaches the engine's thread at its next step)
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not engine.has_unfinished_requests()
     assert engine.block_pool.num_free_blocks == engine.block_pool.num_blocks - 1  # every block back
 
@@ -283,3 +288,46 @@ def test_a_background_response_still_running_cannot_be_continued_yet():
         store.history("resp_1")
     store.put({"id": "resp_1", "status": "completed"}, [USER])
     assert store.history("resp_1") == (USER,)
+
+
+def test_a_running_background_response_is_never_dropped_from_the_store_and_their_number_is_capped(tmp_path):
+    from engine_factory import shared_engine
+
+    with running_server("server.responses_store_size=2", engine=shared_engine()) as (url, state):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        long = dict(model="tiny", input="hello", max_output_tokens=200, temperature=0, background=True)
+        first = client.responses.create(**long)
+        for _ in range(3):  # more stored responses than the store holds: the finished ones go, not the running one
+            respond(url)
+        assert client.responses.retrieve(first.id).status in ("queued", "in_progress")
+        second = client.responses.create(**long)
+        with pytest.raises(openai.RateLimitError, match="2 background responses are running"):
+            client.responses.create(**long)
+        for running in (first, second):
+            assert client.responses.cancel(running.id).status == "cancelled"
+        assert_nothing_held(state)
+
+
+def test_a_background_response_is_one_span_recorded_when_it_ends():
+    import time
+
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine_factory import BASE, shared_engine
+    from jaxcb.config import compose_config
+    from jaxcb.server.app import build_app
+    from jaxcb.server.run import serve_app_in_thread
+
+    exporter = InMemorySpanExporter()
+    cfg = compose_config(BASE + ("server.otlp_endpoint=http://127.0.0.1:4318/v1/traces",))
+    with serve_app_in_thread(build_app(cfg, shared_engine(), span_exporter=exporter), start_timeout_s=60) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        started = client.responses.create(model="tiny", input="hi", max_output_tokens=5, temperature=0,
+                                          background=True)
+        done = wait_while_running(client, started.id)
+        deadline = time.monotonic() + 10
+        while not exporter.get_finished_spans() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    [span] = exporter.get_finished_spans()
+    assert span.attributes["gen_ai.request.id"] == started.id
+    assert span.attributes["gen_ai.usage.completion_tokens"] == done.usage.output_tokens

@@ -396,12 +396,12 @@ def test_log_requests_logs_each_request_by_its_response_id_with_its_prompt_cut_a
 
 
 def test_browser_pages_of_the_allowed_origins_may_call_the_api_and_others_may_not():
-    """CORS (server.allowed_origins, "*" by default as in vLLM): a preflight needs no API key, the answers carry
-    the allow header (and expose X-Request-Id), and an origin not allowed gets none."""
+    """CORS (server.allowed_origins; off by default, where vLLM allows any origin): a preflight needs no API
+    key, the answers carry the allow header (and expose X-Request-Id), and an origin not allowed gets none."""
     preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
                  "Access-Control-Request-Headers": "authorization,content-type"}
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
-    with running_server("server.api_key=k", engine=shared_engine()) as (url, _):
+    with running_server("server.api_key=k", "server.allowed_origins=[\"*\"]", engine=shared_engine()) as (url, _):
         r = httpx.options(url + "/v1/completions", headers=preflight)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
         r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "https://ui.example",
@@ -415,6 +415,40 @@ def test_browser_pages_of_the_allowed_origins_may_call_the_api_and_others_may_no
             "https://ui.example"
         r = httpx.options(url + "/v1/completions", headers={**preflight, "Origin": "https://other.example"})
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
-    with running_server("server.allowed_origins=[]", engine=shared_engine()) as (url, _):
+    with running_server(engine=shared_engine()) as (url, _):  # the default: no page of another origin reads it
         r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "https://ui.example"}, timeout=60)
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_an_exception_no_handler_takes_is_a_500_in_openais_shape_with_the_request_id(monkeypatch):
+    with running_server(engine=shared_engine()) as (url, state):
+        async def broken():
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(state.client, "render_metrics", broken)
+        r = httpx.get(url + "/metrics", headers={"X-Request-Id": "m-1"}, timeout=60)
+        assert r.status_code == 500 and r.headers["x-request-id"] == "m-1"
+        assert r.json()["error"]["type"] == "server_error" and "RuntimeError" in r.json()["error"]["message"]
+        assert httpx.get(url + "/health", timeout=60).json() == {"status": "ok"}  # and it serves on
+
+
+def test_log_requests_shows_token_ids_it_cannot_decode_and_the_engine_still_refuses_them_by_name(caplog):
+    import logging
+
+    from jaxcb.server.request_log import _prompt
+
+    class Strict:  # a tokenizer whose decode fails on ids past its vocabulary, as HF's does
+        def decode(self, ids, skip_special_tokens=True):
+            raise OverflowError("out of range integral type conversion attempted")
+
+    assert _prompt([5, 2 ** 40], Strict(), None) == "token ids '[5, 1099511627776]' (2 tokens)"
+    caplog.set_level(logging.INFO, logger="jaxcb.server.request_log")
+    with running_server("server.log_requests=true", engine=shared_engine()) as (url, _):
+        r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": [2 ** 40], "max_tokens": 1},
+                       headers={"X-Request-Id": "ids-1"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = httpx.post(url + "/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 1},
+                       headers={"X-Request-Id": "resp-log"}, timeout=60)
+        assert r.status_code == 200
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxcb.server.request_log"]
+    assert any("(X-Request-Id 'resp-log')" in line and line.startswith("received resp_") for line in lines)

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 class ServerState:
     """What the handlers share: the engine client (one engine here, or replicas behind a Ray router)."""
 
-    def __init__(self, cfg: Config, engine: Optional[Engine] = None, span_exporter: Any = None):
+    def __init__(self, cfg: Config, engine: Optional[Engine] = None, span_exporter: Any = None, batches: bool = True):
         self.cfg = cfg
         self.model_name = served_model_name(cfg)
         self.shutting_down = False
@@ -78,7 +78,8 @@ class ServerState:
         self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
         self.responses = ResponseStore(cfg.server.responses_store_size)
         self.background_responses: dict[str, asyncio.Task] = {}  # background: true, still running (by response id)
-        self.batches = BatchRunner(self, cfg.server.batch_dir)
+        # /v1/batches' runner, reading server.batch_dir; None for an offline batch file (jaxcb.batch_job)
+        self.batches = BatchRunner(self, cfg.server.batch_dir) if batches else None
         # server.otlp_endpoint: one span per request (tracing.py); None: off, nothing of OpenTelemetry imported
         self.tracer = RequestTracer(cfg.server.otlp_endpoint, span_exporter) if cfg.server.otlp_endpoint else None
 
@@ -218,7 +219,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         body = plan_body(state, endpoint, await _json_body(request, cfg))
         await compile_grammar(state, body.planned)
         req, (rid, base) = body.req, body.response_id(header)
-        log_received(state, rid, endpoint, body.planned)
+        log_received(state, rid, endpoint, body.planned, header)
         streams = await _start(state, body.planned)
         streams = _traced(request, streams, body.planned, rid)
         headers = {"X-Request-Id": base}  # the id the response is known by, for the client's logs (vLLM's header)
@@ -246,14 +247,20 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         await compile_response_grammar(state, planned)
         req = planned.req
         writer = ResponseWriter(req, planned.planned.chat, req.model, state.client.tokenizer)
-        log_received(state, writer.id, RESPONSES, planned.planned)
+        log_received(state, writer.id, RESPONSES, planned.planned, request.headers.get("x-request-id"))
         if req.background and state.cfg.server.responses_store_size == 0:
             raise APIError(400, "background: a background response is fetched from the response store, which "
                                 "server.responses_store_size=0 turns off", param="background")
+        if req.background and len(state.background_responses) >= state.cfg.server.responses_store_size:
+            limit = state.cfg.server.responses_store_size  # (a running one is never dropped from the store)
+            raise APIError(429, f"{limit} background responses are running, as many as the response store holds "
+                                f"(server.responses_store_size={limit}); retry when one has ended",
+                           type="rate_limit_error", headers={"Retry-After": "1"})
         streams = await _start(state, planned.planned)
         streams = _traced(request, streams, planned.planned, writer.id)
         if req.background:
-            return start_in_background(state, planned, writer, streams)
+            trace = request.scope.get(TRACE_SCOPE_KEY)
+            return start_in_background(state, planned, writer, streams, trace)
         if req.stream:
             return sse_response(state, streams, writer.events(streams, lambda r: store_response(state, planned, r)),
                                 writer.error_event, done="")
@@ -300,25 +307,36 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 class RequestIdMiddleware:
     """A request's X-Request-Id header comes back on its response, whatever the response (an error, a
     /v1/responses answer), unless the handler set the header itself (completions and chat: the id their
-    response is named by, which the header gives)."""
+    response is named by, which the header gives). And an exception no handler took is logged and answered
+    here, as a 500 in OpenAI's error shape (with the header, and CORS's outside), not a bare text 500."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        given = next((v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), None) \
-            if scope["type"] == "http" else None
-        if given is None:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        given = next((v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), None)
+        started = False
 
         async def with_id(message):
-            if message["type"] == "http.response.start" and \
-                    not any(k.lower() == b"x-request-id" for k, _ in message.get("headers", ())):
-                message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", given)])
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if given is not None and not any(k.lower() == b"x-request-id" for k, _ in message.get("headers", ())):
+                    message = dict(message, headers=[*message.get("headers", ()), (b"x-request-id", given)])
             await send(message)
 
-        await self.app(scope, receive, with_id)
+        try:
+            await self.app(scope, receive, with_id)
+        except Exception as e:
+            if started:
+                raise
+            log.exception("%s %s failed", scope.get("method"), scope.get("path"))
+            error = APIError(500, f"the server failed on this request ({type(e).__name__}); it is logged",
+                             type="server_error")
+            await JSONResponse(error.body(), status_code=500)(scope, receive, with_id)
 
 
 class GuardMiddleware:

@@ -33,8 +33,12 @@ class ResponseStore:
         if self.max_size == 0:
             return False
         self._stored[response["id"]] = StoredResponse(response, None if conversation is None else tuple(conversation))
-        while len(self._stored) > self.max_size:
-            self._stored.popitem(last=False)
+        # the least recently stored go first, but never a background response still running (the server caps
+        # those at max_size): only the store can find, poll or cancel it
+        for response_id in [i for i, kept in self._stored.items() if not _running(kept)]:
+            if len(self._stored) <= self.max_size:
+                break
+            del self._stored[response_id]
         return True
 
     def get(self, response_id: str, param: str = "response_id") -> StoredResponse:
@@ -65,3 +69,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         self.get(response_id)
         del self._stored[response_id]
+
+
+def _running(stored: StoredResponse) -> bool:
+    return stored.response.get("status") in ("queued", "in_progress")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,14 +64,17 @@ def store_response(state: "ServerState", planned: PlannedResponse, response: dic
         response, planned.plan.history + reply_messages(response["output"]))
 
 
-def start_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter, streams: list
-                        ) -> dict[str, Any]:
+def start_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter, streams: list,
+                        trace=None) -> dict[str, Any]:
     """A background response, its request queued (`streams`): stored "queued" and returned at once, then run
     by a task that marks it "in_progress" at its first token and stores it whole when it ends ("failed" with
-    its error if it fails, "cancelled" if cancelled: POST /v1/responses/{id}/cancel, or a DELETE)."""
+    its error if it fails, "cancelled" if cancelled: POST /v1/responses/{id}/cancel, or a DELETE). The store
+    never drops it while it runs; `trace` (tracing on): its span, recorded when the run ends."""
     queued = writer.response("queued", [])
     state.responses.put(queued, None)
-    task = asyncio.get_running_loop().create_task(_run_in_background(state, planned, writer, streams),
+    if trace is not None:
+        trace.deferred = True
+    task = asyncio.get_running_loop().create_task(_run_in_background(state, planned, writer, streams, trace),
                                                   name=writer.id)
     state.background_responses[writer.id] = task
     task.add_done_callback(lambda _: state.background_responses.pop(writer.id, None))
@@ -78,7 +82,7 @@ def start_in_background(state: "ServerState", planned: PlannedResponse, writer: 
 
 
 async def _run_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter,
-                             streams: list) -> None:
+                             streams: list, trace=None) -> None:
     from jaxcb.outputs import join_deltas
     from jaxcb.server.streaming import _QueueTimedOut, close_streams, queue_timeout_error, served_outputs
 
@@ -87,6 +91,7 @@ async def _run_in_background(state: "ServerState", planned: PlannedResponse, wri
             state.responses.put(writer.response(status, []) | fields, None)
 
     outputs = []
+    state.num_in_flight += 1  # a graceful shutdown gives it server.shutdown_timeout_s, as any request in flight
     try:
         async for _, out in served_outputs(streams):
             if not outputs:
@@ -105,13 +110,16 @@ async def _run_in_background(state: "ServerState", planned: PlannedResponse, wri
         log.warning("background response %s failed: %r", writer.id, e)
         stand("failed", error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
     finally:
+        state.num_in_flight -= 1
         close_streams(streams)
+        if trace is not None and trace.outputs and state.tracer is not None:
+            state.tracer.record(trace, state.model_name, time.time_ns())
 
 
 async def cancel_in_background(state: "ServerState", response_id: str) -> bool:
     """Cancel the background response's run (its request aborted, its status "cancelled"); False: none runs."""
     task = state.background_responses.get(response_id)
-    if task is None:
+    if task is None or task.done():  # (one that has just ended is not cancelled)
         return False
     task.cancel()
     await asyncio.wait({task})

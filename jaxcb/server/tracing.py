@@ -55,6 +55,7 @@ class RequestTrace:
     request_id: Optional[str] = None  # the response's id, once the handler has made it
     params: Optional[SamplingParams] = None
     outputs: dict[int, RequestOutput] = field(default_factory=dict)  # prompt index -> its latest output
+    deferred: bool = False  # a background response's: its run records the span when it ends, not the middleware
 
     def watch(self, streams: list, params: SamplingParams) -> list:
         """`streams` as the handler uses them, each output seen here on its way."""
@@ -159,5 +160,5 @@ class TracingMiddleware:
         try:
             await self.app(scope, receive, send)
         finally:
-            if trace.outputs:
+            if trace.outputs and not trace.deferred:
                 self.tracer.record(trace, self.model, time.time_ns())
