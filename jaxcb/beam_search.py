@@ -5,16 +5,16 @@ of the model's next-token distribution (the raw logits' log-softmax), its prompt
 prompt followed by the beam's tokens so far (the prefix cache serves all but the last block). Every
 candidate extends its beam by one token; the candidates are ranked by cumulative log-probability over
 length ** length_penalty (length: the prompt's tokens and the beam's, an end token not counted), and
-the best beam_width go on to the next round. A candidate that is an end token (the model's EOS, unless
-ignore_eos) finishes its beam with "stop", kept aside. After max_tokens rounds, or when no beam is left,
+the best beam_width go on to the next round. A candidate that is an end token (any of the model's EOS
+ids, unless ignore_eos) finishes its beam with "stop", kept aside. After max_tokens rounds, or when no beam is left,
 the best beam_width of the finished and the live beams (these "length") are the request's n
 completions, best first. Sampling fields other than these are refused at the door
 (`jaxcb.server.requests`): the ranking reads the model's log-probabilities alone.
 
 `BeamSearch` is one prompt's search, with no engine: a driver queues `round_prompts()` with
 `round_params`, and hands each request's final output to `advance`. The drivers: `start_beam_searches`
-(over an EngineClient: the server, its batches, jobs over a server) and `Engine.beam_search` (LLM and
-offline jobs). No jax.
+(over an EngineClient: the server, its batches, jobs over a server) and `EngineBeamSearches` (an Engine
+its caller steps: LLM.beam_search, offline jobs). No jax.
 """
 
 from __future__ import annotations
