@@ -133,7 +133,6 @@ def test_the_store_keeps_the_last_responses_and_an_evicted_one_is_a_clear_404(cl
     ({"include": ["reasoning.encrypted_content"]}, "include.0"),
     ({"truncation": "auto"}, "truncation"),
     ({"background": True, "store": False}, "background"),  # a background response must be stored
-    ({"background": True, "stream": True}, "stream"),
     ({"max_output_tokens": 5000}, "max_output_tokens"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 3}}}, "text.format.schema"),
     ({"text": {"format": {"type": "text"}, "verbosity": "low"}}, "text.verbosity"),

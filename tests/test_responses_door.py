@@ -331,3 +331,28 @@ def test_a_background_response_is_one_span_recorded_when_it_ends():
     [span] = exporter.get_finished_spans()
     assert span.attributes["gen_ai.request.id"] == started.id
     assert span.attributes["gen_ai.usage.completion_tokens"] == done.usage.output_tokens
+
+
+def test_a_background_response_streams_and_its_stream_resumes_after_any_event(server, client):
+    """background + stream (OpenAI's): the POST streams its events; a client that leaves does not stop it; GET
+    ?stream=true&starting_after=N gives the events after N, while it runs and after it has ended."""
+    url, state = server
+    events = list(client.responses.create(model="tiny", input="hello", max_output_tokens=8, temperature=0,
+                                          background=True, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    response_id = events[0].response.id
+    resumed = list(client.responses.retrieve(response_id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in resumed] == [e.model_dump() for e in events[4:]]
+    assert client.responses.retrieve(response_id).output_text == events[-1].response.output_text
+    with httpx.stream("POST", url + "/v1/responses", json={"model": "tiny", "input": "hello", "stream": True,
+                                                           "background": True, "max_output_tokens": 30}) as r:
+        lines = r.iter_lines()  # the client leaves after the first event
+        assert next(lines).startswith("event: response.created")
+        left = json.loads(next(lines)[len("data: "):])["response"]["id"]
+    assert wait_while_running(client, left).status in ("completed", "incomplete")  # it ran on, whole
+    for query, param in (("starting_after=2", "starting_after"), ("stream=yes", "stream"),
+                         ("stream=true&starting_after=-5", "starting_after")):
+        assert_refused(httpx.get(f"{url}/v1/responses/{response_id}?{query}", timeout=60), param)
+    assert_refused(httpx.get(f"{url}/v1/responses/{respond(url).json()['id']}?stream=true", timeout=60), "stream")
+    assert_nothing_held(state)

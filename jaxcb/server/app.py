@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxcb import __version__ as jaxcb_version
@@ -78,6 +78,7 @@ class ServerState:
         self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
         self.responses = ResponseStore(cfg.server.responses_store_size)
         self.background_responses: dict[str, asyncio.Task] = {}  # background: true, still running (by response id)
+        self.background_events: dict[str, Any] = {}  # their events (responses_serving.EventLog), while stored
         # /v1/batches' runner, reading server.batch_dir; None for an offline batch file (jaxcb.batch_job)
         self.batches = BatchRunner(self, cfg.server.batch_dir) if batches else None
         # server.otlp_endpoint: one span per request (tracing.py); None: off, nothing of OpenTelemetry imported
@@ -259,8 +260,10 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         streams = await _start(state, planned.planned)
         streams = _traced(request, streams, planned.planned, writer.id)
         if req.background:
-            trace = request.scope.get(TRACE_SCOPE_KEY)
-            return start_in_background(state, planned, writer, streams, trace)
+            events = start_in_background(state, planned, writer, streams, request.scope.get(TRACE_SCOPE_KEY))
+            if req.stream:  # its events as they come; a client that leaves stops reading, not the response
+                return StreamingResponse(events.read(), media_type="text/event-stream")
+            return writer.response("queued", [])
         if req.stream:
             return sse_response(state, streams, writer.events(streams, lambda r: store_response(state, planned, r)),
                                 writer.error_event, done="")
@@ -271,10 +274,31 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request):
-        for key in request.query_params:  # OpenAI's stream / include[] / starting_after: never dropped silently
-            raise APIError(400, f"GET /v1/responses/{{id}} does not take {key}: jaxcb returns the stored response "
-                                "whole, as it stands (no stream, include or starting_after)", param=key)
-        return state.responses.get(response_id).response
+        query = request.query_params
+        for key in query:  # OpenAI's include[]: never dropped silently
+            if key not in ("stream", "starting_after") or len(query.getlist(key)) > 1:
+                raise APIError(400, f"GET /v1/responses/{{id}} does not take {key}" + (
+                    " twice" if key in ("stream", "starting_after") else
+                    ": jaxcb returns the stored response as it stands, or streams a background one's events "
+                    "(stream, starting_after)"), param=key)
+        stored = state.responses.get(response_id)
+        stream = query.get("stream", "false")
+        if stream not in ("true", "false"):
+            raise APIError(400, f"stream={stream!r} must be true or false", param="stream")
+        if stream == "false":
+            if "starting_after" in query:
+                raise APIError(400, "starting_after picks where a stream resumes: give stream=true too",
+                               param="starting_after")
+            return stored.response
+        events = state.background_events.get(response_id)
+        if events is None:
+            raise APIError(400, f"stream: response {response_id!r} did not run in the background, so it has no "
+                                "events to stream again; GET it without stream", param="stream")
+        after = query.get("starting_after", "-1")
+        if not after.lstrip("-").isdigit() or int(after) < -1 or len(after) > 18:
+            raise APIError(400, f"starting_after={after!r} must be an event's sequence_number (an integer >= 0)",
+                           param="starting_after")
+        return StreamingResponse(events.read(int(after)), media_type="text/event-stream")
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def unserved_response_route(response_id: str, request: Request):

@@ -125,9 +125,6 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if req.background and not req.store:
         raise InvalidRequestError("background: a background response is fetched later (GET /v1/responses/{id}), so "
                                   "it must be stored: drop store=false, or background", "background")
-    if req.background and req.stream:
-        raise InvalidRequestError("stream: a background response is polled with GET /v1/responses/{id}; jaxcb does "
-                                  "not stream one (nor resume its stream): drop stream, or background", "stream")
     _check_metadata(req.metadata or {})
     reasoning = req.reasoning or {}
     for key, value in reasoning.items():

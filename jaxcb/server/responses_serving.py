@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.server.completions import check_model, compile_grammar
@@ -64,52 +64,113 @@ def store_response(state: "ServerState", planned: PlannedResponse, response: dic
         response, planned.plan.history + reply_messages(response["output"]))
 
 
+class EventLog:
+    """A background response's events, as its run writes them (SSE text; event i has sequence_number i): read
+    from any point by the POST that asked to stream it and by GET /v1/responses/{id}?stream=true, while it runs
+    and after it has ended."""
+
+    def __init__(self):
+        self.events: list[str] = []
+        self.ended = False
+        self._changed = asyncio.Event()
+
+    def append(self, event: str) -> None:
+        self.events.append(event)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def read(self, starting_after: int = -1) -> AsyncIterator[str]:
+        """Its events after sequence number `starting_after`, then each as it comes, until the run has ended."""
+        i = starting_after + 1
+        while True:
+            changed = self._changed
+            if i < len(self.events):
+                yield self.events[i]
+                i += 1
+            elif self.ended:
+                return
+            else:
+                await changed.wait()
+
+
 def start_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter, streams: list,
-                        trace=None) -> dict[str, Any]:
-    """A background response, its request queued (`streams`): stored "queued" and returned at once, then run
-    by a task that marks it "in_progress" at its first token and stores it whole when it ends ("failed" with
-    its error if it fails, "cancelled" if cancelled: POST /v1/responses/{id}/cancel, or a DELETE). The store
-    never drops it while it runs; `trace` (tracing on): its span, recorded when the run ends."""
-    queued = writer.response("queued", [])
-    state.responses.put(queued, None)
+                        trace=None) -> EventLog:
+    """A background response, its request queued (`streams`): stored "queued" at once (the POST answers it, or
+    streams its log), then run by a task that writes its events to the returned log, marks it "in_progress" at
+    its first token and stores it whole when it ends ("failed" with its error if it fails, "cancelled" if
+    cancelled: POST /v1/responses/{id}/cancel, or a DELETE). The store never drops it while it runs; `trace`
+    (tracing on): its span, recorded when the run ends."""
+    state.responses.put(writer.response("queued", []), None)
+    for response_id in [i for i in state.background_events if not state.responses.contains(i)]:
+        del state.background_events[response_id]  # (their responses dropped from the store since)
+    events = state.background_events[writer.id] = EventLog()
     if trace is not None:
         trace.deferred = True
-    task = asyncio.get_running_loop().create_task(_run_in_background(state, planned, writer, streams, trace),
-                                                  name=writer.id)
+    task = asyncio.get_running_loop().create_task(
+        _run_in_background(state, planned, writer, streams, events, trace), name=writer.id)
     state.background_responses[writer.id] = task
     task.add_done_callback(lambda _: state.background_responses.pop(writer.id, None))
-    return dict(queued)
+    return events
+
+
+class _FirstOutput:
+    """A stream that calls `first()` at its first output."""
+
+    def __init__(self, stream, first: Callable[[], None]):
+        self._stream, self._first = stream, first
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        out = await self._stream.__anext__()
+        if self._first is not None:
+            self._first, first = None, self._first
+            first()
+        return out
+
+    def close(self) -> None:
+        self._stream.close()
 
 
 async def _run_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter,
-                             streams: list, trace=None) -> None:
-    from jaxcb.outputs import join_deltas
-    from jaxcb.server.streaming import _QueueTimedOut, close_streams, queue_timeout_error, served_outputs
+                             streams: list, events: EventLog, trace=None) -> None:
+    from jaxcb.server.protocol import APIError
+    from jaxcb.server.streaming import _QueueTimedOut, close_streams, queue_timeout_error
 
     def stand(status: str, **fields: Any) -> None:  # the stored response as it now stands (if still stored)
         if state.responses.contains(writer.id):
             state.responses.put(writer.response(status, []) | fields, None)
 
-    outputs = []
-    state.num_in_flight += 1  # a graceful shutdown gives it server.shutdown_timeout_s, as any request in flight
-    try:
-        async for _, out in served_outputs(streams):
-            if not outputs:
-                stand("in_progress")
-            outputs.append(out)
-        response = writer.whole(join_deltas(outputs))
+    def finished(response: dict[str, Any]) -> None:  # before the stream's last event, as in the foreground
         if state.responses.contains(writer.id):  # (not when deleted meanwhile)
             store_response(state, planned, response)
+
+    state.num_in_flight += 1  # a graceful shutdown gives it server.shutdown_timeout_s, as any request in flight
+    watched = [_FirstOutput(streams[0], lambda: stand("in_progress")), *streams[1:]]
+    try:
+        async for event in writer.events(watched, finished):
+            events.append(event)
     except asyncio.CancelledError:
         stand("cancelled")
         raise
     except _QueueTimedOut:
         error = queue_timeout_error(state)
         stand("failed", error={"code": "queue_timeout", "message": error.message})
+        events.append(writer.error_event(error))
     except Exception as e:  # the engine died, the server is stopping, or a bug: the response says it failed
         log.warning("background response %s failed: %r", writer.id, e)
         stand("failed", error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
+        events.append(writer.error_event(APIError(500, f"{type(e).__name__}: {e}", type="server_error")))
     finally:
+        events.end()
         state.num_in_flight -= 1
         close_streams(streams)
         if trace is not None and trace.outputs and state.tracer is not None:
