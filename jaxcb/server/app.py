@@ -320,6 +320,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         state.responses.get(response_id)  # (a 404 first)
         await cancel_in_background(state, response_id)  # a background one still running stops too
         state.responses.delete(response_id)
+        state.background_events.pop(response_id, None)
         return {"id": response_id, "object": "response", "deleted": True}
 
     return app
