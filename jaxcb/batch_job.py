@@ -15,6 +15,7 @@ import asyncio
 import codecs
 import json
 import os
+import re
 import time
 from jaxcb.config import Config
 from jaxcb.errors import InvalidRequestError, UserError
@@ -22,12 +23,13 @@ from jaxcb.errors import InvalidRequestError, UserError
 LINES_PER_SEQ = 2  # lines in flight per sequence slot: every step full, as the server's batches run
 
 
-def is_batch_file(path: str, lines_read: int = 20) -> bool:
+def is_batch_file(path: str, max_line_bytes: int, lines_read: int = 20) -> bool:
     """Whether `path` holds OpenAI batch lines (objects with a custom_id) rather than job records: the first of
-    its first `lines_read` lines that is a JSON object says (lines split as a batch upload splits them)."""
+    its first `lines_read` lines that is a JSON object says (lines of up to `max_line_bytes`,
+    server.max_request_bytes, split as a batch upload splits them)."""
     with open(path, "rb") as f:
-        head = f.read(1 << 20).removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="replace")
-    for raw in [line for line in head.splitlines() if line.strip()][:lines_read]:
+        head = f.read(lines_read * (max_line_bytes + 2)).removeprefix(codecs.BOM_UTF8).decode("utf-8", errors="replace")
+    for raw in [line for line in re.split(r"\r\n|\r|\n", head) if line.strip()][:lines_read]:
         try:
             first = json.loads(raw)
         except ValueError:

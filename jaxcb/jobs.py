@@ -492,7 +492,7 @@ def run_job(cfg: Config, input_path: str, output_path: str) -> JobReport:
         read_input(input_path)  # its sentence
     from jaxcb.batch_job import is_batch_file, run_batch_file
 
-    if is_batch_file(input_path):
+    if is_batch_file(input_path, cfg.server.max_request_bytes):
         return run_batch_file(cfg, input_path, output_path)
     records = read_input(input_path)
     check_output(input_path, output_path)

@@ -262,8 +262,13 @@ def test_an_openai_batch_file_runs_offline_as_vllms_run_batch_runs_it(tmp_path, 
     cfg, engine = compose_config(BASE + (f"server.batch_dir={tmp_path / 'batches'}",)), shared_engine()
     (tmp_path / "records.jsonl").write_text('{"id": "a", "prompt": "x"}\n')
     (tmp_path / "cr.jsonl").write_text("{not json\r" + json.dumps(lines[0]) + "\r")  # CR endings, a bad line first
-    assert is_batch_file(str(path)) and is_batch_file(str(tmp_path / "cr.jsonl"))
-    assert not is_batch_file(str(tmp_path / "records.jsonl"))
+    long_first = line("long", "/v1/completions", prompt="x" * 1_500_000)  # a line past 1 MiB, and a U+2028 in one
+    (tmp_path / "long.jsonl").write_text(json.dumps(long_first) + "\n")
+    (tmp_path / "u2028.jsonl").write_text(json.dumps(line("u", "/v1/completions", prompt="a\u2028b"),
+                                                     ensure_ascii=False) + "\n")
+    for batch_file in (path, tmp_path / "cr.jsonl", tmp_path / "long.jsonl", tmp_path / "u2028.jsonl"):
+        assert is_batch_file(str(batch_file), 2 << 20), batch_file
+    assert not is_batch_file(str(tmp_path / "records.jsonl"), 2 << 20)
     report = run_batch_file(cfg, str(path), str(out), engine=engine)
     assert (report.num_input, report.num_done, report.num_errors) == (4, 3, 1)
     results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}

@@ -303,8 +303,17 @@ def test_a_running_background_response_is_never_dropped_from_the_store_and_their
         second = client.responses.create(**long)
         with pytest.raises(openai.RateLimitError, match="2 background responses are running"):
             client.responses.create(**long)
+        stored = respond(url).json()  # with every other response running, the one just stored stays
+        assert stored["store"] is True and httpx.get(f"{url}/v1/responses/{stored['id']}", timeout=60).status_code == 200
         for running in (first, second):
             assert client.responses.cancel(running.id).status == "cancelled"
+        from server_harness import post_all_at_once
+
+        burst = post_all_at_once(url, "/v1/responses", [{**long, "model": "tiny"} for _ in range(6)])
+        started = [r.json()["id"] for r in burst if r.status_code == 200]  # at once: still at most 2 run
+        assert len(started) <= 2 and all(r.status_code in (200, 429) for r in burst)
+        for response_id in started:
+            client.responses.cancel(response_id)
         assert_nothing_held(state)
 
 
@@ -352,7 +361,10 @@ def test_a_background_response_streams_and_its_stream_resumes_after_any_event(se
         left = json.loads(next(lines)[len("data: "):])["response"]["id"]
     assert wait_while_running(client, left).status in ("completed", "incomplete")  # it ran on, whole
     for query, param in (("starting_after=2", "starting_after"), ("stream=yes", "stream"),
-                         ("stream=true&starting_after=-5", "starting_after")):
+                         ("stream=true&starting_after=-5", "starting_after"),
+                         ("stream=true&starting_after=--5", "starting_after"),
+                         ("stream=true&starting_after=%C2%B2", "starting_after"),  # a superscript two
+                         ("stream=true&starting_after=" + "1" * 5000, "starting_after")):
         assert_refused(httpx.get(f"{url}/v1/responses/{response_id}?{query}", timeout=60), param)
     assert_refused(httpx.get(f"{url}/v1/responses/{respond(url).json()['id']}?stream=true", timeout=60), "stream")
     assert_nothing_held(state)

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import inspect
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 from typing import Any, Optional
@@ -78,7 +79,8 @@ class ServerState:
         self.reasoning_parser = get_reasoning_parser(cfg.server.reasoning_parser, self.client.tokenizer.chat_template)
         self.responses = ResponseStore(cfg.server.responses_store_size)
         self.background_responses: dict[str, asyncio.Task] = {}  # background: true, still running (by response id)
-        self.background_events: dict[str, Any] = {}  # their events (responses_serving.EventLog), while stored
+        self.background_events: dict[str, Any] = {}  # streamed ones' events (responses_serving.EventLog), while stored
+        self.background_starting = 0  # background responses being queued (counted against their cap)
         # /v1/batches' runner, reading server.batch_dir; None for an offline batch file (jaxcb.batch_job)
         self.batches = BatchRunner(self, cfg.server.batch_dir) if batches else None
         # server.otlp_endpoint: one span per request (tracing.py); None: off, nothing of OpenTelemetry imported
@@ -252,18 +254,23 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         if req.background and state.cfg.server.responses_store_size == 0:
             raise APIError(400, "background: a background response is fetched from the response store, which "
                                 "server.responses_store_size=0 turns off", param="background")
-        if req.background and len(state.background_responses) >= state.cfg.server.responses_store_size:
-            limit = state.cfg.server.responses_store_size  # (a running one is never dropped from the store)
-            raise APIError(429, f"{limit} background responses are running, as many as the response store holds "
-                                f"(server.responses_store_size={limit}); retry when one has ended",
-                           type="rate_limit_error", headers={"Retry-After": "1"})
-        streams = await _start(state, planned.planned)
-        streams = _traced(request, streams, planned.planned, writer.id)
         if req.background:
-            events = start_in_background(state, planned, writer, streams, request.scope.get(TRACE_SCOPE_KEY))
+            limit = state.cfg.server.responses_store_size  # (a running one is never dropped from the store)
+            if len(state.background_responses) + state.background_starting >= limit:
+                raise APIError(429, f"{limit} background responses are running, as many as the response store "
+                                    f"holds (server.responses_store_size={limit}); retry when one has ended",
+                               type="rate_limit_error", headers={"Retry-After": "1"})
+            state.background_starting += 1  # its place held while it is queued
+            try:
+                streams = _traced(request, await _start(state, planned.planned), planned.planned, writer.id)
+                events = start_in_background(state, planned, writer, streams, request.scope.get(TRACE_SCOPE_KEY))
+            finally:
+                state.background_starting -= 1
             if req.stream:  # its events as they come; a client that leaves stops reading, not the response
                 return StreamingResponse(events.read(), media_type="text/event-stream")
             return writer.response("queued", [])
+        streams = await _start(state, planned.planned)
+        streams = _traced(request, streams, planned.planned, writer.id)
         if req.stream:
             return sse_response(state, streams, writer.events(streams, lambda r: store_response(state, planned, r)),
                                 writer.error_event, done="")
@@ -292,11 +299,11 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
             return stored.response
         events = state.background_events.get(response_id)
         if events is None:
-            raise APIError(400, f"stream: response {response_id!r} did not run in the background, so it has no "
-                                "events to stream again; GET it without stream", param="stream")
+            raise APIError(400, f"stream: response {response_id!r} was not created with background and stream, so "
+                                "it has no events to stream again (as OpenAI's); GET it without stream", param="stream")
         after = query.get("starting_after", "-1")
-        if not after.lstrip("-").isdigit() or int(after) < -1 or len(after) > 18:
-            raise APIError(400, f"starting_after={after!r} must be an event's sequence_number (an integer >= 0)",
+        if re.fullmatch(r"-1|0|[1-9][0-9]{0,17}", after) is None:
+            raise APIError(400, f"starting_after={after[:40]!r} must be an event's sequence_number (an integer >= 0)",
                            param="starting_after")
         return StreamingResponse(events.read(int(after)), media_type="text/event-stream")
 

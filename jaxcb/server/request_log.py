@@ -33,7 +33,8 @@ def log_received(state: "ServerState", response_id: str, endpoint: str, planned:
         return
     prompts = [_prompt(prompt, state.client.tokenizer, srv.max_log_len) for prompt in planned.prompts]
     search = f", beam search {planned.beam}" if planned.beam is not None else ""
-    named = f" (X-Request-Id {client_id!r})" if client_id is not None and client_id not in response_id else ""
+    named = f" (X-Request-Id {client_id!r})" if client_id is not None and not response_id.endswith(f"-{client_id}") \
+        else ""
     log.info("received %s%s: %s, model %s, prompt%s %s, params %s%s", response_id, named, endpoint,
              planned.model or state.model_name, "s" if len(prompts) > 1 else "", "; ".join(prompts), planned.params,
              search)

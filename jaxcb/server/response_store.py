@@ -35,7 +35,8 @@ class ResponseStore:
         self._stored[response["id"]] = StoredResponse(response, None if conversation is None else tuple(conversation))
         # the least recently stored go first, but never a background response still running (the server caps
         # those at max_size): only the store can find, poll or cancel it
-        for response_id in [i for i, kept in self._stored.items() if not _running(kept)]:
+        # (and never the one just stored: with every other one running, the store holds one more for a while)
+        for response_id in [i for i, kept in self._stored.items() if not _running(kept) and i != response["id"]]:
             if len(self._stored) <= self.max_size:
                 break
             del self._stored[response_id]

@@ -110,7 +110,9 @@ def start_in_background(state: "ServerState", planned: PlannedResponse, writer: 
     state.responses.put(writer.response("queued", []), None)
     for response_id in [i for i in state.background_events if not state.responses.contains(i)]:
         del state.background_events[response_id]  # (their responses dropped from the store since)
-    events = state.background_events[writer.id] = EventLog()
+    events = EventLog()
+    if planned.req.stream:  # only these can be streamed again (OpenAI's rule): the others' events are not kept
+        state.background_events[writer.id] = events
     if trace is not None:
         trace.deferred = True
     task = asyncio.get_running_loop().create_task(
@@ -142,6 +144,7 @@ class _FirstOutput:
 
 async def _run_in_background(state: "ServerState", planned: PlannedResponse, writer: ResponseWriter,
                              streams: list, events: EventLog, trace=None) -> None:
+    from jaxcb.server.async_engine import StreamAbortedError
     from jaxcb.server.protocol import APIError
     from jaxcb.server.streaming import _QueueTimedOut, close_streams, queue_timeout_error
 
@@ -165,7 +168,10 @@ async def _run_in_background(state: "ServerState", planned: PlannedResponse, wri
         error = queue_timeout_error(state)
         stand("failed", error={"code": "queue_timeout", "message": error.message})
         events.append(writer.error_event(error))
-    except Exception as e:  # the engine died, the server is stopping, or a bug: the response says it failed
+    except StreamAbortedError as e:  # the server aborted it (stopping, say): a 503's reason, as in the foreground
+        stand("failed", error={"code": "server_error", "message": str(e)})
+        events.append(writer.error_event(APIError(503, str(e), type="server_error")))
+    except Exception as e:  # the engine died, or a bug: the response says it failed
         log.warning("background response %s failed: %r", writer.id, e)
         stand("failed", error={"code": "server_error", "message": f"{type(e).__name__}: {e}"})
         events.append(writer.error_event(APIError(500, f"{type(e).__name__}: {e}", type="server_error")))
