@@ -34,8 +34,9 @@ def is_batch_file(path: str, max_line_bytes: int, lines_read: int = 20) -> bool:
             first = json.loads(raw)
         except ValueError:
             continue  # (its reader names that line)
-        if isinstance(first, dict):
-            return "custom_id" in first
+        if isinstance(first, dict):  # a batch line's keys, and none of a job record's
+            return "custom_id" in first and ("url" in first or "body" in first) and \
+                not {"id", "prompt", "messages"} & first.keys()
     return False
 
 

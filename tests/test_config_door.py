@@ -140,7 +140,7 @@ def test_the_servers_socket_is_bound_before_the_model_loads_and_a_bad_host_or_po
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(ConfigError, match=rf"^server\.port={port} on server\.host='127\.0\.0\.1' is in use"):
-            run.bind_listener("127.0.0.1", port)
+            run.bind_listeners("127.0.0.1", port)
         built = []
         cfg = compose_config(BASE + ("server.host=127.0.0.1", f"server.port={port}"))
         original, run.build_app = run.build_app, lambda *a: built.append(a)
@@ -151,13 +151,27 @@ def test_the_servers_socket_is_bound_before_the_model_loads_and_a_bad_host_or_po
             run.build_app = original
         assert built == []  # refused before anything was built
     with pytest.raises(ConfigError, match=r"^server\.host='no-such-host\.invalid' does not resolve"):
-        run.bind_listener("no-such-host.invalid", 8000)
+        run.bind_listeners("no-such-host.invalid", 8000)
     with pytest.raises(ConfigError, match=r"^server\.host='192\.0\.2\.1' is not an address of this machine"):
-        run.bind_listener("192.0.2.1", 8000)  # TEST-NET-1: no machine's own address
-    listener = run.bind_listener("127.0.0.1", 0)
+        run.bind_listeners("192.0.2.1", 8000)  # TEST-NET-1: no machine's own address
+    [listener] = run.bind_listeners("127.0.0.1", 0)
     assert listener.getsockname()[0] == "127.0.0.1"
     try:  # a second server started on the same port at the same moment is refused at once too
         with pytest.raises(ConfigError, match="is in use by another process"):
-            run.bind_listener("127.0.0.1", listener.getsockname()[1])
+            run.bind_listeners("127.0.0.1", listener.getsockname()[1])
     finally:
         listener.close()
+    import socket as sockets  # a name with an IPv6 and an IPv4 address: a socket on each (as asyncio binds them)
+
+    both = [(sockets.AF_INET6, sockets.SOCK_STREAM, 6, "", ("::1", 0, 0, 0)),
+            (sockets.AF_INET, sockets.SOCK_STREAM, 6, "", ("127.0.0.1", 0))]
+    original, sockets.getaddrinfo = sockets.getaddrinfo, lambda *a, **k: both
+    try:
+        bound = run.bind_listeners("localhost", 0)
+    except ConfigError:  # a machine without IPv6's loopback
+        bound = []
+    finally:
+        sockets.getaddrinfo = original
+    assert len(bound) in (0, 2) and {s.family for s in bound} <= {sockets.AF_INET6, sockets.AF_INET}
+    for s in bound:
+        s.close()

@@ -269,6 +269,8 @@ def test_an_openai_batch_file_runs_offline_as_vllms_run_batch_runs_it(tmp_path, 
     for batch_file in (path, tmp_path / "cr.jsonl", tmp_path / "long.jsonl", tmp_path / "u2028.jsonl"):
         assert is_batch_file(str(batch_file), 2 << 20), batch_file
     assert not is_batch_file(str(tmp_path / "records.jsonl"), 2 << 20)
+    (tmp_path / "stray.jsonl").write_text('{"id": "a", "prompt": "x", "custom_id": "c"}\n')  # a record, a stray key
+    assert not is_batch_file(str(tmp_path / "stray.jsonl"), 2 << 20)
     report = run_batch_file(cfg, str(path), str(out), engine=engine)
     assert (report.num_input, report.num_done, report.num_errors) == (4, 3, 1)
     results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}

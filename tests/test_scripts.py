@@ -117,6 +117,7 @@ def test_serve_starts_the_http_server_and_exits_0_on_sigterm(tmp_path):
             lines.extend(it)
         assert lines[-1] == "data: [DONE]" or lines[-1] == "" and "data: [DONE]" in lines
         assert proc.wait(timeout=60) == 0
+        assert f"serving tiny on http://127.0.0.1:{port} (ready)" in proc.stdout.read()  # once it answers
     finally:
         if proc.poll() is None:
             proc.kill()

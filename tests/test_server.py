@@ -107,6 +107,7 @@ def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     retrieved, listed = client.models.retrieve("tiny").model_dump(), client.models.list().data[0].model_dump()
     assert retrieved | {"created": 0} == listed | {"created": 0} and retrieved["max_model_len"] > 0
+    assert httpx.get(url + "/v1/models/").json()["data"][0]["id"] == "tiny"  # the list, as /v1/models
     with pytest.raises(openai.NotFoundError, match="'org/other' is not served here"):
         client.models.retrieve("org/other")  # a name with '/' reaches the route, and is named in the 404
     assert httpx.get(url + "/health").json() == {"status": "ok"}

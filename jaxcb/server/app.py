@@ -196,6 +196,8 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str):  # OpenAI's retrieve (client.models.retrieve); a name may hold '/'
+        if not model:  # /v1/models/ : the list, as /v1/models
+            return {"object": "list", "data": served_models()}
         check_model(state, model)
         found = next((m for m in served_models() if m["id"] == model), None)
         if found is None:  # an adapter unloaded between the two looks
@@ -218,7 +220,11 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
         return detokenize(req, state.client.tokenizer)
 
     async def serve(request: Request, endpoint: str):
-        header = checked_request_id(request.headers.get("x-request-id"), "the X-Request-Id header")
+        header = request.headers.get("x-request-id")
+        try:  # a gateway's id this response cannot be named by (a space, say): not the client's fault, ignored
+            header = checked_request_id(header, "the X-Request-Id header")
+        except InvalidRequestError:
+            header = None
         body = plan_body(state, endpoint, await _json_body(request, cfg))
         await compile_grammar(state, body.planned)
         req, (rid, base) = body.req, body.response_id(header)

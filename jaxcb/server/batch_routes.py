@@ -5,11 +5,10 @@ batches.py's and batch_runner.py's; this module only maps requests to them.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import FileResponse
 
 from jaxcb.server.batches import parse_batch_create, read_batch_lines
 from jaxcb.server.files import read_upload
@@ -20,6 +19,21 @@ if TYPE_CHECKING:
 
 MAX_LIST_LIMIT = 100  # GET /v1/batches: OpenAI's page is 1 to 100 batches, 20 by default
 MAX_FILES_LIMIT = 10_000  # GET /v1/files: 1 to 10,000 files, all of them (10,000) by default
+
+
+class _Download(FileResponse):
+    """A file's bytes (Range, ETag and Last-Modified as FileResponse gives them), `done()` called once it has
+    ended however it ended: a delete meanwhile removes the bytes only then (FileStore.start_download)."""
+
+    def __init__(self, path: str, done: Callable[[], None], **kwargs):
+        super().__init__(path, **kwargs)
+        self._done = done
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._done()
 
 
 def add_batch_routes(app: FastAPI, state: "ServerState", json_body: Callable[[Request], Awaitable[Any]]) -> None:
@@ -58,16 +72,8 @@ def add_batch_routes(app: FastAPI, state: "ServerState", json_body: Callable[[Re
     @app.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str):
         _query(request, ())
-        content = runner.files.open_content(file_id)
-        size = os.fstat(content.fileno()).st_size
-
-        def blocks():  # from the open file: a delete while it downloads leaves it whole
-            with content:
-                while block := content.read(1 << 20):
-                    yield block
-
-        return StreamingResponse(blocks(), media_type="application/octet-stream",
-                                 headers={"Content-Length": str(size)})
+        path, done = runner.files.start_download(file_id)
+        return _Download(path, done, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str):

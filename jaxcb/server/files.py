@@ -14,7 +14,7 @@ import os
 import re
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional
 
 from jaxcb.server.protocol import APIError
 
@@ -49,6 +49,8 @@ class FileStore:
 
     def __init__(self, folder: str):
         self.folder = folder
+        self._reading: dict[str, int] = {}  # downloads in progress, by file id
+        self._deleted_while_read: set[str] = set()  # deleted, their bytes kept until their last download ends
 
     def _path(self, file_id: str) -> str:
         if not _ID.match(file_id):  # never a path outside the folder
@@ -82,14 +84,22 @@ class FileStore:
     def exists(self, file_id: str) -> bool:
         return bool(_ID.match(file_id)) and os.path.exists(os.path.join(self.folder, file_id + ".json"))
 
-    def open_content(self, file_id: str) -> BinaryIO:
-        """The file's bytes, opened for reading: a delete after this does not cut a download in progress
-        (an open file outlives its name), and one before it is the same 404 as an unknown id."""
+    def start_download(self, file_id: str) -> tuple[str, Callable[[], None]]:
+        """(the path of the file's bytes, `done`, to call once when its download has ended): a delete meanwhile
+        unlists the file at once and removes its bytes after the last download (never cut short, never a
+        500); one before is the same 404 as an unknown id."""
         self.get(file_id)
-        try:
-            return open(self._path(file_id), "rb")
-        except FileNotFoundError:  # deleted between the two (its object goes first, then its bytes)
-            raise self._not_found(file_id, "file_id") from None
+        self._reading[file_id] = self._reading.get(file_id, 0) + 1
+
+        def done() -> None:
+            self._reading[file_id] -= 1
+            if not self._reading[file_id]:
+                del self._reading[file_id]
+                if file_id in self._deleted_while_read:
+                    self._deleted_while_read.discard(file_id)
+                    os.remove(self._path(file_id))
+
+        return self._path(file_id), done
 
     def read(self, file_id: str, param: str = "file_id") -> bytes:
         self.get(file_id, param)
@@ -110,7 +120,10 @@ class FileStore:
         path = self._path(file_id)
         self.get(file_id)
         os.remove(path + ".json")  # unlisted first: a crash in between leaves bytes no one sees, never a broken file
-        os.remove(path)
+        if self._reading.get(file_id):
+            self._deleted_while_read.add(file_id)  # (removed when its downloads end)
+        else:
+            os.remove(path)
 
 
 UPLOAD_FIELDS = ("file", "purpose")

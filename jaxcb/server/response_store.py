@@ -36,9 +36,13 @@ class ResponseStore:
         # the least recently stored go first, but never a background response still running (the server caps
         # those at max_size): only the store can find, poll or cancel it
         # (and never the one just stored: with every other one running, the store holds one more for a while)
-        for response_id in [i for i, kept in self._stored.items() if not _running(kept) and i != response["id"]]:
-            if len(self._stored) <= self.max_size:
+        excess, victims = len(self._stored) - self.max_size, []
+        for response_id, kept in self._stored.items() if excess > 0 else ():
+            if len(victims) == excess:
                 break
+            if response_id != response["id"] and not _running(kept):
+                victims.append(response_id)
+        for response_id in victims:
             del self._stored[response_id]
         return True
 

@@ -2,7 +2,7 @@
 for chat and completions: a body checked and planned (`plan_responses_body`), its grammar compiled
 off the engine's thread, and a whole response kept in the response store as `store` asks. One path,
 so that a batch line is served, or refused, exactly as the same body POSTed would be. And background
-responses (`background: true`): answered at once, run as a task whose progress the store shows. No jax.
+responses (`background: true`): answered at once, run as a task whose progress the store shows.
 """
 
 from __future__ import annotations

@@ -23,6 +23,13 @@ log = logging.getLogger(__name__)
 
 
 class _GracefulServer(uvicorn.Server):
+    ready_line = ""  # logged once serving: uvicorn logs its own "running on" line only for sockets it binds
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.ready_line:
+            log.info("%s (ready)", self.ready_line)
+
     @contextlib.contextmanager
     def capture_signals(self):
         """Stop serving on SIGTERM/SIGINT. uvicorn's own handler re-raises the signal after shutting
@@ -40,45 +47,51 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(s, h)
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The server's socket, bound to server.host:server.port before anything is loaded or compiled (as vLLM
-    binds first): a port in use or a host that is not this machine's is said at once, in a sentence, not
-    after minutes of start-up. ConfigError naming the knob otherwise."""
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, one per address server.host resolves to (a name such as localhost may give IPv6's
+    and IPv4's), bound and listening on server.port before anything is loaded or compiled (as vLLM binds
+    first): a port in use or a host that is not this machine's is said at once, in a sentence, not after
+    minutes of start-up, and a second server started on the port at the same moment fails too. A client
+    that connects while the model loads waits in the backlog. ConfigError naming the knob otherwise."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
         raise ConfigError(f"server.host={host!r} does not resolve ({e.strerror}): give an address of this machine "
                           "(127.0.0.1 for this machine only, 0.0.0.0 for every interface) or a name that resolves "
                           "to one") from None
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port this server just left: TIME_WAIT
-        listener.bind(address)
-    except OSError as e:
-        listener.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ConfigError(f"server.port={port} on server.host={host!r} is in use by another process: stop it "
-                              "or give another server.port") from None
-        if e.errno == errno.EADDRNOTAVAIL:
-            raise ConfigError(f"server.host={host!r} is not an address of this machine: give one of its "
-                              "addresses (127.0.0.1, 0.0.0.0 for every interface)") from None
-        if e.errno == errno.EACCES:
-            raise ConfigError(f"server.port={port} needs privileges to bind on this machine: give a port from 1024 "
-                              "up") from None
-        raise ConfigError(f"server.host={host!r}, server.port={port}: cannot bind ({e.strerror})") from None
-    # Listening now: a second server started on the same port at the same time fails here too (a bound socket
-    # alone does not hold the port against another with SO_REUSEADDR); a client that connects while the model
-    # loads waits in the backlog.
-    listener.listen(2048)
-    return listener
+    listeners: list[socket.socket] = []
+    for family, kind, proto, _, address in dict.fromkeys((f, k, p, "", a) for f, k, p, _, a in found):
+        listener = socket.socket(family, kind, proto)
+        listeners.append(listener)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port this server just left: TIME_WAIT
+            if family == socket.AF_INET6:  # IPv6 only, as asyncio binds it: IPv4's address is a socket of its own
+                listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            listener.bind(address)
+            listener.listen(2048)
+        except OSError as e:
+            for opened in listeners:
+                opened.close()
+            raise _bind_error(e, host, port) from None
+    return listeners
+
+
+def _bind_error(e: OSError, host: str, port: int) -> ConfigError:
+    if e.errno == errno.EADDRINUSE:
+        return ConfigError(f"server.port={port} on server.host={host!r} is in use by another process: stop it or "
+                           "give another server.port")
+    if e.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(f"server.host={host!r} is not an address of this machine: give one of its addresses "
+                           "(127.0.0.1, 0.0.0.0 for every interface)")
+    if e.errno == errno.EACCES:
+        return ConfigError(f"server.port={port} needs privileges to bind on this machine: give a port from 1024 up")
+    return ConfigError(f"server.host={host!r}, server.port={port}: cannot bind ({e.strerror})")
 
 
 def serve(cfg: Config) -> None:
     """Serve until SIGTERM/SIGINT (exit 0) or, with server.exit_on_engine_death, until the engine dies (exit 1)."""
-    listener = bind_listener(cfg.server.host, cfg.server.port)
+    listeners = bind_listeners(cfg.server.host, cfg.server.port)
     app = build_app(cfg)
-    log.info("serving %s on http://%s:%d", app.state.jaxcb.model_name, cfg.server.host, listener.getsockname()[1])
     config = uvicorn.Config(
         app,
         host=cfg.server.host,
@@ -87,13 +100,15 @@ def serve(cfg: Config) -> None:
         timeout_graceful_shutdown=int(cfg.server.shutdown_timeout_s) + 1,
     )
     server = _GracefulServer(config)
+    host = f"[{cfg.server.host}]" if ":" in cfg.server.host else cfg.server.host
+    server.ready_line = f"serving {app.state.jaxcb.model_name} on http://{host}:{cfg.server.port}"
     died = threading.Event()
     if cfg.server.exit_on_engine_death:
         # Ray restarts a replica that dies (minutes, to load the model): the router is dead only when none comes
         # back within the start-up time a replica has.
         grace_s = cfg.ray.replica_start_timeout_s if cfg.server.backend == "ray" else 0.0
         watch_engine(server, lambda: app.state.jaxcb.client.is_alive, died, grace_s=grace_s)
-    server.run(sockets=[listener])
+    server.run(sockets=listeners)
     if died.is_set():
         raise SystemExit(1)
 
