@@ -118,7 +118,18 @@ def start_in_background(state: "ServerState", planned: PlannedResponse, writer: 
     task = asyncio.get_running_loop().create_task(
         _run_in_background(state, planned, writer, streams, events, trace), name=writer.id)
     state.background_responses[writer.id] = task
-    task.add_done_callback(lambda _: state.background_responses.pop(writer.id, None))
+
+    def ended(_) -> None:
+        state.background_responses.pop(writer.id, None)
+        if not events.ended:  # cancelled before its first step: its body never ran, nor its `finally`
+            from jaxcb.server.streaming import close_streams
+
+            close_streams(streams)
+            events.end()
+            if state.responses.contains(writer.id):
+                state.responses.put(writer.response("cancelled", []), None)
+
+    task.add_done_callback(ended)
     return events
 
 
