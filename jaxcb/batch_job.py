@@ -20,8 +20,6 @@ import time
 from jaxcb.config import Config
 from jaxcb.errors import InvalidRequestError, UserError
 
-LINES_PER_SEQ = 2  # lines in flight per sequence slot: every step full, as the server's batches run
-
 
 def is_batch_file(path: str, max_line_bytes: int, lines_read: int = 20) -> bool:
     """Whether `path` holds OpenAI batch lines (objects with a custom_id) rather than job records: the first of
@@ -73,39 +71,34 @@ def run_batch_file(cfg: Config, input_path: str, output_path: str, engine=None):
 async def _serve(cfg: Config, lines: list, output_path: str, done: set, report, engine) -> None:
     from tqdm import tqdm
 
+    from jaxcb.engine import Engine
     from jaxcb.jobs import ExactlyOnceWriter
     from jaxcb.server.app import ServerState
-    from jaxcb.server.batch_runner import serve_batch_line, succeeded
-
-    from jaxcb.engine import Engine
+    from jaxcb.server.batch_runner import LINES_IN_FLIGHT_PER_SEQ, answer_lines, serve_batch_line, succeeded
+    from jaxcb.server.batches import batch_usage
 
     # The server's state without its HTTP app: its engine in this process, without admission control (offline
     # work waits for room), nothing of /v1/batches' own store touched.
     state = ServerState(cfg, engine if engine is not None else Engine(cfg, progress=False), batches=False)
     state.client.start()
     out = ExactlyOnceWriter(output_path, done, key="custom_id")
-    pending = iter(lines)
     bar = tqdm(total=len(lines), desc="batch", unit="line")
     start = time.perf_counter()
     where = f"batch file {os.path.basename(output_path)}"
 
-    async def worker() -> None:
-        for line in pending:  # shared by the workers: each line is taken by one
-            result = await serve_batch_line(state, line, where)
-            if not out.write(result):
-                continue
-            if succeeded(result):
-                report.num_done += 1
-                usage = result["response"]["body"].get("usage") or {}
-                report.output_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
-            else:
-                report.num_errors += 1
-            bar.update(1)
+    def written(result: dict) -> None:
+        if not out.write(result):
+            return
+        if succeeded(result):
+            report.num_done += 1
+            report.output_tokens += batch_usage([result])["output_tokens"]
+        else:
+            report.num_errors += 1
+        bar.update(1)
 
     try:
-        async with asyncio.TaskGroup() as group:
-            for _ in range(LINES_PER_SEQ * state.client.max_num_seqs):
-                group.create_task(worker())
+        await answer_lines(iter(lines), lambda line: serve_batch_line(state, line, where), written,
+                           LINES_IN_FLIGHT_PER_SEQ * state.client.max_num_seqs)
     finally:
         report.seconds = time.perf_counter() - start
         bar.close()

@@ -41,7 +41,8 @@ from jaxcb.sampling_params import SamplingParams
 from jaxcb.server import openai_format as fmt
 from jaxcb.server.chat import assistant_message
 from jaxcb.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request, served_model_name
-from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion, start_planned_beam_search
+from jaxcb.server.beam_streams import start_planned_beam_search
+from jaxcb.server.requests import PlannedRequest, plan_chat_completion, plan_completion
 from jaxcb.server.reasoning import get_reasoning_parser
 from jaxcb.server.tool_parsers import get_tool_parser
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults

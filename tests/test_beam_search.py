@@ -287,7 +287,8 @@ class _FakeStream:
 def test_the_queue_deadline_holds_the_first_round_only_and_a_search_past_its_timeout_stops_retrying():
     import asyncio
 
-    from jaxcb.server.requests import PlannedRequest, start_planned_beam_search
+    from jaxcb.server.beam_streams import start_planned_beam_search
+    from jaxcb.server.requests import PlannedRequest
 
     planned = PlannedRequest(["hi"], SamplingParams(n=2, max_tokens=3), beam=BeamSearchParams(2, 3))
 
@@ -311,7 +312,8 @@ def test_the_queue_deadline_holds_the_first_round_only_and_a_search_past_its_tim
 def test_closing_a_search_before_it_has_run_closes_its_first_round():
     import asyncio
 
-    from jaxcb.server.requests import PlannedRequest, start_planned_beam_search
+    from jaxcb.server.beam_streams import start_planned_beam_search
+    from jaxcb.server.requests import PlannedRequest
 
     planned = PlannedRequest(["hi"], SamplingParams(n=2, max_tokens=3), beam=BeamSearchParams(2, 3))
     client = _FakeClient()

@@ -28,7 +28,7 @@ from jaxcb.engine import Engine
 from jaxcb.errors import EngineOverloadedError, InvalidRequestError
 from jaxcb.server.dashboard import dashboard_html
 from jaxcb.server.async_engine import EngineDeadError, RequestStream
-from jaxcb.server.batch_routes import add_batch_routes
+from jaxcb.server.batch_routes import add_batch_routes, checked_query
 from jaxcb.server.lora_routes import add_lora_routes
 from jaxcb.server.batch_runner import BatchRunner
 from jaxcb.server.engine_client import EngineClient, make_engine_client
@@ -36,7 +36,7 @@ from jaxcb.server.completions import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
     check_model,
-    checked_request_id,
+    is_request_id,
     compile_grammar,
     plan_body,
     request_deadlines,
@@ -44,7 +44,8 @@ from jaxcb.server.completions import (
 )
 from jaxcb.server.protocol import APIError, served_model_name, parse_request
 from jaxcb.server.request_log import log_received
-from jaxcb.server.requests import PlannedRequest, start_planned_beam_search
+from jaxcb.server.beam_streams import start_planned_beam_search
+from jaxcb.server.requests import PlannedRequest
 from jaxcb.server.streaming import chat_events, close_streams, collect_final_outputs, completion_events, sse_response
 from jaxcb.request_fields import loads_request
 from jaxcb.server.reasoning import get_reasoning_parser
@@ -221,9 +222,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     async def serve(request: Request, endpoint: str):
         header = request.headers.get("x-request-id")
-        try:  # a gateway's id this response cannot be named by (a space, say): not the client's fault, ignored
-            header = checked_request_id(header, "the X-Request-Id header")
-        except InvalidRequestError:
+        if header is not None and not is_request_id(header):  # a gateway's id no response can be named by: ignored
             header = None
         body = plan_body(state, endpoint, await _json_body(request, cfg))
         await compile_grammar(state, body.planned)
@@ -287,13 +286,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request):
-        query = request.query_params
-        for key in query:  # OpenAI's include[]: never dropped silently
-            if key not in ("stream", "starting_after") or len(query.getlist(key)) > 1:
-                raise APIError(400, f"GET /v1/responses/{{id}} does not take {key}" + (
-                    " twice" if key in ("stream", "starting_after") else
-                    ": jaxcb returns the stored response as it stands, or streams a background one's events "
-                    "(stream, starting_after)"), param=key)
+        query = checked_query(request, ("stream", "starting_after"))  # (OpenAI's include[] too: refused by name)
         stored = state.responses.get(response_id)
         stream = query.get("stream", "false")
         if stream not in ("true", "false"):
@@ -321,7 +314,7 @@ def build_app(cfg: Config, engine: Optional[Engine] = None, span_exporter: Any =
 
     @app.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request):
-        _no_query(request, "POST /v1/responses/{id}/cancel")
+        checked_query(request, ())
         stored = state.responses.get(response_id)
         if not await cancel_in_background(state, response_id):
             raise APIError(400, f"response {response_id!r} is {stored.response['status']}: only a background "
@@ -447,11 +440,6 @@ async def _json_body(request: Request, cfg: Config) -> Any:
         return loads_request(raw)
     except InvalidRequestError as e:  # not JSON, NaN, a lone surrogate, ...
         raise APIError(400, f"the request body is not valid: {e}", param=e.field) from None
-
-
-def _no_query(request: Request, route: str) -> None:
-    for key in request.query_params:  # never dropped silently
-        raise APIError(400, f"{route} does not take {key}", param=key)
 
 
 def _without_framework_telemetry() -> dict[str, Any]:

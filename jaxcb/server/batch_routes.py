@@ -42,7 +42,7 @@ def add_batch_routes(app: FastAPI, state: "ServerState", json_body: Callable[[Re
 
     @app.post("/v1/files")
     async def upload_file(request: Request):
-        _query(request, ())
+        checked_query(request, ())
         content, filename, purpose = await read_upload(request, srv.max_file_bytes)
         if purpose != "batch":
             raise APIError(400, f"purpose {purpose!r} is not taken: this server keeps files for batches only "
@@ -52,7 +52,7 @@ def add_batch_routes(app: FastAPI, state: "ServerState", json_body: Callable[[Re
 
     @app.get("/v1/files")
     async def list_files(request: Request):
-        query = _query(request, ("purpose", "limit", "after", "order"))
+        query = checked_query(request, ("purpose", "limit", "after", "order"))
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, f"order={order!r} must be 'asc' (oldest first) or 'desc' (newest first)",
@@ -66,18 +66,18 @@ def add_batch_routes(app: FastAPI, state: "ServerState", json_body: Callable[[Re
 
     @app.get("/v1/files/{file_id}")
     async def retrieve_file(request: Request, file_id: str):
-        _query(request, ())
+        checked_query(request, ())
         return runner.files.get(file_id)
 
     @app.get("/v1/files/{file_id}/content")
     async def file_content(request: Request, file_id: str):
-        _query(request, ())
+        checked_query(request, ())
         path, done = runner.files.start_download(file_id)
         return _Download(path, done, media_type="application/octet-stream")
 
     @app.delete("/v1/files/{file_id}")
     async def delete_file(request: Request, file_id: str):
-        _query(request, ())
+        checked_query(request, ())
         if runner.uses_file(file_id):
             raise APIError(409, f"file {file_id} is the input of a batch in progress; cancel the batch or wait "
                                 "for it to finish", param="file_id")
@@ -88,28 +88,28 @@ def add_batch_routes(app: FastAPI, state: "ServerState", json_body: Callable[[Re
     async def create_batch(request: Request):
         if state.shutting_down:
             raise APIError(503, "the server is shutting down", type="server_error")
-        _query(request, ())
+        checked_query(request, ())
         return runner.create(parse_batch_create(await json_body(request))).object()
 
     @app.get("/v1/batches")
     async def list_batches(request: Request):
-        query = _query(request, ("limit", "after"))
+        query = checked_query(request, ("limit", "after"))
         limit = _limit(query.get("limit"), MAX_LIST_LIMIT, 20)
         batches = _after([b.object() for b in runner.store.newest_first()], query.get("after"), "batch")
         return _page(batches, limit)
 
     @app.get("/v1/batches/{batch_id}")
     async def retrieve_batch(request: Request, batch_id: str):
-        _query(request, ())
+        checked_query(request, ())
         return runner.store.get(batch_id).object()
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel_batch(request: Request, batch_id: str):
-        _query(request, ())
+        checked_query(request, ())
         return runner.cancel(batch_id).object()
 
 
-def _query(request: Request, known: tuple[str, ...]) -> dict[str, str]:
+def checked_query(request: Request, known: tuple[str, ...]) -> dict[str, str]:
     """The query parameters, each one of `known` and given once; an unknown or repeated one is refused by name."""
     for key in request.query_params:
         if key not in known:

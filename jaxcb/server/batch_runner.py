@@ -31,7 +31,7 @@ import logging
 import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Optional
 
 from jaxcb.errors import InvalidRequestError
 from jaxcb.jobs import ExactlyOnceWriter, repair_and_read_output, serve_planned
@@ -169,18 +169,17 @@ class BatchRunner:
         pending = iter([line for line in self._lines(batch.input_file_id) if line.custom_id not in done])
         out = ExactlyOnceWriter(path, done, key="custom_id")
 
-        async def worker() -> None:
-            for line in pending:  # shared by the workers: each line is taken by one
-                async with self._room:
-                    result = await self._serve_line(batch, line)
-                if out.write(result):
-                    batch.request_counts["completed" if succeeded(result) else "failed"] += 1
-                    batch.usage = _add_usage(batch.usage, batch_usage([result]))
+        async def serve(line: BatchLine) -> dict[str, Any]:
+            async with self._room:
+                return await self._serve_line(batch, line)
+
+        def written(result: dict[str, Any]) -> None:
+            if out.write(result):
+                batch.request_counts["completed" if succeeded(result) else "failed"] += 1
+                batch.usage = _add_usage(batch.usage, batch_usage([result]))
 
         try:
-            async with asyncio.TaskGroup() as group:
-                for _ in range(LINES_IN_FLIGHT_PER_SEQ * self.state.client.max_num_seqs):
-                    group.create_task(worker())
+            await answer_lines(pending, serve, written, LINES_IN_FLIGHT_PER_SEQ * self.state.client.max_num_seqs)
         finally:
             out.close()
 
@@ -237,6 +236,19 @@ class BatchRunner:
             return None
         content = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results).encode("utf-8")
         return self.files.create(content, f"{batch.id}_{kind}.jsonl", "batch_output", batch.planned_file_id(kind))["id"]
+
+
+async def answer_lines(lines, serve: Callable[[BatchLine], Awaitable[dict[str, Any]]],
+                       written: Callable[[dict[str, Any]], None], workers: int) -> None:
+    """`written(await serve(line))` for every line of the iterator `lines`, `workers` lines at a time (a
+    server's batch, an offline batch file)."""
+    async def worker() -> None:
+        for line in lines:  # shared by the workers: each line is taken by one
+            written(await serve(line))
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(workers):
+            group.create_task(worker())
 
 
 async def serve_batch_line(state: "ServerState", line: BatchLine, where: str) -> dict[str, Any]:

@@ -51,16 +51,20 @@ class PlannedBody:
 MAX_REQUEST_ID_CHARS = 256
 
 
-def checked_request_id(value: Optional[str], name: str) -> Optional[str]:
-    """`value` (a body's request_id, or an X-Request-Id header; None: not given) as it may name a response:
-    it goes into the response's id and back out in a header, so 1 to MAX_REQUEST_ID_CHARS visible ASCII
-    characters. InvalidRequestError naming `name` otherwise."""
-    if value is None or (0 < len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= ch <= "~" for ch in value)):
-        return value
+def is_request_id(value: str) -> bool:
+    """Whether `value` may name a response: it goes into the response's id and back out in a header, so 1 to
+    MAX_REQUEST_ID_CHARS visible ASCII characters."""
+    return 0 < len(value) <= MAX_REQUEST_ID_CHARS and all("!" <= ch <= "~" for ch in value)
+
+
+def check_request_id(value: Optional[str]) -> None:
+    """A body's request_id (None: not given); InvalidRequestError naming it when no response can be named by it."""
+    if value is None or is_request_id(value):
+        return
     shown = value if len(value) <= 40 else value[:40] + "..."
-    raise InvalidRequestError(f"{name} must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters (letters, "
+    raise InvalidRequestError(f"request_id must be 1 to {MAX_REQUEST_ID_CHARS} visible ASCII characters (letters, "
                               f"digits, punctuation; no spaces or control characters), not {shown!r} "
-                              f"({len(value)} characters)", "request_id" if name == "request_id" else None)
+                              f"({len(value)} characters)", "request_id")
 
 
 def check_model(state: "ServerState", model: str) -> None:
@@ -80,13 +84,13 @@ def plan_body(state: "ServerState", endpoint: str, body: Any) -> PlannedBody:
     if endpoint == COMPLETIONS:
         req = parse_request(CompletionRequest, body)
         check_model(state, req.model)
-        checked_request_id(req.request_id, "request_id")
+        check_request_id(req.request_id)
         return PlannedBody(endpoint, req, plan_completion(req, state.client.sampling_defaults,
                                                           tokenizer=state.client.tokenizer))
     assert endpoint == CHAT_COMPLETIONS, endpoint
     req = parse_request(ChatCompletionRequest, body)
     check_model(state, req.model)
-    checked_request_id(req.request_id, "request_id")
+    check_request_id(req.request_id)
     planned = plan_chat_completion(req, state.client.tokenizer, state.tool_parser(), state.client.max_model_len,
                                    srv.tool_prompt_fallback, state.reasoning_parser,
                                    srv.structured_outputs_in_reasoning, state.client.sampling_defaults)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
-from jaxcb.beam_search import BeamSearchParams, beam_searches, start_beam_searches
+from jaxcb.beam_search import BeamSearchParams
 from jaxcb.errors import InvalidRequestError
 from jaxcb.prompts import EncodedText, encode_text, tokens_to_keep
 from jaxcb.sampling_defaults import NO_DEFAULTS, SamplingDefaults
@@ -27,9 +27,6 @@ from jaxcb.server.reasoning import ReasoningParser
 from jaxcb.server.tool_parsers import ToolParser
 from jaxcb.structured.spec import StructuredOutputs, from_structured_outputs
 from jaxcb.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from jaxcb.server.engine_client import EngineClient
 
 Prompt = Union[str, list[int], EncodedText]
 
@@ -195,22 +192,3 @@ def plan_chat_completion(req: ChatCompletionRequest, tokenizer: Tokenizer, parse
     return PlannedRequest([plan.prompt_ids], params, req.priority, req.cache_salt, req.timeout, plan, renamed,
                           model=req.model, beam=beam)
 
-
-async def start_planned_beam_search(client: "EngineClient", planned: PlannedRequest,
-                                    deadlines: Optional[dict[str, float]] = None, background: bool = False) -> list:
-    """`planned`'s prompts beam-searched over `client` (planned.beam set): their first round queued (the engine's
-    refusal raised here, nothing left queued), one stream each whose one output is the prompt's result.
-    `deadlines` as Engine.add_request takes them: timeout_s bounds the whole search, queue_timeout_s each round."""
-    beam = planned.beam
-    deadlines = dict(deadlines or {})
-    timeout_s = deadlines.pop("timeout_s", None)
-    searches = beam_searches(planned.prompts, beam, client.tokenizer, client.max_model_len, client.max_n,
-                             planned.params.truncate_prompt_tokens)
-
-    async def add_round(prompt_ids: list[int], left_s: Optional[float], first: bool):
-        # queue_timeout_s: a request that has not started; a later round belongs to one that has
-        rounds_deadlines = (deadlines if first else {}) | ({} if left_s is None else {"timeout_s": left_s})
-        return await client.add(prompt_ids, beam.round_params, priority=planned.priority, deadlines=rounds_deadlines,
-                                cache_salt=planned.cache_salt, background=background, lora=planned.model)
-
-    return await start_beam_searches(searches, add_round, client.tokenizer, timeout_s)

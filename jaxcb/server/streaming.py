@@ -82,7 +82,7 @@ async def collect_final_outputs(state: "ServerState", request: Request, streams:
             if await request.is_disconnected():
                 task.cancel()
                 # the streams, aborted below, may end the gather with their error rather than a cancel: read it
-                task.add_done_callback(_retrieve)
+                task.add_done_callback(read_exception)
                 raise APIError(499, "client disconnected")
     except StreamAbortedError as e:
         raise APIError(503, str(e), type="server_error") from None
@@ -124,7 +124,7 @@ def _kept(task: asyncio.Task) -> asyncio.Task:
     return task
 
 
-def _retrieve(task: asyncio.Future) -> None:
+def read_exception(task: asyncio.Future) -> None:
     if not task.cancelled():
         task.exception()  # read, so that asyncio does not report it as never retrieved
 
